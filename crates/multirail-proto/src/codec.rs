@@ -1,0 +1,475 @@
+//! Wire format shared by the side channel and the data plane (documented in
+//! docs/PROTOCOL.md).
+//!
+//! Every message is a fixed 16-byte [`Header`] followed by `body_len` bytes of body, whose
+//! maximum is fixed per [`Kind`] and checked before the body is read. Two kinds carry bulk
+//! data after the body: `WriteReq` (the bytes to write) and a successful `Resp` to a
+//! `ReadReq` (the bytes read). Bulk lengths are bounded by [`MAX_CHUNK`] and, on the target,
+//! by the bounds of the registered region they address, so bulk data always moves straight
+//! between the socket and registered memory.
+
+use crate::meta::RegionKey;
+use crate::reader::{put_str16, Reader};
+
+pub const MAGIC: [u8; 2] = *b"MR";
+/// The protocol version this build speaks. A peer with another version gets
+/// [`Status::VersionMismatch`] and the connection is closed.
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 16;
+/// Largest bulk payload one request may carry.
+pub const MAX_CHUNK: u64 = 64 << 20;
+/// Largest notification payload.
+pub const MAX_NOTIF: usize = 1 << 20;
+/// Largest serialised metadata blob.
+pub const MAX_META: usize = 16 << 20;
+/// Longest agent name.
+pub const MAX_NAME: usize = 255;
+/// Longest error message carried in a response.
+pub const MAX_MSG: usize = 512;
+
+/// Message kinds. The numeric values are part of the wire format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Client -> server, first message on every connection.
+    Hello = 1,
+    /// Server -> client: nonce and whether a shared-secret proof is required.
+    Challenge = 2,
+    /// Client -> server: HMAC proof over both nonces.
+    Auth = 3,
+    /// Server -> client: accepted; carries the server's own proof.
+    Welcome = 4,
+    ReadReq = 10,
+    WriteReq = 11,
+    Notif = 12,
+    Ping = 13,
+    Resp = 20,
+    MetaGet = 30,
+    Meta = 31,
+    MetaPut = 32,
+    /// Fatal connection-level error; the sender closes the connection after it.
+    Error = 40,
+}
+
+impl Kind {
+    pub fn from_u8(v: u8) -> Option<Kind> {
+        use Kind::*;
+        Some(match v {
+            1 => Hello,
+            2 => Challenge,
+            3 => Auth,
+            4 => Welcome,
+            10 => ReadReq,
+            11 => WriteReq,
+            12 => Notif,
+            13 => Ping,
+            20 => Resp,
+            30 => MetaGet,
+            31 => Meta,
+            32 => MetaPut,
+            40 => Error,
+            _ => return None,
+        })
+    }
+
+    /// The largest body a message of this kind may have.
+    pub fn max_body(self) -> usize {
+        use Kind::*;
+        match self {
+            Hello => 2 + 1 + 8 + 2 + MAX_NAME + 16,
+            Challenge => 1 + 8 + 16 + 2 + MAX_NAME,
+            Auth => 32,
+            Welcome => 32,
+            ReadReq | WriteReq => 8 + 16 + 8 + 8,
+            Notif => MAX_NOTIF,
+            Ping => 0,
+            Resp | Error => 2 + 8 + 2 + MAX_MSG,
+            MetaGet => 0,
+            Meta | MetaPut => MAX_META,
+        }
+    }
+}
+
+/// Outcome codes carried by `Resp` and `Error`. The numeric values are part of the wire format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Status {
+    Ok = 0,
+    /// No region with that id is exported to this peer.
+    UnknownRegion = 1,
+    /// The key does not match the region.
+    BadKey = 2,
+    /// offset + len falls outside the region.
+    OutOfBounds = 3,
+    /// WRITE into a region registered read-only.
+    ReadOnly = 4,
+    /// A length over the protocol's bounds.
+    TooLarge = 5,
+    /// The message could not be decoded.
+    Malformed = 6,
+    /// The peer speaks another protocol version.
+    VersionMismatch = 7,
+    /// The shared-secret proof was wrong or missing.
+    AuthFailed = 8,
+    /// The request kind is not allowed on this connection or in this state.
+    Unexpected = 9,
+    /// The server is out of a bounded resource (connections, in-flight work).
+    Busy = 10,
+    /// Anything else; the message says what.
+    Internal = 11,
+}
+
+impl Status {
+    pub fn from_u16(v: u16) -> Status {
+        use Status::*;
+        match v {
+            0 => Ok,
+            1 => UnknownRegion,
+            2 => BadKey,
+            3 => OutOfBounds,
+            4 => ReadOnly,
+            5 => TooLarge,
+            6 => Malformed,
+            7 => VersionMismatch,
+            8 => AuthFailed,
+            9 => Unexpected,
+            10 => Busy,
+            _ => Internal,
+        }
+    }
+}
+
+/// Why bytes from the wire were refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// The first two bytes are not `MR`: not a multirail peer.
+    #[error("bad magic {0:02x?}: not a multirail peer")]
+    BadMagic([u8; 2]),
+    /// The peer speaks another protocol version.
+    #[error("protocol version mismatch: peer speaks {got}, this build speaks {want}")]
+    VersionMismatch { got: u8, want: u8 },
+    /// The kind byte names no message.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The body length is over the bound of its kind.
+    #[error("{kind:?} body of {len} bytes exceeds the limit of {max}")]
+    BodyTooLarge { kind: Kind, len: usize, max: usize },
+    /// Fewer bytes than the schema needs.
+    #[error("truncated: need {need} bytes, have {have}")]
+    Truncated { need: usize, have: usize },
+    /// A count or length over its bound.
+    #[error("too many {what}: {n} > {max}")]
+    TooMany { what: &'static str, n: u64, max: u64 },
+    /// Bytes that do not fit the schema.
+    #[error("malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// The fixed 16-byte header: magic, version, kind, body length, request id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub body_len: u32,
+    pub req_id: u64,
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0..2].copy_from_slice(&MAGIC);
+        h[2] = VERSION;
+        h[3] = self.kind as u8;
+        h[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        h[8..16].copy_from_slice(&self.req_id.to_le_bytes());
+        h
+    }
+
+    /// Parse and bound-check a header. The body length is checked against the kind's
+    /// maximum here, before the caller reads or allocates anything for the body.
+    pub fn decode(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
+        if h[0..2] != MAGIC {
+            return Err(DecodeError::BadMagic([h[0], h[1]]));
+        }
+        if h[2] != VERSION {
+            return Err(DecodeError::VersionMismatch { got: h[2], want: VERSION });
+        }
+        let kind = Kind::from_u8(h[3]).ok_or(DecodeError::UnknownKind(h[3]))?;
+        let body_len = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        if body_len as usize > kind.max_body() {
+            return Err(DecodeError::BodyTooLarge { kind, len: body_len as usize, max: kind.max_body() });
+        }
+        let req_id = u64::from_le_bytes(h[8..16].try_into().expect("8 bytes"));
+        Ok(Header { kind, body_len, req_id })
+    }
+}
+
+/// Role announced in `Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Role {
+    /// Metadata exchange and notifications only.
+    Control = 1,
+    /// A data connection on one rail.
+    Data = 2,
+}
+
+/// A one-sided request against a remote region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteOp {
+    pub region: u64,
+    pub key: RegionKey,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Decoded message bodies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    Hello { role: Role, incarnation: u64, name: String, nonce: [u8; 16] },
+    Challenge { auth_required: bool, incarnation: u64, nonce: [u8; 16], name: String },
+    Auth { mac: [u8; 32] },
+    Welcome { mac: [u8; 32] },
+    ReadReq(RemoteOp),
+    /// Followed on the wire by `op.len` bulk bytes.
+    WriteReq(RemoteOp),
+    Notif(Vec<u8>),
+    Ping,
+    /// For a successful READ, followed on the wire by `bulk_len` bytes.
+    Resp { status: Status, bulk_len: u64, msg: String },
+    MetaGet,
+    Meta(Vec<u8>),
+    MetaPut(Vec<u8>),
+    Error { status: Status, msg: String },
+}
+
+impl Body {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Body::Hello { .. } => Kind::Hello,
+            Body::Challenge { .. } => Kind::Challenge,
+            Body::Auth { .. } => Kind::Auth,
+            Body::Welcome { .. } => Kind::Welcome,
+            Body::ReadReq(_) => Kind::ReadReq,
+            Body::WriteReq(_) => Kind::WriteReq,
+            Body::Notif(_) => Kind::Notif,
+            Body::Ping => Kind::Ping,
+            Body::Resp { .. } => Kind::Resp,
+            Body::MetaGet => Kind::MetaGet,
+            Body::Meta(_) => Kind::Meta,
+            Body::MetaPut(_) => Kind::MetaPut,
+            Body::Error { .. } => Kind::Error,
+        }
+    }
+
+    /// Encode header and body into one buffer (bulk data, if any, is sent separately).
+    pub fn encode(&self, req_id: u64) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN + 64);
+        out.extend_from_slice(&[0u8; HEADER_LEN]);
+        match self {
+            Body::Hello { role, incarnation, name, nonce } => {
+                out.extend_from_slice(&(VERSION as u16).to_le_bytes());
+                out.push(*role as u8);
+                out.extend_from_slice(&incarnation.to_le_bytes());
+                put_str16(&mut out, truncate(name, MAX_NAME));
+                out.extend_from_slice(nonce);
+            }
+            Body::Challenge { auth_required, incarnation, nonce, name } => {
+                out.push(*auth_required as u8);
+                out.extend_from_slice(&incarnation.to_le_bytes());
+                out.extend_from_slice(nonce);
+                put_str16(&mut out, truncate(name, MAX_NAME));
+            }
+            Body::Auth { mac } | Body::Welcome { mac } => out.extend_from_slice(mac),
+            Body::ReadReq(op) | Body::WriteReq(op) => {
+                out.extend_from_slice(&op.region.to_le_bytes());
+                out.extend_from_slice(&op.key.0);
+                out.extend_from_slice(&op.offset.to_le_bytes());
+                out.extend_from_slice(&op.len.to_le_bytes());
+            }
+            Body::Notif(b) | Body::Meta(b) | Body::MetaPut(b) => out.extend_from_slice(b),
+            Body::Ping | Body::MetaGet => {}
+            Body::Resp { status, bulk_len, msg } => {
+                out.extend_from_slice(&(*status as u16).to_le_bytes());
+                out.extend_from_slice(&bulk_len.to_le_bytes());
+                put_str16(&mut out, truncate(msg, MAX_MSG));
+            }
+            Body::Error { status, msg } => {
+                out.extend_from_slice(&(*status as u16).to_le_bytes());
+                out.extend_from_slice(&0u64.to_le_bytes());
+                put_str16(&mut out, truncate(msg, MAX_MSG));
+            }
+        }
+        let body_len = (out.len() - HEADER_LEN) as u32;
+        let h = Header { kind: self.kind(), body_len, req_id }.encode();
+        out[..HEADER_LEN].copy_from_slice(&h);
+        out
+    }
+
+    /// Decode a body of the kind named by its (already validated) header.
+    pub fn decode(kind: Kind, body: &[u8]) -> Result<Body, DecodeError> {
+        if body.len() > kind.max_body() {
+            return Err(DecodeError::BodyTooLarge { kind, len: body.len(), max: kind.max_body() });
+        }
+        let mut r = Reader::new(body);
+        let b = match kind {
+            Kind::Hello => {
+                let v = r.u16()?;
+                if v != VERSION as u16 {
+                    return Err(DecodeError::VersionMismatch { got: v.min(255) as u8, want: VERSION });
+                }
+                let role = match r.u8()? {
+                    1 => Role::Control,
+                    2 => Role::Data,
+                    _ => return Err(DecodeError::Malformed("unknown role")),
+                };
+                let incarnation = r.u64()?;
+                let name = r.str16("name bytes", MAX_NAME)?;
+                let nonce = r.array()?;
+                Body::Hello { role, incarnation, name, nonce }
+            }
+            Kind::Challenge => {
+                let auth_required = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(DecodeError::Malformed("auth flag")),
+                };
+                let incarnation = r.u64()?;
+                let nonce = r.array()?;
+                let name = r.str16("name bytes", MAX_NAME)?;
+                Body::Challenge { auth_required, incarnation, nonce, name }
+            }
+            Kind::Auth => Body::Auth { mac: r.array()? },
+            Kind::Welcome => Body::Welcome { mac: r.array()? },
+            Kind::ReadReq | Kind::WriteReq => {
+                let op = RemoteOp { region: r.u64()?, key: RegionKey(r.array()?), offset: r.u64()?, len: r.u64()? };
+                if op.len > MAX_CHUNK {
+                    return Err(DecodeError::TooMany { what: "bytes in one request", n: op.len, max: MAX_CHUNK });
+                }
+                if kind == Kind::ReadReq {
+                    Body::ReadReq(op)
+                } else {
+                    Body::WriteReq(op)
+                }
+            }
+            Kind::Notif => Body::Notif(r.bytes(body.len())?.to_vec()),
+            Kind::Meta => Body::Meta(r.bytes(body.len())?.to_vec()),
+            Kind::MetaPut => Body::MetaPut(r.bytes(body.len())?.to_vec()),
+            Kind::Ping => Body::Ping,
+            Kind::MetaGet => Body::MetaGet,
+            Kind::Resp | Kind::Error => {
+                let status = Status::from_u16(r.u16()?);
+                let bulk_len = r.u64()?;
+                if bulk_len > MAX_CHUNK {
+                    return Err(DecodeError::TooMany { what: "bytes in one response", n: bulk_len, max: MAX_CHUNK });
+                }
+                let msg = r.str16("message bytes", MAX_MSG)?;
+                if kind == Kind::Resp {
+                    Body::Resp { status, bulk_len, msg }
+                } else {
+                    Body::Error { status, msg }
+                }
+            }
+        };
+        r.finish()?;
+        Ok(b)
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(b: Body) {
+        let bytes = b.encode(42);
+        let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.req_id, 42);
+        assert_eq!(h.body_len as usize, bytes.len() - HEADER_LEN);
+        assert_eq!(Body::decode(h.kind, &bytes[HEADER_LEN..]).unwrap(), b);
+    }
+
+    #[test]
+    fn every_kind_round_trips() {
+        let op = RemoteOp { region: 7, key: RegionKey([9; 16]), offset: 4096, len: 1 << 20 };
+        roundtrip(Body::Hello { role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
+        roundtrip(Body::Challenge { auth_required: true, incarnation: 1, nonce: [1; 16], name: "decode".into() });
+        roundtrip(Body::Auth { mac: [2; 32] });
+        roundtrip(Body::Welcome { mac: [4; 32] });
+        roundtrip(Body::ReadReq(op));
+        roundtrip(Body::WriteReq(op));
+        roundtrip(Body::Notif(b"done".to_vec()));
+        roundtrip(Body::Ping);
+        roundtrip(Body::Resp { status: Status::BadKey, bulk_len: 0, msg: "bad key".into() });
+        roundtrip(Body::MetaGet);
+        roundtrip(Body::Meta(vec![1, 2, 3]));
+        roundtrip(Body::MetaPut(vec![]));
+        roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
+    }
+
+    #[test]
+    fn header_rejects_bad_magic_version_kind_and_size() {
+        let mut h = Body::Ping.encode(1)[..HEADER_LEN].try_into().unwrap();
+        assert!(Header::decode(&h).is_ok());
+        let mut bad = h;
+        bad[0] = b'X';
+        assert!(matches!(Header::decode(&bad), Err(DecodeError::BadMagic(_))));
+        let mut bad = h;
+        bad[2] = 9;
+        assert_eq!(Header::decode(&bad), Err(DecodeError::VersionMismatch { got: 9, want: VERSION }));
+        let mut bad = h;
+        bad[3] = 99;
+        assert_eq!(Header::decode(&bad), Err(DecodeError::UnknownKind(99)));
+        // A ReadReq claiming a 4 GiB body is refused from the header alone.
+        h[3] = Kind::ReadReq as u8;
+        h[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Header::decode(&h), Err(DecodeError::BodyTooLarge { .. })));
+    }
+
+    #[test]
+    fn truncated_and_trailing_bodies_are_refused() {
+        let bytes = Body::ReadReq(RemoteOp { region: 1, key: RegionKey([0; 16]), offset: 0, len: 8 }).encode(0);
+        let body = &bytes[HEADER_LEN..];
+        for cut in 0..body.len() {
+            assert!(Body::decode(Kind::ReadReq, &body[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(Body::decode(Kind::ReadReq, &long).is_err());
+    }
+
+    #[test]
+    fn oversized_request_len_is_refused() {
+        let op = RemoteOp { region: 1, key: RegionKey([0; 16]), offset: 0, len: MAX_CHUNK + 1 };
+        let bytes = Body::WriteReq(op).encode(0);
+        assert!(matches!(Body::decode(Kind::WriteReq, &bytes[HEADER_LEN..]), Err(DecodeError::TooMany { .. })));
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // A cheap deterministic sweep; the cargo-fuzz targets go further.
+        let mut x: u64 = 0x9E3779B97F4A7C15;
+        for _ in 0..20000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = (x % 80) as usize;
+            let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8).collect();
+            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 20, 30, 31, 32, 40] {
+                let _ = Body::decode(Kind::from_u8(k).unwrap(), &bytes);
+            }
+            if bytes.len() >= HEADER_LEN {
+                let _ = Header::decode(bytes[..HEADER_LEN].try_into().unwrap());
+            }
+        }
+    }
+}

@@ -1,0 +1,716 @@
+//! The striping planner: a sans-IO state machine that cuts transfers into chunks and hands
+//! them to rails.
+//!
+//! Order of calls (the runtime's per-connection workers and the simulator do the same):
+//! 1. [`Planner::add_rail`] once per rail, seeded with its link speed when known.
+//! 2. [`Planner::submit`] a transfer as a list of [`Pair`]s (see [`pair_segments`]).
+//! 3. A worker with room calls [`Planner::poll_work`] for its rail and executes the chunk.
+//! 4. It reports [`Planner::handle_done`] (or [`Planner::handle_failed`]); the planner updates the
+//!    rail's measured rate (EWMA over busy periods).
+//! 5. [`Planner::poll_event`] yields `XferDone` / `XferFailed`.
+//! 6. A rail that errors is reported with [`Planner::handle_rail_down`]: its in-flight chunks go
+//!    back to their transfers' retry queues and are reissued on the surviving rails.
+//!    [`Planner::poll_timeout`] / [`Planner::handle_timeout`] turn a stalled rail into a down one.
+//!
+//! Weighted policy ("earliest common finish"): given each up rail's measured rate `r_j` and the
+//! time `b_j` it needs to drain what it already has in flight, the planner solves for the time
+//! `T` at which all remaining unassigned bytes would be done if every rail worked until `T`
+//! (`sum_j r_j * max(0, T - b_j) = remaining`). A rail asking for work gets at most
+//! `r * (T - b)` bytes, so near the tail slow rails take smaller pieces or none and all rails
+//! finish within about one chunk time of each other. Transfers below `stripe_threshold` stay on
+//! one rail (the one that would finish them first) for latency.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+pub type RailId = usize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct XferId(pub u64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub u64);
+
+/// One contiguous piece of a transfer: `len` bytes at local address (or offset) `local` map to
+/// `len` bytes at `offset` in remote region `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pair {
+    pub local: u64,
+    pub region: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl Pair {
+    fn split_front(&mut self, n: u64) -> Pair {
+        let head = Pair { len: n, ..*self };
+        self.local += n;
+        self.offset += n;
+        self.len -= n;
+        head
+    }
+}
+
+/// A unit of work handed to one rail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    pub xfer: XferId,
+    pub id: ChunkId,
+    pub rail: RailId,
+    pub piece: Pair,
+}
+
+/// How chunks are assigned to rails. A named public type so callers and the bench can pick it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// By measured throughput, with tail balancing (default).
+    Weighted,
+    /// Chunk i of a transfer goes to the i-th up rail in turn, whatever the rails deliver.
+    RoundRobin,
+    /// Everything on one rail.
+    Pinned(RailId),
+}
+
+#[derive(Debug, Clone)]
+pub struct PlannerConfig {
+    /// Largest chunk handed out.
+    pub chunk_size: u64,
+    /// Smallest piece the tail balancer cuts (the last piece of a pair may be smaller).
+    pub min_chunk: u64,
+    /// Transfers smaller than this stay on one rail.
+    pub stripe_threshold: u64,
+    /// A rail keeps about `rate * window_time` bytes in flight ...
+    pub window_time: Duration,
+    /// ... but never less than this ...
+    pub min_window: u64,
+    /// ... nor more than this.
+    pub max_window: u64,
+    /// Rate assumed for a rail whose link speed is unknown, in bytes/s.
+    pub default_rate: f64,
+    /// EWMA weight of one `sample_interval` worth of new measurement.
+    pub ewma_alpha: f64,
+    /// Shortest busy period that yields a rate sample.
+    pub sample_interval: Duration,
+    /// A rail with work in flight and no completion for this long is declared down.
+    pub stall_timeout: Duration,
+    pub policy: Policy,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            chunk_size: 1 << 20,
+            min_chunk: 64 << 10,
+            stripe_threshold: 256 << 10,
+            window_time: Duration::from_millis(4),
+            min_window: 4 << 20,
+            max_window: 64 << 20,
+            default_rate: 1.25e9,
+            ewma_alpha: 0.3,
+            sample_interval: Duration::from_millis(2),
+            stall_timeout: Duration::from_secs(1),
+            policy: Policy::Weighted,
+        }
+    }
+}
+
+/// What the planner tells its driver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    XferDone(XferId),
+    /// The transfer cannot complete: no rail is left (the reason names each rail and its cause),
+    /// or it was pinned to a rail that went down.
+    XferFailed { xfer: XferId, reason: String },
+    RailDown { rail: RailId, reason: String },
+    RailUp(RailId),
+}
+
+/// A rail's state and counters, for bench output and logs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RailStats {
+    pub up: bool,
+    /// Measured (or seeded) rate in bytes/s.
+    pub rate: f64,
+    pub inflight_bytes: u64,
+    pub bytes_done: u64,
+    pub chunks_done: u64,
+    pub chunks_reissued: u64,
+    pub times_down: u64,
+    pub down_reason: Option<String>,
+}
+
+#[derive(Debug)]
+struct Rail {
+    up: bool,
+    rate: f64,
+    inflight_bytes: u64,
+    inflight_chunks: usize,
+    busy_since: Option<Instant>,
+    sample_bytes: u64,
+    last_progress: Instant,
+    bytes_done: u64,
+    chunks_done: u64,
+    chunks_reissued: u64,
+    times_down: u64,
+    down_reason: Option<String>,
+}
+
+#[derive(Debug)]
+struct Xfer {
+    id: XferId,
+    pairs: Vec<Pair>,
+    idx: usize,
+    /// Pieces to do again (their rail failed); served before new pieces.
+    retry: VecDeque<Pair>,
+    unassigned: u64,
+    inflight: usize,
+    pinned: Option<RailId>,
+    rr_next: usize,
+}
+
+impl Xfer {
+    fn has_work(&self) -> bool {
+        !self.retry.is_empty() || self.idx < self.pairs.len()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    xfer: XferId,
+    rail: RailId,
+    piece: Pair,
+}
+
+/// See the module documentation for the model and the order of calls.
+#[derive(Debug)]
+pub struct Planner {
+    cfg: PlannerConfig,
+    rails: Vec<Rail>,
+    xfers: VecDeque<Xfer>,
+    inflight: HashMap<ChunkId, InFlight>,
+    events: VecDeque<Event>,
+    next_chunk: u64,
+    /// Unassigned bytes of striped (not pinned) transfers.
+    striped_unassigned: u64,
+}
+
+/// Cut two differently segmented lists of equal total length into pairs of equal-length
+/// pieces. `local` is (address, len); `remote` is (region, offset, len).
+pub fn pair_segments(local: &[(u64, u64)], remote: &[(u64, u64, u64)]) -> Result<Vec<Pair>, (u64, u64)> {
+    let lt: u64 = local.iter().map(|l| l.1).sum();
+    let rt: u64 = remote.iter().map(|r| r.2).sum();
+    if lt != rt {
+        return Err((lt, rt));
+    }
+    let mut out = Vec::with_capacity(local.len().max(remote.len()));
+    let (mut i, mut j, mut li, mut rj) = (0usize, 0usize, 0u64, 0u64);
+    while i < local.len() && j < remote.len() {
+        let (la, ll) = local[i];
+        let (rg, ro, rl) = remote[j];
+        let n = (ll - li).min(rl - rj);
+        if n > 0 {
+            out.push(Pair { local: la + li, region: rg, offset: ro + rj, len: n });
+        }
+        li += n;
+        rj += n;
+        if li == ll {
+            i += 1;
+            li = 0;
+        }
+        if rj == rl {
+            j += 1;
+            rj = 0;
+        }
+    }
+    Ok(out)
+}
+
+impl Planner {
+    pub fn new(cfg: PlannerConfig) -> Self {
+        Planner {
+            cfg,
+            rails: Vec::new(),
+            xfers: VecDeque::new(),
+            inflight: HashMap::new(),
+            events: VecDeque::new(),
+            next_chunk: 0,
+            striped_unassigned: 0,
+        }
+    }
+
+    pub fn config(&self) -> &PlannerConfig {
+        &self.cfg
+    }
+
+    /// Add a rail; `rate_hint` is its link speed in bytes/s when known.
+    pub fn add_rail(&mut self, rate_hint: Option<f64>, now: Instant) -> RailId {
+        let rate = rate_hint.filter(|r| *r > 0.0).unwrap_or(self.cfg.default_rate);
+        self.rails.push(Rail {
+            up: true,
+            rate,
+            inflight_bytes: 0,
+            inflight_chunks: 0,
+            busy_since: None,
+            sample_bytes: 0,
+            last_progress: now,
+            bytes_done: 0,
+            chunks_done: 0,
+            chunks_reissued: 0,
+            times_down: 0,
+            down_reason: None,
+        });
+        self.rails.len() - 1
+    }
+
+    pub fn num_rails(&self) -> usize {
+        self.rails.len()
+    }
+
+    pub fn rail_stats(&self, rail: RailId) -> RailStats {
+        let r = &self.rails[rail];
+        RailStats {
+            up: r.up,
+            rate: r.rate,
+            inflight_bytes: r.inflight_bytes,
+            bytes_done: r.bytes_done,
+            chunks_done: r.chunks_done,
+            chunks_reissued: r.chunks_reissued,
+            times_down: r.times_down,
+            down_reason: r.down_reason.clone(),
+        }
+    }
+
+    pub fn is_up(&self, rail: RailId) -> bool {
+        self.rails[rail].up
+    }
+
+    /// True when no transfer is queued or in flight.
+    pub fn is_idle(&self) -> bool {
+        self.xfers.is_empty() && self.inflight.is_empty()
+    }
+
+    /// Queue a transfer. An empty transfer completes at once.
+    pub fn submit(&mut self, xfer: XferId, pairs: Vec<Pair>, now: Instant) {
+        let _ = now;
+        let pairs: Vec<Pair> = pairs.into_iter().filter(|p| p.len > 0).collect();
+        let total: u64 = pairs.iter().map(|p| p.len).sum();
+        if total == 0 {
+            self.events.push_back(Event::XferDone(xfer));
+            return;
+        }
+        if !self.rails.iter().any(|r| r.up) {
+            let reason = self.all_down_reason();
+            self.events.push_back(Event::XferFailed { xfer, reason });
+            return;
+        }
+        let pinned = match self.cfg.policy {
+            Policy::Pinned(r) => Some(r),
+            Policy::Weighted if total < self.cfg.stripe_threshold => Some(self.fastest_finish(total)),
+            _ => None,
+        };
+        if pinned.is_none() {
+            self.striped_unassigned += total;
+        }
+        self.xfers.push_back(Xfer { id: xfer, pairs, idx: 0, retry: VecDeque::new(), unassigned: total, inflight: 0, pinned, rr_next: 0 });
+        if let Some(r) = pinned {
+            if !self.rails.get(r).is_some_and(|r| r.up) {
+                self.fail_xfer(xfer, format!("pinned rail {r} is not up"));
+            }
+        }
+    }
+
+    /// The up rail that would finish `bytes` first, given what it has in flight.
+    fn fastest_finish(&self, bytes: u64) -> RailId {
+        let mut best = (f64::INFINITY, 0);
+        for (i, r) in self.rails.iter().enumerate().filter(|(_, r)| r.up) {
+            let t = (r.inflight_bytes + bytes) as f64 / r.rate;
+            if t < best.0 {
+                best = (t, i);
+            }
+        }
+        best.1
+    }
+
+    fn window(&self, rail: RailId) -> u64 {
+        let r = &self.rails[rail];
+        ((r.rate * self.cfg.window_time.as_secs_f64()) as u64).clamp(self.cfg.min_window, self.cfg.max_window.max(self.cfg.min_window))
+    }
+
+    /// The most bytes `rail` should take now so that all rails finish together (weighted policy).
+    fn fair_share(&self, rail: RailId) -> u64 {
+        let remaining = self.striped_unassigned as f64;
+        // b_j: seconds until rail j drains its in-flight work.
+        let mut busy: Vec<(f64, f64)> =
+            self.rails.iter().filter(|r| r.up).map(|r| (r.inflight_bytes as f64 / r.rate, r.rate)).collect();
+        busy.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (mut sum_rate, mut sum_rb) = (0.0, 0.0);
+        let mut t = 0.0;
+        for (k, &(b, r)) in busy.iter().enumerate() {
+            sum_rate += r;
+            sum_rb += r * b;
+            t = (remaining + sum_rb) / sum_rate;
+            let next_b = busy.get(k + 1).map(|x| x.0).unwrap_or(f64::INFINITY);
+            if t <= next_b {
+                break;
+            }
+        }
+        let me = &self.rails[rail];
+        let b = me.inflight_bytes as f64 / me.rate;
+        let share = me.rate * (t - b);
+        if share <= 0.0 {
+            0
+        } else {
+            share.ceil() as u64
+        }
+    }
+
+    /// Hand `rail` its next chunk, or `None` when it has no window room, no eligible work, or
+    /// (weighted policy, at the tail) another rail would finish the remaining bytes sooner.
+    pub fn poll_work(&mut self, rail: RailId, now: Instant) -> Option<Chunk> {
+        if !self.rails.get(rail)?.up || self.rails[rail].inflight_bytes >= self.window(rail) {
+            return None;
+        }
+        let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up).collect();
+        let mut striped_cap: Option<u64> = None;
+        let mut pick = None;
+        for (xi, x) in self.xfers.iter().enumerate() {
+            if !x.has_work() {
+                continue;
+            }
+            let max_len = match x.pinned {
+                Some(p) if p != rail => continue,
+                Some(_) => self.cfg.chunk_size,
+                None => match self.cfg.policy {
+                    Policy::RoundRobin => {
+                        if x.retry.is_empty() && up[x.rr_next % up.len()] != rail {
+                            continue;
+                        }
+                        self.cfg.chunk_size
+                    }
+                    _ => {
+                        let cap = *striped_cap.get_or_insert_with(|| self.fair_share(rail));
+                        if cap >= self.cfg.min_chunk {
+                            cap.min(self.cfg.chunk_size).next_multiple_of(4096).min(self.cfg.chunk_size)
+                        } else if self.striped_unassigned <= self.cfg.min_chunk && self.fastest_finish(self.striped_unassigned) == rail {
+                            // The last crumbs go to whichever rail finishes them first.
+                            self.cfg.min_chunk
+                        } else {
+                            return None;
+                        }
+                    }
+                },
+            };
+            pick = Some((xi, max_len));
+            break;
+        }
+        let (xi, max_len) = pick?;
+        let x = &mut self.xfers[xi];
+        let piece = if let Some(p) = x.retry.front_mut() {
+            let head = if p.len <= max_len { x.retry.pop_front().expect("front exists") } else { p.split_front(max_len) };
+            self.rails[rail].chunks_reissued += 1;
+            head
+        } else {
+            let p = &mut x.pairs[x.idx];
+            let head = if p.len <= max_len {
+                x.idx += 1;
+                *p
+            } else {
+                p.split_front(max_len)
+            };
+            x.rr_next += 1;
+            head
+        };
+        x.unassigned -= piece.len;
+        x.inflight += 1;
+        if x.pinned.is_none() {
+            self.striped_unassigned -= piece.len;
+        }
+        let id = ChunkId(self.next_chunk);
+        self.next_chunk += 1;
+        let xfer = x.id;
+        let r = &mut self.rails[rail];
+        if r.inflight_chunks == 0 {
+            r.busy_since = Some(now);
+            r.sample_bytes = 0;
+            r.last_progress = now;
+        }
+        r.inflight_chunks += 1;
+        r.inflight_bytes += piece.len;
+        self.inflight.insert(id, InFlight { xfer, rail, piece });
+        Some(Chunk { xfer, id, rail, piece })
+    }
+
+    /// A chunk finished on its rail. Returns false for a chunk the planner no longer tracks
+    /// (already reissued after its rail went down, or its transfer was cancelled).
+    pub fn handle_done(&mut self, chunk: ChunkId, now: Instant) -> bool {
+        let Some(f) = self.inflight.remove(&chunk) else { return false };
+        let alpha = self.cfg.ewma_alpha;
+        let interval = self.cfg.sample_interval;
+        let r = &mut self.rails[f.rail];
+        r.inflight_chunks -= 1;
+        r.inflight_bytes -= f.piece.len;
+        r.bytes_done += f.piece.len;
+        r.chunks_done += 1;
+        r.sample_bytes += f.piece.len;
+        r.last_progress = now;
+        if let Some(t0) = r.busy_since {
+            let dt = now.saturating_duration_since(t0);
+            if dt >= interval {
+                let sample = r.sample_bytes as f64 / dt.as_secs_f64();
+                // Weight by how long the sample is, so a long busy period counts for more.
+                let w = 1.0 - (1.0 - alpha).powf(dt.as_secs_f64() / interval.as_secs_f64());
+                r.rate = (1.0 - w) * r.rate + w * sample;
+                r.busy_since = Some(now);
+                r.sample_bytes = 0;
+            }
+        }
+        if r.inflight_chunks == 0 {
+            r.busy_since = None;
+        }
+        if let Some(xi) = self.xfers.iter().position(|x| x.id == f.xfer) {
+            let x = &mut self.xfers[xi];
+            x.inflight -= 1;
+            if x.unassigned == 0 && x.inflight == 0 {
+                self.xfers.remove(xi);
+                self.events.push_back(Event::XferDone(f.xfer));
+            }
+        }
+        true
+    }
+
+    /// A chunk failed but its rail is still usable (e.g. the remote refused it): the transfer
+    /// fails with `reason`. Use [`Planner::handle_rail_down`] for rail errors.
+    pub fn handle_failed(&mut self, chunk: ChunkId, reason: String, now: Instant) -> bool {
+        let Some(f) = self.inflight.get(&chunk).copied() else { return false };
+        self.handle_done(chunk, now);
+        // handle_done may have completed the transfer; a failed chunk must fail it instead.
+        if let Some(pos) = self.events.iter().position(|e| *e == Event::XferDone(f.xfer)) {
+            self.events.remove(pos);
+        }
+        self.fail_xfer(f.xfer, reason);
+        true
+    }
+
+    /// Mark a rail down. Its in-flight chunks are requeued on their transfers (the driver must
+    /// call this only once nothing on that rail will touch their memory any more). When no
+    /// rail is left, every queued transfer fails.
+    pub fn handle_rail_down(&mut self, rail: RailId, reason: String, now: Instant) {
+        let _ = now;
+        let Some(r) = self.rails.get_mut(rail) else { return };
+        if r.up {
+            r.times_down += 1;
+        }
+        r.up = false;
+        r.down_reason = Some(reason.clone());
+        r.inflight_bytes = 0;
+        r.inflight_chunks = 0;
+        r.busy_since = None;
+        let lost: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.rail == rail).map(|(id, _)| *id).collect();
+        let mut lost: Vec<(ChunkId, InFlight)> = lost.into_iter().map(|id| (id, self.inflight.remove(&id).expect("listed"))).collect();
+        lost.sort_by_key(|(id, _)| *id);
+        for (_, f) in lost.into_iter().rev() {
+            if let Some(x) = self.xfers.iter_mut().find(|x| x.id == f.xfer) {
+                x.inflight -= 1;
+                x.unassigned += f.piece.len;
+                x.retry.push_front(f.piece);
+                if x.pinned == Some(rail) && !matches!(self.cfg.policy, Policy::Pinned(_)) {
+                    // A small transfer pinned for latency moves to the stripe.
+                    x.pinned = None;
+                    self.striped_unassigned += x.unassigned - f.piece.len;
+                }
+                if x.pinned.is_none() {
+                    self.striped_unassigned += f.piece.len;
+                }
+            }
+        }
+        // Latency-pinned transfers that had not started on this rail move too.
+        for x in self.xfers.iter_mut() {
+            if x.pinned == Some(rail) && !matches!(self.cfg.policy, Policy::Pinned(_)) {
+                x.pinned = None;
+                self.striped_unassigned += x.unassigned;
+            }
+        }
+        self.events.push_back(Event::RailDown { rail, reason });
+        if !self.rails.iter().any(|r| r.up) {
+            let reason = self.all_down_reason();
+            let ids: Vec<XferId> = self.xfers.iter().map(|x| x.id).collect();
+            for id in ids {
+                self.fail_xfer(id, reason.clone());
+            }
+        } else if let Policy::Pinned(p) = self.cfg.policy {
+            if p == rail {
+                let ids: Vec<XferId> = self.xfers.iter().map(|x| x.id).collect();
+                for id in ids {
+                    self.fail_xfer(id, format!("pinned rail {rail} went down: {}", self.rails[rail].down_reason.clone().unwrap_or_default()));
+                }
+            }
+        }
+    }
+
+    /// A rail is usable again (reconnected, probe answered).
+    pub fn handle_rail_up(&mut self, rail: RailId, now: Instant) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            if !r.up {
+                r.up = true;
+                r.down_reason = None;
+                r.last_progress = now;
+                self.events.push_back(Event::RailUp(rail));
+            }
+        }
+    }
+
+    /// Drop a transfer. Its in-flight chunks are forgotten (their completions return false).
+    pub fn cancel(&mut self, xfer: XferId) {
+        if let Some(xi) = self.xfers.iter().position(|x| x.id == xfer) {
+            let x = self.xfers.remove(xi).expect("found");
+            if x.pinned.is_none() {
+                self.striped_unassigned -= x.unassigned;
+            }
+        }
+        let ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
+        for id in ids {
+            let f = self.inflight.remove(&id).expect("listed");
+            let r = &mut self.rails[f.rail];
+            r.inflight_bytes -= f.piece.len;
+            r.inflight_chunks -= 1;
+            if r.inflight_chunks == 0 {
+                r.busy_since = None;
+            }
+        }
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// When the driver should call [`Planner::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.rails.iter().filter(|r| r.up && r.inflight_chunks > 0).map(|r| r.last_progress + self.cfg.stall_timeout).min()
+    }
+
+    /// Declare rails with work in flight and no progress for `stall_timeout` down. Returns them;
+    /// the driver must stop their connections (and then nothing on them may touch memory).
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RailId> {
+        let stalled: Vec<RailId> = (0..self.rails.len())
+            .filter(|&i| {
+                let r = &self.rails[i];
+                r.up && r.inflight_chunks > 0 && now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout
+            })
+            .collect();
+        for &i in &stalled {
+            let t = self.cfg.stall_timeout;
+            self.handle_rail_down(i, format!("stalled: no progress for {t:?}"), now);
+        }
+        stalled
+    }
+
+    fn fail_xfer(&mut self, xfer: XferId, reason: String) {
+        if let Some(xi) = self.xfers.iter().position(|x| x.id == xfer) {
+            let x = self.xfers.remove(xi).expect("found");
+            if x.pinned.is_none() {
+                self.striped_unassigned -= x.unassigned;
+            }
+            let ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
+            for id in ids {
+                let f = self.inflight.remove(&id).expect("listed");
+                let r = &mut self.rails[f.rail];
+                r.inflight_bytes -= f.piece.len;
+                r.inflight_chunks -= 1;
+            }
+            self.events.push_back(Event::XferFailed { xfer, reason });
+        }
+    }
+
+    fn all_down_reason(&self) -> String {
+        let parts: Vec<String> = self
+            .rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| format!("rail {i}: {}", r.down_reason.clone().unwrap_or_else(|| "down".into())))
+            .collect();
+        format!("no rail left ({})", parts.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pair_segments_handles_different_segmentation() {
+        let local = [(1000, 10), (5000, 30)];
+        let remote = [(1, 0, 25), (2, 100, 15)];
+        let p = pair_segments(&local, &remote).unwrap();
+        assert_eq!(
+            p,
+            vec![
+                Pair { local: 1000, region: 1, offset: 0, len: 10 },
+                Pair { local: 5000, region: 1, offset: 10, len: 15 },
+                Pair { local: 5015, region: 2, offset: 100, len: 15 },
+            ]
+        );
+        assert_eq!(pair_segments(&local, &[(1, 0, 39)]), Err((40, 39)));
+    }
+
+    #[test]
+    fn single_rail_covers_transfer_exactly_once() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let r = p.add_rail(None, now);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: (10 << 20) + 5 }], now);
+        let mut covered = 0;
+        while let Some(c) = p.poll_work(r, now) {
+            assert_eq!(c.piece.local, covered);
+            covered += c.piece.len;
+            assert!(p.handle_done(c.id, now));
+        }
+        assert_eq!(covered, (10 << 20) + 5);
+        assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(1))));
+        assert!(p.is_idle());
+    }
+
+    #[test]
+    fn rail_down_requeues_in_flight_to_survivor() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let a = p.add_rail(None, now);
+        let b = p.add_rail(None, now);
+        p.submit(XferId(7), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
+        let ca = p.poll_work(a, now).unwrap();
+        p.handle_rail_down(a, "link down".into(), now);
+        assert!(!p.handle_done(ca.id, now), "a reissued chunk's late completion is ignored");
+        let mut got = vec![];
+        while let Some(c) = p.poll_work(b, now) {
+            got.push(c.piece);
+            p.handle_done(c.id, now);
+        }
+        got.sort_by_key(|x| x.local);
+        let mut off = 0;
+        for g in got {
+            assert_eq!(g.local, off);
+            off += g.len;
+        }
+        assert_eq!(off, 8 << 20);
+        assert!(matches!(p.poll_event(), Some(Event::RailDown { .. })));
+        assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(7))));
+    }
+
+    #[test]
+    fn all_rails_down_fails_with_each_cause() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let a = p.add_rail(None, now);
+        let b = p.add_rail(None, now);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
+        p.poll_work(a, now).unwrap();
+        p.handle_rail_down(a, "connection reset".into(), now);
+        p.handle_rail_down(b, "link down".into(), now);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        let failed = evs.iter().find_map(|e| match e {
+            Event::XferFailed { reason, .. } => Some(reason.clone()),
+            _ => None,
+        });
+        let reason = failed.expect("transfer failed");
+        assert!(reason.contains("rail 0: connection reset") && reason.contains("rail 1: link down"), "{reason}");
+    }
+}

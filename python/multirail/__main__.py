@@ -1,0 +1,3 @@
+from multirail.cli import main
+
+raise SystemExit(main())
