@@ -230,6 +230,11 @@ def require_root() -> None:
             raise TestbedError(f"{tool}: command not found (install iproute2)")
 
 
+def _operstate(ns: str, dev: str) -> str | None:
+    links = _json_cmd(["ip", "-n", ns, "-j", "link", "show", "dev", dev])
+    return links[0].get("operstate") if links else None
+
+
 def netns_exists(ns: str) -> bool:
     return (NETNS_DIR / ns).exists()
 
@@ -394,6 +399,7 @@ class Testbed:
             for s in SIDES:
                 _run(["ip", "-n", self.ns(s), "route", "replace", r.subnet, "dev", r.devs[s],
                       "src", r.addrs[s], "table", str(r.table)])
+        self._wait_operstate([r], up)
 
     def delete_rail(self, rail: int) -> None:
         """Delete a rail's veth pair and its policy rules: the rail is gone for good (until the
@@ -490,8 +496,24 @@ class Testbed:
             _run(["ip", "-n", self.ns(s), "-batch", "-"], input="\n".join(ip_cmds) + "\n")
             if tc_cmds:
                 _run(["tc", "-n", self.ns(s), "-batch", "-"], input="\n".join(tc_cmds) + "\n")
+        self._wait_operstate(rails, True)
         _write_state(self.state_path, {"version": STATE_VERSION, "name": self.name, "spec": self.spec(),
                                        "created_unix": int(time.time())})
+
+    def _wait_operstate(self, rails: list[Rail], up: bool, timeout_s: float = 3.0) -> None:
+        """Wait until the kernel reports every end of `rails` as operationally up (or not up).
+
+        Carrier changes reach the peer's operstate asynchronously (linkwatch), so without this
+        a `status` right after `up` or `set_link` could see the previous state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [_operstate(self.ns(s), r.devs[s]) == "UP" for r in rails for s in SIDES]
+            if all(st == up for st in states):
+                return
+            if time.monotonic() > deadline:
+                raise TestbedError(f"rails {[r.index for r in rails]} of {self.name} did not come "
+                                   f"{'up' if up else 'down'} within {timeout_s:.0f}s")
+            time.sleep(0.02)
 
     def _teardown(self) -> bool:
         removed = False
