@@ -1,0 +1,428 @@
+"""`multirail bench`: throughput and latency of READ/WRITE between two agents, with baselines.
+
+Subcommands:
+* `bench target --listen HOST:PORT`: registers one buffer and serves it (target.py).
+* `bench initiator --connect HOST:PORT`: sweeps block sizes against a target (worker.py).
+* `bench local`: starts a target process on this host (or, with `--testbed`, in the
+  testbed's first namespace), runs the initiator against it (in-process, or in the second
+  namespace), and with `--baseline` also runs iperf3 and mr-pingpong (baseline.py) and prints
+  the ratios.
+
+The sweep doubles the block size from `--start-block-size` to `--max-block-size`; each
+transfer moves `--batch-size` blocks (one descriptor each) through one prepared handle that
+is reused for every iteration. Rail byte counters are read around each timed loop (rails.py).
+Exit codes: 0 ok, 1 runtime failure (connect, timeout, consistency), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from multirail.bench import protocol as proto
+from multirail.bench.core import (BenchRow, Progress, RailRow, UsageError, block_sizes,
+                                  format_size, format_table, parse_size)
+from multirail.bench.rails import RailCounters, resolve_rails
+from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep
+from multirail.errors import MultirailError
+
+LATENCY_SIZE = 4096
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def _rails(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    rails = [r.strip() for r in text.split(",") if r.strip()]
+    if not rails:
+        raise UsageError("--rails needs at least one interface or address")
+    return rails
+
+
+def _add_engine_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--connections", type=int, default=1, help="connections per rail (default 1)")
+    p.add_argument("--rails", help="comma-separated local interfaces or IPv4 addresses")
+    p.add_argument("--policy", default="weighted", help="weighted | round_robin | pinned:N")
+    p.add_argument("--chunk-size", default="1MiB", help="engine chunk size (default 1MiB)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-transfer/connect timeout, s")
+    p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
+    p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
+
+
+def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", default="READ", type=str.upper, choices=["READ", "WRITE"])
+    p.add_argument("--start-block-size", default="4KiB")
+    p.add_argument("--max-block-size", default="64MiB")
+    p.add_argument("--batch-size", type=int, default=1, help="descriptors per transfer")
+    p.add_argument("--num-iter", type=int, default=100, help="timed iterations per block size")
+    p.add_argument("--warmup-iter", type=int, default=10)
+    p.add_argument("--check-consistency", action="store_true",
+                   help="verify every byte (READ: against the target's pattern; WRITE: target-side)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
+    p.add_argument("--latency-row", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_target_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--duration", type=float, default=900.0, help="exit after this many s (default 900)")
+    p.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="exit after this many s without a control message (default 120)")
+    p.add_argument("--corrupt-offset", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="measure READ/WRITE throughput and latency",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="bench_command", metavar="MODE")
+    sub.required = True
+    t = sub.add_parser("target", help="serve a buffer for an initiator")
+    t.add_argument("--listen", required=True, metavar="HOST:PORT")
+    _add_engine_opts(t)
+    _add_target_opts(t)
+    i = sub.add_parser("initiator", help="run the sweep against a target")
+    i.add_argument("--connect", required=True, metavar="HOST:PORT")
+    _add_engine_opts(i)
+    _add_sweep_opts(i)
+    l = sub.add_parser("local", help="target process + initiator on this host (or the testbed)")
+    _add_engine_opts(l)
+    _add_sweep_opts(l)
+    _add_target_opts(l)
+    l.add_argument("--baseline", action="store_true", help="also run iperf3 and mr-pingpong, print ratios")
+    l.add_argument("--baseline-time", type=int, default=3, help="iperf3 -t seconds (default 3)")
+    l.add_argument("--latency-iter", type=int, default=1000,
+                   help="iterations of the 4KiB latency comparison (default 1000)")
+    l.add_argument("--testbed", nargs="?", const="default", default=None, metavar="NAME",
+                   help="run target and initiator in the testbed's two namespaces")
+    for sp in (t, i, l):
+        sp.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return {"target": _cmd_target, "initiator": _cmd_initiator, "local": _cmd_local}[args.bench_command](args)
+    except UsageError as e:
+        print(f"multirail bench: error: {e}", file=sys.stderr)
+        return 2
+    except BenchFailure as e:
+        print(f"multirail bench: error: {e}", file=sys.stderr)
+        return 1
+    except MultirailError as e:
+        print(f"multirail bench: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        print(f"multirail bench: error: the engine is not available ({e}); build the extension "
+              "first (maturin develop)", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"multirail bench: error: {e}", file=sys.stderr)
+        return 1
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    if args.connections < 1:
+        raise UsageError("--connections must be at least 1")
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    return dict(connections=args.connections, rails=_rails(args.rails), policy=args.policy,
+                chunk_size=parse_size(args.chunk_size), timeout=args.timeout)
+
+
+def _sweep(args: argparse.Namespace) -> tuple[list[int], int]:
+    sizes = block_sizes(parse_size(args.start_block_size), parse_size(args.max_block_size))
+    if args.batch_size < 1 or args.num_iter < 1 or args.warmup_iter < 0:
+        raise UsageError("--batch-size and --num-iter must be >= 1, --warmup-iter >= 0")
+    need = sizes[-1] * args.batch_size
+    if args.total_buffer_size:
+        total = parse_size(args.total_buffer_size)
+        if total < need:
+            raise UsageError(f"--total-buffer-size {format_size(total)} is smaller than max block x batch "
+                             f"({format_size(need)})")
+        return sizes, total
+    return sizes, need
+
+
+# -- target -------------------------------------------------------------------------------------
+
+def _cmd_target(args: argparse.Namespace) -> int:
+    from multirail.bench.target import serve
+
+    host, port = _hostport(args.listen)
+    size = parse_size(args.total_buffer_size or "64MiB")
+    if args.duration <= 0 or args.idle_timeout <= 0:
+        raise UsageError("--duration and --idle-timeout must be positive")
+    return serve(host=host, port=port, name=args.target_name, buffer_size=size,
+                 duration=args.duration, idle_timeout=args.idle_timeout,
+                 corrupt_offset=args.corrupt_offset, **_engine_kwargs(args))
+
+
+# -- initiator ----------------------------------------------------------------------------------
+
+def _run_initiator(args: argparse.Namespace, host: str, port: int,
+                   capacities_bps: list[float | None] | None = None) -> tuple[list[BenchRow], list[str]]:
+    sizes, total = _sweep(args)
+    eng = _engine_kwargs(args)
+    rails = eng["rails"] or [_default_rail(host, port)]
+    counters = RailCounters(resolve_rails(rails, capacities_bps), args.op)
+    progress = Progress(enabled=args.json != "-")
+    worker = EngineWorker(op=args.op, target_host=host, target_port=port, target_name=args.target_name,
+                          buffer_size=total, fill_target=args.check_consistency and args.op == "READ", **eng)
+    try:
+        rows = run_sweep(worker, args.op, sizes, args.batch_size, args.num_iter, args.warmup_iter,
+                         args.check_consistency, counters, progress, keepalive=worker.keepalive)
+        if args.latency_row and LATENCY_SIZE not in sizes:
+            lat_iter = max(args.num_iter, getattr(args, "latency_iter", 1000))
+            rows += run_sweep(worker, args.op, [LATENCY_SIZE], 1, lat_iter, args.warmup_iter,
+                              False, counters, progress)
+            rows[-1].worker = "multirail (latency row)"
+    finally:
+        progress.clear()
+        worker.close()
+    return rows, counters.problems
+
+
+def _default_rail(host: str, port: int) -> str:
+    from multirail.bench.worker import local_addr_towards
+
+    return local_addr_towards(host, port)
+
+
+def _cmd_initiator(args: argparse.Namespace) -> int:
+    host, port = _hostport(args.connect)
+    _sweep(args)  # validate before connecting
+    rows, problems = _run_initiator(args, host, port)
+    return _emit(args, rows, [], problems)
+
+
+# -- local --------------------------------------------------------------------------------------
+
+def _testbed(name: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "multirail", "testbed", "status", "--json", "--name", name]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise BenchFailure("`multirail testbed status` did not answer within 30 s") from None
+    if res.returncode != 0:
+        raise BenchFailure(f"testbed {name!r} is not available: {res.stderr.strip() or res.stdout.strip()}")
+    try:
+        st = json.loads(res.stdout)
+        ns_a, ns_b = st["namespaces"]["a"], st["namespaces"]["b"]
+        rails = sorted(st["rails"], key=lambda r: r["index"])
+        a = [r["a"]["addr"].split("/")[0] for r in rails]
+        b = [r["b"]["addr"].split("/")[0] for r in rails]
+        rates = [r.get("rate_bps") for r in rails]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise BenchFailure(f"unexpected `testbed status --json` output ({e})") from None
+    if not a:
+        raise BenchFailure(f"testbed {name!r} has no rails")
+    return {"ns_a": ns_a, "ns_b": ns_b, "a": a, "b": b, "rates": rates}
+
+
+def _engine_argv(args: argparse.Namespace, rails: str | None, total: int) -> list[str]:
+    argv = ["--connections", str(args.connections), "--policy", args.policy, "--chunk-size", args.chunk_size,
+            "--timeout", str(args.timeout), "--target-name", args.target_name,
+            "--total-buffer-size", str(total)]
+    return argv + (["--rails", rails] if rails else [])
+
+
+def _start_target(args: argparse.Namespace, prefix: list[str], listen: str, rails: str | None,
+                  total: int) -> tuple[subprocess.Popen[str], dict[str, Any], Any]:
+    cmd = prefix + [sys.executable, "-m", "multirail", "bench", "target", "--listen", listen,
+                    "--duration", str(args.duration), "--idle-timeout", str(args.idle_timeout)]
+    cmd += _engine_argv(args, rails, total)
+    if args.corrupt_offset is not None:
+        cmd += ["--corrupt-offset", str(args.corrupt_offset)]
+    errf = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True)
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    ready = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ready, dict) and ready.get("event") == "ready":
+                    return proc, ready, errf
+            elif proc.poll() is not None:
+                break
+    finally:
+        sel.close()
+    _kill(proc)
+    errf.seek(0)
+    raise BenchFailure("bench target did not become ready: " + (errf.read().strip()[-800:] or "no output"))
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # by PID: exactly the child we started
+        proc.wait(timeout=5)
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    sizes, total = _sweep(args)
+    _engine_kwargs(args)
+    if args.duration <= 0 or args.idle_timeout <= 0 or args.baseline_time < 1:
+        raise UsageError("--duration, --idle-timeout and --baseline-time must be positive")
+    tb = _testbed(args.testbed) if args.testbed else None
+    if tb:
+        prefix_a, prefix_b = ["ip", "netns", "exec", tb["ns_a"]], ["ip", "netns", "exec", tb["ns_b"]]
+        host, t_rails, i_rails = tb["a"][0], ",".join(tb["a"]), ",".join(tb["b"])
+    else:
+        prefix_a, prefix_b = [], []
+        host, t_rails, i_rails = "127.0.0.1", args.rails, args.rails
+    args.latency_row = args.baseline
+    proc, ready, errf = _start_target(args, prefix_a, f"{host}:0", t_rails, total)
+    try:
+        port = int(ready["port"])
+        if tb:
+            rows, problems = _initiator_subprocess(args, prefix_b, host, port, i_rails, total, tb["rates"])
+        else:
+            rows, problems = _run_initiator(args, host, port)
+    finally:
+        _kill(proc)
+        errf.close()
+    baselines: list[BenchRow] = []
+    if args.baseline:
+        baselines, more = _baselines(args, host, prefix_a, prefix_b)
+        problems += more
+    return _emit(args, rows, baselines, problems)
+
+
+def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str, port: int, rails: str,
+                          total: int, rates: list[float | None]) -> tuple[list[BenchRow], list[str]]:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        cmd = prefix + [sys.executable, "-m", "multirail", "bench", "initiator", "--connect", f"{host}:{port}",
+                        "--op", args.op, "--start-block-size", args.start_block_size,
+                        "--max-block-size", args.max_block_size, "--batch-size", str(args.batch_size),
+                        "--num-iter", str(args.num_iter), "--warmup-iter", str(args.warmup_iter),
+                        "--json", out] + _engine_argv(args, rails, total)
+        cmd += ["--check-consistency"] if args.check_consistency else []
+        cmd += ["--latency-row"] if args.latency_row else []
+        limit = args.duration
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise BenchFailure(f"initiator in the testbed did not finish within {limit:.0f} s") from None
+        if not os.path.exists(out):
+            raise BenchFailure(f"initiator failed: {res.stderr.strip()[-800:]}")
+        with open(out) as f:
+            data = json.load(f)
+    rows = [_row_from_json(r) for r in data["rows"]]
+    for r in rows:  # capacities are known here, not inside the namespace
+        for i, rail in enumerate(r.rails):
+            if i < len(rates) and rates[i]:
+                rail.capacity_gbps = float(rates[i]) / 1e9  # type: ignore[arg-type]
+    return rows, list(data.get("problems", []))
+
+
+def _row_from_json(d: dict[str, Any]) -> BenchRow:
+    d = dict(d)
+    d["rails"] = [RailRow(**x) for x in d.get("rails", [])]
+    d["engine_rails"] = [RailRow(**x) for x in d.get("engine_rails", [])]
+    return BenchRow(**d)
+
+
+def _baselines(args: argparse.Namespace, host: str, prefix_a: list[str],
+               prefix_b: list[str]) -> tuple[list[BenchRow], list[str]]:
+    from multirail.bench.baseline import run_iperf3, run_pingpong
+
+    rows, problems = [], []
+    try:
+        rows.append(run_iperf3(host, args.connections, args.baseline_time, args.op, prefix_a, prefix_b))
+    except BenchFailure as e:
+        problems.append(f"iperf3 baseline skipped: {e}")
+    try:
+        rows.append(run_pingpong(LATENCY_SIZE, args.latency_iter, min(args.latency_iter, 200), host, prefix_a, prefix_b))
+    except BenchFailure as e:
+        problems.append(f"mr-pingpong baseline skipped: {e}")
+    return rows, problems
+
+
+def ratios(rows: list[BenchRow], baselines: list[BenchRow]) -> dict[str, Any]:
+    """Throughput of the largest block vs iperf3, and 4KiB latency vs mr-pingpong."""
+    out: dict[str, Any] = {}
+    sweep = [r for r in rows if r.worker == "multirail"]
+    iperf = next((b for b in baselines if b.worker.startswith("iperf3")), None)
+    ping = next((b for b in baselines if b.worker == "mr-pingpong"), None)
+    if sweep and iperf and iperf.gbps > 0:
+        big = max(sweep, key=lambda r: r.block_size)
+        out["throughput_pct_of_iperf3"] = 100.0 * big.gbps / iperf.gbps
+        out["throughput_text"] = (f"multirail {big.op} {format_size(big.block_size)} = "
+                                  f"{out['throughput_pct_of_iperf3']:.1f}% of {iperf.worker} "
+                                  f"({big.gbps:.2f} vs {iperf.gbps:.2f} Gbps)")
+    small = next((r for r in rows if r.block_size == LATENCY_SIZE and r.batch_size == 1), None)
+    if small and ping and ping.lat_p50_us > 0:
+        out["p50_x_pingpong"] = small.lat_p50_us / ping.lat_p50_us
+        out["p99_x_pingpong"] = small.lat_p99_us / ping.lat_p99_us
+        out["latency_text"] = (f"4KiB {small.op} p50 = {out['p50_x_pingpong']:.2f}x raw TCP ping-pong "
+                               f"({small.lat_p50_us:.1f} vs {ping.lat_p50_us:.1f} us); p99 = "
+                               f"{out['p99_x_pingpong']:.2f}x ({small.lat_p99_us:.1f} vs {ping.lat_p99_us:.1f} us)")
+    return out
+
+
+def _clean(obj: Any) -> Any:
+    """JSON has no NaN: baselines without latencies get null."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchRow], problems: list[str]) -> int:
+    rat = ratios(rows, baselines)
+    text_out = sys.stderr if args.json == "-" else sys.stdout
+    print(format_table(rows), file=text_out)
+    for b in baselines:
+        if b.worker == "mr-pingpong":
+            print(f"baseline {b.worker} {format_size(b.block_size)}: avg {b.lat_avg_us:.1f} us, "
+                  f"p50 {b.lat_p50_us:.1f} us, p99 {b.lat_p99_us:.1f} us", file=text_out)
+        else:
+            print(f"baseline {b.worker}: {b.gbps:.2f} Gbps ({b.gb_per_s:.3f} GB/s)", file=text_out)
+    for key in ("throughput_text", "latency_text"):
+        if key in rat:
+            print(rat[key], file=text_out)
+    for p in problems:
+        print(f"note: {p}", file=sys.stderr)
+    failed = [r for r in rows if r.consistency.startswith("FAILED")]
+    if args.json:
+        doc = _clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
+                      "ratios": rat, "problems": problems,
+                      "config": {k: v for k, v in vars(args).items() if k != "func"}})
+        if args.json == "-":
+            json.dump(doc, sys.stdout, indent=1)
+            print()
+        else:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    if failed:
+        print(f"multirail bench: consistency check FAILED for {len(failed)} block size(s): "
+              f"{failed[0].consistency}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,108 @@
+"""`multirail bench target`: one registered read-write buffer served until told to stop.
+
+Prints one JSON ready line on stdout ({"event": "ready", "agent", "host", "port",
+"buffer_size", "pid"}) once listening, then answers the control messages of protocol.py.
+It exits on `bench:stop`, after `--idle-timeout` seconds without a control message, or after
+`--duration` seconds in all, so it never runs forever by accident.
+
+`--corrupt-offset K` (hidden, for tests) flips byte K of the buffer after the pattern fill
+(READ) or before a verification (WRITE), so the consistency check can be shown to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from multirail.bench import protocol as proto
+from multirail.bench.core import TARGET_SEED, first_mismatch, pattern
+
+
+def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
+          rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
+          duration: float, idle_timeout: float, corrupt_offset: int | None) -> int:
+    import multirail  # lazy: the tool must import without the extension
+
+    cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
+                                policy=policy, chunk_size=chunk_size, timeout=timeout,
+                                auth_secret=os.environ.get("MULTIRAIL_AUTH_SECRET") or None)
+    agent = multirail.Agent(name, cfg)
+    buf = np.zeros(buffer_size, dtype=np.uint8)
+    try:
+        reg = agent.register_memory(buf, access="rw")
+        print(json.dumps({"event": "ready", "agent": agent.name, "host": agent.host,
+                          "port": agent.port, "buffer_size": buffer_size, "pid": os.getpid()}),
+              flush=True)
+        try:
+            reason = _loop(agent, buf, duration, idle_timeout, corrupt_offset, multirail)
+        finally:
+            agent.deregister_memory(reg)
+    finally:
+        agent.close()
+    print(json.dumps({"event": "exit", "reason": reason}), flush=True)
+    return 0 if reason == "stop" else 1
+
+
+def _corrupt(buf: np.ndarray, offset: int | None, limit: int) -> None:
+    if offset is not None and 0 <= offset < min(limit, len(buf)):
+        buf[offset] ^= 0xFF
+
+
+def _loop(agent: Any, buf: np.ndarray, duration: float, idle_timeout: float,
+          corrupt_offset: int | None, mr: Any) -> str:
+    start = last = time.monotonic()
+    outbox: list[tuple[str, bytes]] = []
+    while True:
+        now = time.monotonic()
+        if now - start > duration:
+            return "duration"
+        if now - last > idle_timeout:
+            return "idle"
+        for peer, msgs in agent.get_new_notifs().items():
+            for msg in msgs:
+                decoded = proto.decode(msg)
+                if decoded is None:
+                    continue
+                last = time.monotonic()
+                kind, body = decoded
+                if kind == proto.STOP:
+                    return "stop"
+                reply = _handle(kind, body, buf, corrupt_offset)
+                if reply is not None:
+                    outbox.append((peer, reply))
+        pending = []
+        for peer, reply in outbox:
+            try:
+                agent.send_notif(peer, reply)
+            except mr.UnknownPeerError:
+                pending.append((peer, reply))  # its metadata has not arrived yet: retry
+        outbox = pending
+        time.sleep(0.002)
+
+
+def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: int | None) -> bytes | None:
+    if kind == proto.HELLO:
+        if body.get("fill"):
+            buf[:] = pattern(TARGET_SEED, 0, len(buf))
+            _corrupt(buf, corrupt_offset, len(buf))
+        return proto.encode(proto.INFO, {"addr": int(buf.ctypes.data), "len": len(buf), "dev": 0})
+    if kind == proto.VERIFY:
+        try:
+            seed, off, length = int(body["seed"]), int(body["offset"]), int(body["length"])
+        except (KeyError, TypeError, ValueError):
+            return proto.encode(proto.VERIFIED, {"ok": False, "first_bad": None, "error": "bad request"})
+        if off < 0 or length < 0 or off + length > len(buf):
+            return proto.encode(proto.VERIFIED, {"ok": False, "first_bad": None, "error": "out of range"})
+        _corrupt(buf, corrupt_offset, off + length)
+        bad = first_mismatch(buf[off:off + length], seed, off)
+        return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad})
+    return None  # keepalive and unknown kinds only reset the idle timer
+
+
+def main_error(msg: str) -> None:
+    print(f"multirail bench target: error: {msg}", file=sys.stderr)
