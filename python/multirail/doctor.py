@@ -555,7 +555,7 @@ def check_path_mtu(ctx: Context, rail: Interface) -> CheckResult:
     src = rail.ipv4[0][0]
     full = _ping(ctx, src, peer, rail.mtu - 28)
     if full.missing:
-        return _r(name, Status.SKIP, rail, "ping is not installed", "apt-get install iputils-ping")
+        return _r(name, Status.SKIP, rail, f"ping unavailable ({full.stderr.strip()})", "apt-get install iputils-ping")
     if full.ok:
         return _r(name, Status.OK, rail, f"`{full.text}`: a {rail.mtu}-byte don't-fragment packet reached {peer}")
     working = None
