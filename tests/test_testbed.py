@@ -29,7 +29,8 @@ TIMEOUT = 30
 
 
 def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    kw.setdefault("timeout", TIMEOUT)
+    return subprocess.run(argv, capture_output=True, text=True, **kw)
 
 
 def _cli(*args: str, prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -332,3 +333,26 @@ def test_cli_bad_input_is_a_clear_error(name: str) -> None:
     cp = _cli("up", "--name", "much-too-long-name")
     assert cp.returncode == 1 and "too long" in cp.stderr
     assert not Path("/run/netns", f"{name}-a").exists()
+
+
+@needs_netns
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 not installed")
+def test_compare_rails_script(name: str, tmp_path: Path) -> None:
+    """A 1 s run of benchmarks/compare_rails.py: every baseline row measured, on the right rails."""
+    out = tmp_path / "cmp.json"
+    extra = [] if shutil.which("mptcpize") else ["--skip-mptcp"]
+    cp = _run([sys.executable, str(REPO / "benchmarks" / "compare_rails.py"), "--name", name, "--rails", "2",
+               "--rate", "1gbit", "--time", "1", "--skip-multirail", "--json", str(out), *extra],
+              env={**os.environ, "PYTHONPATH": PY_PATH}, timeout=90)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert "| iperf3 all rails (1 stream/rail) |" in cp.stdout and "skipped (--skip-multirail)" in cp.stdout
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    for i in range(2):
+        assert rows[f"iperf3 rail {i} alone"]["pct_nominal"] > 95
+        assert rows[f"iperf3 rail {i} alone"]["rail_share"][i] > 99
+    both = rows["iperf3 all rails (1 stream/rail)"]
+    assert both["pct_nominal"] > 95 and all(35 < s < 65 for s in both["rail_share"])
+    if not extra:  # MPTCP really used both rails: the server-side announcement worked
+        mptcp = rows["MPTCP (1 subflow/rail)"]
+        assert mptcp["pct_nominal"] > 90 and all(s > 25 for s in mptcp["rail_share"]), mptcp
+    assert Testbed.load(name) is None  # the script removed the testbed it created
