@@ -65,7 +65,12 @@ class RailCounters:
     """Snapshot/delta of the counters of a fixed set of rails."""
 
     def __init__(self, specs: list[RailSpec], op: str) -> None:
-        self.specs = [s for s in specs if s.ifname]
+        seen: set[str] = set()
+        self.specs = []  # one entry per interface: two rail addresses on `lo` count once
+        for s in specs:
+            if s.ifname and s.ifname not in seen:
+                seen.add(s.ifname)
+                self.specs.append(s)
         self.problems = [f"rail {s.label}: {s.problem}" for s in specs if s.problem]
         self.direction = "rx" if op == "READ" else "tx"
 
