@@ -119,9 +119,9 @@ class nixl_xfer_telemetry:
 
 
 class nixl_xfer_handle:
-    def __init__(self, agent: "nixl_agent", engine_handle: Any, recipe: tuple[Any, ...], notif: bytes,
-                 total_bytes: int, desc_count: int) -> None:
-        self._agent, self._handle, self._recipe, self._notif = agent, engine_handle, recipe, notif
+    def __init__(self, agent: "nixl_agent", engine_handle: Any, notif: bytes, total_bytes: int,
+                 desc_count: int) -> None:
+        self._agent, self._handle, self._notif = agent, engine_handle, notif
         self._released = False
         self._total, self._count = total_bytes, desc_count
         self._t_start = self._t_posted = self._t_done = 0.0
@@ -182,7 +182,7 @@ class nixl_agent:
         port = conf.port if conf.enable_listen else 0
         cfg = multirail.AgentConfig(host=host, port=port, connections=conf.connections, rails=conf.rails,
                                     policy=conf.policy, chunk_size=conf.chunk_size, timeout=conf.timeout,
-                                    auth_secret=conf.auth_secret or os.environ.get("MULTIRAIL_AUTH_SECRET") or None)
+                                    auth_secret=conf.auth_secret)
         self._engine = multirail.Agent(agent_name, cfg)
         self._conf = conf
         self.name = agent_name
@@ -363,7 +363,7 @@ class nixl_agent:
         return self._engine.make_prepped_xfer(op, lside._handle, li, rside._handle, ri, notif=notif)
 
     def _build(self, recipe: tuple[Any, ...], notif: bytes, total: int, count: int) -> nixl_xfer_handle:
-        return nixl_xfer_handle(self, self._engine_handle(recipe, notif), recipe, notif, total, count)
+        return nixl_xfer_handle(self, self._engine_handle(recipe, notif), notif, total, count)
 
     def _state(self, state: Any) -> str:
         XferState = self._mr.XferState
@@ -376,12 +376,9 @@ class nixl_agent:
     def transfer(self, handle: nixl_xfer_handle, notif_msg: Union[bytes, str] = b"") -> str:
         msg = _to_bytes(notif_msg)
         try:
-            if msg and msg != handle._notif:  # NIXL lets each post carry its own notification
-                self._engine.release_xfer_handle(handle._handle)
-                handle._handle, handle._notif = self._engine_handle(handle._recipe, msg), msg
             handle._t_start = time.perf_counter()
             handle._t_done = 0.0
-            state = self._state(self._engine.transfer(handle._handle))
+            state = self._state(self._engine.transfer(handle._handle, notif=msg or None))
             handle._t_posted = time.perf_counter()
         except MultirailError as e:
             logger.error("transfer failed: %s: %s", type(e).__name__, e)

@@ -29,8 +29,7 @@ def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int
     import multirail  # lazy: the tool must import without the extension
 
     cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
-                                policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                auth_secret=os.environ.get("MULTIRAIL_AUTH_SECRET") or None)
+                                policy=policy, chunk_size=chunk_size, timeout=timeout)
     agent = multirail.Agent(name, cfg)
     buf = np.zeros(buffer_size, dtype=np.uint8)
     try:

@@ -118,8 +118,7 @@ class EngineWorker:
         self.timeout = timeout
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(target_host, target_port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails,
-                                    policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                    auth_secret=os.environ.get("MULTIRAIL_AUTH_SECRET") or None)
+                                    policy=policy, chunk_size=chunk_size, timeout=timeout)
         self.agent = multirail.Agent(f"mr-bench-initiator-{os.getpid()}", cfg)
         self.peer = target_name
         self.buf = np.zeros(buffer_size, dtype=np.uint8)
