@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -102,6 +101,3 @@ def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: in
         return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad})
     return None  # keepalive and unknown kinds only reset the idle timer
 
-
-def main_error(msg: str) -> None:
-    print(f"multirail bench target: error: {msg}", file=sys.stderr)
