@@ -408,17 +408,17 @@ def check_roce_gid(ctx: Context, rail: Interface) -> CheckResult:
 def check_same_subnet(ctx: Context) -> list[CheckResult]:
     results: list[CheckResult] = []
     rail_names = {r.name for r in ctx.rails}
-    seen: set[tuple[str, str]] = set()
+    seen: set[frozenset[str]] = set()
     for rail in ctx.rails:
         for net in rail.networks():
             for other in ctx.all_ifs.values():
                 if other.name == rail.name or other.name == "lo":
                     continue
                 hits = [f"{a}/{p}" for a, p in other.ipv4 if ipaddress.IPv4Address(a) in net]
-                pair = tuple(sorted((rail.name, other.name)))
-                if not hits or pair in seen:  # type: ignore[comparison-overlap]
+                pair = frozenset((rail.name, other.name))
+                if not hits or pair in seen:
                     continue
-                seen.add(pair)  # type: ignore[arg-type]
+                seen.add(pair)
                 if other.name in rail_names:
                     results.append(_r("same-subnet", Status.WARN, rail,
                                       f"rails {rail.name} and {other.name} share {net} ({other.name}: {', '.join(hits)}): "
@@ -575,7 +575,10 @@ def check_path_mtu(ctx: Context, rail: Interface) -> CheckResult:
 def check_gpudirect(ctx: Context) -> list[CheckResult]:
     mods = ctx.sysfs.read("/proc/modules")
     loaded = {line.split()[0] for line in (mods or "").splitlines() if line.strip()}
-    has = lambda m: m in loaded or ctx.sysfs.exists(f"/sys/module/{m}")  # noqa: E731
+
+    def has(m: str) -> bool:
+        return m in loaded or ctx.sysfs.exists(f"/sys/module/{m}")
+
     if not has("nvidia"):
         return [_r("gpudirect", Status.SKIP, None, "no NVIDIA driver loaded (/proc/modules, /sys/module/nvidia): no GPU memory to check")]
     for m in ("nvidia_peermem", "nv_peer_mem"):
