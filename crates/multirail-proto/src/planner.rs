@@ -107,7 +107,7 @@ impl Default for PlannerConfig {
             max_window: 64 << 20,
             default_rate: 1.25e9,
             ewma_alpha: 0.3,
-            sample_interval: Duration::from_millis(2),
+            sample_interval: Duration::from_millis(10),
             stall_timeout: Duration::from_secs(1),
             policy: Policy::Weighted,
         }
@@ -145,9 +145,14 @@ struct Rail {
     rate: f64,
     inflight_bytes: u64,
     inflight_chunks: usize,
+    /// Start of the current rate sample: the first completion of a busy period (a period
+    /// with work in flight), so the sample measures delivery, not the first round trip.
     busy_since: Option<Instant>,
+    /// Bytes completed since `busy_since`.
     sample_bytes: u64,
     last_progress: Instant,
+    /// Smallest observed (completion - issue - service time): the rail's round trip.
+    rtt: Option<Duration>,
     bytes_done: u64,
     chunks_done: u64,
     chunks_reissued: u64,
@@ -165,6 +170,9 @@ struct Xfer {
     unassigned: u64,
     inflight: usize,
     pinned: Option<RailId>,
+    /// Below `stripe_threshold` (weighted policy): kept on one rail and served before the
+    /// chunks of large transfers, so a small transfer never waits behind a large one's queue.
+    small: bool,
     rr_next: usize,
 }
 
@@ -179,6 +187,7 @@ struct InFlight {
     xfer: XferId,
     rail: RailId,
     piece: Pair,
+    issued: Instant,
 }
 
 /// See the module documentation for the model and the order of calls.
@@ -253,6 +262,7 @@ impl Planner {
             busy_since: None,
             sample_bytes: 0,
             last_progress: now,
+            rtt: None,
             bytes_done: 0,
             chunks_done: 0,
             chunks_reissued: 0,
@@ -311,7 +321,18 @@ impl Planner {
         if pinned.is_none() {
             self.striped_unassigned += total;
         }
-        self.xfers.push_back(Xfer { id: xfer, pairs, idx: 0, retry: VecDeque::new(), unassigned: total, inflight: 0, pinned, rr_next: 0 });
+        let small = self.cfg.policy == Policy::Weighted && pinned.is_some();
+        self.xfers.push_back(Xfer {
+            id: xfer,
+            pairs,
+            idx: 0,
+            retry: VecDeque::new(),
+            unassigned: total,
+            inflight: 0,
+            pinned,
+            small,
+            rr_next: 0,
+        });
         if let Some(r) = pinned {
             if !self.rails.get(r).is_some_and(|r| r.up) {
                 self.fail_xfer(xfer, format!("pinned rail {r} is not up"));
@@ -331,9 +352,14 @@ impl Planner {
         best.1
     }
 
+    /// The rail's in-flight budget: `rate * (window_time + rtt)`, clamped to
+    /// `[min_window, max_window]`. Including the round trip keeps the pipe full on long paths,
+    /// and a rail limited by its window then measures more than its estimate, so the estimate
+    /// (and the window) grows until the link, not the window, is the limit.
     fn window(&self, rail: RailId) -> u64 {
         let r = &self.rails[rail];
-        ((r.rate * self.cfg.window_time.as_secs_f64()) as u64).clamp(self.cfg.min_window, self.cfg.max_window.max(self.cfg.min_window))
+        let t = self.cfg.window_time + r.rtt.unwrap_or(Duration::ZERO);
+        ((r.rate * t.as_secs_f64()) as u64).clamp(self.cfg.min_window, self.cfg.max_window.max(self.cfg.min_window))
     }
 
     /// The most bytes `rail` should take now so that all rails finish together (weighted policy).
@@ -370,40 +396,50 @@ impl Planner {
         if !self.rails.get(rail)?.up || self.rails[rail].inflight_bytes >= self.window(rail) {
             return None;
         }
-        let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up).collect();
-        let mut striped_cap: Option<u64> = None;
-        let mut pick = None;
-        for (xi, x) in self.xfers.iter().enumerate() {
-            if !x.has_work() {
-                continue;
-            }
-            let max_len = match x.pinned {
-                Some(p) if p != rail => continue,
-                Some(_) => self.cfg.chunk_size,
-                None => match self.cfg.policy {
-                    Policy::RoundRobin => {
-                        if x.retry.is_empty() && up[x.rr_next % up.len()] != rail {
-                            continue;
-                        }
-                        self.cfg.chunk_size
-                    }
-                    _ => {
-                        let cap = *striped_cap.get_or_insert_with(|| self.fair_share(rail));
-                        if cap >= self.cfg.min_chunk {
-                            cap.min(self.cfg.chunk_size).next_multiple_of(4096).min(self.cfg.chunk_size)
-                        } else if self.striped_unassigned <= self.cfg.min_chunk && self.fastest_finish(self.striped_unassigned) == rail {
-                            // The last crumbs go to whichever rail finishes them first.
-                            self.cfg.min_chunk
-                        } else {
-                            return None;
-                        }
-                    }
-                },
-            };
-            pick = Some((xi, max_len));
-            break;
+        let (xi, max_len) = self.pick(rail)?;
+        Some(self.take(xi, rail, max_len, now))
+    }
+
+    /// Which transfer `rail` should serve next, and the largest piece it may take.
+    fn pick(&self, rail: RailId) -> Option<(usize, u64)> {
+        let chunk = self.cfg.chunk_size;
+        // Small transfers kept on this rail for latency go first.
+        if let Some(xi) = self.xfers.iter().position(|x| x.small && x.pinned == Some(rail) && x.has_work()) {
+            return Some((xi, chunk));
         }
-        let (xi, max_len) = pick?;
+        for (xi, x) in self.xfers.iter().enumerate().filter(|(_, x)| x.has_work()) {
+            match (x.pinned, self.cfg.policy) {
+                (Some(p), _) if p != rail => continue,
+                (Some(_), _) => return Some((xi, chunk)),
+                (None, Policy::RoundRobin) => {
+                    // Retries go to any rail; fresh chunk i to the i-th up rail (`rail` is up).
+                    let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up).collect();
+                    if x.retry.is_empty() && up[x.rr_next % up.len()] != rail {
+                        continue;
+                    }
+                    return Some((xi, chunk));
+                }
+                // Weighted (a pinned policy pins every transfer).
+                (None, _) => return self.weighted_cap(rail).map(|cap| (xi, cap)),
+            }
+        }
+        None
+    }
+
+    /// Weighted policy: the piece `rail` may take from the striped pool now, if any.
+    fn weighted_cap(&self, rail: RailId) -> Option<u64> {
+        let share = self.fair_share(rail);
+        if share >= self.cfg.min_chunk {
+            return Some(share.next_multiple_of(4096).min(self.cfg.chunk_size));
+        }
+        // The tail: no rail's share is worth a minimum chunk any more. The next crumb (at most
+        // `min_chunk`) goes to whichever rail would finish it first, so the pool always drains.
+        let crumb = self.striped_unassigned.min(self.cfg.min_chunk);
+        (self.fastest_finish(crumb) == rail).then_some(self.cfg.min_chunk)
+    }
+
+    /// Cut the next piece (at most `max_len`) of transfer `xi` for `rail`.
+    fn take(&mut self, xi: usize, rail: RailId, max_len: u64, now: Instant) -> Chunk {
         let x = &mut self.xfers[xi];
         let piece = if let Some(p) = x.retry.front_mut() {
             let head = if p.len <= max_len { x.retry.pop_front().expect("front exists") } else { p.split_front(max_len) };
@@ -430,30 +466,32 @@ impl Planner {
         let xfer = x.id;
         let r = &mut self.rails[rail];
         if r.inflight_chunks == 0 {
-            r.busy_since = Some(now);
+            r.busy_since = None;
             r.sample_bytes = 0;
             r.last_progress = now;
         }
         r.inflight_chunks += 1;
         r.inflight_bytes += piece.len;
-        self.inflight.insert(id, InFlight { xfer, rail, piece });
-        Some(Chunk { xfer, id, rail, piece })
+        self.inflight.insert(id, InFlight { xfer, rail, piece, issued: now });
+        Chunk { xfer, id, rail, piece }
     }
 
     /// A chunk finished on its rail. Returns false for a chunk the planner no longer tracks
     /// (already reissued after its rail went down, or its transfer was cancelled).
     pub fn handle_done(&mut self, chunk: ChunkId, now: Instant) -> bool {
-        let Some(f) = self.inflight.remove(&chunk) else { return false };
+        let Some(f) = self.release(chunk, Some(now)) else { return false };
         let alpha = self.cfg.ewma_alpha;
         let interval = self.cfg.sample_interval;
         let r = &mut self.rails[f.rail];
-        r.inflight_chunks -= 1;
-        r.inflight_bytes -= f.piece.len;
         r.bytes_done += f.piece.len;
         r.chunks_done += 1;
-        r.sample_bytes += f.piece.len;
-        r.last_progress = now;
+        // Round trip: time in flight less the chunk's own service time; the minimum over
+        // chunks is the one that found the pipe empty.
+        let service = Duration::from_secs_f64(f.piece.len as f64 / r.rate);
+        let rtt = now.saturating_duration_since(f.issued).saturating_sub(service);
+        r.rtt = Some(r.rtt.map_or(rtt, |v| v.min(rtt)));
         if let Some(t0) = r.busy_since {
+            r.sample_bytes += f.piece.len;
             let dt = now.saturating_duration_since(t0);
             if dt >= interval {
                 let sample = r.sample_bytes as f64 / dt.as_secs_f64();
@@ -463,6 +501,9 @@ impl Planner {
                 r.busy_since = Some(now);
                 r.sample_bytes = 0;
             }
+        } else {
+            r.busy_since = Some(now);
+            r.sample_bytes = 0;
         }
         if r.inflight_chunks == 0 {
             r.busy_since = None;
@@ -481,11 +522,11 @@ impl Planner {
     /// A chunk failed but its rail is still usable (e.g. the remote refused it): the transfer
     /// fails with `reason`. Use [`Planner::handle_rail_down`] for rail errors.
     pub fn handle_failed(&mut self, chunk: ChunkId, reason: String, now: Instant) -> bool {
-        let Some(f) = self.inflight.get(&chunk).copied() else { return false };
-        self.handle_done(chunk, now);
-        // handle_done may have completed the transfer; a failed chunk must fail it instead.
-        if let Some(pos) = self.events.iter().position(|e| *e == Event::XferDone(f.xfer)) {
-            self.events.remove(pos);
+        let Some(f) = self.release(chunk, Some(now)) else { return false };
+        // Put the chunk back on its transfer's books so that failing it cannot report a
+        // transfer whose last chunk this was as done (or lose the event altogether).
+        if let Some(x) = self.xfers.iter_mut().find(|x| x.id == f.xfer) {
+            x.inflight -= 1;
         }
         self.fail_xfer(f.xfer, reason);
         true
@@ -554,29 +595,17 @@ impl Planner {
                 r.up = true;
                 r.down_reason = None;
                 r.last_progress = now;
+                // The path may have changed: measure the round trip afresh.
+                r.rtt = None;
                 self.events.push_back(Event::RailUp(rail));
             }
         }
     }
 
     /// Drop a transfer. Its in-flight chunks are forgotten (their completions return false).
+    /// No event is emitted for it.
     pub fn cancel(&mut self, xfer: XferId) {
-        if let Some(xi) = self.xfers.iter().position(|x| x.id == xfer) {
-            let x = self.xfers.remove(xi).expect("found");
-            if x.pinned.is_none() {
-                self.striped_unassigned -= x.unassigned;
-            }
-        }
-        let ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
-        for id in ids {
-            let f = self.inflight.remove(&id).expect("listed");
-            let r = &mut self.rails[f.rail];
-            r.inflight_bytes -= f.piece.len;
-            r.inflight_chunks -= 1;
-            if r.inflight_chunks == 0 {
-                r.busy_since = None;
-            }
-        }
+        self.drop_xfer(xfer);
     }
 
     pub fn poll_event(&mut self) -> Option<Event> {
@@ -605,20 +634,41 @@ impl Planner {
     }
 
     fn fail_xfer(&mut self, xfer: XferId, reason: String) {
-        if let Some(xi) = self.xfers.iter().position(|x| x.id == xfer) {
-            let x = self.xfers.remove(xi).expect("found");
-            if x.pinned.is_none() {
-                self.striped_unassigned -= x.unassigned;
-            }
-            let ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
-            for id in ids {
-                let f = self.inflight.remove(&id).expect("listed");
-                let r = &mut self.rails[f.rail];
-                r.inflight_bytes -= f.piece.len;
-                r.inflight_chunks -= 1;
-            }
+        if self.drop_xfer(xfer) {
             self.events.push_back(Event::XferFailed { xfer, reason });
         }
+    }
+
+    /// Forget a transfer and its in-flight chunks. Returns whether it was known.
+    fn drop_xfer(&mut self, xfer: XferId) -> bool {
+        let Some(xi) = self.xfers.iter().position(|x| x.id == xfer) else { return false };
+        let x = self.xfers.remove(xi).expect("position is in range");
+        if x.pinned.is_none() {
+            self.striped_unassigned -= x.unassigned;
+        }
+        let mut ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
+        ids.sort();
+        for id in ids {
+            self.release(id, None);
+        }
+        for r in self.rails.iter_mut().filter(|r| r.inflight_chunks == 0) {
+            r.busy_since = None;
+        }
+        true
+    }
+
+    /// Stop tracking an in-flight chunk and take it off its rail's counters. `now` is given
+    /// when the rail answered for it (that counts as progress). The caller resets the rail's
+    /// busy period once it has used it.
+    fn release(&mut self, chunk: ChunkId, now: Option<Instant>) -> Option<InFlight> {
+        let f = self.inflight.remove(&chunk)?;
+        let r = &mut self.rails[f.rail];
+        r.inflight_chunks -= 1;
+        r.inflight_bytes -= f.piece.len;
+        if let Some(now) = now {
+            r.last_progress = now;
+        }
+        Some(f)
     }
 
     fn all_down_reason(&self) -> String {
