@@ -139,7 +139,7 @@ class Context:
         if rules is None:
             return RuleMatch(addr, None, error="`ip -j rule show` failed")
         ip = ipaddress.IPv4Address(addr)
-        for r in sorted(rules, key=lambda r: int(r.get("priority", 0))):
+        for r in sorted(rules, key=_priority):
             src, table = r.get("src"), str(r.get("table", ""))
             if src in (None, "all") or table in RESERVED_TABLES:
                 continue
@@ -151,6 +151,13 @@ class Context:
                 routes = self.table_routes(table)
                 return RuleMatch(addr, r, routes or [], "" if routes is not None else "no such table")
         return RuleMatch(addr, None)
+
+
+def _priority(rule: dict[str, Any]) -> int:
+    try:
+        return int(rule.get("priority", 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _json_list(res: CmdResult) -> list[dict[str, Any]] | None:
@@ -342,6 +349,8 @@ def check_roce_mtu(ctx: Context, rail: Interface) -> CheckResult:
     skip = _needs_rdma(ctx, rail, "roce-mtu")
     if skip:
         return skip
+    if rail.mtu <= 0:
+        return _r("roce-mtu", Status.SKIP, rail, f"/sys/class/net/{rail.name}/mtu unreadable")
     active = roce_active_mtu(rail.mtu)
     ev = f"netdev MTU {rail.mtu} gives RoCE active_mtu {active}"
     if active == 4096:
@@ -511,7 +520,7 @@ def check_policy_routing(ctx: Context, rail: Interface) -> CheckResult:
         if m.rule is None:
             return _r(name, Status.FAIL, rail, f"`ip rule`: no rule selects a table for traffic from {addr}",
                       _policy_fix(rail, idx))
-        prio = int(m.rule.get("priority", 0))
+        prio = _priority(m.rule)
         rule_txt = f"rule {prio}: from {m.rule.get('src')}/{m.rule.get('srclen', 32)} lookup {m.table}"
         if prio >= MAIN_RULE_PRIORITY:
             return _r(name, Status.FAIL, rail, f"{rule_txt} comes after `lookup main` ({MAIN_RULE_PRIORITY}): never used",
@@ -552,6 +561,8 @@ def check_path_mtu(ctx: Context, rail: Interface) -> CheckResult:
         return _r(name, Status.SKIP, rail, "no --peer given")
     if not rail.ipv4:
         return _r(name, Status.SKIP, rail, f"{rail.name} has no IPv4 address (see link)")
+    if rail.mtu <= 28:
+        return _r(name, Status.SKIP, rail, f"MTU of {rail.name} unreadable")
     src = rail.ipv4[0][0]
     full = _ping(ctx, src, peer, rail.mtu - 28)
     if full.missing:

@@ -174,7 +174,8 @@ class RecordedProbe:
         if not out.is_file():
             return CmdResult(args, 127, "", f"{args[0]}: not recorded ({out})", missing=True)
         rc_file, err_file = self.dir / f"{key}.rc", self.dir / f"{key}.err"
-        rc = int(rc_file.read_text().strip() or 0) if rc_file.is_file() else 0
+        rc_text = rc_file.read_text().strip() if rc_file.is_file() else "0"
+        rc = int(rc_text) if re.fullmatch(r"-?\d+", rc_text) else 1  # garbage: treat as a failure
         err = err_file.read_text() if err_file.is_file() else ""
         return CmdResult(args, rc, out.read_text(), err)
 
@@ -222,7 +223,10 @@ def ipv4_addresses(probe: Probe) -> dict[str, list[tuple[str, int]]]:
         addrs = out.setdefault(name, [])
         for a in link.get("addr_info", []) or []:
             if a.get("family") == "inet" and "local" in a:
-                addrs.append((str(a["local"]), int(a.get("prefixlen", 32))))
+                try:
+                    addrs.append((str(ipaddress.IPv4Address(a["local"])), int(a.get("prefixlen", 32))))
+                except (ValueError, TypeError):
+                    continue  # malformed entry: ignore rather than guess
     return out
 
 
