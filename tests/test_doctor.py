@@ -432,3 +432,14 @@ def test_live_namespaces_policy_routing(netns_pair: str) -> None:
     assert "no rule selects a table for traffic from 10.77.1.1" in by[("policy-routing", "a1")]["evidence"]
     assert by[("policy-routing", "a0")]["status"] == "ok"
     assert rc == 1
+
+
+def test_malformed_recordings_give_findings_not_tracebacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tree = make_variant(tmp_path, [write(".cmd/ip_-j_rule_show.out", "not json"),
+                                   write(".cmd/ucx_info_-v.rc", "garbage"),
+                                   write(f"{NET0}/mtu", "abc")])
+    rc, rep = run_json(capsys, "--root", str(tree), "--rails", f"{R0},{R1}")
+    by = {(r["name"], r["rail"]): r["status"] for r in rep["results"]}
+    assert by[("policy-routing", R0)] == "skip"  # `ip -j rule show` unusable
+    assert by[("ucx", None)] == "fail" and by[("roce-mtu", R0)] == "skip"
+    assert by[("mtu-consistency", None)] == "fail" and rc == 1
