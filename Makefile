@@ -1,0 +1,50 @@
+# Targets say what they do. Everything installs into ./.venv; nothing global but apt packages.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+CARGO_PROFILE ?= release
+
+.PHONY: setup build demo test test-rust test-py lint fuzz clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pyyaml>=6" "pytest>=7" "hypothesis>=6"
+
+## setup: create .venv, build the Rust extension (release) and install multirail into it
+setup: $(VPY) build
+
+## build: rebuild the extension and the mr-pingpong baseline into .venv
+build: $(VPY)
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop -q --release
+	cargo build -q --release -p mr-pingpong
+
+## demo: set up, then run the main job (bench local; over an emulated 2-rail testbed when root)
+demo: setup
+	$(VENV)/bin/multirail bench local --op READ --start-block-size 4KiB --max-block-size 64MiB --num-iter 20 --check-consistency
+	@if [ "$$(id -u)" = 0 ]; then \
+	  $(VENV)/bin/multirail testbed up --name mrdemo --rails 2 --rate 2gbit && \
+	  $(VENV)/bin/multirail bench local --testbed mrdemo --op READ --start-block-size 64MiB --max-block-size 64MiB --num-iter 10 --check-consistency; \
+	  rc=$$?; $(VENV)/bin/multirail testbed down --name mrdemo; exit $$rc; \
+	else echo "not root: skipping the emulated multi-rail run (needs network namespaces)"; fi
+
+## test: set up, then run every test (Rust and Python)
+test: setup test-rust test-py
+
+test-rust:
+	cargo test -q --workspace --exclude multirail-py
+
+test-py:
+	$(VPY) -m pytest -q tests
+
+## lint: formatting and clippy with warnings as errors
+lint:
+	cargo fmt --all -- --check
+	cargo clippy -q --workspace --all-targets -- -D warnings
+
+## fuzz: run each cargo-fuzz target for FUZZ_SECONDS (default 60)
+fuzz:
+	bash fuzz/run.sh $${FUZZ_SECONDS:-60}
+
+clean:
+	rm -rf $(VENV) target

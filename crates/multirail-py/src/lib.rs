@@ -1,0 +1,314 @@
+//! `multirail._core`: thin PyO3 bindings. Conversions and exception mapping only; the Python
+//! API (`python/multirail/agent.py`) builds the user-facing surface on top.
+//!
+//! Descriptor lists cross the boundary as contiguous Nx3 uint64 arrays (address of the first
+//! element + row count), so no per-descriptor Python object is created on either side.
+
+use std::time::Duration;
+
+use multirail::config::{Config, RailSpec};
+use multirail::{Agent, Error, Op, XferHandle, XferState};
+use multirail_proto::codec::Status;
+use multirail_proto::{Access, DecodeError, DescList, MemType, Policy};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+/// Map every runtime error onto exactly one class of python/multirail/errors.py.
+fn to_py(e: Error) -> PyErr {
+    let class = match &e {
+        Error::InvalidArgument(_) => "InvalidArgumentError",
+        Error::UnknownPeer(_) => "UnknownPeerError",
+        Error::NotRegistered { .. } => "NotRegisteredError",
+        Error::OutOfBounds { .. } => "OutOfBoundsError",
+        Error::LengthMismatch { .. } => "LengthMismatchError",
+        Error::Remote { status, .. } => match status {
+            Status::BadKey | Status::UnknownRegion => "AccessDeniedError",
+            Status::ReadOnly => "ReadOnlyError",
+            Status::OutOfBounds => "OutOfBoundsError",
+            Status::TooLarge | Status::Malformed | Status::Unexpected => "ProtocolError",
+            Status::VersionMismatch => "VersionMismatchError",
+            Status::AuthFailed => "AuthenticationError",
+            Status::Ok | Status::Busy | Status::Internal => "TransferError",
+        },
+        Error::Decode { source: DecodeError::VersionMismatch { .. }, .. } => "VersionMismatchError",
+        Error::Decode { .. } | Error::Protocol { .. } => "ProtocolError",
+        Error::Metadata(_) => "MetadataError",
+        Error::StaleMetadata { .. } => "StaleMetadataError",
+        Error::Auth { .. } => "AuthenticationError",
+        Error::PeerLost { .. } => "PeerLostError",
+        Error::Timeout(_) => "TransferTimeoutError",
+        Error::AddrInUse(_) => "AddressInUseError",
+        Error::Io { kind, .. } => match kind {
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted => "PeerLostError",
+            _ => "TransferError",
+        },
+        Error::Closed => "TransferError",
+    };
+    Python::with_gil(|py| {
+        let made = py.import("multirail.errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((e.to_string(),)));
+        match made {
+            Ok(obj) => PyErr::from_value(obj),
+            Err(err) => err,
+        }
+    })
+}
+
+fn parse_policy(s: &str) -> PyResult<Policy> {
+    match s {
+        "weighted" => Ok(Policy::Weighted),
+        "round_robin" | "round-robin" | "rr" => Ok(Policy::RoundRobin),
+        _ => match s.strip_prefix("pinned:").and_then(|n| n.parse::<usize>().ok()) {
+            Some(n) => Ok(Policy::Pinned(n)),
+            None => Err(PyValueError::new_err(format!("unknown policy {s:?}: expected weighted, round_robin or pinned:N"))),
+        },
+    }
+}
+
+fn parse_mem(s: &str) -> PyResult<MemType> {
+    match s.to_ascii_uppercase().as_str() {
+        "DRAM" | "CPU" => Ok(MemType::Dram),
+        "VRAM" | "GPU" | "CUDA" => Ok(MemType::Vram),
+        _ => Err(PyValueError::new_err(format!("unknown memory type {s:?}: expected DRAM or VRAM"))),
+    }
+}
+
+fn mem_name(m: MemType) -> &'static str {
+    match m {
+        MemType::Dram => "DRAM",
+        MemType::Vram => "VRAM",
+    }
+}
+
+/// Read an Nx3 uint64 array at `ptr` (the caller keeps it alive and contiguous).
+fn rows(ptr: usize, n: usize) -> Vec<(u64, u64, u32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    // SAFETY: the Python layer passes the data pointer of a C-contiguous (n, 3) uint64 numpy
+    // array that it holds for the duration of this call.
+    let s = unsafe { std::slice::from_raw_parts(ptr as *const u64, n * 3) };
+    s.chunks_exact(3).map(|r| (r[0], r[1], r[2] as u32)).collect()
+}
+
+#[pyclass(name = "Agent", module = "multirail._core", frozen)]
+struct PyAgent(Agent);
+
+#[pyclass(name = "XferHandle", module = "multirail._core", frozen)]
+struct PyXfer(XferHandle);
+
+#[pymethods]
+impl PyAgent {
+    #[new]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        name: &str,
+        host: &str,
+        port: u16,
+        connections: usize,
+        rails: Vec<(String, String, u8, u64, u32, i32, String, bool)>,
+        rail_map: Vec<(usize, usize)>,
+        policy: &str,
+        chunk_size: u64,
+        stripe_threshold: u64,
+        timeout_s: f64,
+        stall_timeout_s: f64,
+        secret: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
+        for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
+            let addr = addr.parse().map_err(|_| PyValueError::new_err(format!("bad rail address {addr:?}")))?;
+            cfg.rails.push(RailSpec { name: rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device });
+        }
+        cfg.planner.policy = parse_policy(policy)?;
+        if chunk_size < 4096 || chunk_size > multirail_proto::codec::MAX_CHUNK {
+            return Err(PyValueError::new_err("chunk_size must be between 4 KiB and 64 MiB"));
+        }
+        cfg.planner.chunk_size = chunk_size;
+        cfg.planner.min_chunk = cfg.planner.min_chunk.min(chunk_size);
+        cfg.planner.stripe_threshold = stripe_threshold;
+        if !(timeout_s > 0.0 && stall_timeout_s > 0.0) {
+            return Err(PyValueError::new_err("timeouts must be positive"));
+        }
+        cfg.timeout = Duration::from_secs_f64(timeout_s);
+        cfg.planner.stall_timeout = Duration::from_secs_f64(stall_timeout_s);
+        let name = name.to_string();
+        py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
+    }
+
+    #[getter]
+    fn name(&self) -> String {
+        self.0.name().to_string()
+    }
+    #[getter]
+    fn port(&self) -> u16 {
+        self.0.port()
+    }
+    #[getter]
+    fn incarnation(&self) -> u64 {
+        self.0.incarnation()
+    }
+
+    /// Register [addr, addr+len); returns the region id.
+    fn register(&self, addr: u64, len: u64, dev: u32, mem: &str, access: &str) -> PyResult<u64> {
+        let access = match access {
+            "rw" | "read_write" => Access::ReadWrite,
+            "ro" | "read_only" => Access::ReadOnly,
+            "local" | "none" => Access::Local,
+            other => return Err(PyValueError::new_err(format!("unknown access {other:?}: expected rw, ro or local"))),
+        };
+        self.0.register(addr, len, dev, parse_mem(mem)?, access).map(|r| r.id).map_err(to_py)
+    }
+
+    fn deregister(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        py.allow_threads(|| self.0.deregister(id)).map_err(to_py)
+    }
+
+    /// (addr, len, dev) of every registered region containing each descriptor, or an error.
+    fn check_local(&self, ptr: usize, n: usize) -> PyResult<()> {
+        self.0.resolve_local(&rows(ptr, n)).map(|_| ()).map_err(to_py)
+    }
+
+    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.0.metadata().encode())
+    }
+
+    fn add_remote(&self, blob: &[u8]) -> PyResult<String> {
+        self.0.add_remote(blob).map_err(to_py)
+    }
+    fn remove_remote(&self, name: &str) -> PyResult<()> {
+        self.0.remove_remote(name).map_err(to_py)
+    }
+    fn has_remote(&self, name: &str) -> bool {
+        self.0.has_remote(name)
+    }
+    fn fetch_remote(&self, py: Python<'_>, name: &str, ip: &str, port: u16) -> PyResult<String> {
+        py.allow_threads(|| self.0.fetch_remote(name, ip, port)).map_err(to_py)
+    }
+    fn send_local(&self, py: Python<'_>, ip: &str, port: u16) -> PyResult<()> {
+        py.allow_threads(|| self.0.send_local(ip, port)).map_err(to_py)
+    }
+    fn connect(&self, py: Python<'_>, peer: &str) -> PyResult<()> {
+        py.allow_threads(|| self.0.peer(peer).and_then(|p| p.link()).map(|_| ())).map_err(to_py)
+    }
+
+    /// Build a transfer handle from two Nx3 uint64 arrays.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(&self, py: Python<'_>, op: &str, lptr: usize, ln: usize, rptr: usize, rn: usize, peer: &str, notif: Vec<u8>) -> PyResult<PyXfer> {
+        let op = Op::parse(op).map_err(to_py)?;
+        let (local, remote) = (rows(lptr, ln), rows(rptr, rn));
+        py.allow_threads(|| self.0.prepare(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
+    }
+
+    fn send_notif(&self, py: Python<'_>, peer: &str, msg: Vec<u8>) -> PyResult<()> {
+        py.allow_threads(|| self.0.send_notif(peer, &msg)).map_err(to_py)
+    }
+
+    fn take_notifs<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        Ok(self.0.take_notifs().into_iter().map(|(n, b)| (n, PyBytes::new(py, &b))).collect())
+    }
+
+    fn rail_stats<'py>(&self, py: Python<'py>, peer: &str) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in self.0.rail_stats(peer).map_err(to_py)? {
+            let d = PyDict::new(py);
+            d.set_item("name", r.name)?;
+            d.set_item("local_addr", r.local_addr)?;
+            d.set_item("remote_addr", r.remote_addr)?;
+            d.set_item("connections", r.connections)?;
+            d.set_item("up", r.stats.up)?;
+            d.set_item("bytes", r.stats.bytes_done)?;
+            d.set_item("chunks", r.stats.chunks_done)?;
+            d.set_item("reissued", r.stats.chunks_reissued)?;
+            d.set_item("times_down", r.stats.times_down)?;
+            d.set_item("rate_gbps", r.stats.rate * 8.0 / 1e9)?;
+            d.set_item("down_reason", r.stats.down_reason)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    fn events(&self) -> Vec<String> {
+        self.0.events()
+    }
+
+    /// Requests refused from peers so far (bad frames, wrong keys, ...).
+    fn refused(&self) -> usize {
+        self.0.shared().refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.allow_threads(|| self.0.close())
+    }
+}
+
+#[pymethods]
+impl PyXfer {
+    /// Post (or re-post) the transfer; returns the state code.
+    #[pyo3(signature = (notif=None))]
+    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>) -> PyResult<u8> {
+        py.allow_threads(|| self.0.post(notif)).map(|s| s as u8).map_err(to_py)
+    }
+    fn state(&self) -> u8 {
+        self.0.state() as u8
+    }
+    /// Raise the transfer's error if it failed.
+    fn check(&self) -> PyResult<u8> {
+        let s = self.0.state();
+        if s == XferState::Error {
+            if let Some(e) = self.0.error() {
+                return Err(to_py(e));
+            }
+        }
+        Ok(s as u8)
+    }
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let t = timeout.map(Duration::from_secs_f64);
+        py.allow_threads(|| self.0.wait(t)).map_err(to_py)
+    }
+    fn release(&self, py: Python<'_>) {
+        py.allow_threads(|| self.0.release())
+    }
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.0.total_bytes()
+    }
+    #[getter]
+    fn num_pieces(&self) -> usize {
+        self.0.num_pieces()
+    }
+}
+
+/// Serialise an Nx3 uint64 descriptor array.
+#[pyfunction]
+fn serialize_descs<'py>(py: Python<'py>, ptr: usize, n: usize, mem: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let d = DescList { mem: parse_mem(mem)?, descs: rows(ptr, n) };
+    Ok(PyBytes::new(py, &d.encode()))
+}
+
+/// Parse serialised descriptors into (mem type, packed little-endian Nx3 uint64 bytes).
+#[pyfunction]
+fn deserialize_descs<'py>(py: Python<'py>, blob: &[u8]) -> PyResult<(&'static str, Bound<'py, PyBytes>)> {
+    let d = DescList::decode(blob).map_err(|e| to_py(Error::Decode { who: "descriptor list".into(), source: e }))?;
+    let mut out = Vec::with_capacity(d.descs.len() * 24);
+    for (a, l, dev) in d.descs {
+        out.extend_from_slice(&a.to_le_bytes());
+        out.extend_from_slice(&l.to_le_bytes());
+        out.extend_from_slice(&(dev as u64).to_le_bytes());
+    }
+    Ok((mem_name(d.mem), PyBytes::new(py, &out)))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyAgent>()?;
+    m.add_class::<PyXfer>()?;
+    m.add_function(wrap_pyfunction!(serialize_descs, m)?)?;
+    m.add_function(wrap_pyfunction!(deserialize_descs, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("PROTOCOL_VERSION", multirail_proto::codec::VERSION)?;
+    Ok(())
+}

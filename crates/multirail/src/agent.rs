@@ -1,0 +1,357 @@
+//! The agent: identity, registry, listeners and the table of known peers.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{Role, Status, MAX_NAME};
+use multirail_proto::{Access, AgentMeta, Body, MemType, RailInfo};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::peer::{dial, find_region, status_error, Peer, RailReport};
+use crate::registry::{random_bytes, Region, Registry};
+use crate::server;
+use crate::wire::{self, WireError};
+use crate::xfer::{Op, XferHandle};
+
+/// A local rail as the runtime uses it.
+#[derive(Debug, Clone)]
+pub struct LocalRail {
+    pub device: String,
+    pub addr: Option<IpAddr>,
+    pub prefix_len: u8,
+    pub speed_mbps: u64,
+}
+
+/// Immutable identity and configuration shared by every thread of an agent.
+pub struct Ctx {
+    pub name: String,
+    pub incarnation: u64,
+    pub cfg: Config,
+    pub rails: Vec<LocalRail>,
+    pub bind_devices: bool,
+    events: Mutex<VecDeque<String>>,
+    started: Instant,
+}
+
+impl Ctx {
+    /// Record an event (rail down/up, refused peer); printed when MULTIRAIL_LOG is set.
+    pub fn log(&self, msg: &str) {
+        let line = format!("[{:>9.3}s] {}: {msg}", self.started.elapsed().as_secs_f64(), self.name);
+        if std::env::var_os("MULTIRAIL_LOG").is_some() {
+            eprintln!("multirail {line}");
+        }
+        let mut ev = self.events.lock().expect("events lock");
+        if ev.len() >= 1000 {
+            ev.pop_front();
+        }
+        ev.push_back(line);
+    }
+}
+
+/// State shared between the agent handle, its listeners and its connection threads.
+pub struct Shared {
+    pub ctx: Arc<Ctx>,
+    pub registry: Registry,
+    pub peers: RwLock<HashMap<String, Arc<Peer>>>,
+    pub notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    pub shutdown: AtomicBool,
+    pub rails_meta: Vec<RailInfo>,
+    pub open_conns: AtomicUsize,
+    /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
+    pub refused: AtomicUsize,
+}
+
+impl Shared {
+    pub fn metadata(&self) -> AgentMeta {
+        AgentMeta {
+            name: self.ctx.name.clone(),
+            incarnation: self.ctx.incarnation,
+            rails: self.rails_meta.clone(),
+            regions: self.registry.exported(),
+        }
+    }
+
+    /// Install metadata for a peer (replacing an older life of it).
+    pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
+        if meta.name.is_empty() {
+            return Err(Error::Metadata("metadata has an empty agent name".into()));
+        }
+        if meta.name == self.ctx.name {
+            return Err(Error::Metadata(format!("metadata is this agent's own ({:?})", meta.name)));
+        }
+        let name = meta.name.clone();
+        let peer = Arc::new(Peer::new(meta, addr_hint, self.ctx.clone()));
+        if let Some(old) = self.peers.write().expect("peers lock").insert(name.clone(), peer) {
+            old.close();
+        }
+        Ok(name)
+    }
+}
+
+/// A multirail agent. Dropping it closes its listeners and links.
+pub struct Agent {
+    shared: Arc<Shared>,
+    listeners: Mutex<Vec<(SocketAddr, JoinHandle<()>)>>,
+    port: u16,
+}
+
+fn bind(addr: &str, port: u16) -> Result<TcpListener> {
+    let sa = (addr, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidArgument(format!("bad listen address {addr:?}: {e}")))?
+        .next()
+        .ok_or_else(|| Error::InvalidArgument(format!("listen address {addr:?} resolves to nothing")))?;
+    let sock = socket2::Socket::new(socket2::Domain::for_address(sa), socket2::Type::STREAM, None).map_err(|e| Error::io("socket", e))?;
+    sock.set_reuse_address(true).map_err(|e| Error::io("SO_REUSEADDR", e))?;
+    sock.bind(&sa.into()).map_err(|e| match e.kind() {
+        std::io::ErrorKind::AddrInUse => Error::AddrInUse(sa.to_string()),
+        _ => Error::io(format!("bind {sa}"), e),
+    })?;
+    sock.listen(1024).map_err(|e| Error::io(format!("listen on {sa}"), e))?;
+    Ok(sock.into())
+}
+
+impl Agent {
+    pub fn new(name: &str, cfg: Config) -> Result<Agent> {
+        if name.is_empty() || name.len() > MAX_NAME {
+            return Err(Error::InvalidArgument(format!("agent name must be 1..={MAX_NAME} bytes")));
+        }
+        if cfg.connections == 0 || cfg.connections > 64 {
+            return Err(Error::InvalidArgument("connections must be 1..=64".into()));
+        }
+        let side = bind(&cfg.host, cfg.port)?;
+        let side_addr = side.local_addr().map_err(|e| Error::io("local_addr", e))?;
+        let mut listeners = vec![side];
+        let mut rails_meta = Vec::new();
+        let mut rails = Vec::new();
+        if cfg.rails.is_empty() {
+            rails_meta.push(RailInfo {
+                name: "default".into(),
+                addr: side_addr.ip().to_string(),
+                prefix_len: 0,
+                port: side_addr.port(),
+                speed_mbps: 0,
+                mtu: 0,
+                numa: -1,
+                rdma_dev: String::new(),
+            });
+            rails.push(LocalRail { device: String::new(), addr: Some(side_addr.ip()), prefix_len: 0, speed_mbps: 0 });
+        } else {
+            for r in &cfg.rails {
+                let l = bind(&r.addr.to_string(), 0)?;
+                let port = l.local_addr().map_err(|e| Error::io("local_addr", e))?.port();
+                listeners.push(l);
+                rails_meta.push(RailInfo {
+                    name: r.name.clone(),
+                    addr: r.addr.to_string(),
+                    prefix_len: r.prefix_len,
+                    port,
+                    speed_mbps: r.speed_mbps,
+                    mtu: r.mtu,
+                    numa: r.numa,
+                    rdma_dev: r.rdma_dev.clone(),
+                });
+                rails.push(LocalRail { device: r.name.clone(), addr: Some(r.addr), prefix_len: r.prefix_len, speed_mbps: r.speed_mbps });
+            }
+        }
+        let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
+        let ctx = Arc::new(Ctx {
+            name: name.to_string(),
+            incarnation: u64::from_le_bytes(random_bytes()),
+            cfg,
+            rails,
+            bind_devices,
+            events: Mutex::new(VecDeque::new()),
+            started: Instant::now(),
+        });
+        let shared = Arc::new(Shared {
+            ctx,
+            registry: Registry::default(),
+            peers: RwLock::new(HashMap::new()),
+            notifs: Mutex::new(Vec::new()),
+            shutdown: AtomicBool::new(false),
+            rails_meta,
+            open_conns: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
+        });
+        let mut handles = Vec::new();
+        for l in listeners {
+            let addr = l.local_addr().map_err(|e| Error::io("local_addr", e))?;
+            let sh = shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("mr-accept-{}", addr.port()))
+                .spawn(move || server::accept_loop(sh, l))
+                .map_err(|e| Error::io("spawn", e))?;
+            handles.push((addr, h));
+        }
+        Ok(Agent { shared, listeners: Mutex::new(handles), port: side_addr.port() })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.shared.ctx.name
+    }
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+    pub fn incarnation(&self) -> u64 {
+        self.shared.ctx.incarnation
+    }
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    pub fn register(&self, base: u64, len: u64, dev: u32, mem: MemType, access: Access) -> Result<Arc<Region>> {
+        self.shared.registry.register(base, len, dev, mem, access)
+    }
+
+    pub fn deregister(&self, id: u64) -> Result<()> {
+        self.shared.registry.deregister(id, Duration::from_secs(2))
+    }
+
+    pub fn metadata(&self) -> AgentMeta {
+        self.shared.metadata()
+    }
+
+    pub fn add_remote(&self, blob: &[u8]) -> Result<String> {
+        let meta = AgentMeta::decode(blob).map_err(|e| Error::Decode { who: "metadata".into(), source: e })?;
+        self.shared.add_remote(meta, None)
+    }
+
+    pub fn remove_remote(&self, name: &str) -> Result<()> {
+        match self.shared.peers.write().expect("peers lock").remove(name) {
+            Some(p) => {
+                p.close();
+                Ok(())
+            }
+            None => Err(Error::UnknownPeer(name.to_string())),
+        }
+    }
+
+    pub fn has_remote(&self, name: &str) -> bool {
+        self.shared.peers.read().expect("peers lock").contains_key(name)
+    }
+
+    pub fn peer(&self, name: &str) -> Result<Arc<Peer>> {
+        self.shared.peers.read().expect("peers lock").get(name).cloned().ok_or_else(|| Error::UnknownPeer(name.to_string()))
+    }
+
+    fn control(&self, ip: &str, port: u16, body: Body) -> Result<Body> {
+        let addr: SocketAddr = (ip, port)
+            .to_socket_addrs()
+            .map_err(|e| Error::InvalidArgument(format!("bad address {ip}:{port}: {e}")))?
+            .next()
+            .ok_or_else(|| Error::InvalidArgument(format!("{ip}:{port} resolves to nothing")))?;
+        let mut s: TcpStream = dial(&self.shared.ctx, None, addr, Role::Control, None)?;
+        let deadline = Instant::now() + self.shared.ctx.cfg.timeout;
+        let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("request to {addr} timed out")) } else { Ok(()) };
+        let who = addr.to_string();
+        let r = wire::send(&mut s, &body, 0, &mut tick).and_then(|_| wire::read_frame(&mut s, &mut tick));
+        match r {
+            Ok((_, b)) => Ok(b),
+            Err(WireError::Decode(source)) => Err(Error::Decode { who, source }),
+            Err(WireError::GaveUp(m)) => Err(Error::Timeout(m)),
+            Err(WireError::Io(e)) => Err(Error::PeerLost { peer: who, reason: e.to_string() }),
+        }
+    }
+
+    /// Fetch a peer's metadata from its side channel. `name` must match the agent there.
+    pub fn fetch_remote(&self, name: &str, ip: &str, port: u16) -> Result<String> {
+        match self.control(ip, port, Body::MetaGet)? {
+            Body::Meta(blob) => {
+                let meta = AgentMeta::decode(&blob).map_err(|e| Error::Decode { who: format!("{ip}:{port}"), source: e })?;
+                if !name.is_empty() && meta.name != name {
+                    return Err(Error::Metadata(format!("agent at {ip}:{port} is {:?}, not {name:?}", meta.name)));
+                }
+                self.shared.add_remote(meta, ip.parse().ok())
+            }
+            Body::Resp { status, msg, .. } | Body::Error { status, msg } => Err(status_error(&format!("{ip}:{port}"), status, msg)),
+            other => Err(Error::Protocol { who: format!("{ip}:{port}"), msg: format!("expected Meta, got {:?}", other.kind()) }),
+        }
+    }
+
+    /// Push this agent's metadata to the side channel at ip:port.
+    pub fn send_local(&self, ip: &str, port: u16) -> Result<()> {
+        match self.control(ip, port, Body::MetaPut(self.metadata().encode()))? {
+            Body::Resp { status: Status::Ok, .. } => Ok(()),
+            Body::Resp { status, msg, .. } | Body::Error { status, msg } => Err(status_error(&format!("{ip}:{port}"), status, msg)),
+            other => Err(Error::Protocol { who: format!("{ip}:{port}"), msg: format!("expected Resp, got {:?}", other.kind()) }),
+        }
+    }
+
+    /// Resolve local descriptors against the registry: every one must lie inside a registered
+    /// region. Returns the (addr, len) list and the regions to hold.
+    pub fn resolve_local(&self, descs: &[(u64, u64, u32)]) -> Result<(Vec<(u64, u64)>, Vec<Arc<Region>>)> {
+        let regions = self.shared.registry.snapshot();
+        let mut hold: Vec<Arc<Region>> = Vec::new();
+        let mut out = Vec::with_capacity(descs.len());
+        let mut last: Option<&Arc<Region>> = None;
+        for (i, &(addr, len, _)) in descs.iter().enumerate() {
+            let hit = match last {
+                Some(r) if r.base <= addr && addr.checked_add(len).is_some_and(|e| e <= r.base + r.len) => r,
+                _ => {
+                    let r = find_region(&regions, addr, len, |r| (r.base, r.len)).ok_or(Error::NotRegistered { index: i, addr, len })?;
+                    if !hold.iter().any(|h| h.id == r.id) {
+                        hold.push(r.clone());
+                    }
+                    r
+                }
+            };
+            last = Some(hit);
+            out.push((addr, len));
+        }
+        Ok((out, hold))
+    }
+
+    /// Make a transfer handle (resolve, validate and pair all descriptors now).
+    pub fn prepare(&self, op: Op, local: &[(u64, u64, u32)], remote: &[(u64, u64, u32)], peer: &str, notif: Vec<u8>) -> Result<XferHandle> {
+        let peer = self.peer(peer)?;
+        let (local, hold) = self.resolve_local(local)?;
+        peer.prepare(op, local, hold, remote, notif)
+    }
+
+    pub fn send_notif(&self, peer: &str, msg: &[u8]) -> Result<()> {
+        if msg.len() > multirail_proto::codec::MAX_NOTIF {
+            return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", msg.len(), multirail_proto::codec::MAX_NOTIF)));
+        }
+        self.peer(peer)?.send_notif(msg)
+    }
+
+    pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        std::mem::take(&mut *self.shared.notifs.lock().expect("notif lock"))
+    }
+
+    pub fn rail_stats(&self, peer: &str) -> Result<Vec<RailReport>> {
+        Ok(self.peer(peer)?.rail_stats())
+    }
+
+    pub fn events(&self) -> Vec<String> {
+        self.shared.ctx.events.lock().expect("events lock").iter().cloned().collect()
+    }
+
+    pub fn close(&self) {
+        if self.shared.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        for p in self.shared.peers.write().expect("peers lock").drain() {
+            p.1.close();
+        }
+        let listeners: Vec<_> = self.listeners.lock().expect("listeners lock").drain(..).collect();
+        for (addr, h) in listeners {
+            // Wake the blocking accept.
+            let wake = if addr.ip().is_unspecified() { SocketAddr::new(IpAddr::from([127, 0, 0, 1]), addr.port()) } else { addr };
+            let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

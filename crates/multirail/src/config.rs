@@ -1,0 +1,64 @@
+//! Agent configuration.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use multirail_proto::PlannerConfig;
+
+/// One local rail: an interface (or just an address) whose traffic leaves through one NIC.
+#[derive(Debug, Clone)]
+pub struct RailSpec {
+    /// Interface name, or a label when only an address is known.
+    pub name: String,
+    pub addr: IpAddr,
+    pub prefix_len: u8,
+    /// Link speed in Mbit/s; 0 when unknown.
+    pub speed_mbps: u64,
+    pub mtu: u32,
+    pub numa: i32,
+    pub rdma_dev: String,
+    /// Bind connections to the interface too (SO_BINDTODEVICE; needs CAP_NET_RAW, tried and
+    /// skipped silently without it). The source address is always bound.
+    pub bind_device: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Side-channel listen address.
+    pub host: String,
+    /// Side-channel port; 0 picks one (see `Agent::port`).
+    pub port: u16,
+    /// Connections per rail per peer.
+    pub connections: usize,
+    /// Local rails; empty means one rail on `host`.
+    pub rails: Vec<RailSpec>,
+    /// Explicit (local rail index, remote rail index) pairs; empty means pair by shared subnet.
+    pub rail_map: Vec<(usize, usize)>,
+    pub planner: PlannerConfig,
+    /// Connect, handshake and request timeout (a stalled rail is declared down after
+    /// `planner.stall_timeout`).
+    pub timeout: Duration,
+    /// Shared secret for the handshake; `None` disables authentication.
+    pub secret: Option<Vec<u8>>,
+    /// Most simultaneous inbound connections.
+    pub max_connections: usize,
+    /// Most requests one connection keeps in flight.
+    pub conn_window: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            host: "127.0.0.1".into(),
+            port: 0,
+            connections: 1,
+            rails: Vec::new(),
+            rail_map: Vec::new(),
+            planner: PlannerConfig::default(),
+            timeout: Duration::from_secs(10),
+            secret: None,
+            max_connections: 1024,
+            conn_window: 16,
+        }
+    }
+}

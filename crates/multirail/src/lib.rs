@@ -1,0 +1,31 @@
+//! `multirail`: the runtime that drives the sans-IO core (`multirail-proto`) with sockets and
+//! threads.
+//!
+//! - [`agent::Agent`] owns the memory [`registry::Registry`], the listeners (side channel and one
+//!   per rail) and the table of remote peers. Inbound connections are served by
+//!   [`server`]: every remote READ/WRITE is checked against the registry before any memory is
+//!   touched, and bulk bytes move between the socket and registered memory directly.
+//! - [`peer::Peer`] is a remote agent as seen from here: its metadata, and once used, a
+//!   [`peer::Link`]: one connection set per rail, each connection with a sender (pulls chunks
+//!   from the shared planner when it has window room) and a receiver (lands READ data in place,
+//!   reports completions). A failing rail is shut, its chunks are reissued on the others, and it
+//!   is probed and readmitted later.
+//! - [`xfer`] holds transfer handles and their state.
+//!
+//! Threads, not async: a handful of blocking threads per peer keep the data path short (one
+//! syscall per chunk per direction) and the latency path free of executor hops.
+
+pub mod agent;
+pub mod auth;
+pub mod config;
+pub mod error;
+pub mod peer;
+pub mod registry;
+pub mod server;
+pub mod wire;
+pub mod xfer;
+
+pub use agent::Agent;
+pub use config::{Config, RailSpec};
+pub use error::{Error, Result};
+pub use xfer::{Op, XferHandle, XferState};

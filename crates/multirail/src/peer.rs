@@ -1,0 +1,872 @@
+//! A remote agent as seen from here, and the connections (a [`Link`]) that carry transfers to it.
+//!
+//! Threads per connection: a sender that pulls chunks from the link's planner while it has
+//! window room and writes requests (and WRITE payloads, straight from registered memory), and
+//! a receiver that reads responses in order, lands READ payloads straight in registered memory
+//! and reports completions. Lock order: `sched` before nothing else; socket writes and reads
+//! never happen under `sched`.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{RemoteOp, Role, Status};
+use multirail_proto::planner::{pair_segments, RailStats};
+use multirail_proto::{AgentMeta, Body, Chunk, Event, Pair, Planner, RailInfo, RegionKey, RegionMeta, XferId};
+
+use crate::agent::Ctx;
+use crate::auth;
+use crate::error::{Error, Result};
+use crate::registry::random_bytes;
+use crate::wire::{self, WireError};
+use crate::xfer::{Op, XferHandle, XferShared};
+
+/// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
+const TICK: Duration = Duration::from_millis(50);
+
+/// A peer: its metadata and, once used, its link.
+pub struct Peer {
+    pub name: String,
+    pub meta: AgentMeta,
+    /// Exported regions sorted by base, for resolving remote descriptors.
+    regions: Vec<RegionMeta>,
+    keys: HashMap<u64, RegionKey>,
+    /// The address its metadata was fetched from; stands in for unspecified rail addresses.
+    addr_hint: Option<IpAddr>,
+    ctx: Arc<Ctx>,
+    link: Mutex<Option<Arc<Link>>>,
+}
+
+impl Peer {
+    pub fn new(meta: AgentMeta, addr_hint: Option<IpAddr>, ctx: Arc<Ctx>) -> Peer {
+        let mut regions = meta.regions.clone();
+        regions.sort_by_key(|r| (r.base, std::cmp::Reverse(r.len)));
+        let keys = regions.iter().map(|r| (r.id, r.key)).collect();
+        Peer { name: meta.name.clone(), meta, regions, keys, addr_hint, ctx, link: Mutex::new(None) }
+    }
+
+    /// Resolve remote (addr, len) descriptors into (region, offset, len) against the peer's
+    /// exported regions.
+    pub fn resolve(&self, descs: &[(u64, u64, u32)]) -> Result<Vec<(u64, u64, u64)>> {
+        let mut out = Vec::with_capacity(descs.len());
+        for (i, &(addr, len, _dev)) in descs.iter().enumerate() {
+            let r = find_region(&self.regions, addr, len, |r| (r.base, r.len)).ok_or(Error::OutOfBounds {
+                peer: self.name.clone(),
+                index: i,
+                addr,
+                len,
+            })?;
+            out.push((r.id, addr - r.base, len));
+        }
+        Ok(out)
+    }
+
+    pub fn pair(&self, local: &[(u64, u64)], remote: &[(u64, u64, u64)]) -> Result<Vec<Pair>> {
+        pair_segments(local, remote).map_err(|(l, r)| Error::LengthMismatch { local: l, remote: r })
+    }
+
+    /// The live link, connecting first if needed.
+    pub fn link(self: &Arc<Self>) -> Result<Arc<Link>> {
+        let mut g = self.link.lock().expect("peer lock");
+        if let Some(l) = g.as_ref() {
+            if l.usable() {
+                return Ok(l.clone());
+            }
+            if let Some(e) = l.fatal.lock().expect("link lock").clone() {
+                return Err(e);
+            }
+            l.close();
+        }
+        let l = Link::connect(self)?;
+        *g = Some(l.clone());
+        Ok(l)
+    }
+
+    pub fn connected(&self) -> bool {
+        self.link.lock().expect("peer lock").as_ref().is_some_and(|l| l.usable())
+    }
+
+    pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>) -> Result<()> {
+        let link = self.link()?;
+        link.submit(x)
+    }
+
+    pub(crate) fn cancel(&self, x: &Arc<XferShared>) {
+        if let Some(l) = self.link.lock().expect("peer lock").as_ref() {
+            l.cancel(x);
+        }
+    }
+
+    pub fn send_notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
+        self.link()?.control_request(Body::Notif(msg.to_vec()))
+    }
+
+    pub fn rail_stats(&self) -> Vec<RailReport> {
+        match self.link.lock().expect("peer lock").as_ref() {
+            Some(l) => l.rail_reports(),
+            None => Vec::new(),
+        }
+    }
+
+    pub fn close(&self) {
+        if let Some(l) = self.link.lock().expect("peer lock").take() {
+            l.close();
+        }
+    }
+
+    /// Create a transfer handle: resolve and pair descriptors now, so posting is cheap.
+    pub fn prepare(
+        self: &Arc<Self>,
+        op: Op,
+        local: Vec<(u64, u64)>,
+        local_hold: Vec<Arc<crate::registry::Region>>,
+        remote: &[(u64, u64, u32)],
+        notif: Vec<u8>,
+    ) -> Result<XferHandle> {
+        if notif.len() > multirail_proto::codec::MAX_NOTIF {
+            return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", notif.len(), multirail_proto::codec::MAX_NOTIF)));
+        }
+        let remote = self.resolve(remote)?;
+        if op == Op::Write {
+            for &(region, _, _) in &remote {
+                if let Some(r) = self.regions.iter().find(|r| r.id == region) {
+                    if r.access != multirail_proto::Access::ReadWrite {
+                        return Err(Error::Remote {
+                            peer: self.name.clone(),
+                            status: Status::ReadOnly,
+                            msg: format!("region {region} is exported read-only"),
+                        });
+                    }
+                }
+            }
+        }
+        let pairs = self.pair(&local, &remote)?;
+        // Connect now, so unreachable peers fail here rather than on the first post.
+        self.link()?;
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, local_hold)))
+    }
+}
+
+/// Binary search for a region containing [addr, addr+len), falling back to a scan when
+/// regions overlap.
+pub(crate) fn find_region<T>(sorted: &[T], addr: u64, len: u64, span: impl Fn(&T) -> (u64, u64)) -> Option<&T> {
+    let end = addr.checked_add(len)?;
+    let idx = sorted.partition_point(|r| span(r).0 <= addr);
+    if idx > 0 {
+        let r = &sorted[idx - 1];
+        let (b, l) = span(r);
+        if end <= b + l {
+            return Some(r);
+        }
+    }
+    sorted[..idx].iter().rev().find(|r| {
+        let (b, l) = span(r);
+        end <= b + l
+    })
+}
+
+/// One rail's state and counters as reported to the caller.
+#[derive(Debug, Clone)]
+pub struct RailReport {
+    pub name: String,
+    pub local_addr: String,
+    pub remote_addr: String,
+    pub connections: usize,
+    pub stats: RailStats,
+}
+
+struct Sent {
+    req_id: u64,
+    chunk: Chunk,
+    xfer: Arc<XferShared>,
+}
+
+/// One TCP connection on one rail.
+struct Conn {
+    rail: usize,
+    writer: Mutex<TcpStream>,
+    inflight: Mutex<VecDeque<Sent>>,
+    inflight_n: AtomicUsize,
+    next_req: AtomicU64,
+    dead: AtomicBool,
+}
+
+impl Conn {
+    fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+        if let Ok(s) = self.writer.try_lock() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+struct RailLink {
+    local: Option<(String, IpAddr)>,
+    remote: SocketAddr,
+    remote_name: String,
+    conns: RwLock<Vec<Arc<Conn>>>,
+    live_receivers: AtomicUsize,
+    /// Raw fds of the current connections, so a failure can shut all of them at once.
+    fds: Mutex<Vec<TcpStream>>,
+    probing: AtomicBool,
+    /// First failure cause since the rail was last opened.
+    failure: Mutex<Option<String>>,
+}
+
+struct Sched {
+    planner: Planner,
+    xfers: HashMap<XferId, Arc<XferShared>>,
+    next_xfer: u64,
+}
+
+/// The live connections to one peer and the planner that stripes over them.
+pub struct Link {
+    peer_name: String,
+    incarnation: u64,
+    ctx: Arc<Ctx>,
+    keys: HashMap<u64, RegionKey>,
+    rails: Vec<RailLink>,
+    sched: Mutex<Sched>,
+    cond: Condvar,
+    control: Mutex<Option<TcpStream>>,
+    notify_tx: Mutex<Option<mpsc::Sender<Arc<XferShared>>>>,
+    shutdown: AtomicBool,
+    /// Set when the peer is known gone for good (restarted: stale metadata).
+    fatal: Mutex<Option<Error>>,
+}
+
+fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
+    if !ctx.cfg.rail_map.is_empty() {
+        return ctx.cfg.rail_map.iter().copied().filter(|&(l, r)| l < ctx.rails.len() && r < remote.len()).collect();
+    }
+    let mut pairs = Vec::new();
+    let mut used = vec![false; remote.len()];
+    for (li, l) in ctx.rails.iter().enumerate() {
+        let Some(la) = l.addr else { continue };
+        let found = remote.iter().enumerate().find(|(ri, r)| {
+            !used[*ri] && r.addr.parse::<IpAddr>().is_ok_and(|ra| same_subnet(la, ra, l.prefix_len))
+        });
+        if let Some((ri, _)) = found {
+            used[ri] = true;
+            pairs.push((li, ri));
+        }
+    }
+    if pairs.is_empty() && !remote.is_empty() {
+        // No shared subnet (loopback default, routed fabric): pair by index.
+        let n = ctx.rails.len().max(1).min(remote.len().max(ctx.rails.len()));
+        for i in 0..n {
+            pairs.push((i % ctx.rails.len().max(1), i % remote.len()));
+        }
+        pairs.dedup();
+    }
+    pairs
+}
+
+fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
+    match (a, b) {
+        (IpAddr::V4(a), IpAddr::V4(b)) if prefix > 0 && prefix <= 32 => {
+            let m = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
+            u32::from(a) & m == u32::from(b) & m
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) if prefix > 0 && prefix <= 128 => {
+            let m = u128::MAX.checked_shl(128 - prefix as u32).unwrap_or(0);
+            u128::from(a) & m == u128::from(b) & m
+        }
+        _ => false,
+    }
+}
+
+/// Open one authenticated connection and check the peer is the life we have metadata for.
+pub(crate) fn dial(
+    ctx: &Ctx,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+) -> Result<TcpStream> {
+    let who = format!("{remote}");
+    let domain = socket2::Domain::for_address(remote);
+    let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
+    if let Some((dev, addr)) = local {
+        if ctx.bind_devices && !dev.is_empty() {
+            // Needs CAP_NET_RAW; without it the source-address binding below still steers
+            // traffic through per-rail policy routing.
+            let _ = sock.bind_device(Some(dev.as_bytes()));
+        }
+        sock.bind(&SocketAddr::new(*addr, 0).into()).map_err(|e| Error::io(format!("bind to rail address {addr}"), e))?;
+    }
+    sock.connect_timeout(&remote.into(), ctx.cfg.timeout).map_err(|e| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => Error::PeerLost { peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()), reason: format!("connection to {remote} refused") },
+        _ => Error::io(format!("connect to {remote}"), e),
+    })?;
+    let mut s: TcpStream = sock.into();
+    s.set_nodelay(true).map_err(|e| Error::io("nodelay", e))?;
+    s.set_read_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
+    s.set_write_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
+    let deadline = Instant::now() + ctx.cfg.timeout;
+    let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("handshake with {remote} timed out")) } else { Ok(()) };
+    let nonce: [u8; 16] = random_bytes();
+    let wire_err = |e: WireError| match e {
+        WireError::Decode(source) => Error::Decode { who: who.clone(), source },
+        WireError::GaveUp(m) => Error::Timeout(m),
+        WireError::Io(e) => Error::PeerLost { peer: who.clone(), reason: format!("handshake: {e}") },
+    };
+    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.clone(), nonce }, 0, &mut tick).map_err(wire_err)?;
+    let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
+    let (auth_required, incarnation, server_nonce, server_name) = match b {
+        Body::Challenge { auth_required, incarnation, nonce, name } => (auth_required, incarnation, nonce, name),
+        Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
+        other => return Err(Error::Protocol { who, msg: format!("expected Challenge, got {:?}", other.kind()) }),
+    };
+    if let Some((name, inc)) = expect {
+        if server_name != name {
+            return Err(Error::Metadata(format!("{remote} is agent {server_name:?}, not {name:?}")));
+        }
+        if incarnation != inc {
+            return Err(Error::StaleMetadata { peer: name.to_string(), cached: inc, current: incarnation });
+        }
+    }
+    let mac = match (&ctx.cfg.secret, auth_required) {
+        (Some(secret), true) => auth::client_proof(secret, &server_nonce, &nonce, &ctx.name),
+        (None, true) => return Err(Error::Auth { who, msg: "peer requires a shared secret and none is configured".into() }),
+        (Some(_), false) => return Err(Error::Auth { who, msg: "peer does not authenticate but a shared secret is configured here".into() }),
+        (None, false) => [0u8; 32],
+    };
+    wire::send(&mut s, &Body::Auth { mac }, 0, &mut tick).map_err(wire_err)?;
+    let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
+    match b {
+        Body::Welcome { mac } => {
+            if let Some(secret) = &ctx.cfg.secret {
+                if !auth::proofs_equal(&mac, &auth::server_proof(secret, &nonce, &server_nonce, &server_name)) {
+                    return Err(Error::Auth { who, msg: "peer failed to prove the shared secret".into() });
+                }
+            }
+        }
+        Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
+        other => return Err(Error::Protocol { who, msg: format!("expected Welcome, got {:?}", other.kind()) }),
+    }
+    Ok(s)
+}
+
+pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {
+    match status {
+        Status::AuthFailed => Error::Auth { who: who.into(), msg },
+        Status::VersionMismatch => Error::Decode {
+            who: who.into(),
+            source: multirail_proto::DecodeError::VersionMismatch { got: 0, want: multirail_proto::codec::VERSION },
+        },
+        _ => Error::Remote { peer: who.into(), status, msg },
+    }
+}
+
+impl Link {
+    fn connect(peer: &Arc<Peer>) -> Result<Arc<Link>> {
+        let ctx = peer.ctx.clone();
+        let pairs = rail_pairs(&ctx, &peer.meta.rails);
+        if pairs.is_empty() {
+            return Err(Error::Metadata(format!("peer {:?} publishes no rail this agent can reach", peer.name)));
+        }
+        let mut planner = Planner::new(ctx.cfg.planner.clone());
+        let now = Instant::now();
+        let mut rails = Vec::new();
+        for &(li, ri) in &pairs {
+            let l = &ctx.rails[li];
+            let r = &peer.meta.rails[ri];
+            let mut ip: IpAddr = r.addr.parse().map_err(|_| Error::Metadata(format!("bad rail address {:?}", r.addr)))?;
+            if ip.is_unspecified() {
+                ip = peer.addr_hint.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            }
+            let speeds: Vec<u64> = [l.speed_mbps, r.speed_mbps].into_iter().filter(|s| *s > 0).collect();
+            let hint = speeds.iter().min().map(|m| *m as f64 * 1e6 / 8.0);
+            planner.add_rail(hint, now);
+            rails.push(RailLink {
+                local: l.addr.filter(|a| !a.is_unspecified()).map(|a| (l.device.clone(), a)),
+                remote: SocketAddr::new(ip, r.port),
+                remote_name: r.name.clone(),
+                conns: RwLock::new(Vec::new()),
+                live_receivers: AtomicUsize::new(0),
+                fds: Mutex::new(Vec::new()),
+                probing: AtomicBool::new(false),
+                failure: Mutex::new(None),
+            });
+        }
+        let link = Arc::new(Link {
+            peer_name: peer.name.clone(),
+            incarnation: peer.meta.incarnation,
+            ctx: ctx.clone(),
+            keys: peer.keys.clone(),
+            rails,
+            sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1 }),
+            cond: Condvar::new(),
+            control: Mutex::new(None),
+            notify_tx: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+            fatal: Mutex::new(None),
+        });
+        let mut first_err = None;
+        let mut any = false;
+        for ri in 0..link.rails.len() {
+            match link.open_rail(ri) {
+                Ok(()) => any = true,
+                Err(e) => {
+                    if matches!(e, Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_) | Error::Decode { .. }) {
+                        link.close();
+                        return Err(e);
+                    }
+                    let mut g = link.sched.lock().expect("sched lock");
+                    g.planner.handle_rail_down(ri, format!("connect failed: {e}"), Instant::now());
+                    drop(g);
+                    link.start_probe(ri);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if !any {
+            link.close();
+            return Err(first_err.unwrap_or_else(|| Error::PeerLost { peer: peer.name.clone(), reason: "no rail could connect".into() }));
+        }
+        // Drain the RailDown events of rails that failed to connect.
+        link.sched.lock().expect("sched lock").planner.poll_event();
+        let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
+        *link.notify_tx.lock().expect("link lock") = Some(tx);
+        let l2 = link.clone();
+        std::thread::Builder::new()
+            .name(format!("mr-notify-{}", peer.name))
+            .spawn(move || {
+                while let Ok(x) = rx.recv() {
+                    let msg = x.notif.lock().expect("xfer lock").clone();
+                    let r = l2.control_request(Body::Notif(msg));
+                    x.finish(r);
+                }
+            })
+            .map_err(|e| Error::io("spawn", e))?;
+        Ok(link)
+    }
+
+    fn usable(&self) -> bool {
+        !self.shutdown.load(Ordering::Acquire) && self.fatal.lock().expect("link lock").is_none()
+    }
+
+    /// Open the configured number of connections on rail `ri` and start their threads.
+    fn open_rail(self: &Arc<Self>, ri: usize) -> Result<()> {
+        let rail = &self.rails[ri];
+        let mut streams = Vec::new();
+        for _ in 0..self.ctx.cfg.connections.max(1) {
+            streams.push(dial(&self.ctx, rail.local.as_ref(), rail.remote, Role::Data, Some((&self.peer_name, self.incarnation)))?);
+        }
+        let mut conns = Vec::new();
+        let mut fds = Vec::new();
+        for s in streams {
+            let reader = s.try_clone().map_err(|e| Error::io("clone socket", e))?;
+            fds.push(s.try_clone().map_err(|e| Error::io("clone socket", e))?);
+            let c = Arc::new(Conn {
+                rail: ri,
+                writer: Mutex::new(s),
+                inflight: Mutex::new(VecDeque::new()),
+                inflight_n: AtomicUsize::new(0),
+                next_req: AtomicU64::new(1),
+                dead: AtomicBool::new(false),
+            });
+            rail.live_receivers.fetch_add(1, Ordering::AcqRel);
+            let (l1, c1) = (self.clone(), c.clone());
+            std::thread::Builder::new()
+                .name(format!("mr-recv-{ri}"))
+                .spawn(move || l1.receiver(c1, reader))
+                .map_err(|e| Error::io("spawn", e))?;
+            let (l2, c2) = (self.clone(), c.clone());
+            std::thread::Builder::new().name(format!("mr-send-{ri}")).spawn(move || l2.sender(c2)).map_err(|e| Error::io("spawn", e))?;
+            conns.push(c);
+        }
+        *rail.fds.lock().expect("rail lock") = fds;
+        *rail.conns.write().expect("rail lock") = conns;
+        Ok(())
+    }
+
+    fn submit(self: &Arc<Self>, x: Arc<XferShared>) -> Result<()> {
+        if !self.usable() {
+            return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
+        }
+        let mut g = self.sched.lock().expect("sched lock");
+        let id = XferId(g.next_xfer);
+        g.next_xfer += 1;
+        x.current.store(id.0, Ordering::Release);
+        g.xfers.insert(id, x.clone());
+        g.planner.submit(id, x.pairs.as_ref().clone(), Instant::now());
+        let done = self.drain_events(&mut g);
+        drop(g);
+        self.complete(done);
+        // Post the first chunks from this thread: saves a wakeup on the latency path.
+        for rail in &self.rails {
+            let conns = rail.conns.read().expect("rail lock").clone();
+            for c in conns {
+                self.pump(&c);
+            }
+        }
+        self.cond.notify_all();
+        Ok(())
+    }
+
+    fn cancel(&self, x: &Arc<XferShared>) {
+        let id = XferId(x.current.load(Ordering::Acquire));
+        let mut g = self.sched.lock().expect("sched lock");
+        g.planner.cancel(id);
+        g.xfers.remove(&id);
+        drop(g);
+        // Wait until no connection still holds a chunk of this transfer.
+        let deadline = Instant::now() + self.ctx.cfg.planner.stall_timeout + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let busy = self.rails.iter().any(|r| {
+                r.conns.read().expect("rail lock").iter().any(|c| c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x)))
+            });
+            if !busy {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Planner events -> transfer outcomes (applied by `complete` outside the lock).
+    fn drain_events(&self, g: &mut Sched) -> Vec<(Arc<XferShared>, Result<()>)> {
+        let mut out = Vec::new();
+        while let Some(ev) = g.planner.poll_event() {
+            match ev {
+                Event::XferDone(id) => {
+                    if let Some(x) = g.xfers.remove(&id) {
+                        out.push((x, Ok(())));
+                    }
+                }
+                Event::XferFailed { xfer, reason } => {
+                    if let Some(x) = g.xfers.remove(&xfer) {
+                        out.push((x, Err(Error::PeerLost { peer: self.peer_name.clone(), reason })));
+                    }
+                }
+                Event::RailDown { rail, reason } => {
+                    self.ctx.log(&format!("peer {}: rail {rail} down: {reason}", self.peer_name));
+                }
+                Event::RailUp(rail) => self.ctx.log(&format!("peer {}: rail {rail} up again", self.peer_name)),
+            }
+        }
+        out
+    }
+
+    fn complete(&self, done: Vec<(Arc<XferShared>, Result<()>)>) {
+        for (x, r) in done {
+            let has_notif = r.is_ok() && !x.notif.lock().expect("xfer lock").is_empty();
+            if has_notif {
+                if let Some(tx) = self.notify_tx.lock().expect("link lock").as_ref() {
+                    if tx.send(x.clone()).is_ok() {
+                        continue;
+                    }
+                }
+                x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() }));
+            } else {
+                x.finish(r);
+            }
+        }
+    }
+
+    /// Send chunks on `c` while the planner has work for its rail and the connection has room.
+    fn pump(&self, c: &Arc<Conn>) -> bool {
+        let mut sent = false;
+        loop {
+            if c.dead.load(Ordering::Acquire) || c.inflight_n.load(Ordering::Acquire) >= self.ctx.cfg.conn_window {
+                return sent;
+            }
+            let mut g = self.sched.lock().expect("sched lock");
+            let Some(chunk) = g.planner.poll_work(c.rail, Instant::now()) else { return sent };
+            let Some(x) = g.xfers.get(&chunk.xfer).cloned() else {
+                // Cannot happen: the planner only hands out chunks of transfers in `xfers`.
+                g.planner.cancel(chunk.xfer);
+                return sent;
+            };
+            drop(g);
+            self.send_chunk(c, chunk, x);
+            sent = true;
+        }
+    }
+
+    fn send_chunk(&self, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
+        let key = self.keys.get(&chunk.piece.region).copied().unwrap_or(RegionKey([0; 16]));
+        let op = RemoteOp { region: chunk.piece.region, key, offset: chunk.piece.offset, len: chunk.piece.len };
+        let write = x.op == Op::Write;
+        let body = if write { Body::WriteReq(op) } else { Body::ReadReq(op) };
+        let mut w = c.writer.lock().expect("conn lock");
+        let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
+        c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
+        c.inflight_n.fetch_add(1, Ordering::AcqRel);
+        let hdr = body.encode(req_id);
+        let stall = self.ctx.cfg.planner.stall_timeout;
+        let t0 = Instant::now();
+        let mut tick = |_: bool| {
+            if self.shutdown.load(Ordering::Acquire) || c.dead.load(Ordering::Acquire) {
+                Err("connection closed".to_string())
+            } else if t0.elapsed() > stall {
+                Err(format!("send stalled for {stall:?}"))
+            } else {
+                Ok(())
+            }
+        };
+        let r = if write {
+            // SAFETY: the pair lies inside a local region registered with this agent (checked
+            // when the handle was made) and held by the transfer (`_hold`) until it is dropped.
+            let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
+            wire::write_full(&mut w, &[&hdr, payload], &mut tick)
+        } else {
+            wire::write_full(&mut w, &[&hdr], &mut tick)
+        };
+        if let Err(e) = r {
+            // The receiver notices the shut socket and runs the rail-down path.
+            self.ctx.log(&format!("peer {}: rail {} send failed: {e}", self.peer_name, c.rail));
+            c.dead.store(true, Ordering::Release);
+            let _ = w.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn sender(self: Arc<Self>, c: Arc<Conn>) {
+        let mut g = self.sched.lock().expect("sched lock");
+        loop {
+            if self.shutdown.load(Ordering::Acquire) || c.dead.load(Ordering::Acquire) {
+                return;
+            }
+            if c.inflight_n.load(Ordering::Acquire) < self.ctx.cfg.conn_window {
+                if let Some(chunk) = g.planner.poll_work(c.rail, Instant::now()) {
+                    let x = g.xfers.get(&chunk.xfer).cloned();
+                    drop(g);
+                    if let Some(x) = x {
+                        self.send_chunk(&c, chunk, x);
+                    }
+                    g = self.sched.lock().expect("sched lock");
+                    continue;
+                }
+            }
+            // Polling and sleeping under one lock hold: no wakeup is lost in between.
+            g = self.cond.wait_timeout(g, Duration::from_millis(100)).expect("sched lock").0;
+        }
+    }
+
+    fn receiver(self: Arc<Self>, c: Arc<Conn>, mut s: TcpStream) {
+        let reason = self.receive_loop(&c, &mut s);
+        c.dead.store(true, Ordering::Release);
+        let _ = s.shutdown(Shutdown::Both);
+        if let Some(reason) = reason {
+            self.rail_failed(c.rail, reason);
+        }
+        let rail = &self.rails[c.rail];
+        if rail.live_receivers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Last receiver of this rail: nothing on it touches memory any more, so its
+            // chunks can be reissued elsewhere.
+            let reason = if self.shutdown.load(Ordering::Acquire) { "link closed".to_string() } else { "connections lost".to_string() };
+            let reason = rail.failure.lock().expect("rail lock").take().unwrap_or(reason);
+            let mut g = self.sched.lock().expect("sched lock");
+            g.planner.handle_rail_down(c.rail, reason, Instant::now());
+            let done = self.drain_events(&mut g);
+            drop(g);
+            self.complete(done);
+            self.cond.notify_all();
+            if !self.shutdown.load(Ordering::Acquire) {
+                self.start_probe(c.rail);
+            }
+        }
+    }
+
+    /// Returns the failure reason, or None on orderly shutdown.
+    fn receive_loop(&self, c: &Arc<Conn>, s: &mut TcpStream) -> Option<String> {
+        let stall = self.ctx.cfg.planner.stall_timeout;
+        let mut last = Instant::now();
+        loop {
+            let mut tick = |started: bool| -> Result<(), String> {
+                if self.shutdown.load(Ordering::Acquire) {
+                    return Err(String::new());
+                }
+                if c.dead.load(Ordering::Acquire) {
+                    return Err("connection shut".into());
+                }
+                let busy = started || c.inflight_n.load(Ordering::Acquire) > 0;
+                if busy && last.elapsed() > stall {
+                    return Err(format!("stalled: no response for {stall:?}"));
+                }
+                if !busy {
+                    last = Instant::now();
+                }
+                Ok(())
+            };
+            let (h, body) = match wire::read_frame(s, &mut tick) {
+                Ok(f) => f,
+                Err(WireError::GaveUp(r)) if r.is_empty() => return None,
+                Err(e) => return Some(e.to_string()),
+            };
+            last = Instant::now();
+            let (status, bulk_len, msg) = match body {
+                Body::Resp { status, bulk_len, msg } => (status, bulk_len, msg),
+                Body::Error { status, msg } => return Some(format!("peer closed the connection: {status:?}: {msg}")),
+                other => return Some(format!("protocol error: unexpected {:?} on a data connection", other.kind())),
+            };
+            let Some(sent) = c.inflight.lock().expect("conn lock").pop_front() else {
+                return Some("protocol error: response with no request outstanding".into());
+            };
+            if sent.req_id != h.req_id {
+                return Some(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
+            }
+            let ok = status == Status::Ok;
+            if ok && sent.xfer.op == Op::Read {
+                if bulk_len != sent.chunk.piece.len {
+                    return Some(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
+                }
+                // SAFETY: as in `send_chunk`: registered local memory held by the transfer.
+                let dst = unsafe { std::slice::from_raw_parts_mut(sent.chunk.piece.local as *mut u8, sent.chunk.piece.len as usize) };
+                let t0 = Instant::now();
+                let mut tick = |_: bool| {
+                    if self.shutdown.load(Ordering::Acquire) || c.dead.load(Ordering::Acquire) {
+                        Err("connection shut".to_string())
+                    } else if t0.elapsed() > stall {
+                        Err(format!("stalled mid-payload for {stall:?}"))
+                    } else {
+                        Ok(())
+                    }
+                };
+                if let Err(e) = wire::read_full(s, dst, &mut tick) {
+                    // Put it back so the rail-down path reissues it.
+                    c.inflight.lock().expect("conn lock").push_front(sent);
+                    return Some(e.to_string());
+                }
+            } else if bulk_len != 0 {
+                return Some("protocol error: bulk data on a refused or WRITE response".into());
+            }
+            c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+            let now = Instant::now();
+            let mut g = self.sched.lock().expect("sched lock");
+            if ok {
+                g.planner.handle_done(sent.chunk.id, now);
+            } else {
+                sent.xfer.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
+                g.planner.handle_failed(sent.chunk.id, msg, now);
+            }
+            let done = self.drain_events(&mut g);
+            drop(g);
+            self.complete(done);
+            self.cond.notify_all();
+        }
+    }
+
+    /// Shut every connection of a rail so all its receivers stop.
+    fn rail_failed(&self, ri: usize, reason: String) {
+        let rail = &self.rails[ri];
+        self.ctx.log(&format!("peer {}: rail {ri} ({}) failed: {reason}", self.peer_name, rail.remote));
+        // Dead connections take no new chunks; chunks in flight are requeued when the last
+        // receiver of the rail has stopped (see `receiver`).
+        rail.failure.lock().expect("rail lock").get_or_insert(reason);
+        for c in rail.conns.read().expect("rail lock").iter() {
+            c.dead.store(true, Ordering::Release);
+        }
+        for s in rail.fds.lock().expect("rail lock").iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Reconnect a down rail in the background and readmit it.
+    fn start_probe(self: &Arc<Self>, ri: usize) {
+        if self.rails[ri].probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let l = self.clone();
+        let _ = std::thread::Builder::new().name(format!("mr-probe-{ri}")).spawn(move || {
+            let mut backoff = Duration::from_millis(200);
+            while !l.shutdown.load(Ordering::Acquire) {
+                std::thread::sleep(backoff);
+                if l.shutdown.load(Ordering::Acquire) || l.rails[ri].live_receivers.load(Ordering::Acquire) > 0 {
+                    break;
+                }
+                match l.open_rail(ri) {
+                    Ok(()) => {
+                        let mut g = l.sched.lock().expect("sched lock");
+                        g.planner.handle_rail_up(ri, Instant::now());
+                        let done = l.drain_events(&mut g);
+                        drop(g);
+                        l.complete(done);
+                        l.cond.notify_all();
+                        break;
+                    }
+                    Err(e @ Error::StaleMetadata { .. }) => {
+                        l.ctx.log(&format!("peer {}: {e}", l.peer_name));
+                        *l.fatal.lock().expect("link lock") = Some(e);
+                        break;
+                    }
+                    Err(_) => backoff = (backoff * 2).min(Duration::from_secs(2)),
+                }
+            }
+            l.rails[ri].probing.store(false, Ordering::Release);
+        });
+    }
+
+    /// One request/response on the control connection (notifications).
+    fn control_request(&self, body: Body) -> Result<()> {
+        let who = self.peer_name.clone();
+        let mut g = self.control.lock().expect("control lock");
+        for attempt in 0..2 {
+            if g.is_none() {
+                let rail = self.rails.iter().find(|r| r.live_receivers.load(Ordering::Acquire) > 0).unwrap_or(&self.rails[0]);
+                *g = Some(dial(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, Some((&self.peer_name, self.incarnation)))?);
+            }
+            let s = g.as_mut().expect("connected");
+            let deadline = Instant::now() + self.ctx.cfg.timeout;
+            let mut tick = |_: bool| if Instant::now() > deadline { Err("control request timed out".to_string()) } else { Ok(()) };
+            let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
+            match r {
+                Ok((_, Body::Resp { status: Status::Ok, .. })) => return Ok(()),
+                Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => return Err(status_error(&who, status, msg)),
+                Ok((_, other)) => return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) }),
+                Err(WireError::GaveUp(m)) => {
+                    *g = None;
+                    return Err(Error::Timeout(m));
+                }
+                Err(e) => {
+                    *g = None;
+                    if attempt == 1 {
+                        return Err(Error::PeerLost { peer: who, reason: e.to_string() });
+                    }
+                }
+            }
+        }
+        unreachable!("the loop returns on its second attempt")
+    }
+
+    fn rail_reports(&self) -> Vec<RailReport> {
+        let g = self.sched.lock().expect("sched lock");
+        self.rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RailReport {
+                name: r.remote_name.clone(),
+                local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
+                remote_addr: r.remote.to_string(),
+                connections: r.conns.read().expect("rail lock").len(),
+                stats: g.planner.rail_stats(i),
+            })
+            .collect()
+    }
+
+    pub(crate) fn close(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        for r in &self.rails {
+            for c in r.conns.read().expect("rail lock").iter() {
+                c.kill();
+            }
+            for s in r.fds.lock().expect("rail lock").iter() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+        if let Some(s) = self.control.lock().expect("control lock").take() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        self.notify_tx.lock().expect("link lock").take();
+        let mut g = self.sched.lock().expect("sched lock");
+        let pending: Vec<Arc<XferShared>> = g.xfers.drain().map(|(_, x)| x).collect();
+        drop(g);
+        for x in pending {
+            x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() }));
+        }
+        self.cond.notify_all();
+    }
+}

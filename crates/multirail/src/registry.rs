@@ -1,0 +1,172 @@
+//! The memory registry: regions this agent registered, their keys and access rights.
+//!
+//! Remote requests name a region id, a key, an offset and a length; [`Registry::check_remote`]
+//! validates all four (and the access right) before any pointer is formed, so a peer touches
+//! only memory exported to it. Addresses from the wire are never trusted.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use multirail_proto::codec::RemoteOp;
+use multirail_proto::{Access, MemType, RegionKey, RegionMeta, Status};
+
+use crate::error::{Error, Result};
+
+/// A registered region. The memory belongs to the caller (Python keeps the object alive while
+/// it is registered); holders of an `Arc<Region>` block its deregistration.
+#[derive(Debug)]
+pub struct Region {
+    pub id: u64,
+    pub base: u64,
+    pub len: u64,
+    pub dev: u32,
+    pub mem: MemType,
+    pub access: Access,
+    pub key: RegionKey,
+}
+
+impl Region {
+    pub fn meta(&self) -> RegionMeta {
+        RegionMeta { id: self.id, base: self.base, len: self.len, dev: self.dev, mem: self.mem, access: self.access, key: self.key }
+    }
+
+    /// Raw pointer to `offset` (bounds already checked by the caller).
+    pub fn ptr(&self, offset: u64) -> *mut u8 {
+        (self.base + offset) as *mut u8
+    }
+}
+
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    getrandom::getrandom(&mut b).expect("the OS random source is available");
+    b
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    by_id: RwLock<BTreeMap<u64, Arc<Region>>>,
+    next_id: AtomicU64,
+}
+
+impl Registry {
+    pub fn register(&self, base: u64, len: u64, dev: u32, mem: MemType, access: Access) -> Result<Arc<Region>> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("cannot register an empty region".into()));
+        }
+        if base == 0 || base.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(format!("bad region address {base:#x} + {len}")));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let r = Arc::new(Region { id, base, len, dev, mem, access, key: RegionKey(random_bytes()) });
+        // Overlapping registrations are allowed (NIXL allows them); lookups pick a region that
+        // contains the whole descriptor.
+        self.by_id.write().expect("registry lock").insert(id, r.clone());
+        Ok(r)
+    }
+
+    /// Remove a region. Fails while a transfer handle or an in-flight request holds it.
+    pub fn deregister(&self, id: u64, wait: std::time::Duration) -> Result<()> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            {
+                let mut by_id = self.by_id.write().expect("registry lock");
+                let Some(r) = by_id.get(&id) else {
+                    return Err(Error::InvalidArgument(format!("region {id} is not registered")));
+                };
+                // The map's own reference is the only one when nobody else holds it.
+                if Arc::strong_count(r) == 1 {
+                    by_id.remove(&id);
+                    return Ok(());
+                }
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(Error::InvalidArgument(format!(
+                    "region {id} is in use by a transfer handle or an in-flight request; release the handles first"
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// The registered region that contains [addr, addr+len), if any.
+    pub fn find_local(&self, addr: u64, len: u64) -> Option<Arc<Region>> {
+        let end = addr.checked_add(len)?;
+        let by_id = self.by_id.read().expect("registry lock");
+        // A scan: agents register few regions. Bulk resolution uses `snapshot` + binary search.
+        by_id.values().find(|r| r.base <= addr && end <= r.base + r.len).cloned()
+    }
+
+    /// Regions sorted by base, for vectorised resolution of many descriptors.
+    pub fn snapshot(&self) -> Vec<Arc<Region>> {
+        let mut v: Vec<Arc<Region>> = self.by_id.read().expect("registry lock").values().cloned().collect();
+        v.sort_by_key(|r| (r.base, std::cmp::Reverse(r.len)));
+        v
+    }
+
+    /// Regions a peer may see: everything registered for remote access.
+    pub fn exported(&self) -> Vec<RegionMeta> {
+        self.by_id.read().expect("registry lock").values().filter(|r| r.access != Access::Local).map(|r| r.meta()).collect()
+    }
+
+    /// Validate a remote request; on success the caller may touch `len` bytes at
+    /// `region.ptr(offset)` while it holds the returned `Arc`.
+    pub fn check_remote(&self, op: &RemoteOp, write: bool) -> std::result::Result<Arc<Region>, (Status, String)> {
+        let by_id = self.by_id.read().expect("registry lock");
+        let Some(r) = by_id.get(&op.region) else {
+            return Err((Status::UnknownRegion, format!("no exported region {}", op.region)));
+        };
+        if r.access == Access::Local {
+            return Err((Status::UnknownRegion, format!("no exported region {}", op.region)));
+        }
+        if !r.key.ct_eq(&op.key) {
+            return Err((Status::BadKey, format!("wrong key for region {}", op.region)));
+        }
+        match op.offset.checked_add(op.len) {
+            Some(end) if end <= r.len => {}
+            _ => return Err((Status::OutOfBounds, format!("offset {} + {} outside region of {} bytes", op.offset, op.len, r.len))),
+        }
+        if write && r.access != Access::ReadWrite {
+            return Err((Status::ReadOnly, format!("region {} is read-only", op.region)));
+        }
+        Ok(r.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_checks_each_field() {
+        let reg = Registry::default();
+        let buf = vec![0u8; 4096];
+        let r = reg.register(buf.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadOnly).unwrap();
+        let ok = RemoteOp { region: r.id, key: r.key, offset: 4000, len: 96 };
+        assert!(reg.check_remote(&ok, false).is_ok());
+        assert_eq!(reg.check_remote(&ok, true).unwrap_err().0, Status::ReadOnly);
+        assert_eq!(reg.check_remote(&RemoteOp { len: 97, ..ok }, false).unwrap_err().0, Status::OutOfBounds);
+        assert_eq!(reg.check_remote(&RemoteOp { offset: u64::MAX, ..ok }, false).unwrap_err().0, Status::OutOfBounds);
+        assert_eq!(reg.check_remote(&RemoteOp { key: RegionKey([0; 16]), ..ok }, false).unwrap_err().0, Status::BadKey);
+        assert_eq!(reg.check_remote(&RemoteOp { region: 99, ..ok }, false).unwrap_err().0, Status::UnknownRegion);
+        let local = reg.register(buf.as_ptr() as u64, 16, 0, MemType::Dram, Access::Local).unwrap();
+        let op = RemoteOp { region: local.id, key: local.key, offset: 0, len: 1 };
+        assert_eq!(reg.check_remote(&op, false).unwrap_err().0, Status::UnknownRegion, "local regions are not exported");
+        assert_eq!(reg.exported().len(), 1);
+    }
+
+    #[test]
+    fn deregister_waits_for_holders() {
+        let reg = Registry::default();
+        let buf = vec![0u8; 64];
+        let r = reg.register(buf.as_ptr() as u64, 64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+        let id = r.id;
+        drop(r);
+        let held = reg.find_local(buf.as_ptr() as u64, 8).unwrap();
+        let e = reg.deregister(id, std::time::Duration::from_millis(20));
+        assert!(e.is_err());
+        drop(held);
+        reg.deregister(id, std::time::Duration::ZERO).unwrap();
+        assert!(reg.find_local(buf.as_ptr() as u64, 8).is_none());
+    }
+}

@@ -1,0 +1,218 @@
+//! Transfer handles.
+//!
+//! A handle is created once (descriptors resolved and paired, local regions pinned against
+//! deregistration) and may be posted many times; each post gets a fresh planner `XferId`.
+//! State is an atomic the caller can poll cheaply; `wait` sleeps on a condvar.
+
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use multirail_proto::Pair;
+
+use crate::error::{Error, Result};
+use crate::peer::Peer;
+use crate::registry::Region;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+}
+
+impl Op {
+    pub fn parse(s: &str) -> Result<Op> {
+        match s.to_ascii_uppercase().as_str() {
+            "READ" => Ok(Op::Read),
+            "WRITE" => Ok(Op::Write),
+            other => Err(Error::InvalidArgument(format!("unknown operation {other:?}: expected \"READ\" or \"WRITE\""))),
+        }
+    }
+}
+
+/// Transfer state. `Idle` is a handle never posted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum XferState {
+    Idle = 0,
+    InProgress = 1,
+    Done = 2,
+    Error = 3,
+}
+
+impl XferState {
+    fn from_u8(v: u8) -> XferState {
+        match v {
+            1 => XferState::InProgress,
+            2 => XferState::Done,
+            3 => XferState::Error,
+            _ => XferState::Idle,
+        }
+    }
+}
+
+pub(crate) struct XferShared {
+    pub op: Op,
+    pub peer: Arc<Peer>,
+    pub pairs: Arc<Vec<Pair>>,
+    pub total: u64,
+    pub notif: Mutex<Vec<u8>>,
+    /// Local regions this transfer touches; held so they cannot be deregistered under it.
+    pub _hold: Vec<Arc<Region>>,
+    state: AtomicU8,
+    error: Mutex<Option<Error>>,
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// Planner id of the current post (0 when none).
+    pub current: AtomicU64,
+}
+
+impl XferShared {
+    pub fn new(op: Op, peer: Arc<Peer>, pairs: Vec<Pair>, notif: Vec<u8>, hold: Vec<Arc<Region>>) -> Arc<XferShared> {
+        let total = pairs.iter().map(|p| p.len).sum();
+        Arc::new(XferShared {
+            op,
+            peer,
+            pairs: Arc::new(pairs),
+            total,
+            notif: Mutex::new(notif),
+            _hold: hold,
+            state: AtomicU8::new(XferState::Idle as u8),
+            error: Mutex::new(None),
+            lock: Mutex::new(()),
+            cv: Condvar::new(),
+            current: AtomicU64::new(0),
+        })
+    }
+
+    pub fn state(&self) -> XferState {
+        XferState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    /// Move to InProgress; refuses a handle that is already in flight.
+    pub fn begin(&self) -> Result<()> {
+        let _g = self.lock.lock().expect("xfer lock");
+        if self.state() == XferState::InProgress {
+            return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
+        }
+        *self.error.lock().expect("xfer lock") = None;
+        self.state.store(XferState::InProgress as u8, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn finish(&self, result: Result<()>) {
+        let _g = self.lock.lock().expect("xfer lock");
+        if self.state() != XferState::InProgress {
+            return;
+        }
+        match result {
+            Ok(()) => self.state.store(XferState::Done as u8, Ordering::Release),
+            Err(e) => {
+                let mut slot = self.error.lock().expect("xfer lock");
+                if slot.is_none() {
+                    *slot = Some(e);
+                }
+                self.state.store(XferState::Error as u8, Ordering::Release);
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Record the cause before the planner fails the transfer, so the caller sees the specific
+    /// error (e.g. the peer's "read-only") rather than a generic failure.
+    pub fn set_cause(&self, e: Error) {
+        let mut slot = self.error.lock().expect("xfer lock");
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    pub fn error(&self) -> Option<Error> {
+        self.error.lock().expect("xfer lock").clone()
+    }
+
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        // A short spin first: small transfers complete in tens of microseconds, and a condvar
+        // sleep would add a wakeup to their latency.
+        let spin_until = Instant::now() + Duration::from_micros(50);
+        while self.state() == XferState::InProgress && Instant::now() < spin_until {
+            std::hint::spin_loop();
+            std::thread::yield_now();
+        }
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut g = self.lock.lock().expect("xfer lock");
+        loop {
+            match self.state() {
+                XferState::Done => return Ok(()),
+                XferState::Error => {
+                    return Err(self.error().unwrap_or_else(|| Error::Protocol { who: "engine".into(), msg: "failed without a cause".into() }))
+                }
+                XferState::Idle => return Err(Error::InvalidArgument("transfer was never posted".into())),
+                XferState::InProgress => {}
+            }
+            let wait = match deadline {
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        return Err(Error::Timeout(format!("transfer not done within {:?}", timeout.unwrap_or_default())));
+                    }
+                    (d - now).min(Duration::from_millis(100))
+                }
+                None => Duration::from_millis(100),
+            };
+            g = self.cv.wait_timeout(g, wait).expect("xfer lock").0;
+        }
+    }
+}
+
+/// A prepared transfer: post it with [`XferHandle::post`], as often as needed.
+#[derive(Clone)]
+pub struct XferHandle(pub(crate) Arc<XferShared>);
+
+impl XferHandle {
+    /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
+    pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
+        if let Some(n) = notif {
+            if n.len() > multirail_proto::codec::MAX_NOTIF {
+                return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", n.len(), multirail_proto::codec::MAX_NOTIF)));
+            }
+            *self.0.notif.lock().expect("xfer lock") = n;
+        }
+        self.0.begin()?;
+        let x = self.0.clone();
+        if let Err(e) = self.0.peer.submit(x) {
+            self.0.finish(Err(e.clone()));
+            return Err(e);
+        }
+        Ok(self.state())
+    }
+
+    pub fn state(&self) -> XferState {
+        self.0.state()
+    }
+
+    pub fn error(&self) -> Option<Error> {
+        self.0.error()
+    }
+
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<()> {
+        self.0.wait(timeout)
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.0.total
+    }
+
+    pub fn num_pieces(&self) -> usize {
+        self.0.pairs.len()
+    }
+
+    /// Abort if in flight; in-flight chunks drain before this returns (bounded by the stall
+    /// timeout), so the local memory is no longer touched afterwards.
+    pub fn release(&self) {
+        if self.state() == XferState::InProgress {
+            self.0.peer.cancel(&self.0);
+            self.0.finish(Err(Error::InvalidArgument("transfer handle released while in progress".into())));
+        }
+    }
+}

@@ -1,0 +1,469 @@
+"""The Python face of the engine: `Agent`, `AgentConfig`, `XferState`, descriptor lists.
+
+Control plane only. Buffers are turned into (address, length, device) rows here; everything
+after that (resolution against registered memory, pairing, striping, the data path) happens in
+Rust (`multirail._core`) with the GIL released. Descriptor lists are (N, 3) uint64 numpy arrays
+end to end, so N descriptors cost no per-descriptor Python work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from multirail import _core
+from multirail.errors import InvalidArgumentError
+
+__version__: str = _core.__version__
+
+_U64 = np.uint64
+
+
+class XferState(enum.IntEnum):
+    """State of a posted transfer (NIXL's "PROC"/"DONE"/"ERR")."""
+
+    IN_PROGRESS = 1
+    DONE = 2
+    ERROR = 3
+
+
+@dataclass
+class AgentConfig:
+    """Agent settings. Every field has a sane default; see docs/ARCHITECTURE.md.
+
+    rails: None for one rail on `host`; "auto" to use every up, addressed, non-loopback
+    interface (only RDMA-backed ones when any exist); or a list of interface names or IPv4
+    addresses. rail_map: explicit (local rail index, remote rail index) pairs; by default rails
+    pair by shared subnet (rail i with rail i in a rail-optimized fabric).
+    policy: "weighted" (default), "round_robin" or "pinned:N".
+    auth_secret: shared secret for the handshake; defaults to $MULTIRAIL_SECRET.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    connections: int = 1
+    rails: Any = None
+    rail_map: list[tuple[int, int]] | None = None
+    policy: str = "weighted"
+    chunk_size: int = 1 << 20
+    stripe_threshold: int = 256 << 10
+    timeout: float = 10.0
+    stall_timeout: float = 1.0
+    auth_secret: bytes | str | None = None
+    bind_device: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_any(cls, config: "AgentConfig | dict | None") -> "AgentConfig":
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            known = {f for f in cls.__dataclass_fields__}
+            bad = sorted(set(config) - known)
+            if bad:
+                raise InvalidArgumentError(f"unknown config keys {bad}; known: {sorted(known - {'extra'})}")
+            return cls(**config)
+        raise InvalidArgumentError(f"config must be an AgentConfig or a dict, not {type(config).__name__}")
+
+
+def _resolve_rails(spec: Any) -> list[tuple]:
+    """Turn the `rails` setting into (name, addr, prefix, speed_mbps, mtu, numa, rdma, bind) rows."""
+    if spec is None:
+        return []
+    from multirail import netinfo
+
+    ifaces = netinfo.interfaces()
+    if spec == "auto":
+        cands = [i for i in ifaces if i.name != "lo" and i.oper_up and i.ipv4]
+        rdma = [i for i in cands if i.rdma_dev]
+        chosen = [(i, i.ipv4[0]) for i in (rdma or cands)]
+        if not chosen:
+            raise InvalidArgumentError("rails='auto' found no up, addressed, non-loopback interface")
+    else:
+        if isinstance(spec, str):
+            spec = [s for s in spec.split(",") if s]
+        chosen = []
+        for item in spec:
+            item = str(item).strip()
+            try:
+                ip = ipaddress.ip_interface(item)
+            except ValueError:
+                ip = None
+            if ip is not None:
+                addr = str(ip.ip)
+                hit = next((i for i in ifaces for a in i.ipv4 if a[0] == addr), None)
+                if hit is None:
+                    prefix = ip.network.prefixlen if "/" in item else 32
+                    chosen.append((None, (addr, prefix)))
+                else:
+                    chosen.append((hit, next(a for a in hit.ipv4 if a[0] == addr)))
+            else:
+                hit = next((i for i in ifaces if i.name == item), None)
+                if hit is None:
+                    raise InvalidArgumentError(f"rail {item!r} is neither an IPv4 address nor an interface here")
+                if not hit.ipv4:
+                    raise InvalidArgumentError(f"rail interface {item!r} has no IPv4 address")
+                chosen.append((hit, hit.ipv4[0]))
+    rows = []
+    for iface, (addr, prefix) in chosen:
+        if iface is None:
+            rows.append((addr, addr, prefix, 0, 0, -1, "", False))
+        else:
+            rows.append(
+                (iface.name, addr, prefix, iface.speed_mbps or 0, iface.mtu or 0,
+                 -1 if iface.numa_node is None else iface.numa_node, iface.rdma_dev or "", True)
+            )
+    return rows
+
+
+# ---------------------------------------------------------------- buffers and descriptors
+
+def _mem_of(obj: Any) -> tuple[int, int, int, str, bool]:
+    """(addr, nbytes, dev, mem_type, readonly) of one buffer-like object."""
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise InvalidArgumentError("numpy array must be C-contiguous")
+        return obj.ctypes.data, obj.nbytes, 0, "DRAM", not obj.flags.writeable
+    if hasattr(obj, "data_ptr") and hasattr(obj, "element_size"):  # torch.Tensor
+        if not obj.is_contiguous():
+            raise InvalidArgumentError("tensor must be contiguous")
+        dev = obj.device
+        if dev.type == "cuda":
+            return obj.data_ptr(), obj.numel() * obj.element_size(), dev.index or 0, "VRAM", False
+        if dev.type != "cpu":
+            raise InvalidArgumentError(f"unsupported tensor device {dev}")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), 0, "DRAM", False
+    if hasattr(obj, "__dlpack__") and not isinstance(obj, (bytes, bytearray, memoryview)):
+        try:
+            arr = np.from_dlpack(obj)
+        except Exception as e:  # noqa: BLE001 - report what DLPack said
+            raise InvalidArgumentError(f"cannot import buffer via DLPack: {e}") from e
+        return _mem_of(arr)
+    try:
+        mv = memoryview(obj)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"cannot register {type(obj).__name__}: expected a numpy array, torch tensor, "
+            "buffer, DLPack object, (addr, len, dev) tuple or an Nx3 uint64 array"
+        ) from None
+    if not mv.contiguous:
+        raise InvalidArgumentError("buffer must be contiguous")
+    arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+    return arr.ctypes.data if arr.size else 0, mv.nbytes, 0, "DRAM", mv.readonly
+
+
+def _is_rows(data: Any) -> bool:
+    return isinstance(data, np.ndarray) and data.ndim == 2 and data.shape[1] == 3 and data.dtype.kind in "ui"
+
+
+class DescList:
+    """An (N, 3) uint64 array of (address, length, device) rows, with a memory type."""
+
+    __slots__ = ("arr", "mem_type", "_keep")
+
+    def __init__(self, arr: np.ndarray, mem_type: str = "DRAM", keep: Sequence[Any] = ()):
+        self.arr = np.ascontiguousarray(arr, dtype=_U64).reshape(-1, 3)
+        self.mem_type = mem_type.upper()
+        self._keep = list(keep)
+
+    def __len__(self) -> int:
+        return int(self.arr.shape[0])
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            a, n, d = self.arr[i]
+            return int(a), int(n), int(d)
+        return DescList(self.arr[i], self.mem_type, self._keep)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        return f"DescList({len(self)} x {self.mem_type}, {int(self.arr[:, 1].sum()) if len(self) else 0} bytes)"
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.arr[:, 1].sum()) if len(self) else 0
+
+    def _ptr(self) -> tuple[int, int]:
+        return (self.arr.ctypes.data if len(self) else 0), len(self)
+
+
+def make_descs(data: Any, mem_type: str | None = None) -> DescList:
+    """Descriptors from tensors/arrays, (addr, len, dev) tuples, or an Nx3 integer array."""
+    if isinstance(data, DescList):
+        return data
+    if _is_rows(data):
+        if data.dtype.kind == "i" and len(data) and (data < 0).any():
+            raise InvalidArgumentError("descriptor rows must be non-negative")
+        return DescList(data, mem_type or "DRAM", ())
+    items = data if isinstance(data, (list, tuple)) and not _is_triple(data) else [data]
+    if not items:
+        return DescList(np.zeros((0, 3), dtype=_U64), mem_type or "DRAM")
+    if all(_is_triple(x) for x in items):
+        try:
+            arr = np.array(items, dtype=_U64).reshape(-1, 3)
+        except (OverflowError, ValueError, TypeError) as e:
+            raise InvalidArgumentError(f"bad descriptor tuples: {e}") from e
+        return DescList(arr, mem_type or "DRAM")
+    rows, mems = [], set()
+    for x in items:
+        addr, n, dev, mem, _ro = _mem_of(x)
+        rows.append((addr, n, dev))
+        mems.add(mem)
+    if len(mems) > 1:
+        raise InvalidArgumentError("descriptors mix DRAM and VRAM buffers")
+    return DescList(np.array(rows, dtype=_U64).reshape(-1, 3), mem_type or mems.pop(), items)
+
+
+def _is_triple(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and all(isinstance(v, (int, np.integer)) for v in x)
+
+
+class RegDescs(DescList):
+    """Registered memory: descriptors plus the region ids and the objects kept alive."""
+
+    __slots__ = ("region_ids",)
+
+    def __init__(self, descs: DescList, region_ids: list[int]):
+        super().__init__(descs.arr, descs.mem_type, descs._keep)
+        self.region_ids = region_ids
+
+
+class XferHandle:
+    """A prepared transfer; post it with `Agent.transfer`, as often as needed."""
+
+    __slots__ = ("_h", "op", "peer")
+
+    def __init__(self, h: Any, op: str, peer: str):
+        self._h, self.op, self.peer = h, op, peer
+
+    @property
+    def total_bytes(self) -> int:
+        return self._h.total_bytes
+
+    def __repr__(self) -> str:
+        return f"XferHandle({self.op} {self.total_bytes} bytes with {self.peer!r})"
+
+
+class PreppedDescs:
+    """Descriptors prepared once for `make_prepped_xfer` (NIXL's prep_xfer_dlist)."""
+
+    __slots__ = ("peer", "descs")
+
+    def __init__(self, peer: str, descs: DescList):
+        self.peer, self.descs = peer, descs
+
+    def __len__(self) -> int:
+        return len(self.descs)
+
+
+# ---------------------------------------------------------------------------- the agent
+
+class Agent:
+    """One endpoint: registered memory, a side channel, and transfers to named peers."""
+
+    def __init__(self, name: str, config: AgentConfig | dict | None = None):
+        cfg = AgentConfig.from_any(config)
+        secret = cfg.auth_secret if cfg.auth_secret is not None else os.environ.get("MULTIRAIL_SECRET")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and len(secret) == 0:
+            raise InvalidArgumentError("auth_secret must not be empty")
+        rails = _resolve_rails(cfg.rails)
+        if not cfg.bind_device:
+            rails = [r[:7] + (False,) for r in rails]
+        self.config = cfg
+        self._core = _core.Agent(
+            name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
+            cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
+            float(cfg.stall_timeout), secret,
+        )
+        self._regs: dict[int, Any] = {}
+
+    # identity
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    @property
+    def port(self) -> int:
+        return self._core.port
+
+    @property
+    def host(self) -> str:
+        return self.config.host
+
+    @property
+    def incarnation(self) -> int:
+        return self._core.incarnation
+
+    # memory
+    def register_memory(self, data: Any, mem_type: str | None = None, access: str = "rw") -> RegDescs:
+        """Register buffers for transfers. access: "rw", "ro" (peers may only READ) or "local"
+        (usable as the local side of transfers, never exported to peers)."""
+        if _is_rows(data) or (isinstance(data, (list, tuple)) and data and all(_is_triple(x) for x in data)) or _is_triple(data):
+            descs = make_descs(data if not _is_triple(data) else [data], mem_type)
+            ro_flags = [False] * len(descs)
+        else:
+            items = data if isinstance(data, (list, tuple)) else [data]
+            infos = [_mem_of(x) for x in items]
+            descs = DescList(np.array([(a, n, d) for a, n, d, _, _ in infos], dtype=_U64).reshape(-1, 3),
+                             mem_type or (infos[0][3] if infos else "DRAM"), items)
+            ro_flags = [ro for *_, ro in infos]
+        if access == "rw" and any(ro_flags):
+            raise InvalidArgumentError("buffer is read-only; register it with access='ro'")
+        ids: list[int] = []
+        try:
+            for (addr, n, dev) in descs:
+                ids.append(self._core.register(addr, n, dev, descs.mem_type, access))
+        except BaseException:
+            for i in ids:
+                self._core.deregister(i)
+            raise
+        reg = RegDescs(descs, ids)
+        for i in ids:
+            self._regs[i] = reg
+        return reg
+
+    def deregister_memory(self, reg: RegDescs) -> None:
+        for i in reg.region_ids:
+            if i in self._regs:
+                self._core.deregister(i)
+                del self._regs[i]
+
+    def get_xfer_descs(self, data: Any, mem_type: str | None = None) -> DescList:
+        return make_descs(data, mem_type)
+
+    def get_reg_descs(self, data: Any, mem_type: str | None = None) -> DescList:
+        return make_descs(data, mem_type)
+
+    def get_serialized_descs(self, descs: Any) -> bytes:
+        d = make_descs(descs)
+        ptr, n = d._ptr()
+        return _core.serialize_descs(ptr, n, d.mem_type)
+
+    def deserialize_descs(self, blob: bytes) -> DescList:
+        mem, raw = _core.deserialize_descs(bytes(blob))
+        return DescList(np.frombuffer(raw, dtype="<u8").reshape(-1, 3).astype(_U64), mem)
+
+    # metadata
+    def get_agent_metadata(self) -> bytes:
+        return self._core.metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        return self._core.add_remote(bytes(metadata))
+
+    def remove_remote_agent(self, name: str) -> None:
+        self._core.remove_remote(name)
+
+    def fetch_remote_metadata(self, name: str, ip: str, port: int) -> str:
+        return self._core.fetch_remote(name, ip, int(port))
+
+    def send_local_metadata(self, ip: str, port: int) -> None:
+        self._core.send_local(ip, int(port))
+
+    def check_remote_metadata(self, name: str) -> bool:
+        return self._core.has_remote(name)
+
+    def make_connection(self, peer: str) -> None:
+        """Open the rails to `peer` now rather than on the first transfer."""
+        self._core.connect(peer)
+
+    # transfers
+    def initialize_xfer(self, op: str, local_descs: Any, remote_descs: Any, peer: str, notif: bytes = b"") -> XferHandle:
+        loc, rem = make_descs(local_descs), make_descs(remote_descs)
+        lp, ln = loc._ptr()
+        rp, rn = rem._ptr()
+        h = self._core.prepare(str(op), lp, ln, rp, rn, peer, bytes(notif or b""))
+        return XferHandle(h, str(op).upper(), peer)
+
+    def prep_xfer_dlist(self, peer: str, descs: Any, mem_type: str | None = None) -> PreppedDescs:
+        d = make_descs(descs, mem_type)
+        if peer and peer != "NIXL_INIT_AGENT" and not self.check_remote_metadata(peer):
+            from multirail.errors import UnknownPeerError
+
+            raise UnknownPeerError(f"unknown peer {peer!r}: load its metadata first")
+        return PreppedDescs(peer, d)
+
+    def make_prepped_xfer(self, op: str, local: PreppedDescs, local_indices: Iterable[int],
+                          remote: PreppedDescs, remote_indices: Iterable[int], notif: bytes = b"") -> XferHandle:
+        li = np.asarray(list(local_indices) if not isinstance(local_indices, np.ndarray) else local_indices, dtype=np.int64)
+        ri = np.asarray(list(remote_indices) if not isinstance(remote_indices, np.ndarray) else remote_indices, dtype=np.int64)
+        for idx, p, side in ((li, local, "local"), (ri, remote, "remote")):
+            if len(idx) and (idx.min() < 0 or idx.max() >= len(p)):
+                raise InvalidArgumentError(f"{side} index out of range for {len(p)} prepared descriptors")
+        return self.initialize_xfer(op, DescList(local.descs.arr[li]), DescList(remote.descs.arr[ri]), remote.peer, notif)
+
+    def transfer(self, h: XferHandle, notif: bytes | None = None) -> XferState:
+        return XferState(self._core_post(h, notif))
+
+    def _core_post(self, h: XferHandle, notif: bytes | None) -> int:
+        return h._h.post(None if notif is None else bytes(notif))
+
+    def check_xfer_state(self, h: XferHandle) -> XferState:
+        s = h._h.state()
+        if s == 0:
+            raise InvalidArgumentError("transfer was never posted")
+        return XferState(s)
+
+    def xfer_error(self, h: XferHandle) -> BaseException | None:
+        """The exception a failed transfer would raise, or None."""
+        try:
+            h._h.check()
+        except Exception as e:  # noqa: BLE001 - returned, not swallowed
+            return e
+        return None
+
+    def wait(self, h: XferHandle, timeout: float | None = None) -> None:
+        """Block until DONE (GIL released); raise the transfer's MultirailError on failure."""
+        h._h.wait(timeout)
+
+    async def wait_async(self, h: XferHandle, timeout: float | None = None) -> None:
+        """Awaitable form of `wait`."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, h._h.wait, timeout)
+
+    async def transfer_async(self, h: XferHandle, notif: bytes | None = None, timeout: float | None = None) -> None:
+        self.transfer(h, notif)
+        await self.wait_async(h, timeout)
+
+    def release_xfer_handle(self, h: XferHandle) -> None:
+        h._h.release()
+
+    # notifications
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._core.send_notif(peer, bytes(msg))
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        for name, msg in self._core.take_notifs():
+            out.setdefault(name, []).append(msg)
+        return out
+
+    # introspection
+    def rail_stats(self, peer: str) -> list[dict]:
+        return self._core.rail_stats(peer)
+
+    def events(self) -> list[str]:
+        return self._core.events()
+
+    def refused_requests(self) -> int:
+        return self._core.refused()
+
+    def close(self) -> None:
+        self._core.close()
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
