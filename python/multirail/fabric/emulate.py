@@ -239,6 +239,7 @@ def up(inst: Instance, timeout: float = 60.0, log: Any = print) -> float:
         raise FabricError(f"fabric {inst.prefix} is already (partly) up "
                           f"({'state ' + str(inst.state_file) if inst.state_file.exists() else 'namespaces ' + ', '.join(clash)}); "
                           "run `multirail fabric down` first or pick another --prefix")
+    _check_frr_can_reach(inst.state_dir / "routers")
     inst.write_state("creating")
     t0 = time.monotonic()
     try:
@@ -303,7 +304,7 @@ def _configure_router(inst: Instance, r: Spine | Leaf) -> None:
 
 
 def _configure_server(inst: Instance, server: Server) -> None:
-    """The netplan intent, as ip commands; strict rp_filter like a hardened host."""
+    """The netplan intent, as ip commands; strict rp_filter and no ARP flux, like a tuned host."""
     cmds = ["link set lo up"]
     sysctls: dict[str, str | int] = {"net.ipv4.conf.all.rp_filter": 1, "net.ipv4.conf.default.rp_filter": 1,
                                      "net.ipv6.conf.all.disable_ipv6": 1}
@@ -314,8 +315,24 @@ def _configure_server(inst: Instance, server: Server) -> None:
             cmds.append(f"route add {rt.to} {via} table {ri.table}")
         cmds.append(f"rule add from {ri.address.ip} table {ri.table} priority {ri.rule_priority}")
         sysctls[f"net.ipv4.conf.{ri.nic}.rp_filter"] = 1
+        sysctls[f"net.ipv4.conf.{ri.nic}.arp_ignore"] = 1    # answer ARP only for this NIC's address
+        sysctls[f"net.ipv4.conf.{ri.nic}.arp_announce"] = 2  # and announce it only from this NIC
     _ip_batch(inst.ns(server.name), cmds)
     _sysctl(inst.ns(server.name), sysctls)
+
+
+def _check_frr_can_reach(path: Path) -> None:
+    """FRR drops to the `frr` user: every directory above its files must be searchable."""
+    frr = pwd.getpwnam("frr")
+    for d in path.resolve().parents:
+        try:
+            st = d.stat()
+        except FileNotFoundError:
+            continue  # created by us later, mode 0755
+        if not (st.st_mode & 0o001 or (st.st_uid == frr.pw_uid and st.st_mode & 0o100)
+                or (st.st_gid == frr.pw_gid and st.st_mode & 0o010)):
+            raise FabricError(f"FRR runs as user frr, which cannot enter {d} (mode {oct(st.st_mode & 0o777)}); "
+                              "use a --state-dir under a world-searchable directory such as /run")
 
 
 def _start_frr(inst: Instance) -> None:

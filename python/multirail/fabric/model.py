@@ -313,8 +313,7 @@ def parse_topology(text: str, source: str = "topology") -> Topology:
     links = _parse_links(r, top.get("links"), spines, leaves, pool)
     servers = _parse_servers(r, top.get("servers"), leaves, server_mtu, mtu)
 
-    if not r.problems:
-        _check_cross(r, spines, leaves, links, servers)
+    _check_cross(r, spines, leaves, links, servers)
     if r.problems:
         raise TopologyError(r.problems, source)
     return Topology(name=name, mtu=mtu, server_mtu=server_mtu, bfd=bool(bfd), server_routes=routes,
