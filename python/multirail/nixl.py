@@ -130,6 +130,9 @@ class nixl_xfer_handle:
         if not self._released:
             self._released = True
             self._agent._engine.release_xfer_handle(self._handle)
+            # Drop the reference too: the engine frees the request's region pins only when
+            # its handle object is collected (seen with the first engine build).
+            self._handle = None
 
     def __repr__(self) -> str:
         return f"nixl_xfer_handle(released={self._released})"
