@@ -127,6 +127,7 @@ def test_validation_errors(mutate: Any, expect: str) -> None:
     (lambda d: d["servers"][1]["nics"][0].update(address="10.0.2.2"), "is not a host address of rail 0's subnet"),
     (lambda d: d["servers"][1]["nics"][0].update(address="10.0.0.999"), "'10.0.0.999' is not an IPv4 address"),
     (lambda d: d["links"].pop(), "links: leaf leaf2 has no link to spine spine2"),
+    (lambda d: d["links"][0].update(spine="spine9"), "links[0].spine: no spine named 'spine9'"),
     (lambda d: d["spines"][0].update(asn="x"), "spines[0].asn: ASN must be an integer"),
     (lambda d: d["servers"][0]["nics"][0].update(name="a-very-long-ifname"), "not a valid Linux interface name"),
     (lambda d: d["servers"][0]["nics"][0].update(rail=7), "no leaf serves rail 7"),
@@ -392,7 +393,8 @@ def test_bench_over_fabric(lab: emulate.Instance, tmp_path: Path) -> None:
             if not line:
                 break
             ready = '"ready"' in line
-        assert ready, f"target never became ready: {target.stderr.read() if target.poll() is not None else ''}"
+        err = target.stderr.read() if target.stderr is not None and target.poll() is not None else ""
+        assert ready, f"target never became ready: {err}"
         res = subprocess.run(["ip", "netns", "exec", ns2, sys.executable, "-m", "multirail", "bench", "initiator",
                               "--connect", listen, "--rails", rails2, "--op", "READ", "--start-block-size", "1MiB",
                               "--max-block-size", "16MiB", "--num-iter", "5", "--warmup-iter", "1",
@@ -403,6 +405,8 @@ def test_bench_over_fabric(lab: emulate.Instance, tmp_path: Path) -> None:
         rows = doc["rows"]
         assert rows and all(r["gbps"] > 0 for r in rows) and not any(r["consistency"].startswith("FAILED") for r in rows)
         big = rows[-1]
+        rails = big.get("rails") or []
+        assert len(rails) == 2 and all(r["bytes"] > 0 for r in rails), rails  # striped over both rails
         print(f"\nbench over fabric: READ {big['block_size']} B: {big['gbps']:.2f} Gbps; rails: "
               + ", ".join(f"{r.get('name')}={r.get('bytes')}" for r in big.get("rails", [])))
     finally:

@@ -20,6 +20,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from multirail.fabric.emulate import Instance
 
 from multirail.fabric.model import Topology, TopologyError, load_topology
 
@@ -113,7 +117,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _instance(args: argparse.Namespace, fresh: bool):  # -> emulate.Instance
+def _instance(args: argparse.Namespace, fresh: bool) -> Instance:
     from multirail.fabric import emulate
 
     topo = _load(args.topology) if args.topology else None
@@ -128,7 +132,10 @@ def _instance(args: argparse.Namespace, fresh: bool):  # -> emulate.Instance
         return emulate.Instance.create(topo, args.prefix, args.state_dir)
 
 
-def _guard(fn):  # type: ignore[no-untyped-def]
+Command = Callable[[argparse.Namespace], int]
+
+
+def _guard(fn: Command) -> Command:
     """Map expected errors onto a message and an exit code (never a traceback)."""
     def wrapped(args: argparse.Namespace) -> int:
         from multirail.fabric.emulate import FabricError
@@ -150,6 +157,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from multirail.fabric import emulate
 
     inst = _instance(args, fresh=True)
+    emulate.preflight()
     print(f"bringing up fabric {inst.topo.name} as {inst.prefix} (state in {inst.state_dir})")
     secs = emulate.up(inst, timeout=args.timeout)
     print(f"converged in {secs:.1f} s: all BGP sessions Established, ECMP installed")
@@ -164,8 +172,8 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
     try:
         inst = _instance(args, fresh=False)
-    except emulate.NotUpError as exc:
-        print(f"nothing to remove: {exc}")
+    except emulate.NotUpError:
+        print("nothing to remove: no state for that fabric (give the topology file to also look for its namespaces)")
         return EXIT_OK
     done = emulate.down(inst)
     if not done:

@@ -402,29 +402,29 @@ def _parse_links(r: _Reader, raw: Any, spines: list[Spine], leaves: list[Leaf], 
     for i, item in enumerate(r.seq(raw, "links")):
         path = f"links[{i}]"
         d = r.mapping(item, path, {"spine", "leaf", "spine_ip", "leaf_ip", "spine_port", "leaf_port"})
-        spine, leaf = r.get(d, "spine", path, _name), r.get(d, "leaf", path, _name)
+        sname, lname = r.get(d, "spine", path, _name), r.get(d, "leaf", path, _name)
         sip, lip = r.get(d, "spine_ip", path, _iface), r.get(d, "leaf_ip", path, _iface)
-        if spine is not None and spine not in spine_names:
-            r.problems.append(f"{path}.spine: no spine named {spine!r}")
-        if leaf is not None and leaf not in leaf_names:
-            r.problems.append(f"{path}.leaf: no leaf named {leaf!r}")
-        if None in (spine, leaf, sip, lip) or spine not in spine_names or leaf not in leaf_names:
+        if sname is not None and sname not in spine_names:
+            r.problems.append(f"{path}.spine: no spine named {sname!r}")
+        if lname is not None and lname not in leaf_names:
+            r.problems.append(f"{path}.leaf: no leaf named {lname!r}")
+        if None in (sname, lname, sip, lip) or sname not in spine_names or lname not in leaf_names:
             continue
-        assert spine is not None and leaf is not None and sip is not None and lip is not None
-        if (spine, leaf) in seen:
-            r.problems.append(f"{path}: second link between {spine} and {leaf} (first is {seen[spine, leaf]})")
+        assert sname is not None and lname is not None and sip is not None and lip is not None
+        if (sname, lname) in seen:
+            r.problems.append(f"{path}: second link between {sname} and {lname} (first is {seen[sname, lname]})")
             continue
-        seen[spine, leaf] = path
+        seen[sname, lname] = path
         if sip.network != lip.network or sip.ip == lip.ip:
             r.problems.append(f"{path}: spine_ip {sip} and leaf_ip {lip} must be two different addresses of one subnet")
             continue
-        sport = r.get(d, "spine_port", path, _port, f"Ethernet1/{leaf_names.index(leaf) + 1}")
-        lport = r.get(d, "leaf_port", path, _port, f"Ethernet1/{49 + spine_names.index(spine)}")
-        out.append(Link(spine, leaf, sip, lip, sport or "", lport or ""))
-    for leaf in leaf_names:
-        for spine in spine_names:
-            if (spine, leaf) not in seen:
-                r.problems.append(f"links: leaf {leaf} has no link to spine {spine} (every leaf must reach every spine)")
+        sport = r.get(d, "spine_port", path, _port, f"Ethernet1/{leaf_names.index(lname) + 1}")
+        lport = r.get(d, "leaf_port", path, _port, f"Ethernet1/{49 + spine_names.index(sname)}")
+        out.append(Link(sname, lname, sip, lip, sport or "", lport or ""))
+    for lname in leaf_names:
+        for sname in spine_names:
+            if (sname, lname) not in seen:
+                r.problems.append(f"links: leaf {lname} has no link to spine {sname} (every leaf must reach every spine)")
     return out
 
 
@@ -486,7 +486,9 @@ def _parse_servers(r: _Reader, raw: Any, leaves: list[Leaf], server_mtu: int, fa
 def _check_cross(r: _Reader, spines: list[Spine], leaves: list[Leaf], links: list[Link], servers: list[Server]) -> None:
     """Uniqueness and overlap checks across the whole fabric."""
     names: dict[str, str] = {}
-    for kind, objs in (("spine", spines), ("leaf", leaves), ("server", servers)):
+    named: list[tuple[str, list[Spine] | list[Leaf] | list[Server]]] = [
+        ("spine", spines), ("leaf", leaves), ("server", servers)]
+    for kind, objs in named:
         for o in objs:
             if o.name in names:
                 r.problems.append(f"name {o.name!r} is used by a {names[o.name]} and a {kind}")
@@ -511,14 +513,15 @@ def _check_cross(r: _Reader, spines: list[Spine], leaves: list[Leaf], links: lis
             seen[v] = lf.name
 
     rids: dict[IPv4Address, str] = {}
-    for rt in (*spines, *leaves):
+    routers: list[Spine | Leaf] = [*spines, *leaves]
+    for rt in routers:
         if rt.router_id in rids:
             r.problems.append(f"duplicate router_id {rt.router_id}: {rids[rt.router_id]} and {rt.name}")
         rids[rt.router_id] = rt.name
 
     nets: list[tuple[IPv4Network, str]] = [(lf.subnet, f"rail {lf.rail} subnet ({lf.name})") for lf in leaves]
     nets += [(lk.spine_ip.network, f"link {lk.spine}-{lk.leaf}") for lk in links]
-    nets += [(IPv4Network(f"{rt.router_id}/32"), f"router_id of {rt.name}") for rt in (*spines, *leaves)]
+    nets += [(IPv4Network(f"{rt.router_id}/32"), f"router_id of {rt.name}") for rt in routers]
     nets += [(n, f"announce of {lf.name}") for lf in leaves for n in lf.announce]
     for a in range(len(nets)):
         for b in range(a + 1, len(nets)):
