@@ -14,7 +14,7 @@ in fixture teardown even when a test fails. Skips without root, `ip netns` or FR
 from __future__ import annotations
 
 import argparse
-import copy
+import ipaddress
 import json
 import os
 import shutil
@@ -161,13 +161,8 @@ def test_links_allocated_from_pool_when_omitted() -> None:
     t = parse_topology(yaml.safe_dump(d))
     assert len(t.links) == 4
     nets = [lk.spine_ip.network for lk in t.links]
-    assert len(set(nets)) == 4 and all(n.prefixlen == 30 and n.subnet_of(IPv4Net("10.4.0.0/24")) for n in nets)
+    assert len(set(nets)) == 4 and all(n.prefixlen == 30 and n.subnet_of(ipaddress.IPv4Network("10.4.0.0/24")) for n in nets)
     assert all(lk.spine_ip.ip != lk.leaf_ip.ip for lk in t.links)
-
-
-def IPv4Net(s: str) -> Any:
-    import ipaddress
-    return ipaddress.IPv4Network(s)
 
 
 # ----------------------------------------------------------------------------- renderers
