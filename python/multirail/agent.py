@@ -453,6 +453,10 @@ class Agent:
     def rail_stats(self, peer: str) -> list[dict]:
         return self._core.rail_stats(peer)
 
+    def rails(self) -> list[tuple[str, str, int]]:
+        """(name, address, data port) of each local rail."""
+        return self._core.rails()
+
     def events(self) -> list[str]:
         return self._core.events()
 

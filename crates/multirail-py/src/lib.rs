@@ -230,6 +230,11 @@ impl PyAgent {
         Ok(out)
     }
 
+    /// (name, address, port) of every local rail's listener.
+    fn rails(&self) -> Vec<(String, String, u16)> {
+        self.0.shared().rails_meta.iter().map(|r| (r.name.clone(), r.addr.clone(), r.port)).collect()
+    }
+
     fn events(&self) -> Vec<String> {
         self.0.events()
     }

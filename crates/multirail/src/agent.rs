@@ -218,7 +218,10 @@ impl Agent {
     }
 
     pub fn add_remote(&self, blob: &[u8]) -> Result<String> {
-        let meta = AgentMeta::decode(blob).map_err(|e| Error::Decode { who: "metadata".into(), source: e })?;
+        let meta = AgentMeta::decode(blob).map_err(|e| match e {
+            e @ multirail_proto::DecodeError::VersionMismatch { .. } => Error::Decode { who: "metadata".into(), source: e },
+            e => Error::Metadata(format!("cannot parse metadata: {e}")),
+        })?;
         self.shared.add_remote(meta, None)
     }
 

@@ -26,7 +26,7 @@
 #![allow(dead_code)] // each test crate uses a different part of the simulator
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -126,7 +126,11 @@ impl RailSpec {
 
     /// The rate in effect at `t`.
     pub fn rate(&self, t: Duration) -> f64 {
-        self.rates.iter().take_while(|r| r.0 <= t).last().map_or(0.0, |r| r.1)
+        self.rates
+            .iter()
+            .take_while(|r| r.0 <= t)
+            .last()
+            .map_or(0.0, |r| r.1)
     }
 
     /// When `bytes` of service starting at `start` end, integrating the rate schedule, or
@@ -150,7 +154,9 @@ impl RailSpec {
 
     /// True while an error outage holds the rail down.
     fn in_outage(&self, t: Duration) -> bool {
-        self.outages.iter().any(|o| o.at <= t && o.until.is_none_or(|u| t < u))
+        self.outages
+            .iter()
+            .any(|o| o.at <= t && o.until.is_none_or(|u| t < u))
     }
 
     /// Bytes the rail can carry in `[0, t)`, outside error outages.
@@ -183,7 +189,16 @@ pub struct XferSpec {
 impl XferSpec {
     /// One contiguous transfer of `len` bytes, at a local address unique to `id`.
     pub fn contiguous(id: u64, at: Duration, len: u64) -> Self {
-        XferSpec { id: XferId(id), at, pairs: vec![Pair { local: id << 40, region: id, offset: 0, len }] }
+        XferSpec {
+            id: XferId(id),
+            at,
+            pairs: vec![Pair {
+                local: id << 40,
+                region: id,
+                offset: 0,
+                len,
+            }],
+        }
     }
 
     pub fn total(&self) -> u64 {
@@ -196,7 +211,7 @@ impl XferSpec {
 pub enum Outcome {
     /// Still in the pipe when the run ended (only for runs cut short).
     Pending,
-    /// Completed and accepted by the planner (`handle_done` returned true).
+    /// Completed and accepted by the planner (`handle_done` or `handle_failed` returned true).
     Done(Duration),
     /// Completed, but the planner no longer tracked it (`handle_done` returned false).
     Stale(Duration),
@@ -227,7 +242,10 @@ pub struct Report {
 impl Report {
     /// When the transfer's `XferDone` came out, if it did.
     pub fn done_at(&self, x: XferId) -> Option<Duration> {
-        self.events.iter().find(|(_, e)| *e == Event::XferDone(x)).map(|(t, _)| *t)
+        self.events
+            .iter()
+            .find(|(_, e)| *e == Event::XferDone(x))
+            .map(|(t, _)| *t)
     }
 
     pub fn failed(&self, x: XferId) -> Option<&str> {
@@ -239,7 +257,9 @@ impl Report {
 
     /// Chunks of `x` the planner accepted as done.
     pub fn done_chunks(&self, x: XferId) -> impl Iterator<Item = &ChunkRecord> {
-        self.chunks.iter().filter(move |c| c.chunk.xfer == x && matches!(c.outcome, Outcome::Done(_)))
+        self.chunks
+            .iter()
+            .filter(move |c| c.chunk.xfer == x && matches!(c.outcome, Outcome::Done(_)))
     }
 
     /// Per rail, the time of the last accepted completion of transfer `x`.
@@ -267,7 +287,11 @@ impl Report {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum What {
     /// Chunk `idx` (into the records) completes on its rail, if the rail is still in `epoch`.
-    Complete { rail: RailId, epoch: u64, idx: usize },
+    Complete {
+        rail: RailId,
+        epoch: u64,
+        idx: usize,
+    },
     Down(RailId),
     Up(RailId),
     /// The end of a stall: reconnect the rail if the planner gave up on it.
@@ -305,6 +329,8 @@ pub struct Sim {
     poll_from: usize,
     /// A run that reaches this virtual time is declared hung.
     pub limit: Duration,
+    /// Chunks (by id) the remote refuses: their completion is reported with `handle_failed`.
+    pub refuse: HashSet<ChunkId>,
 }
 
 impl Sim {
@@ -325,6 +351,7 @@ impl Sim {
             events: Vec::new(),
             poll_from: 0,
             limit: Duration::from_secs(600),
+            refuse: HashSet::new(),
         };
         for (i, r) in rails.iter().enumerate() {
             assert_eq!(sim.planner.add_rail(r.hint, t0), i);
@@ -381,13 +408,23 @@ impl Sim {
                 if self.pipes[rail].epoch != epoch {
                     return; // dropped with its pipe
                 }
-                let accepted = self.planner.handle_done(self.records[idx].chunk.id, now);
-                self.records[idx].outcome = if accepted { Outcome::Done(self.now) } else { Outcome::Stale(self.now) };
+                let id = self.records[idx].chunk.id;
+                let accepted = if self.refuse.contains(&id) {
+                    self.planner.handle_failed(id, "sim: refused".into(), now)
+                } else {
+                    self.planner.handle_done(id, now)
+                };
+                self.records[idx].outcome = if accepted {
+                    Outcome::Done(self.now)
+                } else {
+                    Outcome::Stale(self.now)
+                };
             }
             What::Down(rail) => {
                 self.drop_pipe(rail);
                 self.pipes[rail].broken = true;
-                self.planner.handle_rail_down(rail, "sim: link error".into(), now);
+                self.planner
+                    .handle_rail_down(rail, "sim: link error".into(), now);
             }
             What::Up(rail) => {
                 self.pipes[rail].broken = false;
@@ -410,12 +447,24 @@ impl Sim {
     /// Put a chunk into its rail's pipe and schedule its completion.
     fn issue(&mut self, c: Chunk) {
         let spec = &self.specs[c.rail];
-        let f = if spec.jitter > 0.0 { 1.0 + spec.jitter * (2.0 * self.rng.unit() - 1.0) } else { 1.0 };
+        let f = if spec.jitter > 0.0 {
+            1.0 + spec.jitter * (2.0 * self.rng.unit() - 1.0)
+        } else {
+            1.0
+        };
         let pipe = &mut self.pipes[c.rail];
-        assert!(!pipe.broken, "planner handed work to rail {} that it was told is down", c.rail);
+        assert!(
+            !pipe.broken,
+            "planner handed work to rail {} that it was told is down",
+            c.rail
+        );
         let start = pipe.busy_until.max(self.now);
         let idx = self.records.len();
-        self.records.push(ChunkRecord { chunk: c, issued: self.now, outcome: Outcome::Pending });
+        self.records.push(ChunkRecord {
+            chunk: c,
+            issued: self.now,
+            outcome: Outcome::Pending,
+        });
         let prev = self.by_id.insert(c.id, idx);
         assert!(prev.is_none(), "chunk id {:?} handed out twice", c.id);
         match spec.serve(start, c.piece.len as f64 * f) {
@@ -424,7 +473,14 @@ impl Sim {
                 pipe.busy_until = end;
                 let epoch = pipe.epoch;
                 let t = end + 2 * spec.latency;
-                self.push(t, What::Complete { rail: c.rail, epoch, idx });
+                self.push(
+                    t,
+                    What::Complete {
+                        rail: c.rail,
+                        epoch,
+                        idx,
+                    },
+                );
             }
             // Stalled for ever: never completes; only the stall timeout can recover.
             None => pipe.busy_until = Duration::MAX / 4,
@@ -479,15 +535,32 @@ impl Sim {
             self.poll_all();
             self.drain_events();
             let next_q = self.queue.peek().map(|Reverse((t, _, _))| *t);
-            let next_to = self.planner.poll_timeout().map(|t| t.saturating_duration_since(self.t0).max(self.now));
-            let Some(next) = [next_q, next_to].into_iter().flatten().min() else { break };
-            assert!(next < self.limit, "run passed its limit of {:?}: hung?\n{}", self.limit, self.dump());
+            let next_to = self
+                .planner
+                .poll_timeout()
+                .map(|t| t.saturating_duration_since(self.t0).max(self.now));
+            let Some(next) = [next_q, next_to].into_iter().flatten().min() else {
+                break;
+            };
+            assert!(
+                next < self.limit,
+                "run passed its limit of {:?}: hung?\n{}",
+                self.limit,
+                self.dump()
+            );
             self.now = next;
         }
         let idle = self.planner.is_idle();
-        assert!(idle, "planner hung: work left but no event pending at {:?}\n{}", self.now, self.dump());
+        assert!(
+            idle,
+            "planner hung: work left but no event pending at {:?}\n{}",
+            self.now,
+            self.dump()
+        );
         Report {
-            stats: (0..self.specs.len()).map(|r| self.planner.rail_stats(r)).collect(),
+            stats: (0..self.specs.len())
+                .map(|r| self.planner.rail_stats(r))
+                .collect(),
             chunks: self.records,
             events: self.events,
             end: self.now,
@@ -501,8 +574,16 @@ impl Sim {
         for r in 0..self.specs.len() {
             let _ = writeln!(s, "rail {r}: {:?}", self.planner.rail_stats(r));
         }
-        let pending = self.records.iter().filter(|r| r.outcome == Outcome::Pending).count();
-        let _ = writeln!(s, "{pending} chunks pending; last events: {:?}", self.events.iter().rev().take(5).collect::<Vec<_>>());
+        let pending = self
+            .records
+            .iter()
+            .filter(|r| r.outcome == Outcome::Pending)
+            .count();
+        let _ = writeln!(
+            s,
+            "{pending} chunks pending; last events: {:?}",
+            self.events.iter().rev().take(5).collect::<Vec<_>>()
+        );
         s
     }
 }
@@ -510,11 +591,19 @@ impl Sim {
 /// The earliest time at which the rails, running flat out from `start` outside their
 /// outages, could have carried `bytes`: the ideal finishing time of a transfer.
 pub fn ideal_finish(rails: &[RailSpec], start: Duration, bytes: u64) -> Duration {
-    let cap = |t: Duration| -> f64 { rails.iter().map(|r| r.capacity(t) - r.capacity(start)).sum() };
+    let cap = |t: Duration| -> f64 {
+        rails
+            .iter()
+            .map(|r| r.capacity(t) - r.capacity(start))
+            .sum()
+    };
     let (mut lo, mut hi) = (start, start + Duration::from_millis(1));
     while cap(hi) < bytes as f64 {
         hi = start + (hi - start) * 2;
-        assert!(hi < Duration::from_secs(1_000_000), "rails cannot carry {bytes} bytes");
+        assert!(
+            hi < Duration::from_secs(1_000_000),
+            "rails cannot carry {bytes} bytes"
+        );
     }
     while hi - lo > Duration::from_nanos(100) {
         let mid = lo + (hi - lo) / 2;
@@ -546,8 +635,16 @@ impl Row {
 /// Format rows smoltcp-style.
 pub fn table(rows: &[Row]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "| {:<44} | {:>9} | {:>11} | {:>7} | {:>6} |", "scenario", "ideal ms", "achieved ms", "eff %", "tail");
-    let _ = writeln!(s, "|{:-<46}|{:->11}|{:->13}|{:->9}|{:->8}|", "", "", "", "", "");
+    let _ = writeln!(
+        s,
+        "| {:<44} | {:>9} | {:>11} | {:>7} | {:>6} |",
+        "scenario", "ideal ms", "achieved ms", "eff %", "tail"
+    );
+    let _ = writeln!(
+        s,
+        "|{:-<46}|{:->11}|{:->13}|{:->9}|{:->8}|",
+        "", "", "", "", ""
+    );
     for r in rows {
         let _ = writeln!(
             s,
@@ -565,7 +662,10 @@ pub fn table(rows: &[Row]) -> String {
 /// Sum of a planner's per-rail stats, keyed by name, for quick assertions.
 pub fn totals(stats: &[RailStats]) -> BTreeMap<&'static str, u64> {
     let mut m = BTreeMap::new();
-    m.insert("inflight_bytes", stats.iter().map(|s| s.inflight_bytes).sum());
+    m.insert(
+        "inflight_bytes",
+        stats.iter().map(|s| s.inflight_bytes).sum(),
+    );
     m.insert("bytes_done", stats.iter().map(|s| s.bytes_done).sum());
     m.insert("chunks_done", stats.iter().map(|s| s.chunks_done).sum());
     m

@@ -1,0 +1,644 @@
+//! Property tests.
+//!
+//! Planner invariants, checked on random runs of the rail simulator (random pair lists, rail
+//! counts, rates, latencies, jitter, policies, chunk sizes, failure schedules with rails going
+//! down and coming back, silent stalls, refused chunks and cancels):
+//! - every transfer that completes was covered exactly once by its accepted chunks, each
+//!   chunk mapping local to remote bytes as its pair does;
+//! - work is redone only for what was lost: bytes issued = bytes of the transfer + bytes lost;
+//! - every transfer ends with exactly one `XferDone` or `XferFailed` (none once cancelled);
+//! - a transfer fails only when no rail is left, when its pinned rail is down, or when the
+//!   remote refused one of its chunks;
+//! - the planner never hangs, never panics, and its counters return to zero.
+//!
+//! Codec properties: arbitrary bodies, metadata and descriptor lists round-trip. An ignored
+//! test writes the committed fuzz seed corpus (`cargo test -p multirail-proto --test props --
+//! --ignored write_fuzz_corpus`).
+
+mod simnet;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use multirail_proto::codec::{RemoteOp, Role, HEADER_LEN};
+use multirail_proto::planner::pair_segments;
+use multirail_proto::{
+    Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig,
+    Policy, RailInfo, RegionKey, RegionMeta, Status, XferId,
+};
+use proptest::prelude::*;
+use simnet::{Outcome, RailSpec, Report, Sim, XferSpec};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+#[derive(Debug, Clone)]
+struct Scenario {
+    cfg: PlannerConfig,
+    rails: Vec<RailSpec>,
+    xfers: Vec<XferSpec>,
+    cancels: Vec<(Duration, XferId)>,
+    refuse: Vec<u64>,
+    seed: u64,
+}
+
+fn rail() -> impl Strategy<Value = RailSpec> {
+    (
+        250.0e6..4.0e9f64, // rate, bits/s
+        0u64..400,         // one-way latency, us
+        prop_oneof![Just(0.0), 0.0..0.4f64],
+        any::<bool>(), // hint known
+        prop::collection::vec((0u64..150, prop::option::of(1u64..80)), 0..3), // outages (ms)
+        prop::option::of((0u64..150, 5u64..80)), // silent stall (ms)
+    )
+        .prop_map(|(bits, lat, jitter, hint, outages, stall)| {
+            let rate = bits / 8.0;
+            let mut r = RailSpec::steady(rate)
+                .latency(Duration::from_micros(lat))
+                .jitter(jitter);
+            if !hint {
+                r = r.hint(None);
+            }
+            for (at, dur) in outages {
+                r = r.outage(ms(at), dur.map(|d| ms(at + d)));
+            }
+            if let Some((at, dur)) = stall {
+                r = r.rate_at(ms(at), 0.0).rate_at(ms(at + dur), rate);
+            }
+            r
+        })
+}
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// Pairs with disjoint local ranges (so a local address names one byte of the transfer).
+fn pairs(id: u64) -> impl Strategy<Value = Vec<Pair>> {
+    prop::collection::vec(
+        (
+            prop_oneof![1u64..4 * KIB, 1u64..128 * KIB, 1u64..3 * MIB],
+            0u64..4,
+            0u64..1 << 30,
+        ),
+        1..5,
+    )
+    .prop_map(move |v| {
+        let mut local = id << 40;
+        v.into_iter()
+            .map(|(len, region, offset)| {
+                let p = Pair {
+                    local,
+                    region,
+                    offset,
+                    len,
+                };
+                local += len + 4096;
+                p
+            })
+            .collect()
+    })
+}
+
+fn scenario() -> impl Strategy<Value = Scenario> {
+    (
+        1usize..5,
+        prop::sample::select(vec![64 * KIB, 256 * KIB, MIB]),
+        0u64..4,
+        any::<u64>(),
+    )
+        .prop_flat_map(|(n, chunk, pol, seed)| {
+            let policy = match pol {
+                0 | 1 => Just(Policy::Weighted).boxed(),
+                2 => Just(Policy::RoundRobin).boxed(),
+                _ => (0..n + 1).prop_map(Policy::Pinned).boxed(), // n: a rail that does not exist
+            };
+            let xfers =
+                prop::collection::vec((0u64..120, 0u64..1 << 20), 1..6).prop_flat_map(|v| {
+                    v.into_iter()
+                        .enumerate()
+                        .map(|(i, (at, _))| {
+                            pairs(i as u64 + 1).prop_map(move |p| XferSpec {
+                                id: XferId(i as u64 + 1),
+                                at: ms(at),
+                                pairs: p,
+                            })
+                        })
+                        .collect::<Vec<_>>()
+                });
+            (
+                prop::collection::vec(rail(), n),
+                policy,
+                xfers,
+                prop::collection::vec((0u64..200, 1u64..6), 0..3),
+                prop::collection::vec(0u64..200, 0..2),
+                prop_oneof![0u64..64 * KIB, 0u64..(2 * MIB)],
+                Just((chunk, seed)),
+            )
+        })
+        .prop_map(
+            |(rails, policy, xfers, cancels, refuse, threshold, (chunk, seed))| Scenario {
+                cfg: PlannerConfig {
+                    chunk_size: chunk,
+                    min_chunk: (chunk / 4).max(4096),
+                    stripe_threshold: threshold,
+                    stall_timeout: ms(20),
+                    policy,
+                    ..PlannerConfig::default()
+                },
+                rails,
+                xfers,
+                cancels: cancels
+                    .into_iter()
+                    .map(|(t, x)| (ms(t), XferId(x)))
+                    .collect(),
+                refuse,
+                seed,
+            },
+        )
+}
+
+fn run(s: &Scenario) -> Report {
+    let mut sim = Sim::new(s.cfg.clone(), s.rails.clone(), s.seed);
+    sim.limit = Duration::from_secs(3600);
+    sim.refuse = s.refuse.iter().map(|&i| ChunkId(i)).collect();
+    for x in &s.xfers {
+        sim.submit(x.clone());
+    }
+    for &(t, x) in &s.cancels {
+        sim.cancel_at(t, x);
+    }
+    sim.run()
+}
+
+/// Map a piece back to its transfer's logical byte range, checking it lies inside one pair and
+/// maps local to remote bytes as that pair does.
+fn logical_range(pairs: &[Pair], piece: &Pair) -> Result<(u64, u64), String> {
+    let mut start = 0;
+    for p in pairs {
+        if piece.local >= p.local && piece.local + piece.len <= p.local + p.len {
+            let d = piece.local - p.local;
+            if piece.region != p.region || piece.offset != p.offset + d {
+                return Err(format!(
+                    "piece {piece:?} maps local to remote unlike its pair {p:?}"
+                ));
+            }
+            return Ok((start + d, start + d + piece.len));
+        }
+        start += p.len;
+    }
+    Err(format!("piece {piece:?} lies in no pair"))
+}
+
+fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
+    prop_assert!(rep.idle_at_end);
+    for (i, st) in rep.stats.iter().enumerate() {
+        prop_assert_eq!(st.inflight_bytes, 0, "rail {} still has bytes in flight", i);
+    }
+    let refused: HashSet<ChunkId> = s.refuse.iter().map(|&i| ChunkId(i)).collect();
+    let accepted: u64 = rep
+        .chunks
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Done(_)) && !refused.contains(&c.chunk.id))
+        .map(|c| c.chunk.piece.len)
+        .sum();
+    prop_assert_eq!(
+        rep.stats.iter().map(|s| s.bytes_done).sum::<u64>(),
+        accepted
+    );
+
+    // Replay rail states from the planner's own events to judge each failure.
+    let mut up = vec![true; s.rails.len()];
+    let mut terminal: HashMap<XferId, Vec<(Duration, &Event)>> = HashMap::new();
+    for (t, e) in &rep.events {
+        match e {
+            Event::RailDown { rail, .. } => up[*rail] = false,
+            Event::RailUp(rail) => up[*rail] = true,
+            Event::XferDone(x) => terminal.entry(*x).or_default().push((*t, e)),
+            Event::XferFailed { xfer, reason } => {
+                terminal.entry(*xfer).or_default().push((*t, e));
+                let ok = if reason.starts_with("no rail left") {
+                    !up.iter().any(|u| *u)
+                } else if reason.starts_with("pinned rail") {
+                    match s.cfg.policy {
+                        Policy::Pinned(p) => up.get(p) != Some(&true),
+                        _ => false,
+                    }
+                } else {
+                    reason == "sim: refused"
+                };
+                prop_assert!(
+                    ok,
+                    "transfer {:?} failed with {:?} while rails up = {:?}",
+                    xfer,
+                    reason,
+                    up
+                );
+            }
+        }
+    }
+
+    // The first cancel at or after its transfer's submission (an earlier one finds nothing).
+    let submitted: HashMap<XferId, Duration> = s.xfers.iter().map(|x| (x.id, x.at)).collect();
+    let mut cancelled: BTreeMap<XferId, Duration> = BTreeMap::new();
+    for &(t, x) in &s.cancels {
+        if submitted.get(&x).is_some_and(|&at| at <= t) {
+            let e = cancelled.entry(x).or_insert(t);
+            *e = (*e).min(t);
+        }
+    }
+    for x in &s.xfers {
+        let ends = terminal.get(&x.id).cloned().unwrap_or_default();
+        prop_assert!(
+            ends.len() <= 1,
+            "transfer {:?} ended twice: {:?}",
+            x.id,
+            ends
+        );
+        match cancelled.get(&x.id) {
+            // A cancel may come after the transfer ended; after it, nothing is reported.
+            Some(&tc) => prop_assert!(
+                ends.iter().all(|(t, _)| *t <= tc),
+                "event after cancel: {:?}",
+                ends
+            ),
+            None => prop_assert_eq!(ends.len(), 1, "transfer {:?} never ended", x.id),
+        }
+        if !matches!(ends.first(), Some((_, Event::XferDone(_)))) {
+            continue;
+        }
+        // Completed: accepted chunks tile the transfer exactly once.
+        let mut ranges = Vec::new();
+        for c in rep.done_chunks(x.id) {
+            ranges.push(logical_range(&x.pairs, &c.chunk.piece).map_err(TestCaseError::fail)?);
+        }
+        ranges.sort();
+        let mut covered = 0;
+        for (a, b) in ranges {
+            prop_assert_eq!(a, covered, "gap or overlap in transfer {:?}", x.id);
+            covered = b;
+        }
+        prop_assert_eq!(covered, x.total());
+        // Redone work is exactly what was lost.
+        let (mut issued, mut lost) = (0, 0);
+        for c in rep.chunks.iter().filter(|c| c.chunk.xfer == x.id) {
+            issued += c.chunk.piece.len;
+            if matches!(c.outcome, Outcome::Lost(_)) {
+                lost += c.chunk.piece.len;
+            }
+            prop_assert!(
+                !matches!(c.outcome, Outcome::Stale(_)),
+                "completed transfer had a stale chunk"
+            );
+        }
+        prop_assert_eq!(issued, x.total() + lost);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn planner_invariants_hold(s in scenario()) {
+        let rep = run(&s);
+        check(&s, &rep)?;
+    }
+
+    /// pair_segments cuts two segmentations into equal-length pairs that cover both lists in
+    /// order; unequal totals are refused.
+    #[test]
+    fn pair_segments_covers_both_sides(
+        local in prop::collection::vec((0u64..1 << 40, 0u64..10_000), 0..8),
+        cuts in prop::collection::vec(0u64..1000, 0..8),
+        extra in 0u64..2,
+    ) {
+        let total: u64 = local.iter().map(|l| l.1).sum();
+        let mut points: Vec<u64> = cuts.iter().map(|c| c * total / 1000).collect();
+        points.push(0);
+        points.push(total);
+        points.sort();
+        let remote: Vec<(u64, u64, u64)> =
+            points.windows(2).enumerate().map(|(i, w)| (i as u64, 100 * i as u64, w[1] - w[0])).collect();
+        let mut remote_bad = remote.clone();
+        remote_bad.push((99, 0, extra));
+        if extra > 0 {
+            prop_assert_eq!(pair_segments(&local, &remote_bad), Err((total, total + extra)));
+        }
+        let pairs = pair_segments(&local, &remote).expect("equal totals");
+        prop_assert!(pairs.iter().all(|p| p.len > 0));
+        prop_assert_eq!(pairs.iter().map(|p| p.len).sum::<u64>(), total);
+        // Walk both lists alongside the pairs.
+        let (mut li, mut lo, mut rj, mut ro) = (0usize, 0u64, 0usize, 0u64);
+        for p in &pairs {
+            while local[li].1 == lo { li += 1; lo = 0; }
+            while remote[rj].2 == ro { rj += 1; ro = 0; }
+            prop_assert_eq!(p.local, local[li].0 + lo);
+            prop_assert_eq!((p.region, p.offset), (remote[rj].0, remote[rj].1 + ro));
+            prop_assert!(lo + p.len <= local[li].1 && ro + p.len <= remote[rj].2);
+            lo += p.len;
+            ro += p.len;
+        }
+    }
+
+    #[test]
+    fn bodies_round_trip(b in body(), req in any::<u64>()) {
+        let bytes = b.encode(req);
+        let h = Header::decode(bytes[..HEADER_LEN].try_into().expect("16 bytes")).expect("header");
+        prop_assert_eq!(h.req_id, req);
+        prop_assert_eq!(Body::decode(h.kind, &bytes[HEADER_LEN..]).expect("body"), b);
+    }
+
+    #[test]
+    fn metadata_round_trips(m in agent_meta(), d in desc_list()) {
+        prop_assert_eq!(AgentMeta::decode(&m.encode()).expect("metadata"), m);
+        prop_assert_eq!(DescList::decode(&d.encode()).expect("descriptor list"), d);
+    }
+}
+
+fn name(max: usize) -> impl Strategy<Value = String> {
+    prop::string::string_regex(&format!("[a-z0-9\u{e9}\u{4e2d}._-]{{0,{}}}", max / 3))
+        .expect("regex")
+}
+
+fn status() -> impl Strategy<Value = Status> {
+    (0u16..12).prop_map(Status::from_u16)
+}
+
+fn remote_op() -> impl Strategy<Value = RemoteOp> {
+    (
+        any::<u64>(),
+        any::<[u8; 16]>(),
+        any::<u64>(),
+        0..=multirail_proto::codec::MAX_CHUNK,
+    )
+        .prop_map(|(region, key, offset, len)| RemoteOp {
+            region,
+            key: RegionKey(key),
+            offset,
+            len,
+        })
+}
+
+fn body() -> impl Strategy<Value = Body> {
+    prop_oneof![
+        (any::<bool>(), any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(
+            |(d, incarnation, name, nonce)| {
+                Body::Hello {
+                    role: if d { Role::Data } else { Role::Control },
+                    incarnation,
+                    name,
+                    nonce,
+                }
+            }
+        ),
+        (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(
+            |(auth_required, incarnation, nonce, name)| Body::Challenge {
+                auth_required,
+                incarnation,
+                nonce,
+                name
+            }
+        ),
+        any::<[u8; 32]>().prop_map(|mac| Body::Auth { mac }),
+        any::<[u8; 32]>().prop_map(|mac| Body::Welcome { mac }),
+        remote_op().prop_map(Body::ReadReq),
+        remote_op().prop_map(Body::WriteReq),
+        prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Notif),
+        Just(Body::Ping),
+        (status(), 0..=multirail_proto::codec::MAX_CHUNK, name(512)).prop_map(
+            |(status, bulk_len, msg)| Body::Resp {
+                status,
+                bulk_len,
+                msg
+            }
+        ),
+        Just(Body::MetaGet),
+        prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Meta),
+        prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::MetaPut),
+        (status(), name(512)).prop_map(|(status, msg)| Body::Error { status, msg }),
+    ]
+}
+
+fn agent_meta() -> impl Strategy<Value = AgentMeta> {
+    let rail = (
+        name(64),
+        name(64),
+        any::<u8>(),
+        any::<u16>(),
+        any::<u64>(),
+        any::<u32>(),
+        any::<i32>(),
+        name(64),
+    )
+        .prop_map(
+            |(name, addr, prefix_len, port, speed_mbps, mtu, numa, rdma_dev)| RailInfo {
+                name,
+                addr,
+                prefix_len,
+                port,
+                speed_mbps,
+                mtu,
+                numa,
+                rdma_dev,
+            },
+        );
+    let region = (
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        any::<bool>(),
+        0u8..3,
+        any::<[u8; 16]>(),
+    )
+        .prop_map(|(id, base, len, dev, vram, access, key)| RegionMeta {
+            id,
+            base: base / 2,
+            len: len / 2,
+            dev,
+            mem: if vram { MemType::Vram } else { MemType::Dram },
+            access: [Access::Local, Access::ReadOnly, Access::ReadWrite][access as usize],
+            key: RegionKey(key),
+        });
+    (
+        name(255),
+        any::<u64>(),
+        prop::collection::vec(rail, 0..4),
+        prop::collection::vec(region, 0..6),
+    )
+        .prop_map(|(name, incarnation, rails, regions)| AgentMeta {
+            name,
+            incarnation,
+            rails,
+            regions,
+        })
+}
+
+fn desc_list() -> impl Strategy<Value = DescList> {
+    (
+        any::<bool>(),
+        prop::collection::vec((0u64..1 << 62, 0u64..1 << 62, any::<u32>()), 0..10),
+    )
+        .prop_map(|(vram, descs)| DescList {
+            mem: if vram { MemType::Vram } else { MemType::Dram },
+            descs,
+        })
+}
+
+/// Write the fuzz seed corpus: a valid encoding of every frame kind and of metadata and
+/// descriptor lists, plus truncated copies. Run after a wire-format change and commit
+/// `fuzz/corpus/`.
+#[test]
+#[ignore = "writes fuzz/corpus/; run by hand after a wire-format change"]
+fn write_fuzz_corpus() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
+    let op = RemoteOp {
+        region: 7,
+        key: RegionKey([0x5a; 16]),
+        offset: 4096,
+        len: MIB,
+    };
+    let frames: Vec<(&str, Body)> = vec![
+        (
+            "hello",
+            Body::Hello {
+                role: Role::Data,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [3; 16],
+            },
+        ),
+        (
+            "challenge",
+            Body::Challenge {
+                auth_required: true,
+                incarnation: 9,
+                nonce: [1; 16],
+                name: "decode-1".into(),
+            },
+        ),
+        ("auth", Body::Auth { mac: [2; 32] }),
+        ("welcome", Body::Welcome { mac: [4; 32] }),
+        ("readreq", Body::ReadReq(op)),
+        ("writereq", Body::WriteReq(op)),
+        ("notif", Body::Notif(b"kv-ready:layer=3".to_vec())),
+        ("ping", Body::Ping),
+        (
+            "resp_ok",
+            Body::Resp {
+                status: Status::Ok,
+                bulk_len: MIB,
+                msg: String::new(),
+            },
+        ),
+        (
+            "resp_err",
+            Body::Resp {
+                status: Status::OutOfBounds,
+                bulk_len: 0,
+                msg: "offset past region end".into(),
+            },
+        ),
+        ("metaget", Body::MetaGet),
+        ("meta", Body::Meta(sample_meta().encode())),
+        ("metaput", Body::MetaPut(sample_meta().encode())),
+        (
+            "error",
+            Body::Error {
+                status: Status::VersionMismatch,
+                msg: "peer speaks 2".into(),
+            },
+        ),
+    ];
+    let metas: Vec<(&str, Vec<u8>)> = vec![
+        ("agent", sample_meta().encode()),
+        (
+            "agent_empty",
+            AgentMeta {
+                name: String::new(),
+                incarnation: 0,
+                rails: vec![],
+                regions: vec![],
+            }
+            .encode(),
+        ),
+        (
+            "descs",
+            DescList {
+                mem: MemType::Dram,
+                descs: vec![(4096, 100, 0), (1 << 40, MIB, 3)],
+            }
+            .encode(),
+        ),
+        (
+            "descs_vram",
+            DescList {
+                mem: MemType::Vram,
+                descs: vec![(0x7f00_0000_0000, 64 * MIB, 1)],
+            }
+            .encode(),
+        ),
+    ];
+    for (dir, items) in [
+        (
+            "frame",
+            frames
+                .into_iter()
+                .map(|(n, b)| (n, b.encode(42)))
+                .collect::<Vec<_>>(),
+        ),
+        ("metadata", metas),
+    ] {
+        let d = root.join(dir);
+        std::fs::create_dir_all(&d).expect("create corpus dir");
+        for (n, bytes) in items {
+            std::fs::write(d.join(format!("{n}.bin")), &bytes).expect("write seed");
+            // Truncated copies: inside the header / fixed fields, and one byte short.
+            for cut in [bytes.len() / 3, bytes.len().saturating_sub(1)] {
+                if cut > 0 {
+                    std::fs::write(d.join(format!("{n}.cut{cut}.bin")), &bytes[..cut])
+                        .expect("write seed");
+                }
+            }
+        }
+    }
+}
+
+fn sample_meta() -> AgentMeta {
+    AgentMeta {
+        name: "decode-3".into(),
+        incarnation: 0xdead_beef,
+        rails: vec![
+            RailInfo {
+                name: "eth1".into(),
+                addr: "10.0.1.2".into(),
+                prefix_len: 24,
+                port: 5555,
+                speed_mbps: 100_000,
+                mtu: 9000,
+                numa: 0,
+                rdma_dev: "mlx5_0".into(),
+            },
+            RailInfo {
+                name: "eth2".into(),
+                addr: "fd00:2::2".into(),
+                prefix_len: 64,
+                port: 5556,
+                speed_mbps: 0,
+                mtu: 1500,
+                numa: -1,
+                rdma_dev: String::new(),
+            },
+        ],
+        regions: vec![RegionMeta {
+            id: 1,
+            base: 0x7f00_0000_0000,
+            len: 1 << 30,
+            dev: 0,
+            mem: MemType::Dram,
+            access: Access::ReadWrite,
+            key: RegionKey([7; 16]),
+        }],
+    }
+}

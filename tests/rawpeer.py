@@ -1,0 +1,92 @@
+"""A hand-rolled multirail wire client for hostile-input tests (docs/PROTOCOL.md).
+
+Written from the protocol document, independently of the Rust codec, so the tests also check
+that the document is right.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+VERSION = 1
+HELLO, CHALLENGE, AUTH, WELCOME = 1, 2, 3, 4
+READ_REQ, WRITE_REQ, NOTIF, PING = 10, 11, 12, 13
+RESP, META_GET, META, META_PUT, ERROR = 20, 30, 31, 32, 40
+STATUS = {0: "Ok", 1: "UnknownRegion", 2: "BadKey", 3: "OutOfBounds", 4: "ReadOnly", 5: "TooLarge",
+          6: "Malformed", 7: "VersionMismatch", 8: "AuthFailed", 9: "Unexpected", 10: "Busy", 11: "Internal"}
+
+
+def header(kind: int, body_len: int, req_id: int = 0, version: int = VERSION, magic: bytes = b"MR") -> bytes:
+    return magic + bytes([version, kind]) + struct.pack("<IQ", body_len, req_id)
+
+
+def frame(kind: int, body: bytes, req_id: int = 0) -> bytes:
+    return header(kind, len(body), req_id) + body
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        b = s.recv(n - len(out))
+        if not b:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += b
+    return out
+
+
+def read_frame(s: socket.socket) -> tuple[int, int, bytes]:
+    h = recv_exact(s, 16)
+    assert h[:2] == b"MR", h
+    kind = h[3]
+    (blen, req) = struct.unpack("<IQ", h[4:])
+    return kind, req, recv_exact(s, blen)
+
+
+def parse_status(body: bytes) -> tuple[str, int, str]:
+    st, bulk, mlen = struct.unpack("<HQH", body[:12])
+    return STATUS.get(st, str(st)), bulk, body[12:12 + mlen].decode()
+
+
+def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1") -> socket.socket:
+    """Open a connection and complete an unauthenticated handshake."""
+    s = socket.create_connection((host, port), timeout=5)
+    nb = name.encode()
+    body = struct.pack("<HBQH", VERSION, role, 1234, len(nb)) + nb + os.urandom(16)
+    s.sendall(frame(HELLO, body))
+    kind, _, b = read_frame(s)
+    assert kind == CHALLENGE, kind
+    s.sendall(frame(AUTH, bytes(32)))
+    kind, _, b = read_frame(s)
+    assert kind == WELCOME, (kind, b)
+    return s
+
+
+def op_body(region: int, key: bytes, offset: int, length: int) -> bytes:
+    return struct.pack("<Q", region) + key + struct.pack("<QQ", offset, length)
+
+
+def parse_regions(meta: bytes) -> list[dict]:
+    """Regions from a metadata blob (schema in docs/PROTOCOL.md)."""
+    p = 4 + 2
+    (n,) = struct.unpack_from("<H", meta, p)
+    p += 2 + n + 8
+    (nr,) = struct.unpack_from("<I", meta, p)
+    p += 4
+    for _ in range(nr):
+        for _ in range(2):
+            (k,) = struct.unpack_from("<H", meta, p)
+            p += 2 + k
+        p += 1 + 2 + 8 + 4 + 4
+        (k,) = struct.unpack_from("<H", meta, p)
+        p += 2 + k
+    (ng,) = struct.unpack_from("<I", meta, p)
+    p += 4
+    out = []
+    for _ in range(ng):
+        rid, base, ln, dev, mem, acc = struct.unpack_from("<QQQIBB", meta, p)
+        key = meta[p + 30:p + 46]
+        out.append({"id": rid, "base": base, "len": ln, "dev": dev, "mem": mem, "access": acc, "key": key, "offset": p})
+        p += 46
+    return out

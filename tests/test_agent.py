@@ -1,0 +1,582 @@
+"""The Python engine API: registration, descriptors, metadata, READ/WRITE, notifications,
+prepared and reusable handles, asyncio, and every bad input issue 2 lists. Each bad input
+checks the specific exception, that the target keeps serving, and that target memory outside
+valid requests is untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import engine_available
+
+pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+
+if engine_available():
+    import multirail
+    from multirail import Agent, XferState, errors
+
+import rawpeer
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pair():
+    t = Agent("target")
+    i = Agent("initiator", {"timeout": 5.0, "stall_timeout": 1.0})
+    yield t, i
+    i.close()
+    t.close()
+
+
+def pattern(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def loaded(t, i, src: np.ndarray, dst: np.ndarray, **kw):
+    t.register_memory(src, **kw)
+    i.register_memory(dst)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+
+
+def test_read_and_write_round_trip_byte_exact(pair):
+    t, i = pair
+    src, dst = pattern(8 * MiB + 123), np.zeros(8 * MiB + 123, np.uint8)
+    loaded(t, i, src, dst)
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+    assert i.transfer(h) in (XferState.IN_PROGRESS, XferState.DONE)
+    i.wait(h, 10)
+    assert i.check_xfer_state(h) == XferState.DONE
+    assert np.array_equal(dst, src)
+    dst[:] = pattern(dst.size, 2)
+    w = i.initialize_xfer("WRITE", [dst], [src], "target")
+    i.transfer(w)
+    i.wait(w, 10)
+    assert np.array_equal(src, dst)
+
+
+def test_differently_segmented_lists_and_nx3_arrays(pair):
+    t, i = pair
+    src, dst = pattern(1 * MiB), np.zeros(1 * MiB, np.uint8)
+    loaded(t, i, src, dst)
+    sa, da = src.ctypes.data, dst.ctypes.data
+    # Local: 4 pieces of 256 KiB; remote: 3 uneven pieces. Same total.
+    local = np.array([(da + k * (256 << 10), 256 << 10, 0) for k in range(4)], dtype=np.uint64)
+    remote = [(sa, 100_000, 0), (sa + 100_000, 600_000, 0), (sa + 700_000, MiB - 700_000, 0)]
+    h = i.initialize_xfer("READ", i.get_xfer_descs(local), i.get_xfer_descs(remote), "target")
+    i.transfer(h)
+    i.wait(h, 10)
+    assert np.array_equal(dst, src)
+
+
+def test_many_descriptors_vectorised(pair):
+    t, i = pair
+    n, sz = 4096, 256
+    src, dst = pattern(n * sz), np.zeros(n * sz, np.uint8)
+    loaded(t, i, src, dst)
+    offs = np.arange(n, dtype=np.uint64) * sz
+    perm = np.random.default_rng(3).permutation(n).astype(np.uint64)
+    local = np.stack([dst.ctypes.data + offs, np.full(n, sz, np.uint64), np.zeros(n, np.uint64)], axis=1)
+    remote = np.stack([src.ctypes.data + perm * sz, np.full(n, sz, np.uint64), np.zeros(n, np.uint64)], axis=1)
+    h = i.initialize_xfer("READ", i.get_xfer_descs(local), i.get_xfer_descs(remote), "target")
+    i.transfer(h)
+    i.wait(h, 10)
+    expect = src.reshape(n, sz)[perm.astype(np.int64)].reshape(-1)
+    assert np.array_equal(dst, expect)
+
+
+def test_reusable_and_prepped_handles(pair):
+    t, i = pair
+    src, dst = pattern(64 << 10), np.zeros(64 << 10, np.uint8)
+    loaded(t, i, src, dst)
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+    for k in range(5):
+        src[:] = k
+        i.transfer(h)
+        i.wait(h, 5)
+        assert (dst == k).all()
+    blocks = 16
+    bs = src.size // blocks
+    lp = i.prep_xfer_dlist("", [(dst.ctypes.data + b * bs, bs, 0) for b in range(blocks)])
+    rp = i.prep_xfer_dlist("target", [(src.ctypes.data + b * bs, bs, 0) for b in range(blocks)])
+    src[:] = pattern(src.size, 9)
+    dst[:] = 0
+    ph = i.make_prepped_xfer("READ", lp, [0, 1, 2], rp, [5, 6, 7])
+    i.transfer(ph)
+    i.wait(ph, 5)
+    assert np.array_equal(dst[: 3 * bs], src[5 * bs: 8 * bs])
+    with pytest.raises(errors.InvalidArgumentError):
+        i.make_prepped_xfer("READ", lp, [99], rp, [0])
+
+
+def test_notif_arrives_after_data_and_send_notif(pair):
+    t, i = pair
+    src, dst = np.zeros(4 * MiB, np.uint8), pattern(4 * MiB, 5)
+    loaded(t, i, src, dst)
+    w = i.initialize_xfer("WRITE", [dst], [src], "target", b"kv-ready")
+    i.transfer(w)
+    i.wait(w, 10)
+    notifs = t.get_new_notifs()
+    assert notifs == {"initiator": [b"kv-ready"]}
+    # The notification was delivered only after the data: the memory is already complete.
+    assert np.array_equal(src, dst)
+    i.send_notif("target", b"hello")
+    assert t.get_new_notifs() == {"initiator": [b"hello"]}
+    assert t.get_new_notifs() == {}
+
+
+def test_asyncio_awaitable(pair):
+    t, i = pair
+    src, dst = pattern(2 * MiB), np.zeros(2 * MiB, np.uint8)
+    loaded(t, i, src, dst)
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+
+    async def go():
+        await i.transfer_async(h, timeout=10)
+
+    asyncio.run(go())
+    assert np.array_equal(dst, src)
+
+
+def test_metadata_exchange_both_ways_and_serialised_descs(pair):
+    t, i = pair
+    src = pattern(4096)
+    reg = t.register_memory(src)
+    blob = t.get_serialized_descs(reg)
+    d = i.deserialize_descs(blob)
+    assert d.arr.tolist() == [[src.ctypes.data, 4096, 0]] and d.mem_type == "DRAM"
+    assert not i.check_remote_metadata("target")
+    t.send_local_metadata("127.0.0.1", i.port)
+    assert i.check_remote_metadata("target")
+    i.remove_remote_agent("target")
+    assert not i.check_remote_metadata("target")
+    assert i.add_remote_agent(t.get_agent_metadata()) == "target"
+    with pytest.raises(errors.UnknownPeerError):
+        i.remove_remote_agent("nobody")
+
+
+def test_register_kinds():
+    with Agent("reg") as a:
+        arr = np.zeros(100, np.float32)
+        ba = bytearray(64)
+        r1 = a.register_memory(arr)
+        r2 = a.register_memory(ba)
+        r3 = a.register_memory([(arr.ctypes.data, 16, 0)])
+        r4 = a.register_memory(np.array([[arr.ctypes.data, 8, 0]], dtype=np.uint64))
+        assert len(r1) == len(r2) == len(r3) == len(r4) == 1
+        assert r1[0] == (arr.ctypes.data, 400, 0)
+        with pytest.raises(errors.InvalidArgumentError):
+            a.register_memory(b"immutable")  # read-only buffer needs access="ro"
+        a.register_memory(b"immutable", access="ro")
+        with pytest.raises(errors.InvalidArgumentError):
+            a.register_memory(np.zeros((4, 4))[:, 1])  # not contiguous
+        with pytest.raises(errors.InvalidArgumentError):
+            a.register_memory(object())
+        for r in (r1, r2, r3, r4):
+            a.deregister_memory(r)
+        torch = pytest.importorskip("torch", reason="torch not installed")
+        t = torch.arange(10, dtype=torch.int64)
+        rt = a.register_memory(t)
+        assert rt[0] == (t.data_ptr(), 80, 0)
+
+
+# ------------------------------------------------------------------------ bad input
+
+def test_unknown_peer(pair):
+    t, i = pair
+    dst = np.zeros(16, np.uint8)
+    i.register_memory(dst)
+    with pytest.raises(errors.UnknownPeerError):
+        i.initialize_xfer("READ", [dst], [(1, 16, 0)], "nobody")
+    with pytest.raises(errors.UnknownPeerError):
+        i.send_notif("nobody", b"x")
+
+
+def test_descriptors_outside_registered_regions(pair):
+    t, i = pair
+    src, dst = pattern(4096), np.zeros(4096, np.uint8)
+    loaded(t, i, src, dst)
+    with pytest.raises(errors.OutOfBoundsError):
+        i.initialize_xfer("READ", [(dst.ctypes.data, 4096, 0)], [(src.ctypes.data + 1, 4096, 0)], "target")
+    with pytest.raises(errors.NotRegisteredError):
+        i.initialize_xfer("READ", [(dst.ctypes.data + 8, 4096, 0)], [(src.ctypes.data, 4096, 0)], "target")
+    with pytest.raises(errors.InvalidArgumentError):
+        i.initialize_xfer("FETCH", [dst], [src], "target")
+
+
+def test_mismatched_total_lengths(pair):
+    t, i = pair
+    src, dst = pattern(4096), np.zeros(4096, np.uint8)
+    loaded(t, i, src, dst)
+    with pytest.raises(errors.LengthMismatchError):
+        i.initialize_xfer("READ", [dst[:100]], [src[:99]], "target")
+
+
+def _tampered_meta(t, mutate) -> bytes:
+    blob = bytearray(t.get_agent_metadata())
+    for r in rawpeer.parse_regions(bytes(blob)):
+        mutate(blob, r)
+    return bytes(blob)
+
+
+def _check_survivor(t, src_expected: np.ndarray):
+    """A fresh, well-behaved peer still gets correct data from the target."""
+    with Agent("bystander") as b:
+        out = np.zeros(src_expected.size, np.uint8)
+        b.register_memory(out)
+        b.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        h = b.initialize_xfer("READ", [out], [(t_region_base(t), src_expected.size, 0)], "target")
+        b.transfer(h)
+        b.wait(h, 10)
+        assert np.array_equal(out, src_expected)
+
+
+def t_region_base(t) -> int:
+    return rawpeer.parse_regions(t.get_agent_metadata())[0]["base"]
+
+
+def test_wrong_key_is_refused_by_target(pair):
+    t, i = pair
+    src, dst = pattern(64 << 10), np.zeros(64 << 10, np.uint8)
+    loaded(t, i, src, dst)
+    keep = src.copy()
+
+    def flip_key(blob, r):
+        blob[r["offset"] + 30] ^= 0xFF
+
+    i.add_remote_agent(_tampered_meta(t, flip_key))
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+    i.transfer(h)
+    with pytest.raises(errors.AccessDeniedError, match="wrong key"):
+        i.wait(h, 5)
+    assert i.check_xfer_state(h) == XferState.ERROR
+    assert isinstance(i.xfer_error(h), errors.AccessDeniedError)
+    assert not dst.any()
+    w = i.initialize_xfer("WRITE", [dst], [src], "target")
+    i.transfer(w)
+    with pytest.raises(errors.AccessDeniedError):
+        i.wait(w, 5)
+    assert np.array_equal(src, keep), "a refused WRITE touched target memory"
+    assert t.refused_requests() >= 2
+    _check_survivor(t, keep)
+
+
+def test_write_into_read_only_region(pair):
+    t, i = pair
+    src, dst = pattern(64 << 10), pattern(64 << 10, 7)
+    loaded(t, i, src, dst, access="ro")
+    keep = src.copy()
+    # Refused up front by the initiator, which knows the access right ...
+    with pytest.raises(errors.ReadOnlyError):
+        i.initialize_xfer("WRITE", [dst], [src], "target")
+
+    # ... and by the target, for a peer that lies about it.
+    def make_rw(blob, r):
+        blob[r["offset"] + 29] = 2
+
+    i.add_remote_agent(_tampered_meta(t, make_rw))
+    w = i.initialize_xfer("WRITE", [dst], [src], "target")
+    i.transfer(w)
+    with pytest.raises(errors.ReadOnlyError):
+        i.wait(w, 5)
+    assert np.array_equal(src, keep)
+    # READ is still fine.
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+    i.transfer(h)
+    i.wait(h, 5)
+    assert np.array_equal(dst, keep)
+
+
+def test_forged_requests_on_the_wire(pair):
+    """Out-of-bounds, wrong-key and unknown-region requests from a raw client."""
+    t, i = pair
+    src = pattern(4096)
+    t.register_memory(src)
+    keep = src.copy()
+    r = rawpeer.parse_regions(t.get_agent_metadata())[0]
+    s = rawpeer.connect(t.port)
+    cases = [
+        (rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 4000, 200), "OutOfBounds"),
+        (rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 2**64 - 8, 16), "OutOfBounds"),
+        (rawpeer.READ_REQ, rawpeer.op_body(r["id"], bytes(16), 0, 16), "BadKey"),
+        (rawpeer.READ_REQ, rawpeer.op_body(r["id"] + 99, r["key"], 0, 16), "UnknownRegion"),
+    ]
+    for n, (kind, body, want) in enumerate(cases):
+        s.sendall(rawpeer.frame(kind, body, req_id=n))
+        k, req, b = rawpeer.read_frame(s)
+        assert (k, req, rawpeer.parse_status(b)[0]) == (rawpeer.RESP, n, want)
+    # A refused WRITE: its payload is drained and the connection stays usable.
+    s.sendall(rawpeer.frame(rawpeer.WRITE_REQ, rawpeer.op_body(r["id"], bytes(16), 0, 1024), 7) + b"\xAA" * 1024)
+    k, req, b = rawpeer.read_frame(s)
+    assert rawpeer.parse_status(b)[0] == "BadKey"
+    s.sendall(rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 0, 16), 8))
+    k, req, b = rawpeer.read_frame(s)
+    assert rawpeer.parse_status(b)[:2] == ("Ok", 16) and rawpeer.recv_exact(s, 16) == keep[:16].tobytes()
+    s.close()
+    assert np.array_equal(src, keep)
+
+
+@pytest.mark.parametrize("port_kind", ["side", "data"])
+@pytest.mark.parametrize(
+    "name,payload,expect",
+    [
+        ("garbage", b"\x00\xffGET / HTTP/1.1\r\n\r\n" * 4, "Malformed"),
+        ("version", rawpeer.header(rawpeer.HELLO, 0, version=9), "VersionMismatch"),
+        ("oversized", rawpeer.header(rawpeer.HELLO, 1 << 30), "TooLarge"),
+        ("unknown-kind", rawpeer.header(99, 0), "Malformed"),
+        ("truncated", rawpeer.header(rawpeer.HELLO, 40) + b"\x01\x00", None),
+    ],
+)
+def test_hostile_frames_before_handshake(name, payload, expect, port_kind):
+    with Agent("target", {"rails": ["127.0.0.1"], "timeout": 1.0}) as t:
+        src = pattern(4096)
+        t.register_memory(src)
+        keep = src.copy()
+        port = t.port if port_kind == "side" else t.rails()[0][2]
+        assert port_kind == "side" or port != t.port
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(payload)
+        if expect is not None:
+            k, _, b = rawpeer.read_frame(s)
+            assert k == rawpeer.ERROR and rawpeer.parse_status(b)[0] == expect
+        else:
+            s.shutdown(socket.SHUT_WR)  # a truncated frame, then the peer goes away
+        s.settimeout(5)
+        assert s.recv(1) == b"", "the server must close a hostile connection"
+        s.close()
+        _check_survivor(t, keep)
+
+
+def test_hostile_frames_after_handshake(pair):
+    t, i = pair
+    src = pattern(4096)
+    t.register_memory(src)
+    for bad in (rawpeer.header(rawpeer.READ_REQ, 1 << 20), rawpeer.header(rawpeer.WELCOME, 32) + bytes(32), b"XX" + bytes(14)):
+        s = rawpeer.connect(t.port)
+        s.sendall(bad)
+        k, _, b = rawpeer.read_frame(s)
+        assert k == rawpeer.ERROR
+        s.settimeout(5)
+        assert s.recv(1) == b""
+    _check_survivor(t, src.copy())
+
+
+class FakeServer:
+    """A listener that answers the first frame with a canned reply (or silence)."""
+
+    def __init__(self, reply: bytes | None, complete_handshake: bool = False):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.port = self.sock.getsockname()[1]
+        self.reply, self.complete = reply, complete_handshake
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            try:
+                rawpeer.read_frame(c)
+                if self.complete:
+                    name = b"fake"
+                    c.sendall(rawpeer.frame(rawpeer.CHALLENGE, b"\x00" + struct.pack("<Q", 77) + bytes(16) + struct.pack("<H", 4) + name))
+                    rawpeer.read_frame(c)
+                    c.sendall(rawpeer.frame(rawpeer.WELCOME, bytes(32)))
+                elif self.reply is not None:
+                    c.sendall(self.reply)
+            except (OSError, AssertionError, ConnectionError):
+                pass
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_protocol_version_mismatch_from_peer():
+    fake = FakeServer(rawpeer.header(rawpeer.CHALLENGE, 0, version=2))
+    try:
+        with Agent("me", {"timeout": 2.0}) as a:
+            with pytest.raises(errors.VersionMismatchError):
+                a.fetch_remote_metadata("x", "127.0.0.1", fake.port)
+            blob = bytearray(a.get_agent_metadata())
+            blob[4] = 2  # metadata schema version
+            with pytest.raises(errors.VersionMismatchError):
+                a.add_remote_agent(bytes(blob))
+            with pytest.raises(errors.MetadataError):
+                a.add_remote_agent(b"definitely not metadata")
+            with pytest.raises(errors.ProtocolError):
+                a.deserialize_descs(b"MRDL\x01\x00\x00" + struct.pack("<I", 10**6))
+    finally:
+        fake.close()
+
+
+def test_peer_that_stops_answering_times_out():
+    """A peer that accepts a READ and never answers: ERROR within the stall timeout, no hang."""
+    fake = FakeServer(None, complete_handshake=True)
+    try:
+        with Agent("me", {"timeout": 2.0, "stall_timeout": 0.5}) as a:
+            meta = _fake_meta("fake", 77, fake.port, base=1 << 32, length=1 << 20)
+            a.add_remote_agent(meta)
+            dst = np.zeros(1 << 20, np.uint8)
+            a.register_memory(dst)
+            h = a.initialize_xfer("READ", [dst], [(1 << 32, 1 << 20, 0)], "fake")
+            t0 = time.monotonic()
+            a.transfer(h)
+            with pytest.raises(errors.PeerLostError, match="stalled"):
+                a.wait(h, 10)
+            assert time.monotonic() - t0 < 3.0
+    finally:
+        fake.close()
+
+
+def _fake_meta(name: str, inc: int, port: int, base: int, length: int) -> bytes:
+    nb = name.encode()
+    out = b"MRMD" + struct.pack("<H", 1) + struct.pack("<H", len(nb)) + nb + struct.pack("<Q", inc)
+    rail = struct.pack("<H", 4) + b"fake" + struct.pack("<H", 9) + b"127.0.0.1" + bytes([0]) + struct.pack("<HQIi", port, 0, 0, -1) + struct.pack("<H", 0)
+    out += struct.pack("<I", 1) + rail
+    out += struct.pack("<I", 1) + struct.pack("<QQQIBB", 1, base, length, 0, 0, 2) + bytes(16)
+    return out
+
+
+TARGET_SCRIPT = r"""
+import sys, time, numpy as np, multirail
+n, port = int(sys.argv[1]), int(sys.argv[2])
+t = multirail.Agent("target", {"port": port})
+buf = np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8)
+reg = t.register_memory(buf)
+print(t.port, t.get_serialized_descs(reg).hex(), flush=True)
+deadline = time.time() + 60
+while time.time() < deadline:
+    got = t.get_new_notifs().get("initiator", [])
+    if b"verify" in got:
+        print("sum", int(buf.astype(np.uint64).sum()), flush=True)
+    if b"done" in got:
+        break
+    time.sleep(0.01)
+"""
+
+
+def _spawn_target(n: int, port: int = 0):
+    """A target agent in its own process; returns (process, port, its buffer's descriptors)."""
+    p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), str(port)], stdout=subprocess.PIPE, text=True)
+    port_s, descs = p.stdout.readline().split()
+    return p, int(port_s), bytes.fromhex(descs)
+
+
+def test_two_processes_byte_exact():
+    n = 32 * MiB
+    p, port, blob = _spawn_target(n)
+    try:
+        with Agent("initiator") as i:
+            dst = np.zeros(n, np.uint8)
+            i.register_memory(dst)
+            i.fetch_remote_metadata("target", "127.0.0.1", port)
+            remote = i.deserialize_descs(blob)
+            h = i.initialize_xfer("READ", [dst], remote, "target")
+            i.transfer(h)
+            i.wait(h, 30)
+            assert np.array_equal(dst, np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8))
+            dst[:] = 3
+            w = i.initialize_xfer("WRITE", [dst], remote, "target", b"verify")
+            i.transfer(w)
+            i.wait(w, 30)
+            assert p.stdout.readline().split() == ["sum", str(3 * n)]
+            i.send_notif("target", b"done")
+        assert p.wait(10) == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_peer_killed_mid_transfer_then_restarted():
+    """Killed mid-transfer: ERROR within the timeout. Restarted: stale metadata is refused
+    (new incarnation) until fetched again, then transfers work."""
+    n = 128 * MiB
+    p, port, blob = _spawn_target(n)
+    with Agent("initiator", {"timeout": 2.0, "stall_timeout": 1.0}) as i:
+        dst = np.zeros(n, np.uint8)
+        i.register_memory(dst)
+        i.fetch_remote_metadata("target", "127.0.0.1", port)
+        h = i.initialize_xfer("READ", [dst], i.deserialize_descs(blob), "target")
+        killer = threading.Timer(0.3, p.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(errors.PeerLostError):
+            while time.monotonic() - t0 < 20:
+                i.transfer(h)
+                i.wait(h, 10)
+        killed_at = t0 + 0.3
+        assert time.monotonic() - killed_at < 2.5, "error must come within the configured timeout"
+        p.wait()
+        p2, port2, blob2 = _spawn_target(n, port)
+        try:
+            assert port2 == port
+            with pytest.raises((errors.StaleMetadataError, errors.PeerLostError)):
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    i.transfer(h)
+                    i.wait(h, 10)
+            with pytest.raises(errors.StaleMetadataError):
+                i.initialize_xfer("READ", [dst], i.deserialize_descs(blob), "target")
+            i.fetch_remote_metadata("target", "127.0.0.1", port)
+            h2 = i.initialize_xfer("READ", [dst], i.deserialize_descs(blob2), "target")
+            i.transfer(h2)
+            i.wait(h2, 30)
+            assert np.array_equal(dst, np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8))
+            i.send_notif("target", b"done")
+        finally:
+            p2.kill()
+            p2.wait()
+
+
+def test_port_already_in_use():
+    with Agent("first") as a:
+        with pytest.raises(errors.AddressInUseError):
+            Agent("second", {"port": a.port})
+
+
+def test_config_errors():
+    with pytest.raises(errors.InvalidArgumentError, match="unknown config keys"):
+        Agent("x", {"hots": "1.2.3.4"})
+    with pytest.raises(ValueError):
+        Agent("x", {"policy": "fastest"})
+    with pytest.raises(errors.InvalidArgumentError):
+        Agent("x", {"rails": ["no-such-interface0"]})
+
+
+def test_auth_secret_required_and_checked():
+    with Agent("target", {"auth_secret": "s3cret"}) as t:
+        src = pattern(4096)
+        t.register_memory(src)
+        with Agent("anon") as a:
+            with pytest.raises(errors.AuthenticationError, match="requires a shared secret"):
+                a.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        with Agent("liar", {"auth_secret": "guess"}) as a:
+            with pytest.raises(errors.AuthenticationError):
+                a.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        with Agent("friend", {"auth_secret": b"s3cret"}) as a:
+            a.fetch_remote_metadata("target", "127.0.0.1", t.port)
+            dst = np.zeros(4096, np.uint8)
+            a.register_memory(dst)
+            h = a.initialize_xfer("READ", [dst], [src], "target")
+            a.transfer(h)
+            a.wait(h, 5)
+            assert np.array_equal(dst, src)
+        # A raw client that skips the proof is refused.
+        with pytest.raises((AssertionError, ConnectionError)):
+            rawpeer.connect(t.port)
