@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -228,10 +229,12 @@ def _pct(value: float | None, ref: float | None) -> float | None:
     return None if value is None or not ref else 100.0 * value / ref
 
 
-def _attempt(rows: list[Row], method: str, op: str, nominal: int | None, fn: Callable[[], tuple[float, list[float]]]) -> None:
-    """Append a row for `fn`'s result, or a row saying why it failed (the other steps still run)."""
+def _attempt(rows: list[Row], tb: Testbed, method: str, op: str, nominal: int | None, receiver: str,
+             fn: Callable[[], float]) -> None:
+    """Append a row for `fn`'s result (bit/s; bytes counted on `receiver`'s rails), or a row
+    saying why it failed (the other steps still run)."""
     try:
-        bps, share = fn()
+        bps, share = measured(tb, receiver, fn)
         rows.append(Row(method, op, bps / 1e9, nominal, share))
     except (RuntimeError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as e:
         rows.append(Row(method, op, None, nominal, note=f"failed: {e}"))
@@ -242,22 +245,21 @@ def compare(tb: Testbed, seconds: int, ops: list[str], num_iter: int, warmup_ite
     rows: list[Row] = []
     nominal_sum = None if any(r is None for r in tb.rates) else sum(r for r in tb.rates if r is not None)
     for r in tb.rails:
-        _attempt(rows, f"iperf3 rail {r.index} alone", "b->a", r.rate_bps,
-                 lambda i=r.index: measured(tb, "a", lambda: iperf3_rails(tb, [i], seconds)))
+        _attempt(rows, tb, f"iperf3 rail {r.index} alone", "b->a", r.rate_bps, "a",
+                 functools.partial(iperf3_rails, tb, [r.index], seconds))
     per_rail = [row.gbps for row in rows]
     per_rail_sum = None if any(g is None for g in per_rail) else sum(g for g in per_rail if g is not None) * 1e9
     for row in rows:
         row.pct_iperf3 = 100.0 if row.gbps is not None else None
-    all_rails = list(range(tb.n_rails))
-    _attempt(rows, "iperf3 all rails (1 stream/rail)", "b->a", nominal_sum,
-             lambda: measured(tb, "a", lambda: iperf3_rails(tb, all_rails, seconds)))
+    _attempt(rows, tb, "iperf3 all rails (1 stream/rail)", "b->a", nominal_sum, "a",
+             functools.partial(iperf3_rails, tb, list(range(tb.n_rails)), seconds))
     if skip_mptcp:
         rows.append(Row("MPTCP (1 subflow/rail)", "b->a", None, nominal_sum, note="skipped (--skip-mptcp)"))
     else:
         try:
             mptcp_setup(tb)
-            _attempt(rows, "MPTCP (1 subflow/rail)", "b->a", nominal_sum,
-                     lambda: measured(tb, "a", lambda: iperf3_rails(tb, [0], seconds, mptcp=True)))
+            _attempt(rows, tb, "MPTCP (1 subflow/rail)", "b->a", nominal_sum, "a",
+                     functools.partial(iperf3_rails, tb, [0], seconds, mptcp=True))
         finally:
             mptcp_teardown(tb)
     built, why = (False, "") if skip_multirail else engine_built()
@@ -269,9 +271,8 @@ def compare(tb: Testbed, seconds: int, ops: list[str], num_iter: int, warmup_ite
             rows.append(Row(method, op, None, nominal_sum, note=f"skipped: engine not built ({why})"))
         else:
             receiver = "b" if op == "READ" else "a"
-            _attempt(rows, method, f"{op} ({'a->b' if op == 'READ' else 'b->a'})", nominal_sum,
-                     lambda op=op, receiver=receiver: measured(
-                         tb, receiver, lambda: multirail_op(tb, op, num_iter, warmup_iter, 120 + 2.0 * num_iter)))
+            _attempt(rows, tb, method, f"{op} ({'a->b' if op == 'READ' else 'b->a'})", nominal_sum, receiver,
+                     functools.partial(multirail_op, tb, op, num_iter, warmup_iter, 120 + 2.0 * num_iter))
     for row in rows[len(per_rail):]:
         row.pct_iperf3 = _pct(row.gbps and row.gbps * 1e9, per_rail_sum)
     for row in rows:
