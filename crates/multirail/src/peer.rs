@@ -497,14 +497,18 @@ impl Link {
         let done = self.drain_events(&mut g);
         drop(g);
         self.complete(done);
-        // Post the first chunks from this thread: saves a wakeup on the latency path.
+        // Post the first chunks from this thread: saves a wakeup on the latency path. The
+        // senders are woken only if some connection ran out of window with work left.
+        let mut need_senders = false;
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock").clone();
             for c in conns {
-                self.pump(&c);
+                need_senders |= self.pump(&c);
             }
         }
-        self.cond.notify_all();
+        if need_senders {
+            self.cond.notify_all();
+        }
         Ok(())
     }
 
@@ -568,22 +572,28 @@ impl Link {
     }
 
     /// Send chunks on `c` while the planner has work for its rail and the connection has room.
+    /// Returns true when it stopped with work possibly left (window full, planner refused).
     fn pump(&self, c: &Arc<Conn>) -> bool {
-        let mut sent = false;
         loop {
-            if c.dead.load(Ordering::Acquire) || c.inflight_n.load(Ordering::Acquire) >= self.ctx.cfg.conn_window {
-                return sent;
+            if c.dead.load(Ordering::Acquire) {
+                return false;
+            }
+            if c.inflight_n.load(Ordering::Acquire) >= self.ctx.cfg.conn_window {
+                return true;
             }
             let mut g = self.sched.lock().expect("sched lock");
-            let Some(chunk) = g.planner.poll_work(c.rail, Instant::now()) else { return sent };
+            let Some(chunk) = g.planner.poll_work(c.rail, Instant::now()) else {
+                // Nothing for this rail now (or its rail window is full): completions wake the
+                // senders when that changes.
+                return false;
+            };
             let Some(x) = g.xfers.get(&chunk.xfer).cloned() else {
                 // Cannot happen: the planner only hands out chunks of transfers in `xfers`.
                 g.planner.cancel(chunk.xfer);
-                return sent;
+                return false;
             };
             drop(g);
             self.send_chunk(c, chunk, x);
-            sent = true;
         }
     }
 
@@ -610,7 +620,7 @@ impl Link {
         };
         let r = if write {
             // SAFETY: the pair lies inside a local region registered with this agent (checked
-            // when the handle was made) and held by the transfer (`_hold`) until it is dropped.
+            // when the handle was made) and held by the transfer (`hold`) until it is released.
             let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
             wire::write_full(&mut w, &[&hdr, payload], &mut tick)
         } else {
@@ -675,6 +685,7 @@ impl Link {
     fn receive_loop(&self, c: &Arc<Conn>, s: &mut TcpStream) -> Option<String> {
         let stall = self.ctx.cfg.planner.stall_timeout;
         let mut last = Instant::now();
+        let mut inb = wire::Inbound::new();
         loop {
             let mut tick = |started: bool| -> Result<(), String> {
                 if self.shutdown.load(Ordering::Acquire) {
@@ -692,11 +703,33 @@ impl Link {
                 }
                 Ok(())
             };
-            let (h, body) = match wire::read_frame(s, &mut tick) {
+            // The response answers the oldest request (TCP keeps order). When a READ is already
+            // queued (pipelined bulk), land header and payload with one scatter read; on an idle
+            // connection the read-ahead takes the response whole and the payload lands after.
+            let front = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+            let dst = match front {
+                // SAFETY: registered local memory held by the transfer (see `send_chunk`).
+                Some((p, Op::Read)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
+                _ => None,
+            };
+            let (h, body, mut landed) = match inb.read_response_into(s, dst, &mut tick) {
                 Ok(f) => f,
                 Err(WireError::GaveUp(r)) if r.is_empty() => return None,
                 Err(e) => return Some(e.to_string()),
             };
+            if front.is_none() {
+                let late = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+                if let (Some((p, Op::Read)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (late, &body) {
+                    if *bulk_len == p.len {
+                        // SAFETY: as above.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+                        if let Err(e) = inb.read_into(s, dst, &mut tick) {
+                            return Some(e.to_string());
+                        }
+                        landed = true;
+                    }
+                }
+            }
             last = Instant::now();
             let (status, bulk_len, msg) = match body {
                 Body::Resp { status, bulk_len, msg } => (status, bulk_len, msg),
@@ -710,28 +743,9 @@ impl Link {
                 return Some(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
             }
             let ok = status == Status::Ok;
-            if ok && sent.xfer.op == Op::Read {
-                if bulk_len != sent.chunk.piece.len {
-                    return Some(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
-                }
-                // SAFETY: as in `send_chunk`: registered local memory held by the transfer.
-                let dst = unsafe { std::slice::from_raw_parts_mut(sent.chunk.piece.local as *mut u8, sent.chunk.piece.len as usize) };
-                let t0 = Instant::now();
-                let mut tick = |_: bool| {
-                    if self.shutdown.load(Ordering::Acquire) || c.dead.load(Ordering::Acquire) {
-                        Err("connection shut".to_string())
-                    } else if t0.elapsed() > stall {
-                        Err(format!("stalled mid-payload for {stall:?}"))
-                    } else {
-                        Ok(())
-                    }
-                };
-                if let Err(e) = wire::read_full(s, dst, &mut tick) {
-                    // Put it back so the rail-down path reissues it.
-                    c.inflight.lock().expect("conn lock").push_front(sent);
-                    return Some(e.to_string());
-                }
-            } else if bulk_len != 0 {
+            if ok && sent.xfer.op == Op::Read && !landed {
+                return Some(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
+            } else if (!ok || sent.xfer.op == Op::Write) && bulk_len != 0 {
                 return Some("protocol error: bulk data on a refused or WRITE response".into());
             }
             c.inflight_n.fetch_sub(1, Ordering::AcqRel);
@@ -744,9 +758,14 @@ impl Link {
                 g.planner.handle_failed(sent.chunk.id, msg, now);
             }
             let done = self.drain_events(&mut g);
+            // Wake the senders only when there is work left; an idle completion (the common
+            // case for small transfers) costs no extra thread wakeups.
+            let more = !g.planner.is_idle();
             drop(g);
             self.complete(done);
-            self.cond.notify_all();
+            if more {
+                self.cond.notify_all();
+            }
         }
     }
 

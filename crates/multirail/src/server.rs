@@ -76,6 +76,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
     };
     let _ = role;
     let who = format!("{peer_name}@{who}");
+    let mut inb = wire::Inbound::new();
     loop {
         // Idle between frames is fine; a frame, once started, must finish within `timeout`.
         let mut started_at: Option<Instant> = None;
@@ -91,7 +92,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
             }
             Ok(())
         };
-        let (h, body) = match wire::read_frame(&mut s, &mut tick) {
+        let (h, body) = match inb.read_frame(&mut s, &mut tick) {
             Ok(f) => f,
             Err(WireError::Decode(e)) => {
                 refuse(sh, &mut s, &who, decode_status(&e), e.to_string());
@@ -133,12 +134,12 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
                 Ok(region) => {
                     // SAFETY: as above; the region is registered read-write.
                     let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
-                    wire::read_full(&mut s, dst, &mut op_tick)
+                    inb.read_into(&mut s, dst, &mut op_tick)
                         .and_then(|_| wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick))
                 }
                 Err((status, msg)) => {
                     sh.refused.fetch_add(1, Ordering::Relaxed);
-                    wire::discard(&mut s, op.len, &mut op_tick)
+                    inb.discard(&mut s, op.len, &mut op_tick)
                         .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
                 }
             },

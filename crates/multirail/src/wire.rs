@@ -97,20 +97,179 @@ pub fn read_frame(s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), St
     Ok((header, b))
 }
 
-/// Read and drop `n` bulk bytes (a refused WRITE's payload), keeping the stream in sync
-/// without touching registered memory.
-pub fn discard(s: &mut TcpStream, mut n: u64, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
-    debug_assert!(n <= MAX_CHUNK);
-    let mut scratch = [0u8; 16 << 10];
-    while n > 0 {
-        let k = (n as usize).min(scratch.len());
-        read_full(s, &mut scratch[..k], &mut |_| tick(true))?;
-        n -= k as u64;
+/// Like [`read_frame`] for streams whose every message has a body of at least `min_body`
+/// bytes (responses on a data connection): header and that much body arrive in one read.
+pub fn read_frame_min(s: &mut TcpStream, min_body: usize, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(Header, Body), WireError> {
+    let mut first = [0u8; 64];
+    let n = HEADER_LEN + min_body;
+    assert!(n <= first.len());
+    read_full(s, &mut first[..n], tick)?;
+    let header = Header::decode(first[..HEADER_LEN].try_into().expect("16 bytes")).map_err(WireError::Decode)?;
+    let blen = header.body_len as usize;
+    if blen < min_body {
+        return Err(WireError::Decode(multirail_proto::DecodeError::Truncated { need: min_body, have: blen }));
     }
-    Ok(())
+    let mut body = vec![0u8; blen];
+    body[..min_body].copy_from_slice(&first[HEADER_LEN..n]);
+    read_full(s, &mut body[min_body..], &mut |_| tick(true))?;
+    let b = Body::decode(header.kind, &body).map_err(WireError::Decode)?;
+    Ok((header, b))
 }
 
 pub fn send(s: &mut TcpStream, body: &Body, req_id: u64, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
     let b = body.encode(req_id);
     write_full(s, &[&b], tick)
+}
+
+/// An inbound stream with a small read-ahead: a frame's header and body usually arrive in
+/// one syscall, and bytes read ahead are consumed before the socket. Bulk payloads still go
+/// straight from the socket into registered memory (only the few bytes read ahead are
+/// copied).
+pub struct Inbound {
+    stash: Vec<u8>,
+    pos: usize,
+}
+
+/// Read-ahead per syscall when waiting for a frame: a small request or response arrives whole
+/// in one syscall; only these first bytes of a larger payload are copied.
+const READ_AHEAD: usize = 8 << 10;
+
+impl Default for Inbound {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Inbound {
+    pub fn new() -> Self {
+        Inbound { stash: Vec::with_capacity(READ_AHEAD), pos: 0 }
+    }
+
+    fn unread(&self) -> usize {
+        self.stash.len() - self.pos
+    }
+
+    /// Make at least `n` bytes available in the stash.
+    fn fill(&mut self, s: &mut TcpStream, n: usize, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+        if self.pos > 0 && self.unread() < n {
+            self.stash.drain(..self.pos);
+            self.pos = 0;
+        }
+        while self.unread() < n {
+            let have = self.stash.len();
+            self.stash.resize(have + READ_AHEAD, 0);
+            let r = s.read(&mut self.stash[have..]);
+            match r {
+                Ok(0) => {
+                    self.stash.truncate(have);
+                    return Err(WireError::Io(io::ErrorKind::UnexpectedEof.into()));
+                }
+                Ok(k) => self.stash.truncate(have + k),
+                Err(e) => {
+                    self.stash.truncate(have);
+                    match e.kind() {
+                        io::ErrorKind::Interrupted => {}
+                        _ if is_tick(&e) => tick(self.unread() > 0).map_err(WireError::GaveUp)?,
+                        _ => return Err(WireError::Io(e)),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill `dst` from the read-ahead first, then straight from the socket.
+    pub fn read_into(&mut self, s: &mut TcpStream, dst: &mut [u8], tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+        let k = self.unread().min(dst.len());
+        dst[..k].copy_from_slice(&self.stash[self.pos..self.pos + k]);
+        self.pos += k;
+        if self.pos == self.stash.len() {
+            self.stash.clear();
+            self.pos = 0;
+        }
+        read_full(s, &mut dst[k..], &mut |_| tick(true))
+    }
+
+    /// Read and drop `n` bulk bytes (a refused WRITE's payload), keeping the stream in sync
+    /// without touching registered memory.
+    pub fn discard(&mut self, s: &mut TcpStream, mut n: u64, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+        debug_assert!(n <= MAX_CHUNK);
+        let mut scratch = [0u8; 16 << 10];
+        while n > 0 {
+            let k = (n as usize).min(scratch.len());
+            self.read_into(s, &mut scratch[..k], tick)?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+
+    /// Read one frame (header + bounded body).
+    pub fn read_frame(&mut self, s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(Header, Body), WireError> {
+        self.fill(s, HEADER_LEN, tick)?;
+        let h: [u8; HEADER_LEN] = self.stash[self.pos..self.pos + HEADER_LEN].try_into().expect("16 bytes");
+        let header = Header::decode(&h).map_err(WireError::Decode)?;
+        self.pos += HEADER_LEN;
+        let mut body = vec![0u8; header.body_len as usize];
+        self.read_into(s, &mut body, tick)?;
+        Ok((header, Body::decode(header.kind, &body).map_err(WireError::Decode)?))
+    }
+
+    /// Read a response, landing a successful READ payload in `dst` with one scatter read when
+    /// possible (header + 12-byte body into a small buffer, payload straight into `dst`).
+    /// Returns the frame and whether `dst` was filled. If the response is not a successful
+    /// payload of exactly `dst.len()` bytes, `dst` may hold garbage, and the caller must treat
+    /// the chunk as failed.
+    pub fn read_response_into(
+        &mut self,
+        s: &mut TcpStream,
+        dst: Option<&mut [u8]>,
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(Header, Body, bool), WireError> {
+        const OK_LEN: usize = HEADER_LEN + 12;
+        let Some(dst) = dst else {
+            let (h, b) = self.read_frame(s, tick)?;
+            return Ok((h, b, false));
+        };
+        if self.unread() > 0 {
+            let (h, b) = self.read_frame(s, tick)?;
+            return Ok(match b {
+                Body::Resp { status: multirail_proto::Status::Ok, bulk_len, .. } if bulk_len == dst.len() as u64 => {
+                    self.read_into(s, dst, tick)?;
+                    (h, b, true)
+                }
+                b => (h, b, false),
+            });
+        }
+        let mut hdr = [0u8; OK_LEN];
+        let n = loop {
+            match s.read_vectored(&mut [io::IoSliceMut::new(&mut hdr), io::IoSliceMut::new(dst)]) {
+                Ok(0) => return Err(WireError::Io(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if is_tick(&e) => tick(false).map_err(WireError::GaveUp)?,
+                Err(e) => return Err(WireError::Io(e)),
+            }
+        };
+        let in_dst = n.saturating_sub(OK_LEN);
+        if n < OK_LEN {
+            read_full(s, &mut hdr[n..], &mut |_| tick(true))?;
+        }
+        let header = Header::decode(hdr[..HEADER_LEN].try_into().expect("16 bytes")).map_err(WireError::Decode)?;
+        let blen = header.body_len as usize;
+        let fast = blen == 12 && {
+            let b = Body::decode(header.kind, &hdr[HEADER_LEN..]);
+            matches!(b, Ok(Body::Resp { status: multirail_proto::Status::Ok, bulk_len, .. }) if bulk_len == dst.len() as u64)
+        };
+        if fast {
+            read_full(s, &mut dst[in_dst..], &mut |_| tick(true))?;
+            let body = Body::decode(header.kind, &hdr[HEADER_LEN..]).map_err(WireError::Decode)?;
+            return Ok((header, body, true));
+        }
+        // Not the payload we hoped for: what landed in `dst` belongs to the stream.
+        self.stash.extend_from_slice(&hdr[HEADER_LEN.min(n)..n.min(OK_LEN)]);
+        self.stash.extend_from_slice(&dst[..in_dst]);
+        let mut body = vec![0u8; blen];
+        self.read_into(s, &mut body, tick)?;
+        Ok((header, Body::decode(header.kind, &body).map_err(WireError::Decode)?, false))
+    }
 }

@@ -58,11 +58,14 @@ pub(crate) struct XferShared {
     pub total: u64,
     pub notif: Mutex<Vec<u8>>,
     /// Local regions this transfer touches; held so they cannot be deregistered under it.
-    pub _hold: Vec<Arc<Region>>,
+    /// Emptied by `release`, after which the handle can no longer be posted.
+    hold: Mutex<Vec<Arc<Region>>>,
     state: AtomicU8,
     error: Mutex<Option<Error>>,
     lock: Mutex<()>,
     cv: Condvar,
+    /// Threads asleep in `wait`; `finish` skips the futex wake when there are none.
+    sleepers: AtomicU64,
     /// Planner id of the current post (0 when none).
     pub current: AtomicU64,
 }
@@ -76,11 +79,12 @@ impl XferShared {
             pairs: Arc::new(pairs),
             total,
             notif: Mutex::new(notif),
-            _hold: hold,
+            hold: Mutex::new(hold),
             state: AtomicU8::new(XferState::Idle as u8),
             error: Mutex::new(None),
             lock: Mutex::new(()),
             cv: Condvar::new(),
+            sleepers: AtomicU64::new(0),
             current: AtomicU64::new(0),
         })
     }
@@ -94,6 +98,9 @@ impl XferShared {
         let _g = self.lock.lock().expect("xfer lock");
         if self.state() == XferState::InProgress {
             return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
+        }
+        if self.hold.lock().expect("xfer lock").is_empty() && self.total > 0 {
+            return Err(Error::InvalidArgument("transfer handle was released".into()));
         }
         *self.error.lock().expect("xfer lock") = None;
         self.state.store(XferState::InProgress as u8, Ordering::Release);
@@ -115,7 +122,9 @@ impl XferShared {
                 self.state.store(XferState::Error as u8, Ordering::Release);
             }
         }
-        self.cv.notify_all();
+        if self.sleepers.load(Ordering::Acquire) > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Record the cause before the planner fails the transfer, so the caller sees the specific
@@ -160,7 +169,9 @@ impl XferShared {
                 }
                 None => Duration::from_millis(100),
             };
+            self.sleepers.fetch_add(1, Ordering::AcqRel);
             g = self.cv.wait_timeout(g, wait).expect("xfer lock").0;
+            self.sleepers.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
@@ -214,5 +225,7 @@ impl XferHandle {
             self.0.peer.cancel(&self.0);
             self.0.finish(Err(Error::InvalidArgument("transfer handle released while in progress".into())));
         }
+        // Nothing touches the local memory any more: let it be deregistered.
+        self.0.hold.lock().expect("xfer lock").clear();
     }
 }
