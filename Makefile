@@ -4,15 +4,27 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 CARGO_PROFILE ?= release
 
-.PHONY: setup build demo test test-rust test-py lint fuzz clean
+# System tools the tests and tools use (Debian names). Installed by `make deps` when root.
+APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io
+
+.PHONY: deps setup build demo test test-rust test-py lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pyyaml>=6" "pytest>=7" "hypothesis>=6"
 
-## setup: create .venv, build the Rust extension (release) and install multirail into it
-setup: $(VPY) build
+## deps: install the system tools (root + apt); otherwise say which are missing
+deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	  if [ -n "$$missing" ]; then echo "installing: $$missing"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; fi; \
+	else echo "not root or no apt-get: install these yourself for the full test suite: $(APT_PKGS)"; fi
+
+## setup: system tools, .venv, the Rust extension (release) installed into .venv
+setup: deps $(VPY) build
 
 ## build: rebuild the extension and the mr-pingpong baseline into .venv
 build: $(VPY)

@@ -225,21 +225,42 @@ pub struct RemoteOp {
 /// Decoded message bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Body {
-    Hello { role: Role, incarnation: u64, name: String, nonce: [u8; 16] },
-    Challenge { auth_required: bool, incarnation: u64, nonce: [u8; 16], name: String },
-    Auth { mac: [u8; 32] },
-    Welcome { mac: [u8; 32] },
+    Hello {
+        role: Role,
+        incarnation: u64,
+        name: String,
+        nonce: [u8; 16],
+    },
+    Challenge {
+        auth_required: bool,
+        incarnation: u64,
+        nonce: [u8; 16],
+        name: String,
+    },
+    Auth {
+        mac: [u8; 32],
+    },
+    Welcome {
+        mac: [u8; 32],
+    },
     ReadReq(RemoteOp),
     /// Followed on the wire by `op.len` bulk bytes.
     WriteReq(RemoteOp),
     Notif(Vec<u8>),
     Ping,
     /// For a successful READ, followed on the wire by `bulk_len` bytes.
-    Resp { status: Status, bulk_len: u64, msg: String },
+    Resp {
+        status: Status,
+        bulk_len: u64,
+        msg: String,
+    },
     MetaGet,
     Meta(Vec<u8>),
     MetaPut(Vec<u8>),
-    Error { status: Status, msg: String },
+    Error {
+        status: Status,
+        msg: String,
+    },
 }
 
 impl Body {

@@ -219,10 +219,7 @@ pub struct Planner {
 
 /// Cut two differently segmented lists of equal total length into pairs of equal-length
 /// pieces. `local` is (address, len); `remote` is (region, offset, len).
-pub fn pair_segments(
-    local: &[(u64, u64)],
-    remote: &[(u64, u64, u64)],
-) -> Result<Vec<Pair>, (u64, u64)> {
+pub fn pair_segments(local: &[(u64, u64)], remote: &[(u64, u64, u64)]) -> Result<Vec<Pair>, (u64, u64)> {
     let lt: u64 = local.iter().map(|l| l.1).sum();
     let rt: u64 = remote.iter().map(|r| r.2).sum();
     if lt != rt {
@@ -235,12 +232,7 @@ pub fn pair_segments(
         let (rg, ro, rl) = remote[j];
         let n = (ll - li).min(rl - rj);
         if n > 0 {
-            out.push(Pair {
-                local: la + li,
-                region: rg,
-                offset: ro + rj,
-                len: n,
-            });
+            out.push(Pair { local: la + li, region: rg, offset: ro + rj, len: n });
         }
         li += n;
         rj += n;
@@ -275,9 +267,7 @@ impl Planner {
 
     /// Add a rail; `rate_hint` is its link speed in bytes/s when known.
     pub fn add_rail(&mut self, rate_hint: Option<f64>, now: Instant) -> RailId {
-        let rate = rate_hint
-            .filter(|r| *r > 0.0)
-            .unwrap_or(self.cfg.default_rate);
+        let rate = rate_hint.filter(|r| *r > 0.0).unwrap_or(self.cfg.default_rate);
         self.rails.push(Rail {
             up: true,
             rate,
@@ -339,9 +329,7 @@ impl Planner {
         }
         let pinned = match self.cfg.policy {
             Policy::Pinned(r) => Some(r),
-            Policy::Weighted if total < self.cfg.stripe_threshold => {
-                Some(self.fastest_finish(total))
-            }
+            Policy::Weighted if total < self.cfg.stripe_threshold => Some(self.fastest_finish(total)),
             _ => None,
         };
         if pinned.is_none() {
@@ -385,22 +373,14 @@ impl Planner {
     fn window(&self, rail: RailId) -> u64 {
         let r = &self.rails[rail];
         let t = self.cfg.window_time + r.rtt.unwrap_or(Duration::ZERO);
-        ((r.rate * t.as_secs_f64()) as u64).clamp(
-            self.cfg.min_window,
-            self.cfg.max_window.max(self.cfg.min_window),
-        )
+        ((r.rate * t.as_secs_f64()) as u64).clamp(self.cfg.min_window, self.cfg.max_window.max(self.cfg.min_window))
     }
 
     /// The most bytes `rail` should take now so that all rails finish together (weighted policy).
     fn fair_share(&self, rail: RailId) -> u64 {
         let remaining = self.striped_unassigned as f64;
         // b_j: seconds until rail j drains its in-flight work.
-        let mut busy: Vec<(f64, f64)> = self
-            .rails
-            .iter()
-            .filter(|r| r.up)
-            .map(|r| (r.inflight_bytes as f64 / r.rate, r.rate))
-            .collect();
+        let mut busy: Vec<(f64, f64)> = self.rails.iter().filter(|r| r.up).map(|r| (r.inflight_bytes as f64 / r.rate, r.rate)).collect();
         busy.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (mut sum_rate, mut sum_rb) = (0.0, 0.0);
         let mut t = 0.0;
@@ -437,11 +417,7 @@ impl Planner {
     fn pick(&self, rail: RailId) -> Option<(usize, u64)> {
         let chunk = self.cfg.chunk_size;
         // Small transfers kept on this rail for latency go first.
-        if let Some(xi) = self
-            .xfers
-            .iter()
-            .position(|x| x.small && x.pinned == Some(rail) && x.has_work())
-        {
+        if let Some(xi) = self.xfers.iter().position(|x| x.small && x.pinned == Some(rail) && x.has_work()) {
             return Some((xi, chunk));
         }
         for (xi, x) in self.xfers.iter().enumerate().filter(|(_, x)| x.has_work()) {
@@ -450,9 +426,7 @@ impl Planner {
                 (Some(_), _) => return Some((xi, chunk)),
                 (None, Policy::RoundRobin) => {
                     // Retries go to any rail; fresh chunk i to the i-th up rail (`rail` is up).
-                    let up: Vec<RailId> = (0..self.rails.len())
-                        .filter(|&i| self.rails[i].up)
-                        .collect();
+                    let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up).collect();
                     if x.retry.is_empty() && up[x.rr_next % up.len()] != rail {
                         continue;
                     }
@@ -481,11 +455,7 @@ impl Planner {
     fn take(&mut self, xi: usize, rail: RailId, max_len: u64, now: Instant) -> Chunk {
         let x = &mut self.xfers[xi];
         let piece = if let Some(p) = x.retry.front_mut() {
-            let head = if p.len <= max_len {
-                x.retry.pop_front().expect("front exists")
-            } else {
-                p.split_front(max_len)
-            };
+            let head = if p.len <= max_len { x.retry.pop_front().expect("front exists") } else { p.split_front(max_len) };
             self.rails[rail].chunks_reissued += 1;
             head
         } else {
@@ -515,21 +485,8 @@ impl Planner {
         }
         r.inflight_chunks += 1;
         r.inflight_bytes += piece.len;
-        self.inflight.insert(
-            id,
-            InFlight {
-                xfer,
-                rail,
-                piece,
-                issued: now,
-            },
-        );
-        Chunk {
-            xfer,
-            id,
-            rail,
-            piece,
-        }
+        self.inflight.insert(id, InFlight { xfer, rail, piece, issued: now });
+        Chunk { xfer, id, rail, piece }
     }
 
     /// A chunk finished on its rail. Returns false for a chunk the planner no longer tracks
@@ -546,9 +503,7 @@ impl Planner {
         // Round trip: time in flight less the chunk's own service time; the minimum over
         // chunks is the one that found the pipe empty.
         let service = Duration::from_secs_f64(f.piece.len as f64 / r.rate);
-        let rtt = now
-            .saturating_duration_since(f.issued)
-            .saturating_sub(service);
+        let rtt = now.saturating_duration_since(f.issued).saturating_sub(service);
         r.rtt = Some(r.rtt.map_or(rtt, |v| v.min(rtt)));
         if let Some(t0) = r.busy_since {
             r.sample_bytes += f.piece.len;
@@ -610,16 +565,8 @@ impl Planner {
         r.inflight_bytes = 0;
         r.inflight_chunks = 0;
         r.busy_since = None;
-        let lost: Vec<ChunkId> = self
-            .inflight
-            .iter()
-            .filter(|(_, f)| f.rail == rail)
-            .map(|(id, _)| *id)
-            .collect();
-        let mut lost: Vec<(ChunkId, InFlight)> = lost
-            .into_iter()
-            .map(|id| (id, self.inflight.remove(&id).expect("listed")))
-            .collect();
+        let lost: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.rail == rail).map(|(id, _)| *id).collect();
+        let mut lost: Vec<(ChunkId, InFlight)> = lost.into_iter().map(|id| (id, self.inflight.remove(&id).expect("listed"))).collect();
         lost.sort_by_key(|(id, _)| *id);
         for (_, f) in lost.into_iter().rev() {
             if let Some(x) = self.xfers.iter_mut().find(|x| x.id == f.xfer) {
@@ -656,10 +603,7 @@ impl Planner {
                 for id in ids {
                     self.fail_xfer(
                         id,
-                        format!(
-                            "pinned rail {rail} went down: {}",
-                            self.rails[rail].down_reason.clone().unwrap_or_default()
-                        ),
+                        format!("pinned rail {rail} went down: {}", self.rails[rail].down_reason.clone().unwrap_or_default()),
                     );
                 }
             }
@@ -692,11 +636,7 @@ impl Planner {
 
     /// When the driver should call [`Planner::handle_timeout`] next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.rails
-            .iter()
-            .filter(|r| r.up && r.inflight_chunks > 0)
-            .map(|r| r.last_progress + self.cfg.stall_timeout)
-            .min()
+        self.rails.iter().filter(|r| r.up && r.inflight_chunks > 0).map(|r| r.last_progress + self.cfg.stall_timeout).min()
     }
 
     /// Declare rails with work in flight and no progress for `stall_timeout` down. Returns them;
@@ -705,8 +645,7 @@ impl Planner {
         let stalled: Vec<RailId> = (0..self.rails.len())
             .filter(|&i| {
                 let r = &self.rails[i];
-                r.up && r.inflight_chunks > 0
-                    && now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout
+                r.up && r.inflight_chunks > 0 && now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout
             })
             .collect();
         for &i in &stalled {
@@ -731,12 +670,7 @@ impl Planner {
         if x.pinned.is_none() {
             self.striped_unassigned -= x.unassigned;
         }
-        let mut ids: Vec<ChunkId> = self
-            .inflight
-            .iter()
-            .filter(|(_, f)| f.xfer == xfer)
-            .map(|(id, _)| *id)
-            .collect();
+        let mut ids: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.xfer == xfer).map(|(id, _)| *id).collect();
         ids.sort();
         for id in ids {
             self.release(id, None);
@@ -766,12 +700,7 @@ impl Planner {
             .rails
             .iter()
             .enumerate()
-            .map(|(i, r)| {
-                format!(
-                    "rail {i}: {}",
-                    r.down_reason.clone().unwrap_or_else(|| "down".into())
-                )
-            })
+            .map(|(i, r)| format!("rail {i}: {}", r.down_reason.clone().unwrap_or_else(|| "down".into())))
             .collect();
         format!("no rail left ({})", parts.join("; "))
     }
@@ -789,24 +718,9 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                Pair {
-                    local: 1000,
-                    region: 1,
-                    offset: 0,
-                    len: 10
-                },
-                Pair {
-                    local: 5000,
-                    region: 1,
-                    offset: 10,
-                    len: 15
-                },
-                Pair {
-                    local: 5015,
-                    region: 2,
-                    offset: 100,
-                    len: 15
-                },
+                Pair { local: 1000, region: 1, offset: 0, len: 10 },
+                Pair { local: 5000, region: 1, offset: 10, len: 15 },
+                Pair { local: 5015, region: 2, offset: 100, len: 15 },
             ]
         );
         assert_eq!(pair_segments(&local, &[(1, 0, 39)]), Err((40, 39)));
@@ -817,16 +731,7 @@ mod tests {
         let now = Instant::now();
         let mut p = Planner::new(PlannerConfig::default());
         let r = p.add_rail(None, now);
-        p.submit(
-            XferId(1),
-            vec![Pair {
-                local: 0,
-                region: 1,
-                offset: 0,
-                len: (10 << 20) + 5,
-            }],
-            now,
-        );
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: (10 << 20) + 5 }], now);
         let mut covered = 0;
         while let Some(c) = p.poll_work(r, now) {
             assert_eq!(c.piece.local, covered);
@@ -844,22 +749,10 @@ mod tests {
         let mut p = Planner::new(PlannerConfig::default());
         let a = p.add_rail(None, now);
         let b = p.add_rail(None, now);
-        p.submit(
-            XferId(7),
-            vec![Pair {
-                local: 0,
-                region: 1,
-                offset: 0,
-                len: 8 << 20,
-            }],
-            now,
-        );
+        p.submit(XferId(7), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
         let ca = p.poll_work(a, now).unwrap();
         p.handle_rail_down(a, "link down".into(), now);
-        assert!(
-            !p.handle_done(ca.id, now),
-            "a reissued chunk's late completion is ignored"
-        );
+        assert!(!p.handle_done(ca.id, now), "a reissued chunk's late completion is ignored");
         let mut got = vec![];
         while let Some(c) = p.poll_work(b, now) {
             got.push(c.piece);
@@ -882,16 +775,7 @@ mod tests {
         let mut p = Planner::new(PlannerConfig::default());
         let a = p.add_rail(None, now);
         let b = p.add_rail(None, now);
-        p.submit(
-            XferId(1),
-            vec![Pair {
-                local: 0,
-                region: 1,
-                offset: 0,
-                len: 8 << 20,
-            }],
-            now,
-        );
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
         p.poll_work(a, now).unwrap();
         p.handle_rail_down(a, "connection reset".into(), now);
         p.handle_rail_down(b, "link down".into(), now);
@@ -901,10 +785,7 @@ mod tests {
             _ => None,
         });
         let reason = failed.expect("transfer failed");
-        assert!(
-            reason.contains("rail 0: connection reset") && reason.contains("rail 1: link down"),
-            "{reason}"
-        );
+        assert!(reason.contains("rail 0: connection reset") && reason.contains("rail 1: link down"), "{reason}");
     }
 
     #[test]
@@ -912,23 +793,11 @@ mod tests {
         // 1.5 minimum chunks over two idle equal rails: each fair share is below min_chunk,
         // yet someone must take the work.
         let now = Instant::now();
-        let cfg = PlannerConfig {
-            stripe_threshold: 0,
-            ..PlannerConfig::default()
-        };
+        let cfg = PlannerConfig { stripe_threshold: 0, ..PlannerConfig::default() };
         let len = cfg.min_chunk * 3 / 2;
         let mut p = Planner::new(cfg);
         let rails = [p.add_rail(None, now), p.add_rail(None, now)];
-        p.submit(
-            XferId(1),
-            vec![Pair {
-                local: 0,
-                region: 1,
-                offset: 0,
-                len,
-            }],
-            now,
-        );
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len }], now);
         let mut done = 0;
         for _ in 0..4 {
             for r in rails {
@@ -947,25 +816,10 @@ mod tests {
         let now = Instant::now();
         let mut p = Planner::new(PlannerConfig::default());
         let r = p.add_rail(None, now);
-        p.submit(
-            XferId(3),
-            vec![Pair {
-                local: 0,
-                region: 1,
-                offset: 0,
-                len: 4096,
-            }],
-            now,
-        );
+        p.submit(XferId(3), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
         let c = p.poll_work(r, now).unwrap();
         assert!(p.handle_failed(c.id, "bad key".into(), now));
-        assert_eq!(
-            p.poll_event(),
-            Some(Event::XferFailed {
-                xfer: XferId(3),
-                reason: "bad key".into()
-            })
-        );
+        assert_eq!(p.poll_event(), Some(Event::XferFailed { xfer: XferId(3), reason: "bad key".into() }));
         assert_eq!(p.poll_event(), None);
         assert!(p.is_idle());
         assert_eq!(p.rail_stats(r).inflight_bytes, 0);

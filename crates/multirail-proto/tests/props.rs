@@ -23,8 +23,8 @@ use std::time::Duration;
 use multirail_proto::codec::{RemoteOp, Role, HEADER_LEN};
 use multirail_proto::planner::pair_segments;
 use multirail_proto::{
-    Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig,
-    Policy, RailInfo, RegionKey, RegionMeta, Status, XferId,
+    Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig, Policy, RailInfo, RegionKey, RegionMeta,
+    Status, XferId,
 };
 use proptest::prelude::*;
 use simnet::{Outcome, RailSpec, Report, Sim, XferSpec};
@@ -47,15 +47,13 @@ fn rail() -> impl Strategy<Value = RailSpec> {
         250.0e6..4.0e9f64, // rate, bits/s
         0u64..400,         // one-way latency, us
         prop_oneof![Just(0.0), 0.0..0.4f64],
-        any::<bool>(), // hint known
+        any::<bool>(),                                                        // hint known
         prop::collection::vec((0u64..150, prop::option::of(1u64..80)), 0..3), // outages (ms)
-        prop::option::of((0u64..150, 5u64..80)), // silent stall (ms)
+        prop::option::of((0u64..150, 5u64..80)),                              // silent stall (ms)
     )
         .prop_map(|(bits, lat, jitter, hint, outages, stall)| {
             let rate = bits / 8.0;
-            let mut r = RailSpec::steady(rate)
-                .latency(Duration::from_micros(lat))
-                .jitter(jitter);
+            let mut r = RailSpec::steady(rate).latency(Duration::from_micros(lat)).jitter(jitter);
             if !hint {
                 r = r.hint(None);
             }
@@ -75,24 +73,11 @@ fn ms(v: u64) -> Duration {
 
 /// Pairs with disjoint local ranges (so a local address names one byte of the transfer).
 fn pairs(id: u64) -> impl Strategy<Value = Vec<Pair>> {
-    prop::collection::vec(
-        (
-            prop_oneof![1u64..4 * KIB, 1u64..128 * KIB, 1u64..3 * MIB],
-            0u64..4,
-            0u64..1 << 30,
-        ),
-        1..5,
-    )
-    .prop_map(move |v| {
+    prop::collection::vec((prop_oneof![1u64..4 * KIB, 1u64..128 * KIB, 1u64..3 * MIB], 0u64..4, 0u64..1 << 30), 1..5).prop_map(move |v| {
         let mut local = id << 40;
         v.into_iter()
             .map(|(len, region, offset)| {
-                let p = Pair {
-                    local,
-                    region,
-                    offset,
-                    len,
-                };
+                let p = Pair { local, region, offset, len };
                 local += len + 4096;
                 p
             })
@@ -101,31 +86,19 @@ fn pairs(id: u64) -> impl Strategy<Value = Vec<Pair>> {
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
-    (
-        1usize..5,
-        prop::sample::select(vec![64 * KIB, 256 * KIB, MIB]),
-        0u64..4,
-        any::<u64>(),
-    )
+    (1usize..5, prop::sample::select(vec![64 * KIB, 256 * KIB, MIB]), 0u64..4, any::<u64>())
         .prop_flat_map(|(n, chunk, pol, seed)| {
             let policy = match pol {
                 0 | 1 => Just(Policy::Weighted).boxed(),
                 2 => Just(Policy::RoundRobin).boxed(),
                 _ => (0..n + 1).prop_map(Policy::Pinned).boxed(), // n: a rail that does not exist
             };
-            let xfers =
-                prop::collection::vec((0u64..120, 0u64..1 << 20), 1..6).prop_flat_map(|v| {
-                    v.into_iter()
-                        .enumerate()
-                        .map(|(i, (at, _))| {
-                            pairs(i as u64 + 1).prop_map(move |p| XferSpec {
-                                id: XferId(i as u64 + 1),
-                                at: ms(at),
-                                pairs: p,
-                            })
-                        })
-                        .collect::<Vec<_>>()
-                });
+            let xfers = prop::collection::vec((0u64..120, 0u64..1 << 20), 1..6).prop_flat_map(|v| {
+                v.into_iter()
+                    .enumerate()
+                    .map(|(i, (at, _))| pairs(i as u64 + 1).prop_map(move |p| XferSpec { id: XferId(i as u64 + 1), at: ms(at), pairs: p }))
+                    .collect::<Vec<_>>()
+            });
             (
                 prop::collection::vec(rail(), n),
                 policy,
@@ -136,26 +109,21 @@ fn scenario() -> impl Strategy<Value = Scenario> {
                 Just((chunk, seed)),
             )
         })
-        .prop_map(
-            |(rails, policy, xfers, cancels, refuse, threshold, (chunk, seed))| Scenario {
-                cfg: PlannerConfig {
-                    chunk_size: chunk,
-                    min_chunk: (chunk / 4).max(4096),
-                    stripe_threshold: threshold,
-                    stall_timeout: ms(20),
-                    policy,
-                    ..PlannerConfig::default()
-                },
-                rails,
-                xfers,
-                cancels: cancels
-                    .into_iter()
-                    .map(|(t, x)| (ms(t), XferId(x)))
-                    .collect(),
-                refuse,
-                seed,
+        .prop_map(|(rails, policy, xfers, cancels, refuse, threshold, (chunk, seed))| Scenario {
+            cfg: PlannerConfig {
+                chunk_size: chunk,
+                min_chunk: (chunk / 4).max(4096),
+                stripe_threshold: threshold,
+                stall_timeout: ms(20),
+                policy,
+                ..PlannerConfig::default()
             },
-        )
+            rails,
+            xfers,
+            cancels: cancels.into_iter().map(|(t, x)| (ms(t), XferId(x))).collect(),
+            refuse,
+            seed,
+        })
 }
 
 fn run(s: &Scenario) -> Report {
@@ -179,9 +147,7 @@ fn logical_range(pairs: &[Pair], piece: &Pair) -> Result<(u64, u64), String> {
         if piece.local >= p.local && piece.local + piece.len <= p.local + p.len {
             let d = piece.local - p.local;
             if piece.region != p.region || piece.offset != p.offset + d {
-                return Err(format!(
-                    "piece {piece:?} maps local to remote unlike its pair {p:?}"
-                ));
+                return Err(format!("piece {piece:?} maps local to remote unlike its pair {p:?}"));
             }
             return Ok((start + d, start + d + piece.len));
         }
@@ -202,10 +168,7 @@ fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
         .filter(|c| matches!(c.outcome, Outcome::Done(_)) && !refused.contains(&c.chunk.id))
         .map(|c| c.chunk.piece.len)
         .sum();
-    prop_assert_eq!(
-        rep.stats.iter().map(|s| s.bytes_done).sum::<u64>(),
-        accepted
-    );
+    prop_assert_eq!(rep.stats.iter().map(|s| s.bytes_done).sum::<u64>(), accepted);
 
     // Replay rail states from the planner's own events to judge each failure.
     let mut up = vec![true; s.rails.len()];
@@ -227,13 +190,7 @@ fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
                 } else {
                     reason == "sim: refused"
                 };
-                prop_assert!(
-                    ok,
-                    "transfer {:?} failed with {:?} while rails up = {:?}",
-                    xfer,
-                    reason,
-                    up
-                );
+                prop_assert!(ok, "transfer {:?} failed with {:?} while rails up = {:?}", xfer, reason, up);
             }
         }
     }
@@ -249,19 +206,10 @@ fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
     }
     for x in &s.xfers {
         let ends = terminal.get(&x.id).cloned().unwrap_or_default();
-        prop_assert!(
-            ends.len() <= 1,
-            "transfer {:?} ended twice: {:?}",
-            x.id,
-            ends
-        );
+        prop_assert!(ends.len() <= 1, "transfer {:?} ended twice: {:?}", x.id, ends);
         match cancelled.get(&x.id) {
             // A cancel may come after the transfer ended; after it, nothing is reported.
-            Some(&tc) => prop_assert!(
-                ends.iter().all(|(t, _)| *t <= tc),
-                "event after cancel: {:?}",
-                ends
-            ),
+            Some(&tc) => prop_assert!(ends.iter().all(|(t, _)| *t <= tc), "event after cancel: {:?}", ends),
             None => prop_assert_eq!(ends.len(), 1, "transfer {:?} never ended", x.id),
         }
         if !matches!(ends.first(), Some((_, Event::XferDone(_)))) {
@@ -286,10 +234,7 @@ fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
             if matches!(c.outcome, Outcome::Lost(_)) {
                 lost += c.chunk.piece.len;
             }
-            prop_assert!(
-                !matches!(c.outcome, Outcome::Stale(_)),
-                "completed transfer had a stale chunk"
-            );
+            prop_assert!(!matches!(c.outcome, Outcome::Stale(_)), "completed transfer had a stale chunk");
         }
         prop_assert_eq!(issued, x.total() + lost);
     }
@@ -357,8 +302,7 @@ proptest! {
 }
 
 fn name(max: usize) -> impl Strategy<Value = String> {
-    prop::string::string_regex(&format!("[a-z0-9\u{e9}\u{4e2d}._-]{{0,{}}}", max / 3))
-        .expect("regex")
+    prop::string::string_regex(&format!("[a-z0-9\u{e9}\u{4e2d}._-]{{0,{}}}", max / 3)).expect("regex")
 }
 
 fn status() -> impl Strategy<Value = Status> {
@@ -366,53 +310,36 @@ fn status() -> impl Strategy<Value = Status> {
 }
 
 fn remote_op() -> impl Strategy<Value = RemoteOp> {
-    (
-        any::<u64>(),
-        any::<[u8; 16]>(),
-        any::<u64>(),
-        0..=multirail_proto::codec::MAX_CHUNK,
-    )
-        .prop_map(|(region, key, offset, len)| RemoteOp {
-            region,
-            key: RegionKey(key),
-            offset,
-            len,
-        })
+    (any::<u64>(), any::<[u8; 16]>(), any::<u64>(), 0..=multirail_proto::codec::MAX_CHUNK).prop_map(|(region, key, offset, len)| RemoteOp {
+        region,
+        key: RegionKey(key),
+        offset,
+        len,
+    })
 }
 
 fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (any::<bool>(), any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(
-            |(d, incarnation, name, nonce)| {
-                Body::Hello {
-                    role: if d { Role::Data } else { Role::Control },
-                    incarnation,
-                    name,
-                    nonce,
-                }
-            }
-        ),
-        (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(
-            |(auth_required, incarnation, nonce, name)| Body::Challenge {
-                auth_required,
-                incarnation,
-                nonce,
-                name
-            }
-        ),
+        (any::<bool>(), any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(d, incarnation, name, nonce)| {
+            Body::Hello { role: if d { Role::Data } else { Role::Control }, incarnation, name, nonce }
+        }),
+        (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(|(auth_required, incarnation, nonce, name)| Body::Challenge {
+            auth_required,
+            incarnation,
+            nonce,
+            name
+        }),
         any::<[u8; 32]>().prop_map(|mac| Body::Auth { mac }),
         any::<[u8; 32]>().prop_map(|mac| Body::Welcome { mac }),
         remote_op().prop_map(Body::ReadReq),
         remote_op().prop_map(Body::WriteReq),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Notif),
         Just(Body::Ping),
-        (status(), 0..=multirail_proto::codec::MAX_CHUNK, name(512)).prop_map(
-            |(status, bulk_len, msg)| Body::Resp {
-                status,
-                bulk_len,
-                msg
-            }
-        ),
+        (status(), 0..=multirail_proto::codec::MAX_CHUNK, name(512)).prop_map(|(status, bulk_len, msg)| Body::Resp {
+            status,
+            bulk_len,
+            msg
+        }),
         Just(Body::MetaGet),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Meta),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::MetaPut),
@@ -421,38 +348,20 @@ fn body() -> impl Strategy<Value = Body> {
 }
 
 fn agent_meta() -> impl Strategy<Value = AgentMeta> {
-    let rail = (
-        name(64),
-        name(64),
-        any::<u8>(),
-        any::<u16>(),
-        any::<u64>(),
-        any::<u32>(),
-        any::<i32>(),
-        name(64),
-    )
-        .prop_map(
-            |(name, addr, prefix_len, port, speed_mbps, mtu, numa, rdma_dev)| RailInfo {
-                name,
-                addr,
-                prefix_len,
-                port,
-                speed_mbps,
-                mtu,
-                numa,
-                rdma_dev,
-            },
-        );
-    let region = (
-        any::<u64>(),
-        any::<u64>(),
-        any::<u64>(),
-        any::<u32>(),
-        any::<bool>(),
-        0u8..3,
-        any::<[u8; 16]>(),
-    )
-        .prop_map(|(id, base, len, dev, vram, access, key)| RegionMeta {
+    let rail = (name(64), name(64), any::<u8>(), any::<u16>(), any::<u64>(), any::<u32>(), any::<i32>(), name(64)).prop_map(
+        |(name, addr, prefix_len, port, speed_mbps, mtu, numa, rdma_dev)| RailInfo {
+            name,
+            addr,
+            prefix_len,
+            port,
+            speed_mbps,
+            mtu,
+            numa,
+            rdma_dev,
+        },
+    );
+    let region = (any::<u64>(), any::<u64>(), any::<u64>(), any::<u32>(), any::<bool>(), 0u8..3, any::<[u8; 16]>()).prop_map(
+        |(id, base, len, dev, vram, access, key)| RegionMeta {
             id,
             base: base / 2,
             len: len / 2,
@@ -460,30 +369,15 @@ fn agent_meta() -> impl Strategy<Value = AgentMeta> {
             mem: if vram { MemType::Vram } else { MemType::Dram },
             access: [Access::Local, Access::ReadOnly, Access::ReadWrite][access as usize],
             key: RegionKey(key),
-        });
-    (
-        name(255),
-        any::<u64>(),
-        prop::collection::vec(rail, 0..4),
-        prop::collection::vec(region, 0..6),
-    )
-        .prop_map(|(name, incarnation, rails, regions)| AgentMeta {
-            name,
-            incarnation,
-            rails,
-            regions,
-        })
+        },
+    );
+    (name(255), any::<u64>(), prop::collection::vec(rail, 0..4), prop::collection::vec(region, 0..6))
+        .prop_map(|(name, incarnation, rails, regions)| AgentMeta { name, incarnation, rails, regions })
 }
 
 fn desc_list() -> impl Strategy<Value = DescList> {
-    (
-        any::<bool>(),
-        prop::collection::vec((0u64..1 << 62, 0u64..1 << 62, any::<u32>()), 0..10),
-    )
-        .prop_map(|(vram, descs)| DescList {
-            mem: if vram { MemType::Vram } else { MemType::Dram },
-            descs,
-        })
+    (any::<bool>(), prop::collection::vec((0u64..1 << 62, 0u64..1 << 62, any::<u32>()), 0..10))
+        .prop_map(|(vram, descs)| DescList { mem: if vram { MemType::Vram } else { MemType::Dram }, descs })
 }
 
 /// Write the fuzz seed corpus: a valid encoding of every frame kind and of metadata and
@@ -493,103 +387,30 @@ fn desc_list() -> impl Strategy<Value = DescList> {
 #[ignore = "writes fuzz/corpus/; run by hand after a wire-format change"]
 fn write_fuzz_corpus() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
-    let op = RemoteOp {
-        region: 7,
-        key: RegionKey([0x5a; 16]),
-        offset: 4096,
-        len: MIB,
-    };
+    let op = RemoteOp { region: 7, key: RegionKey([0x5a; 16]), offset: 4096, len: MIB };
     let frames: Vec<(&str, Body)> = vec![
-        (
-            "hello",
-            Body::Hello {
-                role: Role::Data,
-                incarnation: 5,
-                name: "prefill-0".into(),
-                nonce: [3; 16],
-            },
-        ),
-        (
-            "challenge",
-            Body::Challenge {
-                auth_required: true,
-                incarnation: 9,
-                nonce: [1; 16],
-                name: "decode-1".into(),
-            },
-        ),
+        ("hello", Body::Hello { role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] }),
+        ("challenge", Body::Challenge { auth_required: true, incarnation: 9, nonce: [1; 16], name: "decode-1".into() }),
         ("auth", Body::Auth { mac: [2; 32] }),
         ("welcome", Body::Welcome { mac: [4; 32] }),
         ("readreq", Body::ReadReq(op)),
         ("writereq", Body::WriteReq(op)),
         ("notif", Body::Notif(b"kv-ready:layer=3".to_vec())),
         ("ping", Body::Ping),
-        (
-            "resp_ok",
-            Body::Resp {
-                status: Status::Ok,
-                bulk_len: MIB,
-                msg: String::new(),
-            },
-        ),
-        (
-            "resp_err",
-            Body::Resp {
-                status: Status::OutOfBounds,
-                bulk_len: 0,
-                msg: "offset past region end".into(),
-            },
-        ),
+        ("resp_ok", Body::Resp { status: Status::Ok, bulk_len: MIB, msg: String::new() }),
+        ("resp_err", Body::Resp { status: Status::OutOfBounds, bulk_len: 0, msg: "offset past region end".into() }),
         ("metaget", Body::MetaGet),
         ("meta", Body::Meta(sample_meta().encode())),
         ("metaput", Body::MetaPut(sample_meta().encode())),
-        (
-            "error",
-            Body::Error {
-                status: Status::VersionMismatch,
-                msg: "peer speaks 2".into(),
-            },
-        ),
+        ("error", Body::Error { status: Status::VersionMismatch, msg: "peer speaks 2".into() }),
     ];
     let metas: Vec<(&str, Vec<u8>)> = vec![
         ("agent", sample_meta().encode()),
-        (
-            "agent_empty",
-            AgentMeta {
-                name: String::new(),
-                incarnation: 0,
-                rails: vec![],
-                regions: vec![],
-            }
-            .encode(),
-        ),
-        (
-            "descs",
-            DescList {
-                mem: MemType::Dram,
-                descs: vec![(4096, 100, 0), (1 << 40, MIB, 3)],
-            }
-            .encode(),
-        ),
-        (
-            "descs_vram",
-            DescList {
-                mem: MemType::Vram,
-                descs: vec![(0x7f00_0000_0000, 64 * MIB, 1)],
-            }
-            .encode(),
-        ),
+        ("agent_empty", AgentMeta { name: String::new(), incarnation: 0, rails: vec![], regions: vec![] }.encode()),
+        ("descs", DescList { mem: MemType::Dram, descs: vec![(4096, 100, 0), (1 << 40, MIB, 3)] }.encode()),
+        ("descs_vram", DescList { mem: MemType::Vram, descs: vec![(0x7f00_0000_0000, 64 * MIB, 1)] }.encode()),
     ];
-    for (dir, items) in [
-        (
-            "frame",
-            frames
-                .into_iter()
-                .map(|(n, b)| (n, b.encode(42)))
-                .collect::<Vec<_>>(),
-        ),
-        ("metadata", metas),
-    ] {
+    for (dir, items) in [("frame", frames.into_iter().map(|(n, b)| (n, b.encode(42))).collect::<Vec<_>>()), ("metadata", metas)] {
         let d = root.join(dir);
         std::fs::create_dir_all(&d).expect("create corpus dir");
         for (n, bytes) in items {
@@ -597,8 +418,7 @@ fn write_fuzz_corpus() {
             // Truncated copies: inside the header / fixed fields, and one byte short.
             for cut in [bytes.len() / 3, bytes.len().saturating_sub(1)] {
                 if cut > 0 {
-                    std::fs::write(d.join(format!("{n}.cut{cut}.bin")), &bytes[..cut])
-                        .expect("write seed");
+                    std::fs::write(d.join(format!("{n}.cut{cut}.bin")), &bytes[..cut]).expect("write seed");
                 }
             }
         }

@@ -15,10 +15,7 @@ use simnet::{gbit, ideal_finish, ms, table, Outcome, RailSpec, Report, Row, Sim,
 const MIB: u64 = 1 << 20;
 
 fn cfg(policy: Policy) -> PlannerConfig {
-    PlannerConfig {
-        policy,
-        ..PlannerConfig::default()
-    }
+    PlannerConfig { policy, ..PlannerConfig::default() }
 }
 
 fn weighted() -> PlannerConfig {
@@ -26,32 +23,15 @@ fn weighted() -> PlannerConfig {
 }
 
 /// Run one transfer of `bytes` submitted at 0 and summarise it as a table row.
-fn one_transfer(
-    name: &str,
-    cfg: PlannerConfig,
-    rails: Vec<RailSpec>,
-    bytes: u64,
-    seed: u64,
-) -> (Row, Report) {
+fn one_transfer(name: &str, cfg: PlannerConfig, rails: Vec<RailSpec>, bytes: u64, seed: u64) -> (Row, Report) {
     let chunk = cfg.chunk_size;
     let mut sim = Sim::new(cfg, rails.clone(), seed);
     sim.submit(XferSpec::contiguous(1, Duration::ZERO, bytes));
     let rep = sim.run();
-    let done = rep
-        .done_at(XferId(1))
-        .unwrap_or_else(|| panic!("{name}: transfer did not complete: {:?}", rep.events));
-    let last: Vec<Duration> = rep
-        .last_done_per_rail(XferId(1), rails.len())
-        .into_iter()
-        .flatten()
-        .collect();
-    let spread = last.iter().max().copied().unwrap_or_default()
-        - last.iter().min().copied().unwrap_or_default();
-    let slowest = rails
-        .iter()
-        .map(|r| r.rate(done))
-        .filter(|r| *r > 0.0)
-        .fold(f64::INFINITY, f64::min);
+    let done = rep.done_at(XferId(1)).unwrap_or_else(|| panic!("{name}: transfer did not complete: {:?}", rep.events));
+    let last: Vec<Duration> = rep.last_done_per_rail(XferId(1), rails.len()).into_iter().flatten().collect();
+    let spread = last.iter().max().copied().unwrap_or_default() - last.iter().min().copied().unwrap_or_default();
+    let slowest = rails.iter().map(|r| r.rate(done)).filter(|r| *r > 0.0).fold(f64::INFINITY, f64::min);
     let row = Row {
         scenario: name.to_string(),
         ideal: ideal_finish(&rails, Duration::ZERO, bytes),
@@ -71,31 +51,13 @@ struct Case {
     max_tail: Option<f64>,
 }
 
-fn case(
-    name: &str,
-    cfg: PlannerConfig,
-    rails: Vec<RailSpec>,
-    eff: (f64, f64),
-    max_tail: Option<f64>,
-) -> Case {
+fn case(name: &str, cfg: PlannerConfig, rails: Vec<RailSpec>, eff: (f64, f64), max_tail: Option<f64>) -> Case {
     sized_case(name, cfg, rails, 64 * MIB, eff, max_tail)
 }
 
-fn sized_case(
-    name: &str,
-    cfg: PlannerConfig,
-    rails: Vec<RailSpec>,
-    bytes: u64,
-    eff: (f64, f64),
-    max_tail: Option<f64>,
-) -> Case {
+fn sized_case(name: &str, cfg: PlannerConfig, rails: Vec<RailSpec>, bytes: u64, eff: (f64, f64), max_tail: Option<f64>) -> Case {
     let (row, rep) = one_transfer(name, cfg, rails, bytes, 1);
-    Case {
-        row,
-        rep,
-        eff,
-        max_tail,
-    }
+    Case { row, rep, eff, max_tail }
 }
 
 fn steady(gbits: &[f64]) -> Vec<RailSpec> {
@@ -107,100 +69,44 @@ fn steady(gbits: &[f64]) -> Vec<RailSpec> {
 fn throughput_table() {
     let any = 1.01;
     let cases = vec![
-        case(
-            "2 x 2 Gbit/s, weighted",
-            weighted(),
-            steady(&[2.0, 2.0]),
-            (0.97, any),
-            Some(1.0),
-        ),
-        case(
-            "4 x 2 Gbit/s, weighted",
-            weighted(),
-            steady(&[2.0; 4]),
-            (0.96, any),
-            Some(1.0),
-        ),
-        case(
-            "2 + 1 Gbit/s, weighted",
-            weighted(),
-            steady(&[2.0, 1.0]),
-            (0.95, any),
-            Some(1.0),
-        ),
-        case(
-            "2 + 1 Gbit/s, round-robin",
-            cfg(Policy::RoundRobin),
-            steady(&[2.0, 1.0]),
-            (0.62, 0.72),
-            None,
-        ),
-        case(
-            "2 + 1 Gbit/s, pinned to rail 0",
-            cfg(Policy::Pinned(0)),
-            steady(&[2.0, 1.0]),
-            (0.65, 0.68),
-            None,
-        ),
+        case("2 x 2 Gbit/s, weighted", weighted(), steady(&[2.0, 2.0]), (0.97, any), Some(1.0)),
+        case("4 x 2 Gbit/s, weighted", weighted(), steady(&[2.0; 4]), (0.96, any), Some(1.0)),
+        case("2 + 1 Gbit/s, weighted", weighted(), steady(&[2.0, 1.0]), (0.95, any), Some(1.0)),
+        case("2 + 1 Gbit/s, round-robin", cfg(Policy::RoundRobin), steady(&[2.0, 1.0]), (0.62, 0.72), None),
+        case("2 + 1 Gbit/s, pinned to rail 0", cfg(Policy::Pinned(0)), steady(&[2.0, 1.0]), (0.65, 0.68), None),
         case(
             "2 + 1 Gbit/s, no speed hints (EWMA)",
             weighted(),
-            steady(&[2.0, 1.0])
-                .into_iter()
-                .map(|r| r.hint(None))
-                .collect(),
+            steady(&[2.0, 1.0]).into_iter().map(|r| r.hint(None)).collect(),
             (0.95, any),
             Some(1.0),
         ),
-        case(
-            "4 + 2 + 1 + 1 Gbit/s, weighted",
-            weighted(),
-            steady(&[4.0, 2.0, 1.0, 1.0]),
-            (0.95, any),
-            Some(1.0),
-        ),
+        case("4 + 2 + 1 + 1 Gbit/s, weighted", weighted(), steady(&[4.0, 2.0, 1.0, 1.0]), (0.95, any), Some(1.0)),
         case(
             "2 x 2 Gbit/s, rail 1 halves at 40 ms",
             weighted(),
-            vec![
-                RailSpec::steady(gbit(2.0)),
-                RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(1.0)),
-            ],
+            vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(1.0))],
             (0.95, any),
             Some(1.0),
         ),
         case(
             "2 x 2 Gbit/s, rail 1 doubles at 40 ms",
             weighted(),
-            vec![
-                RailSpec::steady(gbit(2.0)),
-                RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(4.0)),
-            ],
+            vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(4.0))],
             (0.95, any),
             Some(1.0),
         ),
         case(
             "2 x 2 Gbit/s, rail 0 down 30-80 ms",
             weighted(),
-            vec![
-                RailSpec::steady(gbit(2.0)).outage(ms(30.0), Some(ms(80.0))),
-                RailSpec::steady(gbit(2.0)),
-            ],
+            vec![RailSpec::steady(gbit(2.0)).outage(ms(30.0), Some(ms(80.0))), RailSpec::steady(gbit(2.0))],
             (0.93, any),
             Some(1.0),
         ),
         case(
             "2 x 2 Gbit/s, rail 1 stalls 30-200 ms",
-            PlannerConfig {
-                stall_timeout: ms(20.0),
-                ..weighted()
-            },
-            vec![
-                RailSpec::steady(gbit(2.0)),
-                RailSpec::steady(gbit(2.0))
-                    .rate_at(ms(30.0), 0.0)
-                    .rate_at(ms(200.0), gbit(2.0)),
-            ],
+            PlannerConfig { stall_timeout: ms(20.0), ..weighted() },
+            vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(30.0), 0.0).rate_at(ms(200.0), gbit(2.0))],
             (0.90, any),
             None,
         ),
@@ -208,9 +114,7 @@ fn throughput_table() {
         sized_case(
             "2 x 4 Gbit/s, 5 ms one-way, 256 MiB",
             weighted(),
-            (0..2)
-                .map(|_| RailSpec::steady(gbit(4.0)).latency(ms(5.0)))
-                .collect(),
+            (0..2).map(|_| RailSpec::steady(gbit(4.0)).latency(ms(5.0))).collect(),
             256 * MIB,
             (0.92, any),
             Some(1.0),
@@ -218,9 +122,7 @@ fn throughput_table() {
         case(
             "2 x 100 Gbit/s, 5 us",
             weighted(),
-            (0..2)
-                .map(|_| RailSpec::steady(gbit(100.0)).latency(Duration::from_micros(5)))
-                .collect(),
+            (0..2).map(|_| RailSpec::steady(gbit(100.0)).latency(Duration::from_micros(5))).collect(),
             (0.95, any),
             Some(1.0),
         ),
@@ -231,23 +133,12 @@ fn throughput_table() {
     for c in &cases {
         let e = c.row.efficiency();
         if e < c.eff.0 || e > c.eff.1 {
-            bad.push(format!(
-                "{}: efficiency {:.3} outside {:?}",
-                c.row.scenario, e, c.eff
-            ));
+            bad.push(format!("{}: efficiency {:.3} outside {:?}", c.row.scenario, e, c.eff));
         }
         if c.max_tail.is_some_and(|m| c.row.tail_chunks > m) {
-            bad.push(format!(
-                "{}: rails finished {:.2} chunk times apart",
-                c.row.scenario, c.row.tail_chunks
-            ));
+            bad.push(format!("{}: rails finished {:.2} chunk times apart", c.row.scenario, c.row.tail_chunks));
         }
-        assert_eq!(
-            simnet::totals(&c.rep.stats)["inflight_bytes"],
-            0,
-            "{}",
-            c.row.scenario
-        );
+        assert_eq!(simnet::totals(&c.rep.stats)["inflight_bytes"], 0, "{}", c.row.scenario);
     }
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
@@ -260,29 +151,17 @@ fn throughput_table() {
 fn jittery_rails_stay_busy_and_balanced() {
     let rails = vec![
         RailSpec::steady(gbit(2.0)).jitter(0.3),
-        RailSpec::steady(gbit(2.0))
-            .jitter(0.3)
-            .latency(Duration::from_micros(250)),
-        RailSpec::steady(gbit(1.0))
-            .jitter(0.3)
-            .latency(Duration::from_micros(100)),
+        RailSpec::steady(gbit(2.0)).jitter(0.3).latency(Duration::from_micros(250)),
+        RailSpec::steady(gbit(1.0)).jitter(0.3).latency(Duration::from_micros(100)),
     ];
     let mut effs = Vec::new();
     for seed in 1..=8 {
         let (row, rep) = one_transfer("jitter", weighted(), rails.clone(), 64 * MIB, seed);
         for (i, busy) in rep.serving.iter().enumerate() {
             let u = busy.as_secs_f64() / row.achieved.as_secs_f64();
-            assert!(
-                u >= 0.88,
-                "seed {seed}: rail {i} busy only {:.1}% of the transfer",
-                u * 100.0
-            );
+            assert!(u >= 0.88, "seed {seed}: rail {i} busy only {:.1}% of the transfer", u * 100.0);
         }
-        assert!(
-            row.tail_chunks <= 1.5,
-            "seed {seed}: rails finished {:.2} chunk times apart",
-            row.tail_chunks
-        );
+        assert!(row.tail_chunks <= 1.5, "seed {seed}: rails finished {:.2} chunk times apart", row.tail_chunks);
         effs.push(row.efficiency());
     }
     let mean = effs.iter().sum::<f64>() / effs.len() as f64;
@@ -294,10 +173,7 @@ fn jittery_rails_stay_busy_and_balanced() {
         tail_chunks: f64::NAN,
     };
     println!("{}", table(&[row]));
-    assert!(
-        mean >= 0.94,
-        "mean efficiency {mean:.3} over seeds: {effs:?}"
-    );
+    assert!(mean >= 0.94, "mean efficiency {mean:.3} over seeds: {effs:?}");
 }
 
 /// Transfers below `stripe_threshold` use one rail, finish in one chunk time on idle rails, and
@@ -316,11 +192,7 @@ fn small_transfers_stay_on_one_rail_and_skip_the_queue() {
     // A 64 MiB transfer at 30 ms, and ten small ones while it runs.
     sim.submit(XferSpec::contiguous(1, ms(30.0), 64 * MIB));
     for i in 0..10 {
-        sim.submit(XferSpec::contiguous(
-            200 + i,
-            ms(40.0 + 5.0 * i as f64),
-            small(i),
-        ));
+        sim.submit(XferSpec::contiguous(200 + i, ms(40.0 + 5.0 * i as f64), small(i)));
     }
     let rep = sim.run();
     let rate = gbit(2.0);
@@ -328,39 +200,20 @@ fn small_transfers_stay_on_one_rail_and_skip_the_queue() {
     for i in 0..10 {
         for (x, at, bound) in [
             // Alone: its own service time and one round trip.
-            (
-                100 + i,
-                ms(2.0 * i as f64),
-                Duration::from_secs_f64(small(i) as f64 / rate) + rtt,
-            ),
+            (100 + i, ms(2.0 * i as f64), Duration::from_secs_f64(small(i) as f64 / rate) + rtt),
             // Behind at most one full window on its rail.
-            (
-                200 + i,
-                ms(40.0 + 5.0 * i as f64),
-                Duration::from_secs_f64((small(i) + window) as f64 / rate) + rtt,
-            ),
+            (200 + i, ms(40.0 + 5.0 * i as f64), Duration::from_secs_f64((small(i) + window) as f64 / rate) + rtt),
         ] {
-            let rails_used: std::collections::BTreeSet<usize> =
-                rep.done_chunks(XferId(x)).map(|c| c.chunk.rail).collect();
-            assert_eq!(
-                rails_used.len(),
-                1,
-                "small transfer {x} used rails {rails_used:?}"
-            );
+            let rails_used: std::collections::BTreeSet<usize> = rep.done_chunks(XferId(x)).map(|c| c.chunk.rail).collect();
+            assert_eq!(rails_used.len(), 1, "small transfer {x} used rails {rails_used:?}");
             let took = rep.done_at(XferId(x)).expect("small transfer done") - at;
-            assert!(
-                took <= bound + Duration::from_micros(1),
-                "transfer {x} took {took:?} > {bound:?}"
-            );
+            assert!(took <= bound + Duration::from_micros(1), "transfer {x} took {took:?} > {bound:?}");
         }
     }
     let (row, _) = one_transfer("", weighted(), rails.clone(), 64 * MIB, 1);
     let big = rep.done_at(XferId(1)).expect("large transfer done") - ms(30.0);
     // The small ones (1 MiB in all) cost the large one about their own service time only.
-    assert!(
-        big.as_secs_f64() <= row.achieved.as_secs_f64() * 1.03,
-        "large transfer took {big:?}"
-    );
+    assert!(big.as_secs_f64() <= row.achieved.as_secs_f64() * 1.03, "large transfer took {big:?}");
 }
 
 /// A rail whose rate changes mid-run is re-weighted: its estimate follows the new rate and its
@@ -368,28 +221,14 @@ fn small_transfers_stay_on_one_rail_and_skip_the_queue() {
 #[test]
 fn changed_rate_is_reweighted() {
     for (new, name) in [(1.0, "halves"), (4.0, "doubles")] {
-        let rails = vec![
-            RailSpec::steady(gbit(2.0)),
-            RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(new)),
-        ];
+        let rails = vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(40.0), gbit(new))];
         let (row, rep) = one_transfer(name, weighted(), rails, 256 * MIB, 1);
         let est = rep.stats[1].rate;
-        assert!(
-            (est / gbit(new) - 1.0).abs() < 0.05,
-            "rail 1 {name}: estimate {:.0} Mbit/s",
-            est * 8e-6
-        );
-        assert!(
-            row.efficiency() >= 0.97,
-            "rail 1 {name}: efficiency {:.3}",
-            row.efficiency()
-        );
+        assert!((est / gbit(new) - 1.0).abs() < 0.05, "rail 1 {name}: estimate {:.0} Mbit/s", est * 8e-6);
+        assert!(row.efficiency() >= 0.97, "rail 1 {name}: efficiency {:.3}", row.efficiency());
         let b = rep.bytes_per_rail(XferId(1), 2);
         let (r0, r1) = (b[0] as f64, b[1] as f64);
-        assert!(
-            if new < 2.0 { r1 < r0 } else { r1 > r0 },
-            "rail 1 {name}: bytes {b:?}"
-        );
+        assert!(if new < 2.0 { r1 < r0 } else { r1 > r0 }, "rail 1 {name}: bytes {b:?}");
     }
 }
 
@@ -399,18 +238,11 @@ fn concurrent_transfers_share_the_rails() {
     let rails = steady(&[2.0, 1.0]);
     let mut sim = Sim::new(weighted(), rails.clone(), 1);
     for i in 0..8 {
-        sim.submit(XferSpec::contiguous(
-            i + 1,
-            Duration::ZERO,
-            8 * MIB + i * 12_345,
-        ));
+        sim.submit(XferSpec::contiguous(i + 1, Duration::ZERO, 8 * MIB + i * 12_345));
     }
     let total: u64 = (0..8).map(|i| 8 * MIB + i * 12_345).sum();
     let rep = sim.run();
-    let last = (1..=8)
-        .map(|i| rep.done_at(XferId(i)).expect("all done"))
-        .max()
-        .expect("eight");
+    let last = (1..=8).map(|i| rep.done_at(XferId(i)).expect("all done")).max().expect("eight");
     let eff = ideal_finish(&rails, Duration::ZERO, total).as_secs_f64() / last.as_secs_f64();
     assert!(eff >= 0.95, "8 concurrent transfers: efficiency {eff:.3}");
     // FIFO: the first transfer is not starved by later ones.
@@ -421,20 +253,8 @@ fn concurrent_transfers_share_the_rails() {
 /// chunks move to the other rail, and it is used again after it comes back.
 #[test]
 fn stalled_rail_is_detected_and_work_moves() {
-    let rails = vec![
-        RailSpec::steady(gbit(2.0)),
-        RailSpec::steady(gbit(2.0))
-            .rate_at(ms(30.0), 0.0)
-            .rate_at(ms(60.0), gbit(2.0)),
-    ];
-    let mut sim = Sim::new(
-        PlannerConfig {
-            stall_timeout: ms(10.0),
-            ..weighted()
-        },
-        rails,
-        1,
-    );
+    let rails = vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(30.0), 0.0).rate_at(ms(60.0), gbit(2.0))];
+    let mut sim = Sim::new(PlannerConfig { stall_timeout: ms(10.0), ..weighted() }, rails, 1);
     sim.submit(XferSpec::contiguous(1, Duration::ZERO, 64 * MIB));
     let rep = sim.run();
     let down = rep.events.iter().find_map(|(t, e)| match e {
@@ -444,38 +264,18 @@ fn stalled_rail_is_detected_and_work_moves() {
     let (t_down, reason) = down.expect("rail 1 declared down");
     assert!(reason.contains("stalled"), "{reason}");
     // The last completion before the stall was at most a chunk time before 30 ms.
-    assert!(
-        t_down >= ms(35.0) && t_down <= ms(41.0),
-        "declared down at {t_down:?}"
-    );
-    assert!(rep
-        .events
-        .iter()
-        .any(|(t, e)| *e == Event::RailUp(1) && *t == ms(60.0)));
-    assert!(
-        rep.stats[0].chunks_reissued > 0,
-        "lost chunks were reissued on rail 0"
-    );
-    assert!(
-        rep.chunks
-            .iter()
-            .any(|c| c.chunk.rail == 1 && c.issued > ms(60.0)),
-        "rail 1 used again"
-    );
-    assert!(rep
-        .chunks
-        .iter()
-        .any(|c| matches!(c.outcome, Outcome::Lost(_))));
+    assert!(t_down >= ms(35.0) && t_down <= ms(41.0), "declared down at {t_down:?}");
+    assert!(rep.events.iter().any(|(t, e)| *e == Event::RailUp(1) && *t == ms(60.0)));
+    assert!(rep.stats[0].chunks_reissued > 0, "lost chunks were reissued on rail 0");
+    assert!(rep.chunks.iter().any(|c| c.chunk.rail == 1 && c.issued > ms(60.0)), "rail 1 used again");
+    assert!(rep.chunks.iter().any(|c| matches!(c.outcome, Outcome::Lost(_))));
     assert!(rep.done_at(XferId(1)).is_some());
 }
 
 /// With every rail down the transfer fails and says why for each rail.
 #[test]
 fn all_rails_down_fails_the_transfer() {
-    let rails = vec![
-        RailSpec::steady(gbit(2.0)).outage(ms(10.0), None),
-        RailSpec::steady(gbit(2.0)).outage(ms(20.0), Some(ms(50.0))),
-    ];
+    let rails = vec![RailSpec::steady(gbit(2.0)).outage(ms(10.0), None), RailSpec::steady(gbit(2.0)).outage(ms(20.0), Some(ms(50.0)))];
     let mut sim = Sim::new(weighted(), rails, 1);
     sim.submit(XferSpec::contiguous(1, Duration::ZERO, 64 * MIB));
     // Submitted while no rail is up: fails at once.
@@ -484,10 +284,7 @@ fn all_rails_down_fails_the_transfer() {
     sim.submit(XferSpec::contiguous(3, ms(60.0), 8 * MIB));
     let rep = sim.run();
     let reason = rep.failed(XferId(1)).expect("transfer 1 failed");
-    assert!(
-        reason.contains("rail 0: sim: link error") && reason.contains("rail 1: sim: link error"),
-        "{reason}"
-    );
+    assert!(reason.contains("rail 0: sim: link error") && reason.contains("rail 1: sim: link error"), "{reason}");
     assert!(rep.failed(XferId(2)).is_some());
     assert!(rep.done_at(XferId(3)).is_some());
     assert!(rep.done_at(XferId(1)).is_none());
@@ -497,12 +294,7 @@ fn all_rails_down_fails_the_transfer() {
 #[test]
 fn runs_are_deterministic() {
     let run = || {
-        let rails = vec![
-            RailSpec::steady(gbit(2.0)).jitter(0.2),
-            RailSpec::steady(gbit(1.0))
-                .jitter(0.2)
-                .outage(ms(20.0), Some(ms(40.0))),
-        ];
+        let rails = vec![RailSpec::steady(gbit(2.0)).jitter(0.2), RailSpec::steady(gbit(1.0)).jitter(0.2).outage(ms(20.0), Some(ms(40.0)))];
         let mut sim = Sim::new(weighted(), rails, 42);
         sim.submit(XferSpec::contiguous(1, Duration::ZERO, 16 * MIB));
         sim.submit(XferSpec::contiguous(2, ms(5.0), 100_000));

@@ -40,7 +40,9 @@ fn to_py(e: Error) -> PyErr {
         Error::Timeout(_) => "TransferTimeoutError",
         Error::AddrInUse(_) => "AddressInUseError",
         Error::Io { kind, .. } => match kind {
-            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted => "PeerLostError",
+            std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted => {
+                "PeerLostError"
+            }
             _ => "TransferError",
         },
         Error::Closed => "TransferError",
@@ -91,6 +93,9 @@ fn rows(ptr: usize, n: usize) -> Vec<(u64, u64, u32)> {
     s.chunks_exact(3).map(|r| (r[0], r[1], r[2] as u32)).collect()
 }
 
+/// (interface, address, prefix length, speed Mbit/s, MTU, NUMA node, RDMA device, bind device)
+type RailRow = (String, String, u8, u64, u32, i32, String, bool);
+
 #[pyclass(name = "Agent", module = "multirail._core", frozen)]
 struct PyAgent(Agent);
 
@@ -108,7 +113,7 @@ impl PyAgent {
         host: &str,
         port: u16,
         connections: usize,
-        rails: Vec<(String, String, u8, u64, u32, i32, String, bool)>,
+        rails: Vec<RailRow>,
         rail_map: Vec<(usize, usize)>,
         policy: &str,
         chunk_size: u64,
@@ -123,7 +128,7 @@ impl PyAgent {
             cfg.rails.push(RailSpec { name: rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device });
         }
         cfg.planner.policy = parse_policy(policy)?;
-        if chunk_size < 4096 || chunk_size > multirail_proto::codec::MAX_CHUNK {
+        if !(4096..=multirail_proto::codec::MAX_CHUNK).contains(&chunk_size) {
             return Err(PyValueError::new_err("chunk_size must be between 4 KiB and 64 MiB"));
         }
         cfg.planner.chunk_size = chunk_size;
@@ -196,7 +201,17 @@ impl PyAgent {
 
     /// Build a transfer handle from two Nx3 uint64 arrays.
     #[allow(clippy::too_many_arguments)]
-    fn prepare(&self, py: Python<'_>, op: &str, lptr: usize, ln: usize, rptr: usize, rn: usize, peer: &str, notif: Vec<u8>) -> PyResult<PyXfer> {
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        lptr: usize,
+        ln: usize,
+        rptr: usize,
+        rn: usize,
+        peer: &str,
+        notif: Vec<u8>,
+    ) -> PyResult<PyXfer> {
         let op = Op::parse(op).map_err(to_py)?;
         let (local, remote) = (rows(lptr, ln), rows(rptr, rn));
         py.allow_threads(|| self.0.prepare(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)

@@ -18,6 +18,9 @@ use crate::server;
 use crate::wire::{self, WireError};
 use crate::xfer::{Op, XferHandle};
 
+/// Local descriptors as (addr, len), and the registered regions that contain them.
+pub type ResolvedLocal = (Vec<(u64, u64)>, Vec<Arc<Region>>);
+
 /// A local rail as the runtime uses it.
 #[derive(Debug, Clone)]
 pub struct LocalRail {
@@ -288,7 +291,7 @@ impl Agent {
 
     /// Resolve local descriptors against the registry: every one must lie inside a registered
     /// region. Returns the (addr, len) list and the regions to hold.
-    pub fn resolve_local(&self, descs: &[(u64, u64, u32)]) -> Result<(Vec<(u64, u64)>, Vec<Arc<Region>>)> {
+    pub fn resolve_local(&self, descs: &[(u64, u64, u32)]) -> Result<ResolvedLocal> {
         let regions = self.shared.registry.snapshot();
         let mut hold: Vec<Arc<Region>> = Vec::new();
         let mut out = Vec::with_capacity(descs.len());
@@ -319,7 +322,11 @@ impl Agent {
 
     pub fn send_notif(&self, peer: &str, msg: &[u8]) -> Result<()> {
         if msg.len() > multirail_proto::codec::MAX_NOTIF {
-            return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", msg.len(), multirail_proto::codec::MAX_NOTIF)));
+            return Err(Error::InvalidArgument(format!(
+                "notification of {} bytes exceeds {}",
+                msg.len(),
+                multirail_proto::codec::MAX_NOTIF
+            )));
         }
         self.peer(peer)?.send_notif(msg)
     }

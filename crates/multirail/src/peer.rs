@@ -126,7 +126,11 @@ impl Peer {
         notif: Vec<u8>,
     ) -> Result<XferHandle> {
         if notif.len() > multirail_proto::codec::MAX_NOTIF {
-            return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", notif.len(), multirail_proto::codec::MAX_NOTIF)));
+            return Err(Error::InvalidArgument(format!(
+                "notification of {} bytes exceeds {}",
+                notif.len(),
+                multirail_proto::codec::MAX_NOTIF
+            )));
         }
         let remote = self.resolve(remote)?;
         if op == Op::Write {
@@ -245,9 +249,10 @@ fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
     let mut used = vec![false; remote.len()];
     for (li, l) in ctx.rails.iter().enumerate() {
         let Some(la) = l.addr else { continue };
-        let found = remote.iter().enumerate().find(|(ri, r)| {
-            !used[*ri] && r.addr.parse::<IpAddr>().is_ok_and(|ra| same_subnet(la, ra, l.prefix_len))
-        });
+        let found = remote
+            .iter()
+            .enumerate()
+            .find(|(ri, r)| !used[*ri] && r.addr.parse::<IpAddr>().is_ok_and(|ra| same_subnet(la, ra, l.prefix_len)));
         if let Some((ri, _)) = found {
             used[ri] = true;
             pairs.push((li, ri));
@@ -298,7 +303,10 @@ pub(crate) fn dial(
         sock.bind(&SocketAddr::new(*addr, 0).into()).map_err(|e| Error::io(format!("bind to rail address {addr}"), e))?;
     }
     sock.connect_timeout(&remote.into(), ctx.cfg.timeout).map_err(|e| match e.kind() {
-        std::io::ErrorKind::ConnectionRefused => Error::PeerLost { peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()), reason: format!("connection to {remote} refused") },
+        std::io::ErrorKind::ConnectionRefused => Error::PeerLost {
+            peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()),
+            reason: format!("connection to {remote} refused"),
+        },
         _ => Error::io(format!("connect to {remote}"), e),
     })?;
     let mut s: TcpStream = sock.into();
@@ -313,7 +321,8 @@ pub(crate) fn dial(
         WireError::GaveUp(m) => Error::Timeout(m),
         WireError::Io(e) => Error::PeerLost { peer: who.clone(), reason: format!("handshake: {e}") },
     };
-    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.clone(), nonce }, 0, &mut tick).map_err(wire_err)?;
+    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.clone(), nonce }, 0, &mut tick)
+        .map_err(wire_err)?;
     let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
     let (auth_required, incarnation, server_nonce, server_name) = match b {
         Body::Challenge { auth_required, incarnation, nonce, name } => (auth_required, incarnation, nonce, name),
@@ -331,7 +340,9 @@ pub(crate) fn dial(
     let mac = match (&ctx.cfg.secret, auth_required) {
         (Some(secret), true) => auth::client_proof(secret, &server_nonce, &nonce, &ctx.name),
         (None, true) => return Err(Error::Auth { who, msg: "peer requires a shared secret and none is configured".into() }),
-        (Some(_), false) => return Err(Error::Auth { who, msg: "peer does not authenticate but a shared secret is configured here".into() }),
+        (Some(_), false) => {
+            return Err(Error::Auth { who, msg: "peer does not authenticate but a shared secret is configured here".into() })
+        }
         (None, false) => [0u8; 32],
     };
     wire::send(&mut s, &Body::Auth { mac }, 0, &mut tick).map_err(wire_err)?;
@@ -522,7 +533,11 @@ impl Link {
         let deadline = Instant::now() + self.ctx.cfg.planner.stall_timeout + Duration::from_secs(1);
         while Instant::now() < deadline {
             let busy = self.rails.iter().any(|r| {
-                r.conns.read().expect("rail lock").iter().any(|c| c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x)))
+                r.conns
+                    .read()
+                    .expect("rail lock")
+                    .iter()
+                    .any(|c| c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x)))
             });
             if !busy {
                 break;
@@ -564,7 +579,10 @@ impl Link {
                         continue;
                     }
                 }
-                x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() }));
+                x.finish(Err(Error::PeerLost {
+                    peer: self.peer_name.clone(),
+                    reason: "link closed before the notification was sent".into(),
+                }));
             } else {
                 x.finish(r);
             }
@@ -834,8 +852,12 @@ impl Link {
             let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
             match r {
                 Ok((_, Body::Resp { status: Status::Ok, .. })) => return Ok(()),
-                Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => return Err(status_error(&who, status, msg)),
-                Ok((_, other)) => return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) }),
+                Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
+                    return Err(status_error(&who, status, msg))
+                }
+                Ok((_, other)) => {
+                    return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) })
+                }
                 Err(WireError::GaveUp(m)) => {
                     *g = None;
                     return Err(Error::Timeout(m));

@@ -158,7 +158,7 @@ mod tests {
     #[test]
     fn deregister_waits_for_holders() {
         let reg = Registry::default();
-        let buf = vec![0u8; 64];
+        let buf = [0u8; 64];
         let r = reg.register(buf.as_ptr() as u64, 64, 0, MemType::Dram, Access::ReadWrite).unwrap();
         let id = r.id;
         drop(r);

@@ -34,7 +34,9 @@ pub fn accept_loop(sh: Arc<Shared>, l: TcpListener) {
         if sh.open_conns.load(Ordering::Acquire) >= sh.ctx.cfg.max_connections {
             let mut s = s;
             let _ = s.set_write_timeout(Some(TICK));
-            let _ = wire::send(&mut s, &Body::Error { status: Status::Busy, msg: "too many connections".into() }, 0, &mut |_| Err(String::new()));
+            let _ = wire::send(&mut s, &Body::Error { status: Status::Busy, msg: "too many connections".into() }, 0, &mut |_| {
+                Err(String::new())
+            });
             continue;
         }
         sh.open_conns.fetch_add(1, Ordering::AcqRel);
@@ -134,8 +136,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
                 Ok(region) => {
                     // SAFETY: as above; the region is registered read-write.
                     let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
-                    inb.read_into(&mut s, dst, &mut op_tick)
-                        .and_then(|_| wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick))
+                    inb.read_into(&mut s, dst, &mut op_tick).and_then(|_| {
+                        wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
+                    })
                 }
                 Err((status, msg)) => {
                     sh.refused.fetch_add(1, Ordering::Relaxed);

@@ -99,7 +99,11 @@ pub fn read_frame(s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), St
 
 /// Like [`read_frame`] for streams whose every message has a body of at least `min_body`
 /// bytes (responses on a data connection): header and that much body arrive in one read.
-pub fn read_frame_min(s: &mut TcpStream, min_body: usize, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(Header, Body), WireError> {
+pub fn read_frame_min(
+    s: &mut TcpStream,
+    min_body: usize,
+    tick: &mut dyn FnMut(bool) -> Result<(), String>,
+) -> Result<(Header, Body), WireError> {
     let mut first = [0u8; 64];
     let n = HEADER_LEN + min_body;
     assert!(n <= first.len());
@@ -179,7 +183,12 @@ impl Inbound {
     }
 
     /// Fill `dst` from the read-ahead first, then straight from the socket.
-    pub fn read_into(&mut self, s: &mut TcpStream, dst: &mut [u8], tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+    pub fn read_into(
+        &mut self,
+        s: &mut TcpStream,
+        dst: &mut [u8],
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(), WireError> {
         let k = self.unread().min(dst.len());
         dst[..k].copy_from_slice(&self.stash[self.pos..self.pos + k]);
         self.pos += k;

@@ -154,7 +154,9 @@ impl XferShared {
             match self.state() {
                 XferState::Done => return Ok(()),
                 XferState::Error => {
-                    return Err(self.error().unwrap_or_else(|| Error::Protocol { who: "engine".into(), msg: "failed without a cause".into() }))
+                    return Err(self
+                        .error()
+                        .unwrap_or_else(|| Error::Protocol { who: "engine".into(), msg: "failed without a cause".into() }))
                 }
                 XferState::Idle => return Err(Error::InvalidArgument("transfer was never posted".into())),
                 XferState::InProgress => {}
@@ -185,7 +187,11 @@ impl XferHandle {
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
         if let Some(n) = notif {
             if n.len() > multirail_proto::codec::MAX_NOTIF {
-                return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", n.len(), multirail_proto::codec::MAX_NOTIF)));
+                return Err(Error::InvalidArgument(format!(
+                    "notification of {} bytes exceeds {}",
+                    n.len(),
+                    multirail_proto::codec::MAX_NOTIF
+                )));
             }
             *self.0.notif.lock().expect("xfer lock") = n;
         }

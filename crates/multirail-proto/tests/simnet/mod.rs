@@ -126,11 +126,7 @@ impl RailSpec {
 
     /// The rate in effect at `t`.
     pub fn rate(&self, t: Duration) -> f64 {
-        self.rates
-            .iter()
-            .take_while(|r| r.0 <= t)
-            .last()
-            .map_or(0.0, |r| r.1)
+        self.rates.iter().take_while(|r| r.0 <= t).last().map_or(0.0, |r| r.1)
     }
 
     /// When `bytes` of service starting at `start` end, integrating the rate schedule, or
@@ -154,9 +150,7 @@ impl RailSpec {
 
     /// True while an error outage holds the rail down.
     fn in_outage(&self, t: Duration) -> bool {
-        self.outages
-            .iter()
-            .any(|o| o.at <= t && o.until.is_none_or(|u| t < u))
+        self.outages.iter().any(|o| o.at <= t && o.until.is_none_or(|u| t < u))
     }
 
     /// Bytes the rail can carry in `[0, t)`, outside error outages.
@@ -171,10 +165,7 @@ impl RailSpec {
         cuts.retain(|&c| c <= t);
         cuts.sort();
         cuts.dedup();
-        cuts.windows(2)
-            .filter(|w| !self.in_outage(w[0]))
-            .map(|w| self.rate(w[0]) * (w[1] - w[0]).as_secs_f64())
-            .sum()
+        cuts.windows(2).filter(|w| !self.in_outage(w[0])).map(|w| self.rate(w[0]) * (w[1] - w[0]).as_secs_f64()).sum()
     }
 }
 
@@ -189,16 +180,7 @@ pub struct XferSpec {
 impl XferSpec {
     /// One contiguous transfer of `len` bytes, at a local address unique to `id`.
     pub fn contiguous(id: u64, at: Duration, len: u64) -> Self {
-        XferSpec {
-            id: XferId(id),
-            at,
-            pairs: vec![Pair {
-                local: id << 40,
-                region: id,
-                offset: 0,
-                len,
-            }],
-        }
+        XferSpec { id: XferId(id), at, pairs: vec![Pair { local: id << 40, region: id, offset: 0, len }] }
     }
 
     pub fn total(&self) -> u64 {
@@ -242,10 +224,7 @@ pub struct Report {
 impl Report {
     /// When the transfer's `XferDone` came out, if it did.
     pub fn done_at(&self, x: XferId) -> Option<Duration> {
-        self.events
-            .iter()
-            .find(|(_, e)| *e == Event::XferDone(x))
-            .map(|(t, _)| *t)
+        self.events.iter().find(|(_, e)| *e == Event::XferDone(x)).map(|(t, _)| *t)
     }
 
     pub fn failed(&self, x: XferId) -> Option<&str> {
@@ -257,9 +236,7 @@ impl Report {
 
     /// Chunks of `x` the planner accepted as done.
     pub fn done_chunks(&self, x: XferId) -> impl Iterator<Item = &ChunkRecord> {
-        self.chunks
-            .iter()
-            .filter(move |c| c.chunk.xfer == x && matches!(c.outcome, Outcome::Done(_)))
+        self.chunks.iter().filter(move |c| c.chunk.xfer == x && matches!(c.outcome, Outcome::Done(_)))
     }
 
     /// Per rail, the time of the last accepted completion of transfer `x`.
@@ -414,17 +391,12 @@ impl Sim {
                 } else {
                     self.planner.handle_done(id, now)
                 };
-                self.records[idx].outcome = if accepted {
-                    Outcome::Done(self.now)
-                } else {
-                    Outcome::Stale(self.now)
-                };
+                self.records[idx].outcome = if accepted { Outcome::Done(self.now) } else { Outcome::Stale(self.now) };
             }
             What::Down(rail) => {
                 self.drop_pipe(rail);
                 self.pipes[rail].broken = true;
-                self.planner
-                    .handle_rail_down(rail, "sim: link error".into(), now);
+                self.planner.handle_rail_down(rail, "sim: link error".into(), now);
             }
             What::Up(rail) => {
                 self.pipes[rail].broken = false;
@@ -447,24 +419,12 @@ impl Sim {
     /// Put a chunk into its rail's pipe and schedule its completion.
     fn issue(&mut self, c: Chunk) {
         let spec = &self.specs[c.rail];
-        let f = if spec.jitter > 0.0 {
-            1.0 + spec.jitter * (2.0 * self.rng.unit() - 1.0)
-        } else {
-            1.0
-        };
+        let f = if spec.jitter > 0.0 { 1.0 + spec.jitter * (2.0 * self.rng.unit() - 1.0) } else { 1.0 };
         let pipe = &mut self.pipes[c.rail];
-        assert!(
-            !pipe.broken,
-            "planner handed work to rail {} that it was told is down",
-            c.rail
-        );
+        assert!(!pipe.broken, "planner handed work to rail {} that it was told is down", c.rail);
         let start = pipe.busy_until.max(self.now);
         let idx = self.records.len();
-        self.records.push(ChunkRecord {
-            chunk: c,
-            issued: self.now,
-            outcome: Outcome::Pending,
-        });
+        self.records.push(ChunkRecord { chunk: c, issued: self.now, outcome: Outcome::Pending });
         let prev = self.by_id.insert(c.id, idx);
         assert!(prev.is_none(), "chunk id {:?} handed out twice", c.id);
         match spec.serve(start, c.piece.len as f64 * f) {
@@ -473,14 +433,7 @@ impl Sim {
                 pipe.busy_until = end;
                 let epoch = pipe.epoch;
                 let t = end + 2 * spec.latency;
-                self.push(
-                    t,
-                    What::Complete {
-                        rail: c.rail,
-                        epoch,
-                        idx,
-                    },
-                );
+                self.push(t, What::Complete { rail: c.rail, epoch, idx });
             }
             // Stalled for ever: never completes; only the stall timeout can recover.
             None => pipe.busy_until = Duration::MAX / 4,
@@ -535,32 +488,17 @@ impl Sim {
             self.poll_all();
             self.drain_events();
             let next_q = self.queue.peek().map(|Reverse((t, _, _))| *t);
-            let next_to = self
-                .planner
-                .poll_timeout()
-                .map(|t| t.saturating_duration_since(self.t0).max(self.now));
+            let next_to = self.planner.poll_timeout().map(|t| t.saturating_duration_since(self.t0).max(self.now));
             let Some(next) = [next_q, next_to].into_iter().flatten().min() else {
                 break;
             };
-            assert!(
-                next < self.limit,
-                "run passed its limit of {:?}: hung?\n{}",
-                self.limit,
-                self.dump()
-            );
+            assert!(next < self.limit, "run passed its limit of {:?}: hung?\n{}", self.limit, self.dump());
             self.now = next;
         }
         let idle = self.planner.is_idle();
-        assert!(
-            idle,
-            "planner hung: work left but no event pending at {:?}\n{}",
-            self.now,
-            self.dump()
-        );
+        assert!(idle, "planner hung: work left but no event pending at {:?}\n{}", self.now, self.dump());
         Report {
-            stats: (0..self.specs.len())
-                .map(|r| self.planner.rail_stats(r))
-                .collect(),
+            stats: (0..self.specs.len()).map(|r| self.planner.rail_stats(r)).collect(),
             chunks: self.records,
             events: self.events,
             end: self.now,
@@ -574,16 +512,8 @@ impl Sim {
         for r in 0..self.specs.len() {
             let _ = writeln!(s, "rail {r}: {:?}", self.planner.rail_stats(r));
         }
-        let pending = self
-            .records
-            .iter()
-            .filter(|r| r.outcome == Outcome::Pending)
-            .count();
-        let _ = writeln!(
-            s,
-            "{pending} chunks pending; last events: {:?}",
-            self.events.iter().rev().take(5).collect::<Vec<_>>()
-        );
+        let pending = self.records.iter().filter(|r| r.outcome == Outcome::Pending).count();
+        let _ = writeln!(s, "{pending} chunks pending; last events: {:?}", self.events.iter().rev().take(5).collect::<Vec<_>>());
         s
     }
 }
@@ -591,19 +521,11 @@ impl Sim {
 /// The earliest time at which the rails, running flat out from `start` outside their
 /// outages, could have carried `bytes`: the ideal finishing time of a transfer.
 pub fn ideal_finish(rails: &[RailSpec], start: Duration, bytes: u64) -> Duration {
-    let cap = |t: Duration| -> f64 {
-        rails
-            .iter()
-            .map(|r| r.capacity(t) - r.capacity(start))
-            .sum()
-    };
+    let cap = |t: Duration| -> f64 { rails.iter().map(|r| r.capacity(t) - r.capacity(start)).sum() };
     let (mut lo, mut hi) = (start, start + Duration::from_millis(1));
     while cap(hi) < bytes as f64 {
         hi = start + (hi - start) * 2;
-        assert!(
-            hi < Duration::from_secs(1_000_000),
-            "rails cannot carry {bytes} bytes"
-        );
+        assert!(hi < Duration::from_secs(1_000_000), "rails cannot carry {bytes} bytes");
     }
     while hi - lo > Duration::from_nanos(100) {
         let mid = lo + (hi - lo) / 2;
@@ -635,16 +557,8 @@ impl Row {
 /// Format rows smoltcp-style.
 pub fn table(rows: &[Row]) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "| {:<44} | {:>9} | {:>11} | {:>7} | {:>6} |",
-        "scenario", "ideal ms", "achieved ms", "eff %", "tail"
-    );
-    let _ = writeln!(
-        s,
-        "|{:-<46}|{:->11}|{:->13}|{:->9}|{:->8}|",
-        "", "", "", "", ""
-    );
+    let _ = writeln!(s, "| {:<44} | {:>9} | {:>11} | {:>7} | {:>6} |", "scenario", "ideal ms", "achieved ms", "eff %", "tail");
+    let _ = writeln!(s, "|{:-<46}|{:->11}|{:->13}|{:->9}|{:->8}|", "", "", "", "", "");
     for r in rows {
         let _ = writeln!(
             s,
@@ -662,10 +576,7 @@ pub fn table(rows: &[Row]) -> String {
 /// Sum of a planner's per-rail stats, keyed by name, for quick assertions.
 pub fn totals(stats: &[RailStats]) -> BTreeMap<&'static str, u64> {
     let mut m = BTreeMap::new();
-    m.insert(
-        "inflight_bytes",
-        stats.iter().map(|s| s.inflight_bytes).sum(),
-    );
+    m.insert("inflight_bytes", stats.iter().map(|s| s.inflight_bytes).sum());
     m.insert("bytes_done", stats.iter().map(|s| s.bytes_done).sum());
     m.insert("chunks_done", stats.iter().map(|s| s.chunks_done).sum());
     m
