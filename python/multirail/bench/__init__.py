@@ -20,11 +20,9 @@ import argparse
 import json
 import math
 import os
-import selectors
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from multirail.bench import protocol as proto
@@ -35,6 +33,7 @@ from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep
 from multirail.errors import MultirailError
 
 LATENCY_SIZE = 4096
+DEFAULT_TESTBED = "mrtb"  # multirail.testbed.DEFAULT_NAME (not imported: keeps `bench` light)
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -59,6 +58,9 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="weighted", help="weighted | round_robin | pinned:N")
     p.add_argument("--chunk-size", default="1MiB", help="engine chunk size (default 1MiB)")
     p.add_argument("--timeout", type=float, default=10.0, help="per-transfer/connect timeout, s")
+    p.add_argument("--stall-timeout", type=float, default=1.0,
+                   help="a rail silent this long with work in flight is shut and its chunks reissued "
+                        "on the other rails (default 1.0 s)")
     p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
     p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
 
@@ -104,8 +106,9 @@ def register(subparsers: Any) -> None:
     l.add_argument("--baseline-time", type=int, default=3, help="iperf3 -t seconds (default 3)")
     l.add_argument("--latency-iter", type=int, default=1000,
                    help="iterations of the 4KiB latency comparison (default 1000)")
-    l.add_argument("--testbed", nargs="?", const="default", default=None, metavar="NAME",
-                   help="run target and initiator in the testbed's two namespaces")
+    l.add_argument("--testbed", nargs="?", const=DEFAULT_TESTBED, default=None, metavar="NAME",
+                   help=f"run target and initiator in the testbed's two namespaces (default name "
+                        f"{DEFAULT_TESTBED}); --rails then takes testbed rail indices, e.g. 0 or 0,1")
     for sp in (t, i, l):
         sp.set_defaults(func=main)
 
@@ -133,13 +136,24 @@ def main(args: argparse.Namespace) -> int:
 
 # -- validation ---------------------------------------------------------------------------------
 
+def _policy(text: str) -> str:
+    """weighted | round_robin | pinned:N, checked here so a typo is a usage error, not a crash."""
+    if text in ("weighted", "round_robin"):
+        return text
+    kind, sep, idx = text.partition(":")
+    if kind == "pinned" and sep and idx.isdigit():
+        return text
+    raise UsageError(f"invalid --policy {text!r}: expected weighted, round_robin or pinned:N (N = rail index)")
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.connections < 1:
         raise UsageError("--connections must be at least 1")
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
-    return dict(connections=args.connections, rails=_rails(args.rails), policy=args.policy,
-                chunk_size=parse_size(args.chunk_size), timeout=args.timeout)
+    if args.timeout <= 0 or args.stall_timeout <= 0:
+        raise UsageError("--timeout and --stall-timeout must be positive")
+    return dict(connections=args.connections, rails=_rails(args.rails), policy=_policy(args.policy),
+                chunk_size=parse_size(args.chunk_size), timeout=args.timeout,
+                stall_timeout=args.stall_timeout)
 
 
 def _sweep(args: argparse.Namespace) -> tuple[list[int], int]:
@@ -211,74 +225,78 @@ def _cmd_initiator(args: argparse.Namespace) -> int:
 # -- local --------------------------------------------------------------------------------------
 
 def _testbed(name: str) -> dict[str, Any]:
+    """The testbed's namespaces, rail addresses (a, b) and rates, from `testbed status --json`."""
     cmd = [sys.executable, "-m", "multirail", "testbed", "status", "--json", "--name", name]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         raise BenchFailure("`multirail testbed status` did not answer within 30 s") from None
-    if res.returncode != 0:
-        raise BenchFailure(f"testbed {name!r} is not available: {res.stderr.strip() or res.stdout.strip()}")
     try:
         st = json.loads(res.stdout)
+    except ValueError:
+        raise BenchFailure(f"testbed {name!r} is not available: "
+                           f"{(res.stderr or res.stdout).strip()[-400:] or 'no output'}") from None
+    if not isinstance(st, dict) or not st.get("up"):
+        problems = "; ".join(str(p) for p in (st.get("problems") or [])) if isinstance(st, dict) else ""
+        raise BenchFailure(f"testbed {name!r} is not up{': ' + problems if problems else ''} "
+                           f"(create it with `multirail testbed up --name {name} --rails 2 --rate 2gbit`)")
+    if res.returncode != 0:
+        raise BenchFailure(f"testbed {name!r} does not match its spec: "
+                           + "; ".join(str(p) for p in st.get("problems", [])))
+    try:
         ns_a, ns_b = st["namespaces"]["a"], st["namespaces"]["b"]
         rails = sorted(st["rails"], key=lambda r: r["index"])
         a = [r["a"]["addr"].split("/")[0] for r in rails]
         b = [r["b"]["addr"].split("/")[0] for r in rails]
         rates = [r.get("rate_bps") for r in rails]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError) as e:
         raise BenchFailure(f"unexpected `testbed status --json` output ({e})") from None
     if not a:
         raise BenchFailure(f"testbed {name!r} has no rails")
     return {"ns_a": ns_a, "ns_b": ns_b, "a": a, "b": b, "rates": rates}
 
 
+def _select_testbed_rails(tb: dict[str, Any], spec: str | None) -> dict[str, Any]:
+    """With --testbed, `--rails 0,1` picks testbed rails by index (addresses differ per side)."""
+    if not spec:
+        return tb
+    idx: list[int] = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item.isdigit() or int(item) >= len(tb["a"]):
+            raise UsageError(f"with --testbed, --rails takes rail indices 0..{len(tb['a']) - 1} "
+                             f"(e.g. 0 or 0,1), not {spec!r}")
+        if int(item) in idx:
+            raise UsageError(f"--rails lists rail {item} twice")
+        idx.append(int(item))
+    return {**tb, **{k: [tb[k][i] for i in idx] for k in ("a", "b", "rates")}}
+
+
 def _engine_argv(args: argparse.Namespace, rails: str | None, total: int) -> list[str]:
     argv = ["--connections", str(args.connections), "--policy", args.policy, "--chunk-size", args.chunk_size,
-            "--timeout", str(args.timeout), "--target-name", args.target_name,
-            "--total-buffer-size", str(total)]
+            "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
+            "--target-name", args.target_name, "--total-buffer-size", str(total)]
     return argv + (["--rails", rails] if rails else [])
 
 
 def _start_target(args: argparse.Namespace, prefix: list[str], listen: str, rails: str | None,
                   total: int) -> tuple[subprocess.Popen[str], dict[str, Any], Any]:
+    from multirail.bench.target import launch
+
     cmd = prefix + [sys.executable, "-m", "multirail", "bench", "target", "--listen", listen,
                     "--duration", str(args.duration), "--idle-timeout", str(args.idle_timeout)]
     cmd += _engine_argv(args, rails, total)
     if args.corrupt_offset is not None:
         cmd += ["--corrupt-offset", str(args.corrupt_offset)]
-    errf = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, text=True)
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 30
     try:
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                try:
-                    ready = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ready, dict) and ready.get("event") == "ready":
-                    return proc, ready, errf
-            elif proc.poll() is not None:
-                break
-    finally:
-        sel.close()
-    _kill(proc)
-    errf.seek(0)
-    raise BenchFailure("bench target did not become ready: " + (errf.read().strip()[-800:] or "no output"))
+        return launch(cmd)
+    except RuntimeError as e:
+        raise BenchFailure(str(e)) from None
 
 
 def _kill(proc: subprocess.Popen[str]) -> None:
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # by PID: exactly the child we started
-        proc.wait(timeout=5)
+    from multirail.bench.target import stop
+
+    stop(proc)
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
@@ -286,11 +304,12 @@ def _cmd_local(args: argparse.Namespace) -> int:
     _engine_kwargs(args)
     if args.duration <= 0 or args.idle_timeout <= 0 or args.baseline_time < 1:
         raise UsageError("--duration, --idle-timeout and --baseline-time must be positive")
-    tb = _testbed(args.testbed) if args.testbed else None
-    if tb:
+    if args.testbed:
+        tb = _select_testbed_rails(_testbed(args.testbed), args.rails)
         prefix_a, prefix_b = ["ip", "netns", "exec", tb["ns_a"]], ["ip", "netns", "exec", tb["ns_b"]]
         host, t_rails, i_rails = tb["a"][0], ",".join(tb["a"]), ",".join(tb["b"])
     else:
+        tb = None
         prefix_a, prefix_b = [], []
         host, t_rails, i_rails = "127.0.0.1", args.rails, args.rails
     args.latency_row = args.baseline

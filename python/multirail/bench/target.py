@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import subprocess
+import tempfile
 import time
-from typing import Any
+from typing import IO, Any, Sequence
 
 import numpy as np
 
@@ -24,11 +27,12 @@ from multirail.bench.core import TARGET_SEED, first_mismatch, pattern
 
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
-          duration: float, idle_timeout: float, corrupt_offset: int | None) -> int:
+          stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None) -> int:
     import multirail  # lazy: the tool must import without the extension
 
     cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
-                                policy=policy, chunk_size=chunk_size, timeout=timeout)
+                                policy=policy, chunk_size=chunk_size, timeout=timeout,
+                                stall_timeout=stall_timeout)
     agent = multirail.Agent(name, cfg)
     buf = np.zeros(buffer_size, dtype=np.uint8)
     try:
@@ -101,3 +105,51 @@ def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: in
         return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad})
     return None  # keepalive and unknown kinds only reset the idle timer
 
+
+
+# -- starting a target process (used by `bench local` and the failover drills) -------------------
+
+def launch(cmd: Sequence[str], ready_timeout: float = 30.0,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict[str, Any], IO[str]]:
+    """Start a `bench target` command line (possibly behind `ip netns exec NS`) and wait for its
+    ready line. Returns (process, ready dict, stderr file). Raises RuntimeError with the
+    target's stderr when it does not become ready; the process is then already stopped."""
+    errf = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=errf, text=True, env=env)
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    ready = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ready, dict) and ready.get("event") == "ready":
+                    return proc, ready, errf
+            elif proc.poll() is not None:
+                break
+    finally:
+        sel.close()
+    stop(proc, grace=0.0)
+    errf.seek(0)
+    tail = errf.read().strip()[-800:]
+    errf.close()
+    raise RuntimeError("bench target did not become ready: " + (tail or "no output"))
+
+
+def stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+    """Wait up to `grace` s for the process to exit by itself, then kill it (by PID: exactly the
+    child we started)."""
+    try:
+        proc.wait(timeout=grace) if grace > 0 else None
+    except subprocess.TimeoutExpired:
+        pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=5)

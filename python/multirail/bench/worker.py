@@ -35,6 +35,11 @@ class Worker(Protocol):
     name: str
 
     def prepare(self, block_size: int, batch_size: int, check: bool) -> None: ...
+    @property
+    def handle(self) -> Any:
+        """The transfer handle built by the last `prepare` (for callers that post it themselves)."""
+        return self._handle
+
     def run_once(self) -> None: ...
     def verify(self) -> str | None: ...          # None when the data is right, else why not
     def engine_rails(self) -> dict[str, int]: ...  # rail name -> bytes so far
@@ -110,7 +115,7 @@ class EngineWorker:
 
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
-                 chunk_size: int, timeout: float, fill_target: bool) -> None:
+                 chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 1.0) -> None:
         import multirail  # lazy: the tool must import without the extension
 
         self.mr = multirail
@@ -118,7 +123,8 @@ class EngineWorker:
         self.timeout = timeout
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(target_host, target_port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails,
-                                    policy=policy, chunk_size=chunk_size, timeout=timeout)
+                                    policy=policy, chunk_size=chunk_size, timeout=timeout,
+                                    stall_timeout=stall_timeout)
         self.agent = multirail.Agent(f"mr-bench-initiator-{os.getpid()}", cfg)
         self.peer = target_name
         self.buf = np.zeros(buffer_size, dtype=np.uint8)
@@ -180,6 +186,11 @@ class EngineWorker:
         self._handle = self.agent.initialize_xfer(
             self.op, self.agent.get_xfer_descs(local), self.agent.get_xfer_descs(remote), self.peer)
 
+    @property
+    def handle(self) -> Any:
+        """The transfer handle built by the last `prepare` (for callers that post it themselves)."""
+        return self._handle
+
     def run_once(self) -> None:
         state = self.agent.transfer(self._handle)
         if state != self.mr.XferState.DONE:
@@ -191,8 +202,12 @@ class EngineWorker:
         if self.op == "READ":
             bad = first_mismatch(self.buf[:span], TARGET_SEED, 0)
             return None if bad is None else f"byte at offset {bad} differs from the target's pattern"
+        return self.verify_remote(seed_for(bs, self.op), 0, span)
+
+    def verify_remote(self, seed: int, offset: int, length: int) -> str | None:
+        """Ask the target to check its range [offset, offset+length) against `pattern(seed)`."""
         self.agent.send_notif(self.peer, proto.encode(
-            proto.VERIFY, {"seed": seed_for(bs, self.op), "offset": 0, "length": span}))
+            proto.VERIFY, {"seed": seed, "offset": offset, "length": length}))
         res = self._await_reply(proto.VERIFIED)
         if res.get("ok"):
             return None
