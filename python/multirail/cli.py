@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 TOOLS = ("bench", "doctor", "testbed", "fabric")
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and closed: not an error worth a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     return int(rc or 0)
 
 
