@@ -23,6 +23,9 @@ Scenarios (``SPEC["mode"]``):
   transfer is checked byte for byte.
 * ``all_down``: every rail is taken down mid-transfer; the transfer must fail (PeerLostError)
   within stall_timeout + slack.
+* ``stale_write``: a WRITE loses a rail mid-way, the next WRITE overwrites the range and is
+  verified, the link comes back, and the range is verified again (a chunk left queued on the
+  dead rail's socket must not land late and overwrite newer data).
 * ``flap``: transfers back to back for the whole drill while one rail goes down and up
   ``flaps`` times; counts transfers completed, failed and bytes corrupted.
 
@@ -314,7 +317,9 @@ def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
         "flaps": len(flap_log), "flap_error": flap_error, "transfers": len(results),
         "completed": len(ok), "failed": len(results) - len(ok),
         "failures": sorted({f"{r.error_type}: {r.error}" for r in results if not r.ok})[:5],
-        "corrupt_transfers": sum(1 for r in ok if r.corrupt), "bytes_corrupted": sum(max(0, r.corrupt_bytes) for r in ok),
+        "corrupt_transfers": sum(1 for r in ok if r.corrupt),
+        "corrupt_details": [r.corrupt for r in ok if r.corrupt][:5],
+        "stale_replies": ini.worker.stale_replies, "bytes_corrupted": sum(max(0, r.corrupt_bytes) for r in ok),
         "gbps_overall": _gbps(len(ok) * ini.size, sum(r.seconds for r in results)),
         "readmit_after_last_flap_s": readmit, "last": last.as_dict(),
         "last_rail_bytes": [a - b for a, b in zip(ini.rail_bytes(), before)],
@@ -322,8 +327,29 @@ def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def scenario_stale_write(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
+    """WRITE k loses rail 1 mid-way (its chunks are reissued); WRITE k+1 overwrites the whole
+    range with new data and is verified; the link comes back; k+1's data is verified again.
+    A reissued chunk of k that was still queued on the dead rail's socket must not land now."""
+    rail = int(spec.get("rail", 1))
+    if ini.op != "WRITE":
+        raise DrillError("stale_write needs op WRITE")
+    start = ini.rail_bytes()
+    t0 = ini.post()
+    ini.wait_bytes(rail, start[rail] + ini.size // 4, ini.timeout)
+    ini.tb.set_link(rail, False)
+    first = ini.finish(t0)
+    second = ini.transfer()  # rail still down: new data everywhere, verified
+    ini.tb.set_link(rail, True)
+    time.sleep(float(spec.get("settle_s", 1.5)))
+    again = ini.worker.verify_remote(ini._seed, 0, ini.size)
+    return {"first": first.as_dict(), "second": second.as_dict(), "second_reverified": again,
+            "rail_stats": ini.stats()}
+
+
 SCENARIOS: dict[str, Callable[[Initiator, dict[str, Any]], dict[str, Any]]] = {
     "failover": scenario_failover, "all_down": scenario_all_down, "flap": scenario_flap,
+    "stale_write": scenario_stale_write,
 }
 
 

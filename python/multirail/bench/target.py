@@ -102,7 +102,8 @@ def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: in
             return proto.encode(proto.VERIFIED, {"ok": False, "first_bad": None, "error": "out of range"})
         _corrupt(buf, corrupt_offset, off + length)
         bad = first_mismatch(buf[off:off + length], seed, off)
-        return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad})
+        return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad,
+                                             "seed": seed, "offset": off, "length": length})
     return None  # keepalive and unknown kinds only reset the idle timer
 
 

@@ -132,6 +132,7 @@ class EngineWorker:
         self._handle: Any = None
         self._layout = (0, 0)
         self._stopped = False
+        self.stale_replies = 0  # replies skipped because they answered an earlier request
         try:
             self.agent.fetch_remote_metadata(target_name, target_host, target_port)
             self._wait_for(lambda: self.agent.check_remote_metadata(target_name),
@@ -156,12 +157,17 @@ class EngineWorker:
                 raise BenchFailure(f"timed out after {self.timeout:.0f} s waiting for {what}")
             time.sleep(0.005)
 
-    def _await_reply(self, kind: str) -> dict[str, Any]:
+    def _await_reply(self, kind: str, match: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The next `kind` reply whose body agrees with `match` (older or duplicate replies, e.g.
+        of a notification the engine delivered twice, are skipped)."""
         deadline = time.monotonic() + max(self.timeout, 30.0)
         while time.monotonic() < deadline:
             for msg in self.agent.get_new_notifs().get(self.peer, []):
                 decoded = proto.decode(msg)
                 if decoded and decoded[0] == kind:
+                    if match and any(k in decoded[1] and decoded[1][k] != v for k, v in match.items()):
+                        self.stale_replies += 1
+                        continue
                     return decoded[1]
             time.sleep(0.002)
         raise BenchFailure(f"timed out waiting for the target's {kind!r} reply")
@@ -208,7 +214,7 @@ class EngineWorker:
         """Ask the target to check its range [offset, offset+length) against `pattern(seed)`."""
         self.agent.send_notif(self.peer, proto.encode(
             proto.VERIFY, {"seed": seed, "offset": offset, "length": length}))
-        res = self._await_reply(proto.VERIFIED)
+        res = self._await_reply(proto.VERIFIED, {"seed": seed, "offset": offset, "length": length})
         if res.get("ok"):
             return None
         return f"target reports byte at offset {res.get('first_bad')} differs from what was written"
