@@ -143,8 +143,10 @@ def test_all_rails_down_fails_fast_naming_each_rail(testbed: Any) -> None:
     assert not any(s["up"] for s in out["rail_stats"]), out["rail_stats"]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug (see /tmp/rails-bugs.md #1): a WRITE chunk left queued "
-                   "on a failed rail's socket is retransmitted when the link returns and overwrites newer data")
+@pytest.mark.xfail(strict=False, reason="known engine bug, issue 4 open: after a rail failure, WRITE frames "
+                   "already queued in the path (e.g. a shaped veth's qdisc) reach the target when the link returns and "
+                   "can overwrite newer data; the sender's queue is purged (tcp_disconnect) but the target does not yet "
+                   "fence the dead connection. Fails about 1 run in 2.")
 def test_stale_write_does_not_land_after_the_link_returns(testbed: Any) -> None:
     out = run_drill(testbed, {"mode": "stale_write", "op": "WRITE", "size": 64 * MiB,
                               "stall_timeout": STALL_S}, timeout=90)

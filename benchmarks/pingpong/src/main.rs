@@ -33,13 +33,7 @@ struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options {
-            addr: None,
-            size: 4096,
-            iters: 2000,
-            warmup: 200,
-            idle_timeout: Duration::from_secs(30),
-        }
+        Options { addr: None, size: 4096, iters: 2000, warmup: 200, idle_timeout: Duration::from_secs(30) }
     }
 }
 
@@ -67,8 +61,7 @@ const MAX_SIZE: usize = 64 << 20;
 
 fn parse_num(flag: &str, value: Option<String>) -> Result<usize, Failure> {
     let v = value.ok_or_else(|| Failure::Usage(format!("{flag} needs a value")))?;
-    v.parse::<usize>()
-        .map_err(|_| Failure::Usage(format!("{flag}: not a non-negative integer: {v:?}")))
+    v.parse::<usize>().map_err(|_| Failure::Usage(format!("{flag}: not a non-negative integer: {v:?}")))
 }
 
 fn parse_args(args: &[String]) -> Result<(String, Options), Failure> {
@@ -77,9 +70,7 @@ fn parse_args(args: &[String]) -> Result<(String, Options), Failure> {
     let mut o = Options::default();
     while let Some(flag) = it.next() {
         match flag.as_str() {
-            "--listen" | "--connect" => {
-                o.addr = Some(it.next().ok_or_else(|| Failure::Usage(format!("{flag} needs HOST:PORT")))?)
-            }
+            "--listen" | "--connect" => o.addr = Some(it.next().ok_or_else(|| Failure::Usage(format!("{flag} needs HOST:PORT")))?),
             "--size" => o.size = parse_num(&flag, it.next())?,
             "--iters" => o.iters = parse_num(&flag, it.next())?,
             "--warmup" => o.warmup = parse_num(&flag, it.next())?,

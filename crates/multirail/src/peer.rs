@@ -201,9 +201,35 @@ impl Conn {
     fn kill(&self) {
         self.dead.store(true, Ordering::Release);
         if let Ok(s) = self.writer.try_lock() {
-            let _ = s.shutdown(Shutdown::Both);
+            abort_socket(&s);
         }
     }
+}
+
+/// Abort a connection now: discard what is still queued to send and reset it.
+///
+/// A plain shutdown keeps the send queue and appends a FIN, so after a link failure the kernel
+/// would go on retransmitting queued WRITE requests and, once the link returned, the target
+/// could apply a stale chunk after its reissue on another rail had already landed newer data.
+/// `connect(AF_UNSPEC)` on a TCP socket is Linux's `tcp_disconnect`: it purges the queues and
+/// sends a RST, for every handle that shares the socket.
+pub(crate) fn abort_socket(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
+    // SAFETY: plain syscalls on a file descriptor we own, with correctly sized arguments.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+        libc::connect(fd, &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t);
+    }
+    let _ = s.shutdown(Shutdown::Both);
 }
 
 struct RailLink {
@@ -648,7 +674,7 @@ impl Link {
             // The receiver notices the shut socket and runs the rail-down path.
             self.ctx.log(&format!("peer {}: rail {} send failed: {e}", self.peer_name, c.rail));
             c.dead.store(true, Ordering::Release);
-            let _ = w.shutdown(Shutdown::Both);
+            abort_socket(&w);
         }
     }
 
@@ -677,7 +703,11 @@ impl Link {
     fn receiver(self: Arc<Self>, c: Arc<Conn>, mut s: TcpStream) {
         let reason = self.receive_loop(&c, &mut s);
         c.dead.store(true, Ordering::Release);
-        let _ = s.shutdown(Shutdown::Both);
+        if reason.is_some() {
+            abort_socket(&s);
+        } else {
+            let _ = s.shutdown(Shutdown::Both);
+        }
         if let Some(reason) = reason {
             self.rail_failed(c.rail, reason);
         }
@@ -798,7 +828,7 @@ impl Link {
             c.dead.store(true, Ordering::Release);
         }
         for s in rail.fds.lock().expect("rail lock").iter() {
-            let _ = s.shutdown(Shutdown::Both);
+            abort_socket(s);
         }
     }
 
