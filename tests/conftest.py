@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +24,16 @@ def engine_available() -> bool:
 
 is_root = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not is_root, reason="needs root (network namespaces)")
+
+
+REPO = Path(ROOT)
+ENV = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+
+
+def engine_python() -> str | None:
+    """The interpreter that can import the engine (for subprocess tests), or None."""
+    for py in (str(REPO / ".venv" / "bin" / "python"), sys.executable):
+        if Path(py).exists() and subprocess.run([py, "-c", "import multirail._core"], env=ENV,
+                                                capture_output=True, timeout=30).returncode == 0:
+            return py
+    return None

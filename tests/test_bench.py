@@ -20,19 +20,9 @@ from multirail.bench.core import (BenchRow, Progress, UsageError, block_sizes, f
                                   format_size, format_table, make_row, parse_size, pattern)
 from multirail.bench.worker import run_sweep
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO / "python")}
+from conftest import ENV, REPO, engine_python  # noqa: E402
 RUNNER = ("import argparse, sys; from multirail import bench; p = argparse.ArgumentParser(prog='multirail'); "
           "s = p.add_subparsers(); bench.register(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
-
-
-def engine_python() -> str | None:
-    """The interpreter that can import the engine, or None (then engine tests skip)."""
-    for py in (str(REPO / ".venv" / "bin" / "python"), sys.executable):
-        if Path(py).exists() and subprocess.run([py, "-c", "import multirail._core"], env=ENV,
-                                                capture_output=True, timeout=30).returncode == 0:
-            return py
-    return None
 
 
 ENGINE_PY = engine_python()

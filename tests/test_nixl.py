@@ -16,16 +16,7 @@ import pytest
 from multirail import nixl
 from multirail.errors import MetadataError
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(REPO / "python")}
-
-
-def engine_python() -> str | None:
-    for py in (str(REPO / ".venv" / "bin" / "python"), sys.executable):
-        if Path(py).exists() and subprocess.run([py, "-c", "import multirail._core"], env=ENV,
-                                                capture_output=True, timeout=30).returncode == 0:
-            return py
-    return None
+from conftest import ENV, REPO, engine_python  # noqa: E402
 
 
 ENGINE_PY = engine_python()

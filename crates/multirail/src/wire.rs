@@ -97,29 +97,6 @@ pub fn read_frame(s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), St
     Ok((header, b))
 }
 
-/// Like [`read_frame`] for streams whose every message has a body of at least `min_body`
-/// bytes (responses on a data connection): header and that much body arrive in one read.
-pub fn read_frame_min(
-    s: &mut TcpStream,
-    min_body: usize,
-    tick: &mut dyn FnMut(bool) -> Result<(), String>,
-) -> Result<(Header, Body), WireError> {
-    let mut first = [0u8; 64];
-    let n = HEADER_LEN + min_body;
-    assert!(n <= first.len());
-    read_full(s, &mut first[..n], tick)?;
-    let header = Header::decode(first[..HEADER_LEN].try_into().expect("16 bytes")).map_err(WireError::Decode)?;
-    let blen = header.body_len as usize;
-    if blen < min_body {
-        return Err(WireError::Decode(multirail_proto::DecodeError::Truncated { need: min_body, have: blen }));
-    }
-    let mut body = vec![0u8; blen];
-    body[..min_body].copy_from_slice(&first[HEADER_LEN..n]);
-    read_full(s, &mut body[min_body..], &mut |_| tick(true))?;
-    let b = Body::decode(header.kind, &body).map_err(WireError::Decode)?;
-    Ok((header, b))
-}
-
 pub fn send(s: &mut TcpStream, body: &Body, req_id: u64, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
     let b = body.encode(req_id);
     write_full(s, &[&b], tick)
