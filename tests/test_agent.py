@@ -6,6 +6,7 @@ valid requests is untouched."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import subprocess
@@ -294,6 +295,66 @@ def test_write_into_read_only_region(pair):
     i.transfer(h)
     i.wait(h, 5)
     assert np.array_equal(dst, keep)
+
+
+def _wait_until(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def test_fence_stops_a_connection_mid_write(pair):
+    """FENCE (sent by an initiator before it reissues a dead rail's WRITEs) aborts the named
+    connections of the same peer; bytes that reach the target on them afterwards never land."""
+    t, _ = pair
+    buf = np.zeros(64 << 10, np.uint8)
+    t.register_memory(buf)
+    r = rawpeer.parse_regions(t.get_agent_metadata())[0]
+    ida, idb = os.urandom(16), os.urandom(16)
+    a = rawpeer.connect(t.port, name="raw", nonce=ida)
+    b = rawpeer.connect(t.port, name="raw", nonce=idb)
+    other = rawpeer.connect(t.port, name="other")
+    try:
+        # A WRITE of 64 KiB whose first 16 KiB arrive, then the "rail" dies.
+        a.sendall(rawpeer.frame(rawpeer.WRITE_REQ, rawpeer.op_body(r["id"], r["key"], 0, 64 << 10), 1) + b"\xAA" * (16 << 10))
+        assert _wait_until(lambda: bool((buf[:16 << 10] == 0xAA).all()))
+        # Another peer cannot fence this peer's connections: acknowledged, nothing happens.
+        other.sendall(rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([ida]), 5))
+        k, req, body = rawpeer.read_frame(other)
+        assert (k, req, rawpeer.parse_status(body)[0]) == (rawpeer.RESP, 5, "Ok")
+        # The peer itself fences it over its other connection; the answer means "nothing more lands".
+        b.sendall(rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([ida, os.urandom(16)]), 6))
+        k, req, body = rawpeer.read_frame(b)
+        assert (k, req, rawpeer.parse_status(body)[0]) == (rawpeer.RESP, 6, "Ok")
+        # The rest of the stale WRITE arrives late: it must not land.
+        try:
+            a.sendall(b"\xBB" * (48 << 10))
+        except OSError:
+            pass  # already reset: fine
+        time.sleep(0.3)
+        assert (buf[16 << 10:] == 0).all(), "a fenced connection wrote memory"
+        with pytest.raises((ConnectionError, OSError)):
+            a.settimeout(2)
+            rawpeer.read_frame(a)
+        # The fencing connection keeps working.
+        b.sendall(rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 0, 16), 7))
+        k, req, body = rawpeer.read_frame(b)
+        assert rawpeer.parse_status(body)[:2] == ("Ok", 16) and rawpeer.recv_exact(b, 16) == b"\xAA" * 16
+        # A connection id already in use is refused.
+        dup = rawpeer.connect(t.port, name="raw", nonce=idb)
+        k, _, body = rawpeer.read_frame(dup)
+        dup.close()
+        assert k == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "Unexpected"
+        # Bounded: more than 256 ids is a malformed frame and the connection is dropped.
+        b.sendall(rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([bytes(16)] * 257), 8))
+        k, _, body = rawpeer.read_frame(b)
+        assert k == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "TooLarge"
+    finally:
+        for s in (a, b, other):
+            s.close()
 
 
 def test_forged_requests_on_the_wire(pair):

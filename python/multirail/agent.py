@@ -43,6 +43,10 @@ class AgentConfig:
     pair by shared subnet (rail i with rail i in a rail-optimized fabric).
     policy: "weighted" (default), "round_robin" or "pinned:N".
     auth_secret: shared secret for the handshake; defaults to $MULTIRAIL_SECRET.
+    timeout: connect, handshake and per-request bound, seconds.
+    stall_timeout: a rail with requests outstanding that receives no byte for this long is
+    declared down and its chunks are reissued (a local link that loses carrier is declared down
+    within about 0.1 s regardless).
     """
 
     host: str = "127.0.0.1"
@@ -54,7 +58,7 @@ class AgentConfig:
     chunk_size: int = 1 << 20
     stripe_threshold: int = 256 << 10
     timeout: float = 10.0
-    stall_timeout: float = 1.0
+    stall_timeout: float = 0.5
     auth_secret: bytes | str | None = None
     bind_device: bool = True
     extra: dict = field(default_factory=dict)

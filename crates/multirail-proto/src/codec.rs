@@ -24,6 +24,8 @@ pub const MAX_NOTIF: usize = 1 << 20;
 pub const MAX_META: usize = 16 << 20;
 /// Longest agent name.
 pub const MAX_NAME: usize = 255;
+/// Most connections one `Fence` names.
+pub const MAX_FENCE: usize = 256;
 /// Longest error message carried in a response.
 pub const MAX_MSG: usize = 512;
 
@@ -43,6 +45,10 @@ pub enum Kind {
     WriteReq = 11,
     Notif = 12,
     Ping = 13,
+    /// Client -> server: stop applying anything from the listed connections of this peer (by
+    /// their `Hello` nonces) and close them; answered with `Resp` once none of them can touch
+    /// memory any more. Sent before reissuing a dead rail's WRITEs elsewhere.
+    Fence = 14,
     Resp = 20,
     MetaGet = 30,
     Meta = 31,
@@ -63,6 +69,7 @@ impl Kind {
             11 => WriteReq,
             12 => Notif,
             13 => Ping,
+            14 => Fence,
             20 => Resp,
             30 => MetaGet,
             31 => Meta,
@@ -83,6 +90,7 @@ impl Kind {
             ReadReq | WriteReq => 8 + 16 + 8 + 8,
             Notif => MAX_NOTIF,
             Ping => 0,
+            Fence => 2 + 16 * MAX_FENCE,
             Resp | Error => 2 + 8 + 2 + MAX_MSG,
             MetaGet => 0,
             Meta | MetaPut => MAX_META,
@@ -248,6 +256,8 @@ pub enum Body {
     WriteReq(RemoteOp),
     Notif(Vec<u8>),
     Ping,
+    /// Hello nonces of this peer's connections to fence (at most [`MAX_FENCE`]).
+    Fence(Vec<[u8; 16]>),
     /// For a successful READ, followed on the wire by `bulk_len` bytes.
     Resp {
         status: Status,
@@ -274,6 +284,7 @@ impl Body {
             Body::WriteReq(_) => Kind::WriteReq,
             Body::Notif(_) => Kind::Notif,
             Body::Ping => Kind::Ping,
+            Body::Fence(_) => Kind::Fence,
             Body::Resp { .. } => Kind::Resp,
             Body::MetaGet => Kind::MetaGet,
             Body::Meta(_) => Kind::Meta,
@@ -309,6 +320,13 @@ impl Body {
             }
             Body::Notif(b) | Body::Meta(b) | Body::MetaPut(b) => out.extend_from_slice(b),
             Body::Ping | Body::MetaGet => {}
+            Body::Fence(ids) => {
+                let ids = &ids[..ids.len().min(MAX_FENCE)];
+                out.extend_from_slice(&(ids.len() as u16).to_le_bytes());
+                for id in ids {
+                    out.extend_from_slice(id);
+                }
+            }
             Body::Resp { status, bulk_len, msg } => {
                 out.extend_from_slice(&(*status as u16).to_le_bytes());
                 out.extend_from_slice(&bulk_len.to_le_bytes());
@@ -376,6 +394,17 @@ impl Body {
             Kind::Meta => Body::Meta(r.bytes(body.len())?.to_vec()),
             Kind::MetaPut => Body::MetaPut(r.bytes(body.len())?.to_vec()),
             Kind::Ping => Body::Ping,
+            Kind::Fence => {
+                let n = r.u16()? as usize;
+                if n > MAX_FENCE {
+                    return Err(DecodeError::TooMany { what: "fenced connections", n: n as u64, max: MAX_FENCE as u64 });
+                }
+                let mut ids = Vec::with_capacity(n);
+                for _ in 0..n {
+                    ids.push(r.array()?);
+                }
+                Body::Fence(ids)
+            }
             Kind::MetaGet => Body::MetaGet,
             Kind::Resp | Kind::Error => {
                 let status = Status::from_u16(r.u16()?);
@@ -430,6 +459,8 @@ mod tests {
         roundtrip(Body::WriteReq(op));
         roundtrip(Body::Notif(b"done".to_vec()));
         roundtrip(Body::Ping);
+        roundtrip(Body::Fence(vec![]));
+        roundtrip(Body::Fence(vec![[7; 16], [8; 16]]));
         roundtrip(Body::Resp { status: Status::BadKey, bulk_len: 0, msg: "bad key".into() });
         roundtrip(Body::MetaGet);
         roundtrip(Body::Meta(vec![1, 2, 3]));
@@ -476,6 +507,17 @@ mod tests {
     }
 
     #[test]
+    fn fence_count_is_bounded() {
+        let mut body = ((MAX_FENCE + 1) as u16).to_le_bytes().to_vec();
+        body.resize(body.len() + 16 * (MAX_FENCE + 1), 0);
+        assert!(Body::decode(Kind::Fence, &body).is_err());
+        // A count that promises more ids than the body holds is truncated, not trusted.
+        let mut short = 3u16.to_le_bytes().to_vec();
+        short.extend([0u8; 32]);
+        assert!(Body::decode(Kind::Fence, &short).is_err());
+    }
+
+    #[test]
     fn garbage_never_panics() {
         // A cheap deterministic sweep; the cargo-fuzz targets go further.
         let mut x: u64 = 0x9E3779B97F4A7C15;
@@ -485,7 +527,7 @@ mod tests {
             x ^= x << 17;
             let n = (x % 80) as usize;
             let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8).collect();
-            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 20, 30, 31, 32, 40] {
+            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40] {
                 let _ = Body::decode(Kind::from_u8(k).unwrap(), &bytes);
             }
             if bytes.len() >= HEADER_LEN {

@@ -116,7 +116,7 @@ impl Default for PlannerConfig {
             default_rate: 1.25e9,
             ewma_alpha: 0.3,
             sample_interval: Duration::from_millis(10),
-            stall_timeout: Duration::from_secs(1),
+            stall_timeout: Duration::from_millis(500),
             policy: Policy::Weighted,
         }
     }

@@ -65,6 +65,10 @@ pub struct Shared {
     pub shutdown: AtomicBool,
     pub rails_meta: Vec<RailInfo>,
     pub open_conns: AtomicUsize,
+    /// Served connections by their `Hello` nonce, for `Fence`.
+    pub served: Mutex<HashMap<[u8; 16], Arc<crate::server::Served>>>,
+    /// Connections aborted by a peer's `Fence`.
+    pub fenced: AtomicUsize,
     /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
     pub refused: AtomicUsize,
 }
@@ -180,6 +184,8 @@ impl Agent {
             shutdown: AtomicBool::new(false),
             rails_meta,
             open_conns: AtomicUsize::new(0),
+            served: Mutex::new(HashMap::new()),
+            fenced: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
         });
         let mut handles = Vec::new();

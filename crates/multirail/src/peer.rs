@@ -25,6 +25,8 @@ use crate::xfer::{Op, XferHandle, XferShared};
 
 /// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
 const TICK: Duration = Duration::from_millis(50);
+/// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
+const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A peer: its metadata and, once used, its link.
 pub struct Peer {
@@ -37,6 +39,9 @@ pub struct Peer {
     addr_hint: Option<IpAddr>,
     ctx: Arc<Ctx>,
     link: Mutex<Option<Arc<Link>>>,
+    /// Ids of dead connections that carried WRITEs and that the peer has not yet confirmed
+    /// fenced. Kept across links: no WRITE goes to the peer again before they are fenced.
+    unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
 }
 
 impl Peer {
@@ -44,7 +49,16 @@ impl Peer {
         let mut regions = meta.regions.clone();
         regions.sort_by_key(|r| (r.base, std::cmp::Reverse(r.len)));
         let keys = regions.iter().map(|r| (r.id, r.key)).collect();
-        Peer { name: meta.name.clone(), meta, regions, keys, addr_hint, ctx, link: Mutex::new(None) }
+        Peer {
+            name: meta.name.clone(),
+            meta,
+            regions,
+            keys,
+            addr_hint,
+            ctx,
+            link: Mutex::new(None),
+            unfenced: Arc::new(Mutex::new(Vec::new())),
+        }
     }
 
     /// Resolve remote (addr, len) descriptors into (region, offset, len) against the peer's
@@ -190,6 +204,10 @@ struct Sent {
 /// One TCP connection on one rail.
 struct Conn {
     rail: usize,
+    /// The nonce of this connection's `Hello`: the target knows it by this id (for `Fence`).
+    id: [u8; 16],
+    /// Carried a WRITE: must be fenced on the target if it dies.
+    wrote: AtomicBool,
     writer: Mutex<TcpStream>,
     inflight: Mutex<VecDeque<Sent>>,
     inflight_n: AtomicUsize,
@@ -203,6 +221,38 @@ impl Conn {
         if let Ok(s) = self.writer.try_lock() {
             abort_socket(&s);
         }
+    }
+}
+
+/// How long a busy connection may be quiet before its local link's carrier is checked.
+const LINK_CHECK: Duration = Duration::from_millis(100);
+
+/// Milliseconds since the kernel last received data on `fd` (TCP_INFO), if it can say.
+fn ms_since_data(fd: std::os::fd::RawFd) -> Option<u32> {
+    // SAFETY: `tcp_info` is plain old data; getsockopt writes at most `len` bytes into it.
+    unsafe {
+        let mut info: libc::tcp_info = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let r = libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut info as *mut libc::tcp_info as *mut libc::c_void, &mut len);
+        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info.tcpi_last_data_recv)
+    }
+}
+
+/// Why the local interface `dev` cannot carry traffic (admin down or no carrier), if it cannot.
+/// Interfaces without a carrier notion (loopback: operstate "unknown") always pass.
+pub(crate) fn link_down(dev: &str) -> Option<String> {
+    if dev.contains('/') || dev.starts_with('.') {
+        return None;
+    }
+    let base = format!("/sys/class/net/{dev}");
+    let oper = std::fs::read_to_string(format!("{base}/operstate")).ok()?;
+    let oper = oper.trim();
+    if oper == "down" || oper == "lowerlayerdown" || oper == "notpresent" {
+        return Some(format!("link down: {dev} is {oper}"));
+    }
+    match std::fs::read_to_string(format!("{base}/carrier")) {
+        Ok(c) if c.trim() == "0" => Some(format!("link down: {dev} has no carrier")),
+        _ => None,
     }
 }
 
@@ -265,6 +315,8 @@ pub struct Link {
     shutdown: AtomicBool,
     /// Set when the peer is known gone for good (restarted: stale metadata).
     fatal: Mutex<Option<Error>>,
+    /// Shared with the [`Peer`]; see `Peer::unfenced`.
+    unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
 }
 
 fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
@@ -317,6 +369,19 @@ pub(crate) fn dial(
     role: Role,
     expect: Option<(&str, u64)>,
 ) -> Result<TcpStream> {
+    dial_id(ctx, local, remote, role, expect, ctx.cfg.timeout).map(|(s, _)| s)
+}
+
+/// [`dial`] with its own connect/handshake timeout; also returns the connection's id (the
+/// nonce its `Hello` carried).
+fn dial_id(
+    ctx: &Ctx,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+) -> Result<(TcpStream, [u8; 16])> {
     let who = format!("{remote}");
     let domain = socket2::Domain::for_address(remote);
     let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
@@ -328,7 +393,7 @@ pub(crate) fn dial(
         }
         sock.bind(&SocketAddr::new(*addr, 0).into()).map_err(|e| Error::io(format!("bind to rail address {addr}"), e))?;
     }
-    sock.connect_timeout(&remote.into(), ctx.cfg.timeout).map_err(|e| match e.kind() {
+    sock.connect_timeout(&remote.into(), timeout).map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused => Error::PeerLost {
             peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()),
             reason: format!("connection to {remote} refused"),
@@ -339,7 +404,7 @@ pub(crate) fn dial(
     s.set_nodelay(true).map_err(|e| Error::io("nodelay", e))?;
     s.set_read_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
     s.set_write_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
-    let deadline = Instant::now() + ctx.cfg.timeout;
+    let deadline = Instant::now() + timeout;
     let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("handshake with {remote} timed out")) } else { Ok(()) };
     let nonce: [u8; 16] = random_bytes();
     let wire_err = |e: WireError| match e {
@@ -384,7 +449,7 @@ pub(crate) fn dial(
         Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
         other => return Err(Error::Protocol { who, msg: format!("expected Welcome, got {:?}", other.kind()) }),
     }
-    Ok(s)
+    Ok((s, nonce))
 }
 
 pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {
@@ -441,11 +506,12 @@ impl Link {
             notify_tx: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             fatal: Mutex::new(None),
+            unfenced: peer.unfenced.clone(),
         });
         let mut first_err = None;
         let mut any = false;
         for ri in 0..link.rails.len() {
-            match link.open_rail(ri) {
+            match link.open_rail(ri, ctx.cfg.timeout) {
                 Ok(()) => any = true,
                 Err(e) => {
                     if matches!(e, Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_) | Error::Decode { .. }) {
@@ -463,6 +529,13 @@ impl Link {
         if !any {
             link.close();
             return Err(first_err.unwrap_or_else(|| Error::PeerLost { peer: peer.name.clone(), reason: "no rail could connect".into() }));
+        }
+        // Connections of an earlier link that died with WRITEs aboard must be fenced before
+        // anything is written through this one.
+        let live: Vec<usize> = (0..link.rails.len()).filter(|&r| link.rails[r].live_receivers.load(Ordering::Acquire) > 0).collect();
+        if let Err(e) = link.fence_pending(&live) {
+            link.close();
+            return Err(e);
         }
         // Drain the RailDown events of rails that failed to connect.
         link.sched.lock().expect("sched lock").planner.poll_event();
@@ -487,19 +560,22 @@ impl Link {
     }
 
     /// Open the configured number of connections on rail `ri` and start their threads.
-    fn open_rail(self: &Arc<Self>, ri: usize) -> Result<()> {
+    fn open_rail(self: &Arc<Self>, ri: usize, timeout: Duration) -> Result<()> {
         let rail = &self.rails[ri];
         let mut streams = Vec::new();
         for _ in 0..self.ctx.cfg.connections.max(1) {
-            streams.push(dial(&self.ctx, rail.local.as_ref(), rail.remote, Role::Data, Some((&self.peer_name, self.incarnation)))?);
+            let expect = Some((self.peer_name.as_str(), self.incarnation));
+            streams.push(dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Data, expect, timeout)?);
         }
         let mut conns = Vec::new();
         let mut fds = Vec::new();
-        for s in streams {
+        for (s, id) in streams {
             let reader = s.try_clone().map_err(|e| Error::io("clone socket", e))?;
             fds.push(s.try_clone().map_err(|e| Error::io("clone socket", e))?);
             let c = Arc::new(Conn {
                 rail: ri,
+                id,
+                wrote: AtomicBool::new(false),
                 writer: Mutex::new(s),
                 inflight: Mutex::new(VecDeque::new()),
                 inflight_n: AtomicUsize::new(0),
@@ -647,6 +723,10 @@ impl Link {
         let write = x.op == Op::Write;
         let body = if write { Body::WriteReq(op) } else { Body::ReadReq(op) };
         let mut w = c.writer.lock().expect("conn lock");
+        if write && !c.wrote.load(Ordering::Relaxed) {
+            // Before the first byte: from now on this connection's death needs a fence.
+            c.wrote.store(true, Ordering::Release);
+        }
         let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
         c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
         c.inflight_n.fetch_add(1, Ordering::AcqRel);
@@ -713,10 +793,33 @@ impl Link {
         }
         let rail = &self.rails[c.rail];
         if rail.live_receivers.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // Last receiver of this rail: nothing on it touches memory any more, so its
-            // chunks can be reissued elsewhere.
-            let reason = if self.shutdown.load(Ordering::Acquire) { "link closed".to_string() } else { "connections lost".to_string() };
+            // Last receiver of this rail: nothing on it touches local memory any more. Its
+            // chunks can be reissued elsewhere once the target has fenced the connections that
+            // carried WRITEs (frames still queued in the dead path must never land after the
+            // reissue).
+            let shutting = self.shutdown.load(Ordering::Acquire);
+            let reason = if shutting { "link closed".to_string() } else { "connections lost".to_string() };
             let reason = rail.failure.lock().expect("rail lock").take().unwrap_or(reason);
+            if !shutting {
+                let ids: Vec<[u8; 16]> =
+                    rail.conns.read().expect("rail lock").iter().filter(|c| c.wrote.load(Ordering::Acquire)).map(|c| c.id).collect();
+                self.unfenced.lock().expect("fence lock").extend(ids);
+                let others: Vec<usize> =
+                    (0..self.rails.len()).filter(|&r| r != c.rail && self.rails[r].live_receivers.load(Ordering::Acquire) > 0).collect();
+                if let Err(e) = self.fence_pending(&others) {
+                    if !others.is_empty() {
+                        // Other rails are carrying data, and the target might still apply this
+                        // rail's stale WRITEs over what they write: stop everything. The next
+                        // link fences first.
+                        let why = format!("rail {} failed ({reason}) and its connections could not be fenced: {e}", c.rail);
+                        self.ctx.log(&format!("peer {}: {why}", self.peer_name));
+                        self.close_with(&why);
+                        return;
+                    }
+                    // No rail left: the transfers fail below, and nothing is written again
+                    // before a probe has fenced (see `start_probe`).
+                }
+            }
             let mut g = self.sched.lock().expect("sched lock");
             g.planner.handle_rail_down(c.rail, reason, Instant::now());
             let done = self.drain_events(&mut g);
@@ -731,10 +834,15 @@ impl Link {
 
     /// Returns the failure reason, or None on orderly shutdown.
     fn receive_loop(&self, c: &Arc<Conn>, s: &mut TcpStream) -> Option<String> {
+        use std::os::fd::AsRawFd;
         let stall = self.ctx.cfg.planner.stall_timeout;
+        let fd = s.as_raw_fd();
+        let dev = self.rails[c.rail].local.as_ref().map(|l| l.0.clone()).filter(|d| !d.is_empty());
         let mut last = Instant::now();
+        let mut last_link_check = Instant::now();
         let mut inb = wire::Inbound::new();
         loop {
+            // Runs every TICK while the socket has nothing to read.
             let mut tick = |started: bool| -> Result<(), String> {
                 if self.shutdown.load(Ordering::Acquire) {
                     return Err(String::new());
@@ -743,11 +851,22 @@ impl Link {
                     return Err("connection shut".into());
                 }
                 let busy = started || c.inflight_n.load(Ordering::Acquire) > 0;
-                if busy && last.elapsed() > stall {
-                    return Err(format!("stalled: no response for {stall:?}"));
-                }
                 if !busy {
                     last = Instant::now();
+                    return Ok(());
+                }
+                let quiet = last.elapsed();
+                // A local link that lost carrier is dead now; no need to wait for the stall.
+                if quiet > LINK_CHECK && last_link_check.elapsed() > LINK_CHECK {
+                    last_link_check = Instant::now();
+                    if let Some(why) = dev.as_deref().and_then(link_down) {
+                        return Err(why);
+                    }
+                }
+                // Stalled = no byte received (not merely no whole response: a large chunk on a
+                // slow rail is progress) for `stall_timeout` with requests outstanding.
+                if quiet > stall && ms_since_data(fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
+                    return Err(format!("stalled: no data for {stall:?}"));
                 }
                 Ok(())
             };
@@ -840,12 +959,32 @@ impl Link {
         let l = self.clone();
         let _ = std::thread::Builder::new().name(format!("mr-probe-{ri}")).spawn(move || {
             let mut backoff = Duration::from_millis(200);
+            let dev = l.rails[ri].local.as_ref().map(|x| x.0.clone()).filter(|d| !d.is_empty());
+            let dial_timeout = l.ctx.cfg.timeout.min(FENCE_TIMEOUT);
             while !l.shutdown.load(Ordering::Acquire) {
                 std::thread::sleep(backoff);
                 if l.shutdown.load(Ordering::Acquire) || l.rails[ri].live_receivers.load(Ordering::Acquire) > 0 {
                     break;
                 }
-                match l.open_rail(ri) {
+                if dev.as_deref().and_then(link_down).is_some() {
+                    // The local link is still down: watch it closely (cheap) instead of dialing.
+                    backoff = LINK_CHECK;
+                    continue;
+                }
+                // Fence first: a rail is not readmitted while dead connections are unfenced.
+                let mut via: Vec<usize> =
+                    (0..l.rails.len()).filter(|&r| r != ri && l.rails[r].live_receivers.load(Ordering::Acquire) > 0).collect();
+                via.push(ri);
+                if let Err(e) = l.fence_pending(&via) {
+                    if matches!(e, Error::StaleMetadata { .. }) {
+                        l.ctx.log(&format!("peer {}: {e}", l.peer_name));
+                        *l.fatal.lock().expect("link lock") = Some(e);
+                        break;
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+                match l.open_rail(ri, dial_timeout) {
                     Ok(()) => {
                         let mut g = l.sched.lock().expect("sched lock");
                         g.planner.handle_rail_up(ri, Instant::now());
@@ -865,6 +1004,64 @@ impl Link {
             }
             l.rails[ri].probing.store(false, Ordering::Release);
         });
+    }
+
+    /// Have the peer fence every connection in `unfenced`, over a fresh connection on the first
+    /// of `via` that works. Ok when there was nothing to fence.
+    fn fence_pending(&self, via: &[usize]) -> Result<()> {
+        let ids: Vec<[u8; 16]> = self.unfenced.lock().expect("fence lock").clone();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let timeout = self.ctx.cfg.timeout.min(FENCE_TIMEOUT);
+        let mut last = Error::PeerLost { peer: self.peer_name.clone(), reason: "no live rail to send a fence on".into() };
+        for &ri in via {
+            let rail = &self.rails[ri];
+            let t0 = Instant::now();
+            let r = dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, Some((&self.peer_name, self.incarnation)), timeout)
+                .and_then(|(mut s, _)| {
+                    let deadline = Instant::now() + timeout;
+                    let mut tick = |_: bool| if Instant::now() > deadline { Err("fence timed out".to_string()) } else { Ok(()) };
+                    for part in ids.chunks(multirail_proto::codec::MAX_FENCE) {
+                        let r =
+                            wire::send(&mut s, &Body::Fence(part.to_vec()), 0, &mut tick).and_then(|_| wire::read_frame(&mut s, &mut tick));
+                        match r {
+                            Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
+                            Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
+                                return Err(status_error(&self.peer_name, status, msg))
+                            }
+                            Ok((_, other)) => {
+                                return Err(Error::Protocol {
+                                    who: self.peer_name.clone(),
+                                    msg: format!("unexpected {:?} in answer to a fence", other.kind()),
+                                })
+                            }
+                            Err(e) => return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: format!("fence: {e}") }),
+                        }
+                    }
+                    let _ = s.shutdown(Shutdown::Both);
+                    Ok(())
+                });
+            match r {
+                Ok(()) => {
+                    self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
+                    self.ctx.log(&format!(
+                        "peer {}: fenced {} dead connection(s) via rail {ri} in {:?}",
+                        self.peer_name,
+                        ids.len(),
+                        t0.elapsed()
+                    ));
+                    return Ok(());
+                }
+                Err(e @ Error::StaleMetadata { .. }) => {
+                    // The peer restarted: none of the old connections exist any more.
+                    self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
+                    return Err(e);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
     }
 
     /// One request/response on the control connection (notifications).
@@ -919,6 +1116,11 @@ impl Link {
     }
 
     pub(crate) fn close(&self) {
+        self.close_with("link closed");
+    }
+
+    /// Shut everything down; transfers still pending fail with `reason`.
+    fn close_with(&self, reason: &str) {
         self.shutdown.store(true, Ordering::Release);
         for r in &self.rails {
             for c in r.conns.read().expect("rail lock").iter() {
@@ -936,7 +1138,7 @@ impl Link {
         let pending: Vec<Arc<XferShared>> = g.xfers.drain().map(|(_, x)| x).collect();
         drop(g);
         for x in pending {
-            x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() }));
+            x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: reason.into() }));
         }
         self.cond.notify_all();
     }

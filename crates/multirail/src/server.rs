@@ -5,10 +5,17 @@
 //! WRITE's payload is read into scratch and dropped, so the stream stays in sync and memory
 //! outside valid requests is untouched. A peer that sends undecodable bytes gets an `Error`
 //! frame and is disconnected; other connections are unaffected.
+//!
+//! Fencing: every served connection is registered under its `Hello` nonce. When an initiator
+//! gives up on a rail it sends `Fence` with the nonces of that rail's connections (over another
+//! connection); the connections named are aborted, and the reply goes out only once none of them
+//! can write memory any more. WRITE payloads are applied under the connection's `apply` lock and
+//! only while it is not fenced, so bytes that were still queued in the dead path (and reach this
+//! host after the link returns) never land over data the reissue wrote since.
 
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
@@ -16,10 +23,56 @@ use multirail_proto::{AgentMeta, Body, DecodeError};
 
 use crate::agent::Shared;
 use crate::auth;
+use crate::peer::abort_socket;
 use crate::registry::random_bytes;
 use crate::wire::{self, WireError};
 
 const TICK: Duration = Duration::from_millis(50);
+
+/// One served connection, as known to `Fence`.
+pub struct Served {
+    /// The authenticated peer name; only that peer may fence the connection.
+    peer: String,
+    fenced: AtomicBool,
+    /// Held while a WRITE payload is being applied to memory.
+    apply: Mutex<()>,
+    sock: TcpStream,
+}
+
+/// Removes a connection from the fence table when its serve loop ends (no memory access after).
+struct Registered<'a> {
+    sh: &'a Shared,
+    id: [u8; 16],
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.sh.served.lock().expect("served lock").remove(&self.id);
+    }
+}
+
+/// Abort `peer`'s connections named by `ids` and wait until none of them is applying a WRITE.
+/// Unknown ids (already closed) and other peers' connections are skipped. Returns how many
+/// connections were fenced.
+fn fence(sh: &Shared, peer: &str, ids: &[[u8; 16]]) -> usize {
+    let victims: Vec<Arc<Served>> = {
+        let g = sh.served.lock().expect("served lock");
+        ids.iter().filter_map(|id| g.get(id)).filter(|c| c.peer == peer).cloned().collect()
+    };
+    for c in &victims {
+        c.fenced.store(true, Ordering::Release);
+        // Purges whatever is still queued on the socket and wakes a reader blocked on it.
+        abort_socket(&c.sock);
+    }
+    for c in &victims {
+        drop(c.apply.lock().expect("apply lock"));
+    }
+    sh.fenced.fetch_add(victims.len(), Ordering::Relaxed);
+    if !victims.is_empty() {
+        sh.ctx.log(&format!("fenced {} connection(s) of {peer}", victims.len()));
+    }
+    victims.len()
+}
 
 pub fn accept_loop(sh: Arc<Shared>, l: TcpListener) {
     loop {
@@ -72,12 +125,28 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
     let _ = s.set_read_timeout(Some(TICK));
     let _ = s.set_write_timeout(Some(TICK));
     let timeout = sh.ctx.cfg.timeout;
-    let Some((role, peer_name)) = handshake(sh, &mut s, &who) else {
+    let Some((role, peer_name, conn_id)) = handshake(sh, &mut s, &who) else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
     let _ = role;
     let who = format!("{peer_name}@{who}");
+    let Ok(sock) = s.try_clone() else {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    };
+    let me = Arc::new(Served { peer: peer_name.clone(), fenced: AtomicBool::new(false), apply: Mutex::new(()), sock });
+    {
+        let mut g = sh.served.lock().expect("served lock");
+        if g.contains_key(&conn_id) {
+            drop(g);
+            refuse(sh, &mut s, &who, Status::Unexpected, "connection id already in use".into());
+            let _ = s.shutdown(Shutdown::Both);
+            return;
+        }
+        g.insert(conn_id, me.clone());
+    }
+    let _registered = Registered { sh, id: conn_id };
     let mut inb = wire::Inbound::new();
     loop {
         // Idle between frames is fine; a frame, once started, must finish within `timeout`.
@@ -110,7 +179,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         };
         let t0 = Instant::now();
         let mut op_tick = |_: bool| {
-            if sh.shutdown.load(Ordering::Acquire) {
+            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
                 Err(String::new())
             } else if t0.elapsed() > timeout {
                 Err(format!("request not completed within {timeout:?}"))
@@ -134,9 +203,15 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
             },
             Body::WriteReq(op) => match sh.registry.check_remote(&op, true) {
                 Ok(region) => {
+                    let guard = me.apply.lock().expect("apply lock");
+                    if me.fenced.load(Ordering::Acquire) {
+                        break;
+                    }
                     // SAFETY: as above; the region is registered read-write.
                     let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
-                    inb.read_into(&mut s, dst, &mut op_tick).and_then(|_| {
+                    let r = inb.read_into(&mut s, dst, &mut op_tick);
+                    drop(guard);
+                    r.and_then(|_| {
                         wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
                     })
                 }
@@ -148,6 +223,10 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
             },
             Body::Notif(msg) => {
                 sh.notifs.lock().expect("notif lock").push((peer_name.clone(), msg));
+                wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
+            }
+            Body::Fence(ids) => {
+                fence(sh, &peer_name, &ids);
                 wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
             }
             Body::Ping => wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick),
@@ -180,8 +259,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
 }
 
-/// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role and name.
-fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String)> {
+/// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name and connection id (the
+/// nonce of its `Hello`).
+fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String, [u8; 16])> {
     let deadline = Instant::now() + sh.ctx.cfg.timeout;
     let mut tick = |_: bool| {
         if sh.shutdown.load(Ordering::Acquire) {
@@ -237,5 +317,5 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String)
         None => [0u8; 32],
     };
     wire::send(s, &Body::Welcome { mac: reply }, 0, &mut tick).ok()?;
-    Some((role, name))
+    Some((role, name, client_nonce))
 }
