@@ -6,7 +6,11 @@ Subcommands:
 * `bench local`: starts a target process on this host (or, with `--testbed`, in the
   testbed's first namespace), runs the initiator against it (in-process, or in the second
   namespace), and with `--baseline` also runs iperf3 and mr-pingpong (baseline.py) and prints
-  the ratios.
+  the ratios. `--testbed --chaos rail-flap` instead runs checked transfers while rails flap
+  (chaos.py).
+
+`--secret` (every mode) sets the shared secret of the handshake, overriding $MULTIRAIL_SECRET;
+child processes get it through their environment, not their command line.
 
 The sweep doubles the block size from `--start-block-size` to `--max-block-size`; each
 transfer moves `--batch-size` blocks (one descriptor each) through one prepared handle that
@@ -26,11 +30,13 @@ import tempfile
 from typing import Any
 
 from multirail.bench import protocol as proto
+from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_S, DEFAULT_SIZES,
+                                   DEFAULT_UP_S, MODES)
 from multirail.bench.core import (BenchRow, Progress, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
 from multirail.bench.rails import RailCounters, resolve_rails
 from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep
-from multirail.errors import MultirailError
+from multirail.errors import AuthenticationError, MultirailError
 
 LATENCY_SIZE = 4096
 DEFAULT_TESTBED = "mrtb"  # multirail.testbed.DEFAULT_NAME (not imported: keeps `bench` light)
@@ -63,10 +69,14 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
                         "on the other rails (default 1.0 s)")
     p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
     p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
+    p.add_argument("--secret", default=None,
+                   help="shared secret of the handshake (overrides $MULTIRAIL_SECRET; both sides need the "
+                        "same one). A command line is visible to other local users: prefer the variable there")
 
 
 def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default="READ", type=str.upper, choices=["READ", "WRITE"])
+    p.add_argument("--op", default="READ", type=str.upper, choices=["READ", "WRITE", "MIXED"],
+                   help="READ (default) or WRITE; MIXED (READs and WRITEs alternating) only with --chaos")
     p.add_argument("--start-block-size", default="4KiB")
     p.add_argument("--max-block-size", default="64MiB")
     p.add_argument("--batch-size", type=int, default=1, help="descriptors per transfer")
@@ -109,6 +119,20 @@ def register(subparsers: Any) -> None:
     l.add_argument("--testbed", nargs="?", const=DEFAULT_TESTBED, default=None, metavar="NAME",
                    help=f"run target and initiator in the testbed's two namespaces (default name "
                         f"{DEFAULT_TESTBED}); --rails then takes testbed rail indices, e.g. 0 or 0,1")
+    c = l.add_argument_group("chaos (with --testbed, root; docs/bench.md)")
+    c.add_argument("--chaos", choices=list(MODES), default=None,
+                   help="rail-flap: checked transfers back to back while testbed rails go down and up; reports "
+                        "completed / failed / lost transfers and corrupted bytes (exit 1 on corruption or loss)")
+    c.add_argument("--chaos-duration", type=float, default=None, metavar="SECONDS",
+                   help=f"how long to flap and transfer (default {DEFAULT_DURATION_S:g})")
+    c.add_argument("--flap-down-s", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds a rail stays down per flap (default {DEFAULT_DOWN_S:g})")
+    c.add_argument("--flap-up-s", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds between flaps, all rails up (default {DEFAULT_UP_S:g})")
+    c.add_argument("--flap-rails", default=None, metavar="I,J",
+                   help="testbed rail indices that flap, one at a time in turn (default: every rail but 0)")
+    c.add_argument("--chaos-sizes", default=None, metavar="S1,S2",
+                   help=f"transfer sizes, cycled (default {DEFAULT_SIZES})")
     for sp in (t, i, l):
         sp.set_defaults(func=main)
 
@@ -123,7 +147,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"multirail bench: error: {e}", file=sys.stderr)
         return 1
     except MultirailError as e:
-        print(f"multirail bench: error: {type(e).__name__}: {e}", file=sys.stderr)
+        hint = (" (both sides need the same shared secret: --secret or MULTIRAIL_SECRET)"
+                if isinstance(e, AuthenticationError) else "")
+        print(f"multirail bench: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return 1
     except ImportError as e:
         print(f"multirail bench: error: the engine is not available ({e}); build the extension "
@@ -151,12 +177,22 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--connections must be at least 1")
     if args.timeout <= 0 or args.stall_timeout <= 0:
         raise UsageError("--timeout and --stall-timeout must be positive")
+    if args.secret is not None and not args.secret:
+        raise UsageError("--secret must not be empty")
     return dict(connections=args.connections, rails=_rails(args.rails), policy=_policy(args.policy),
                 chunk_size=parse_size(args.chunk_size), timeout=args.timeout,
-                stall_timeout=args.stall_timeout)
+                stall_timeout=args.stall_timeout, secret=args.secret)
+
+
+def _child_env(args: argparse.Namespace) -> dict[str, str] | None:
+    """Environment of a child bench process: --secret travels as MULTIRAIL_SECRET (an
+    environment is private to the user, a command line is not). None: inherit ours."""
+    return {**os.environ, "MULTIRAIL_SECRET": args.secret} if args.secret else None
 
 
 def _sweep(args: argparse.Namespace) -> tuple[list[int], int]:
+    if args.op == "MIXED":
+        raise UsageError("--op MIXED is only for chaos runs (bench local --testbed --chaos rail-flap)")
     sizes = block_sizes(parse_size(args.start_block_size), parse_size(args.max_block_size))
     if args.batch_size < 1 or args.num_iter < 1 or args.warmup_iter < 0:
         raise UsageError("--batch-size and --num-iter must be >= 1, --warmup-iter >= 0")
@@ -288,7 +324,7 @@ def _start_target(args: argparse.Namespace, prefix: list[str], listen: str, rail
     if args.corrupt_offset is not None:
         cmd += ["--corrupt-offset", str(args.corrupt_offset)]
     try:
-        return launch(cmd)
+        return launch(cmd, env=_child_env(args))
     except RuntimeError as e:
         raise BenchFailure(str(e)) from None
 
@@ -300,6 +336,11 @@ def _kill(proc: subprocess.Popen[str]) -> None:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
+    if args.chaos:
+        return _cmd_chaos(args)
+    given = [f"--{k.replace('_', '-')}" for k in CHAOS_ONLY if getattr(args, k) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: only with --chaos rail-flap")
     sizes, total = _sweep(args)
     _engine_kwargs(args)
     if args.duration <= 0 or args.idle_timeout <= 0 or args.baseline_time < 1:
@@ -330,6 +371,15 @@ def _cmd_local(args: argparse.Namespace) -> int:
     return _emit(args, rows, baselines, problems)
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from multirail.bench.chaos import cmd_chaos, options_from_args
+
+    opts = options_from_args(args)
+    _engine_kwargs(args)
+    _testbed(args.testbed)  # up and matching its spec, else a clear error
+    return cmd_chaos(opts, args.json)
+
+
 def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str, port: int, rails: str,
                           total: int, rates: list[float | None]) -> tuple[list[BenchRow], list[str]]:
     with tempfile.TemporaryDirectory() as d:
@@ -343,7 +393,7 @@ def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str
         cmd += ["--latency-row"] if args.latency_row else []
         limit = args.duration
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=_child_env(args))
         except subprocess.TimeoutExpired:
             raise BenchFailure(f"initiator in the testbed did not finish within {limit:.0f} s") from None
         if not os.path.exists(out):
@@ -433,7 +483,8 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
     if args.json:
         doc = _clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
                       "ratios": rat, "problems": problems,
-                      "config": {k: v for k, v in vars(args).items() if k != "func"}})
+                      "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items()
+                           if k != "func"}})
         if args.json == "-":
             json.dump(doc, sys.stdout, indent=1)
             print()

@@ -26,11 +26,18 @@ Scenarios (``SPEC["mode"]``):
 * ``stale_write``: a WRITE loses a rail mid-way, the next WRITE overwrites the range and is
   verified, the link comes back, and the range is verified again (a chunk left queued on the
   dead rail's socket must not land late and overwrite newer data).
-* ``flap``: transfers back to back for the whole drill while one rail goes down and up
-  ``flaps`` times; counts transfers completed, failed and bytes corrupted.
+* ``flap``: transfers back to back while rails go down and up (one at a time, cycling through
+  ``flap_rails``, default rail 1), ``flaps`` times or for ``duration_s`` seconds; sizes cycle
+  through ``sizes`` and, with op ``MIXED``, READs and WRITEs alternate. Counts transfers
+  completed, failed (separately: while no rail was up), lost (still in progress after
+  ``lost_after_s``) and bytes corrupted; per flapped rail, the time from link down to the
+  engine marking it down and from link up to readmission. `multirail bench local --chaos
+  rail-flap` (chaos.py) and benchmarks/soak.py run this scenario.
 
 Host side: `run_drill(tb, spec)` starts the target, runs the initiator under a timeout and
-returns its JSON (raising `DrillError` with the initiator's stderr when it produced none).
+returns its JSON (raising `DrillError` with the initiator's stderr when it produced none);
+`env=` sets both processes' environment (the shared secret travels there, not on argv) and
+`sampler=` (procstat.ProcSampler) watches both by PID.
 Nothing here imports the engine at import time; the initiator imports it when it runs.
 """
 
@@ -39,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -48,7 +56,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from multirail.bench.core import TARGET_SEED, first_mismatch, pattern
+from multirail.bench.core import TARGET_SEED, pattern
+from multirail.bench.procstat import ProcSampler
 
 POLL_S = 0.001
 
@@ -60,9 +69,11 @@ class DrillError(RuntimeError):
 # ------------------------------------------------------------------------------ host side
 
 @contextlib.contextmanager
-def target_in(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
-              stall_timeout: float = 1.0, lifetime_s: float = 300.0) -> Iterator[int]:
-    """A `bench target` on every rail of namespace a; yields its port; killed by PID on exit."""
+def target_process(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
+                   stall_timeout: float = 1.0, lifetime_s: float = 300.0,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
+    """A `bench target` on every rail of namespace a; yields (port, pid); killed by PID on exit.
+    `env` is the target's environment (e.g. with MULTIRAIL_SECRET: secrets stay off argv)."""
     from multirail.bench.target import launch, stop
 
     addrs = tb.addrs("a")
@@ -71,33 +82,59 @@ def target_in(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: st
                              "--total-buffer-size", str(buffer_size), "--connections", str(connections),
                              "--chunk-size", chunk_size, "--stall-timeout", str(stall_timeout),
                              "--duration", str(lifetime_s), "--idle-timeout", str(lifetime_s)])
-    proc, ready, errf = launch(cmd)
+    proc, ready, errf = launch(cmd, env=env)
     try:
-        yield int(ready["port"])
+        yield int(ready["port"]), int(ready.get("pid") or proc.pid)
     finally:
         stop(proc, grace=0.0)
         errf.close()
 
 
-def run_drill(tb: Any, spec: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    """Start a target, run the drill `spec` in namespace b, return the initiator's JSON result."""
+@contextlib.contextmanager
+def target_in(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
+              stall_timeout: float = 1.0, lifetime_s: float = 300.0) -> Iterator[int]:
+    """A `bench target` on every rail of namespace a; yields its port; killed by PID on exit."""
+    with target_process(tb, buffer_size, connections=connections, chunk_size=chunk_size,
+                        stall_timeout=stall_timeout, lifetime_s=lifetime_s) as (port, _pid):
+        yield port
+
+
+def run_drill(tb: Any, spec: dict[str, Any], timeout: float = 120.0, *, env: dict[str, str] | None = None,
+              sampler: ProcSampler | None = None) -> dict[str, Any]:
+    """Start a target, run the drill `spec` in namespace b, return the initiator's JSON result.
+
+    `env`: environment of both processes (None: inherited). `sampler`: watches the target and
+    the initiator by PID (as "target" and "initiator") while the drill runs."""
     spec = {"testbed": tb.name, "target": tb.addrs("a")[0], "rails": tb.addrs("b"), **spec}
-    with target_in(tb, int(spec["size"]), connections=int(spec.get("connections", 1)),
-                   chunk_size=str(spec.get("chunk_size", "1MiB")),
-                   stall_timeout=float(spec.get("stall_timeout", 1.0)),
-                   lifetime_s=timeout + 30) as port:
+    with target_process(tb, int(spec["size"]), connections=int(spec.get("connections", 1)),
+                        chunk_size=str(spec.get("chunk_size", "1MiB")),
+                        stall_timeout=float(spec.get("stall_timeout", 1.0)),
+                        lifetime_s=timeout + 30, env=env) as (port, target_pid):
         spec["port"] = port
         cmd = tb.exec_argv("b", [sys.executable, "-m", "multirail.bench.drill", json.dumps(spec)])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        if sampler is not None:  # `ip netns exec` execs the command: proc.pid is the initiator
+            sampler.watch("target", target_pid)
+            sampler.watch("initiator", proc.pid)
+            sampler.start()
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:  # subprocess.run kills the child by PID
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # by PID: exactly the initiator we started
+            _, stderr = proc.communicate()
             raise DrillError(f"drill {spec['mode']} did not finish within {timeout:.0f} s; stderr: "
-                             f"{(e.stderr or b'')[-800:]!r}") from None
-    lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
+                             f"{(stderr or '')[-800:]!r}") from None
+        finally:
+            if sampler is not None:
+                sampler.stop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+    lines = [x for x in stdout.splitlines() if x.startswith("{")]
     if not lines:
-        raise DrillError(f"drill {spec['mode']} failed (exit {res.returncode}): {res.stderr.strip()[-1500:]}")
+        raise DrillError(f"drill {spec['mode']} failed (exit {proc.returncode}): {stderr.strip()[-1500:]}")
     out: dict[str, Any] = json.loads(lines[-1])
-    out["stderr_tail"] = res.stderr.strip()[-1500:]
+    out["stderr_tail"] = stderr.strip()[-1500:]
     return out
 
 
@@ -112,14 +149,24 @@ class Transfer:
     error: str | None = None
     error_type: str | None = None
     corrupt: str | None = None        # None when byte-exact (or not checked after an error)
-    corrupt_bytes: int = 0
+    corrupt_bytes: int = 0            # bytes that differ (-1: differ, count unknown)
+    lost: bool = False                # neither completed nor failed within the wait limit
+    unverified: str | None = None     # WRITE: the target's verification did not come back
+    op: str = ""
+    size: int = 0
+    start: float = 0.0                # monotonic time of the post
+    rails_up: list[bool] | None = None  # the engine's view of each rail when a transfer failed
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
 class Initiator:
-    """An EngineWorker plus the testbed, with the helpers the scenarios share."""
+    """An EngineWorker plus the testbed, with the helpers the scenarios share.
+
+    ``spec["op"]`` is READ, WRITE or MIXED. Transfers use one region of the buffer per op:
+    all of it for READ or WRITE; for MIXED the first half is READ from (the target's pattern,
+    never written) and the second half is written, so both ops run against one target."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         from multirail.bench.core import parse_size
@@ -131,20 +178,31 @@ class Initiator:
             raise DrillError(f"testbed {spec['testbed']!r} is not recorded")
         self.tb = tb
         self.op = str(spec.get("op", "READ")).upper()
+        if self.op not in ("READ", "WRITE", "MIXED"):
+            raise DrillError(f"op must be READ, WRITE or MIXED, not {self.op!r}")
         self.size = int(spec["size"])
         self.timeout = float(spec.get("timeout", 30.0))
+        self.stall_timeout = float(spec.get("stall_timeout", 1.0))
         self.worker = EngineWorker(
-            op=self.op, target_host=spec["target"], target_port=int(spec["port"]),
-            target_name=spec.get("target_name", "mr-bench-target"), buffer_size=self.size,
-            connections=int(spec.get("connections", 1)), rails=list(spec["rails"]),
+            op="WRITE" if self.op == "WRITE" else "READ", target_host=spec["target"],
+            target_port=int(spec["port"]), target_name=spec.get("target_name", "mr-bench-target"),
+            buffer_size=self.size, connections=int(spec.get("connections", 1)), rails=list(spec["rails"]),
             policy=str(spec.get("policy", "weighted")), chunk_size=parse_size(str(spec.get("chunk_size", "1MiB"))),
-            timeout=self.timeout, stall_timeout=float(spec.get("stall_timeout", 1.0)),
-            fill_target=self.op == "READ")
+            timeout=self.timeout, stall_timeout=self.stall_timeout, fill_target=self.op != "WRITE")
         self.agent = self.worker.agent
         self.peer = self.worker.peer
-        self._expect = pattern(TARGET_SEED, 0, self.size) if self.op == "READ" else None
+        self._expect: np.ndarray | None = None  # the READ region's expected bytes (made once)
         self._seed = 0x1000
+        self._h: Any = None
+        self._cur: tuple[str, int, int, int] = ("", 0, 0, 0)  # op, offset, length, seed of the posted one
         self.last_end = 0.0  # monotonic time the last successful transfer completed
+
+    def region(self, op: str) -> tuple[int, int]:
+        """(offset, length) of the buffer range transfers of `op` use (same on both sides)."""
+        if self.op == "MIXED":
+            half = self.size // 2
+            return (0, half) if op == "READ" else (half, half)
+        return 0, self.size
 
     def stats(self) -> list[dict[str, Any]]:
         return [dict(s) for s in self.agent.rail_stats(self.peer)]
@@ -152,44 +210,88 @@ class Initiator:
     def rail_bytes(self) -> list[int]:
         return [int(s["bytes"]) for s in self.stats()]
 
-    def post(self) -> float:
-        """Prepare (zero for READ, pattern for WRITE) and post one transfer; returns its start."""
-        self.worker.finish_size()
-        self.worker.prepare(self.size, 1, True)
-        if self.op == "WRITE":  # fresh data each time: a dropped chunk must not pass unseen
+    def _release(self) -> None:
+        if self._h is not None:
+            h, self._h = self._h, None
+            self.agent.release_xfer_handle(h)
+
+    def post(self, op: str | None = None, size: int | None = None) -> float:
+        """Prepare (zero for READ, fresh pattern for WRITE) and post one transfer of `size`
+        bytes (default: the whole region) at the start of `op`'s region; returns its start."""
+        op = op or self.op
+        if op not in ("READ", "WRITE"):
+            raise DrillError(f"post needs READ or WRITE, not {op!r}")
+        off, room = self.region(op)
+        n = room if size is None else size
+        if not 0 < n <= room:
+            raise DrillError(f"transfer of {n} bytes does not fit the {op} region ({room} bytes)")
+        self._release()
+        buf = self.worker.buf
+        if op == "READ":
+            buf[off:off + n] = 0  # stale data must not pass the check
+        else:  # fresh data each time: a dropped or stale chunk must not pass unseen
             self._seed += 1
-            self.worker.buf[:self.size] = pattern(self._seed, 0, self.size)
+            buf[off:off + n] = pattern(self._seed, off, n)
+        local = np.array([[buf.ctypes.data + off, n, 0]], dtype=np.uint64)
+        remote = np.array([[self.worker.remote_addr + off, n, self.worker.remote_dev]], dtype=np.uint64)
+        self._h = self.agent.initialize_xfer(op, self.agent.get_xfer_descs(local),
+                                             self.agent.get_xfer_descs(remote), self.peer)
+        self._cur = (op, off, n, self._seed)
         t0 = time.monotonic()
-        self.agent.transfer(self.worker.handle)
+        self.agent.transfer(self._h)
         return t0
 
     def finish(self, t0: float, deadline_s: float | None = None) -> Transfer:
-        """Wait for the posted transfer and check every byte."""
+        """Wait for the posted transfer and check every byte. A transfer still in progress when
+        the wait gives up is reported `lost` (it neither completed nor failed)."""
+        op, off, n, seed = self._cur
         try:
-            self.agent.wait(self.worker.handle, timeout=deadline_s or self.timeout)
+            self.agent.wait(self._h, timeout=deadline_s or self.timeout)
         except Exception as e:  # noqa: BLE001 - every engine error is a result here
-            return Transfer(False, time.monotonic() - t0, str(e), type(e).__name__)
+            secs = time.monotonic() - t0
+            lost = self.agent.check_xfer_state(self._h) == self.worker.mr.XferState.IN_PROGRESS
+            return Transfer(False, secs, str(e), type(e).__name__, lost=lost, op=op, size=n, start=t0)
         secs = time.monotonic() - t0
         self.last_end = t0 + secs
-        if self._expect is not None:
-            buf = self.worker.buf[:self.size]
-            bad = int(np.count_nonzero(buf != self._expect))
-            first = first_mismatch(buf, TARGET_SEED, 0) if bad else None
-            return Transfer(True, secs, corrupt=None if not bad else f"first bad byte at {first}", corrupt_bytes=bad)
-        problem = self.worker.verify_remote(self._seed, 0, self.size)
-        return Transfer(True, secs, corrupt=problem, corrupt_bytes=0 if problem is None else -1)
+        done = Transfer(True, secs, op=op, size=n, start=t0)
+        if op == "READ":
+            if self._expect is None or len(self._expect) < off + n:
+                self._expect = pattern(TARGET_SEED, 0, self.region("READ")[1])
+            bad = self.worker.buf[off:off + n] != self._expect[off:off + n]
+            count = int(np.count_nonzero(bad))
+            if count:
+                done.corrupt = f"READ {n} B: {count} bytes differ, first at offset {off + int(np.argmax(bad))}"
+                done.corrupt_bytes = count
+            return done
+        try:
+            problem = self.worker.verify_remote(seed, off, n)
+        except Exception as e:  # noqa: BLE001 - a verification that never came back is a result
+            done.unverified = f"{type(e).__name__}: {e}"
+            return done
+        if problem is not None:
+            done.corrupt = f"WRITE {n} B at {off}: {problem}"
+            done.corrupt_bytes = int(self.worker.last_verified.get("bad_bytes", -1))
+        return done
 
-    def transfer(self) -> Transfer:
-        return self.finish(self.post())
+    def transfer(self, op: str | None = None, size: int | None = None, deadline_s: float | None = None) -> Transfer:
+        try:
+            t0 = self.post(op, size)
+        except DrillError:
+            raise
+        except Exception as e:  # noqa: BLE001 - posting can fail too (e.g. no rail left)
+            return Transfer(False, 0.0, str(e), type(e).__name__, op=op or self.op,
+                            size=size or 0, start=time.monotonic())
+        return self.finish(t0, deadline_s)
 
-    def wait_rail(self, rail: int, up: bool, limit_s: float) -> float | None:
+    def wait_rail(self, rail: int, up: bool, limit_s: float, poll_s: float = POLL_S) -> float | None:
         """Seconds until rail_stats shows `rail` up/down (polled), or None after limit_s."""
         t0 = time.monotonic()
-        while time.monotonic() - t0 < limit_s:
+        while True:
             if bool(self.stats()[rail]["up"]) == up:
                 return time.monotonic() - t0
-            time.sleep(POLL_S)
-        return None
+            if time.monotonic() - t0 >= limit_s:
+                return None
+            time.sleep(poll_s)
 
     def wait_bytes(self, rail: int, target_bytes: int, limit_s: float) -> None:
         t0 = time.monotonic()
@@ -201,7 +303,8 @@ class Initiator:
 
     def close(self) -> None:
         try:
-            self.worker.finish_size()  # a held handle keeps the buffer registered
+            self._release()  # a held handle keeps the buffer registered
+            self.worker.finish_size()
         finally:
             self.worker.close()
 
@@ -278,50 +381,162 @@ def scenario_all_down(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _overlaps(a0: float, a1: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a0 < w1 and w0 < a1 for w0, w1 in windows)
+
+
+class Tally:
+    """Running counts of checked transfers (a soak posts tens of thousands: keep no list)."""
+
+    def __init__(self) -> None:
+        self.transfers = self.completed = self.failed = self.lost = self.bytes_moved = 0
+        self.corrupt_transfers = self.bytes_corrupted = self.unverified = 0
+        self.seconds = 0.0
+
+    def add(self, r: Transfer) -> None:
+        self.transfers += 1
+        self.seconds += r.seconds
+        if not r.ok:
+            self.failed += 1
+            self.lost += int(r.lost)
+            return
+        self.completed += 1
+        self.bytes_moved += r.size
+        self.unverified += int(r.unverified is not None)
+        if r.corrupt:
+            self.corrupt_transfers += 1
+            self.bytes_corrupted += max(0, r.corrupt_bytes)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "seconds"}
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
-    rail, flaps = int(spec.get("rail", 1)), int(spec.get("flaps", 3))
+    """Transfers back to back while rails flap (one at a time, cycling through ``flap_rails``,
+    default ``[rail]`` = [1]), for ``flaps`` flaps or, with ``duration_s``, until that many
+    seconds have passed. ``sizes`` (default: the whole region) and the ops (READ, WRITE, or both
+    alternating for MIXED) cycle so that every (op, size) pair recurs. Every transfer is checked
+    byte for byte; one still in progress after ``lost_after_s`` is `lost`. A failure counts as
+    `failed_no_rail_up` when every rail's link was down at some point during it (or up to
+    ``readmit_grace_s`` before it: the engine readmits a rail within its probe backoff)."""
+    n_rails = len(ini.stats())
+    flap_rails = [int(r) for r in (spec.get("flap_rails") or [spec.get("rail", 1)])]
+    if not flap_rails or any(not 0 <= r < n_rails for r in flap_rails):
+        raise DrillError(f"flap_rails {flap_rails} must be rail indices 0..{n_rails - 1}")
+    duration = float(spec["duration_s"]) if spec.get("duration_s") is not None else None
+    flaps_max = int(spec.get("flaps", 3)) if duration is None else None
     down_s, up_s = float(spec.get("down_s", 1.0)), float(spec.get("up_s", 2.0))
+    poll_s = float(spec.get("poll_s", 0.002))
+    ops = ["READ", "WRITE"] if ini.op == "MIXED" else [ini.op]
+    sizes = [int(x) for x in (spec.get("sizes") or [])] or [min(ini.region(op)[1] for op in ops)]
+    wait_s = float(spec.get("lost_after_s", ini.timeout + ini.stall_timeout + 5.0))
+    grace = float(spec.get("readmit_grace_s", 3.0))
+    fail_pause_s = float(spec.get("fail_pause_s", 0.05))  # no tight loop of posts to a dead peer
     stop = threading.Event()
-    flap_log: list[dict[str, float]] = []
+    flap_log: list[dict[str, Any]] = []
     flap_error: list[str] = []
+    t_start = time.monotonic()
 
     def flapper() -> None:
         try:
             time.sleep(up_s / 2)
-            for _ in range(flaps):
+            k = 0
+            while not stop.is_set():
+                if flaps_max is not None and k >= flaps_max:
+                    break
+                if duration is not None and time.monotonic() - t_start + down_s > duration:
+                    break
+                rail = flap_rails[k % len(flap_rails)]
                 t = time.monotonic()
                 ini.tb.set_link(rail, False)
-                time.sleep(down_s)
+                seen = ini.wait_rail(rail, False, max(0.0, down_s - (time.monotonic() - t)), poll_s)
+                detect = None if seen is None else time.monotonic() - t
+                time.sleep(max(0.0, down_s - (time.monotonic() - t)))
+                t_up = time.monotonic()
                 ini.tb.set_link(rail, True)
-                flap_log.append({"down_at": t, "up_at": time.monotonic()})
-                time.sleep(up_s)
+                readmit = None
+                if detect is not None:
+                    back = ini.wait_rail(rail, True, up_s, poll_s)
+                    readmit = None if back is None else time.monotonic() - t_up
+                flap_log.append({"rail": rail, "down_at": t, "up_at": t_up, "detect_s": detect,
+                                 "readmit_s": readmit})
+                k += 1
+                time.sleep(max(0.0, up_s - (time.monotonic() - t_up)))
         except Exception as e:  # noqa: BLE001 - reported in the result
             flap_error.append(f"{type(e).__name__}: {e}")
         finally:
             stop.set()
 
     th = threading.Thread(target=flapper, daemon=True)
-    t_start = time.monotonic()
     th.start()
-    results: list[Transfer] = []
-    while not stop.is_set() or not results:
-        results.append(ini.transfer())
+    total, by_op, by_size = Tally(), {op: Tally() for op in ops}, {sz: Tally() for sz in sizes}
+    failed: list[Transfer] = []          # every failure (rare), for the classification below
+    corrupt: list[str] = []
+    unverified: list[str] = []
+    i = 0
+    while not stop.is_set() or not total.transfers or (duration is not None and time.monotonic() - t_start < duration):
+        op, size = ops[i % len(ops)], sizes[(i // len(ops)) % len(sizes)]
+        r = ini.transfer(op, size, wait_s)
+        for t in (total, by_op[op], by_size[size]):
+            t.add(r)
+        if not r.ok:
+            try:
+                r.rails_up = [bool(s["up"]) for s in ini.stats()]
+            except Exception:  # noqa: BLE001 - the view is informative only
+                pass
+            failed.append(r)
+            time.sleep(fail_pause_s)
+        elif r.corrupt and len(corrupt) < 5:
+            corrupt.append(r.corrupt)
+        elif r.unverified and len(unverified) < 5:
+            unverified.append(r.unverified)
+        i += 1
     th.join(timeout=30)
-    # one more after the last flap: the rail must be usable again
-    readmit = ini.wait_rail(rail, True, 10.0)
+    # after the last flap the rails must come back and carry clean transfers again
+    t_wait = time.monotonic()
+    readmit = None
+    for rail in sorted(set(flap_rails)):
+        if ini.wait_rail(rail, True, 10.0, poll_s) is None:
+            readmit = None
+            break
+        readmit = time.monotonic() - t_wait
     before = ini.rail_bytes()
-    last = ini.transfer()
+    finals = [ini.transfer(op, max(sizes), wait_s) for op in ops]
     wall = time.monotonic() - t_start
-    ok = [r for r in results if r.ok]
+
+    # a failure is excused only while no rail's link was up: one rail at a time flaps, so that
+    # is when the testbed has a single rail (windows extended by the readmission grace)
+    windows = [(f["down_at"], f["up_at"] + grace) for f in flap_log] if n_rails == 1 else []
+    excused = [r for r in failed if not r.lost and _overlaps(r.start, r.start + r.seconds, windows)]
+    last = next((f for f in finals if not f.ok or f.corrupt), finals[0])
+    per_rail = []
+    for rail in sorted(set(flap_rails)):
+        fl = [f for f in flap_log if f["rail"] == rail]
+        det = [float(f["detect_s"]) for f in fl if f["detect_s"] is not None]
+        rea = [float(f["readmit_s"]) for f in fl if f["readmit_s"] is not None]
+        per_rail.append({"rail": rail, "flaps": len(fl), "undetected": len(fl) - len(det),
+                         "detect_median_s": _median(det), "detect_max_s": max(det, default=None),
+                         "readmit_median_s": _median(rea), "readmit_max_s": max(rea, default=None),
+                         "not_readmitted": len(det) - len(rea)})
     return {
-        "flaps": len(flap_log), "flap_error": flap_error, "transfers": len(results),
-        "completed": len(ok), "failed": len(results) - len(ok),
-        "failures": sorted({f"{r.error_type}: {r.error}" for r in results if not r.ok})[:5],
-        "corrupt_transfers": sum(1 for r in ok if r.corrupt),
-        "corrupt_details": [r.corrupt for r in ok if r.corrupt][:5],
-        "stale_replies": ini.worker.stale_replies, "bytes_corrupted": sum(max(0, r.corrupt_bytes) for r in ok),
-        "gbps_overall": _gbps(len(ok) * ini.size, sum(r.seconds for r in results)),
-        "readmit_after_last_flap_s": readmit, "last": last.as_dict(),
+        "flaps": len(flap_log), "flap_error": flap_error, **total.as_dict(),
+        "failed_no_rail_up": len(excused), "failed_with_rail_up": len(failed) - len(excused),
+        "failures": sorted({f"{r.error_type}: {r.error}" for r in failed})[:5],
+        "failure_details": [{**r.as_dict(), "start": r.start - t_start} for r in failed][:20],
+        "corrupt_details": corrupt, "unverified_details": unverified,
+        "stale_replies": ini.worker.stale_replies,
+        "gbps_overall": _gbps(total.bytes_moved, total.seconds),
+        "by_op": {op: t.as_dict() for op, t in by_op.items()},
+        "by_size": {str(sz): t.as_dict() for sz, t in by_size.items()},
+        "per_rail": per_rail, "flap_rails": flap_rails, "sizes": sizes, "ops": ops,
+        "down_s": down_s, "up_s": up_s, "duration_s": duration, "lost_after_s": wait_s,
+        "flap_log": [{**f, "down_at": f["down_at"] - t_start, "up_at": f["up_at"] - t_start} for f in flap_log],
+        "readmit_after_last_flap_s": readmit, "last": {**last.as_dict(), "start": last.start - t_start},
+        "final_transfers": [{**f.as_dict(), "start": f.start - t_start} for f in finals],
         "last_rail_bytes": [a - b for a, b in zip(ini.rail_bytes(), before)],
         "wall_s": wall, "rail_stats_end": ini.stats(),
     }

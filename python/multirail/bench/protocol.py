@@ -8,7 +8,7 @@ All messages travel as engine notifications (`send_notif` / `get_new_notifs`), p
 3. target -> initiator  `bench:info {"addr", "len", "dev", "agent"}`  (its one buffer)
 4. per block size, WRITE with --check-consistency:
    initiator -> target  `bench:verify {"seed", "offset", "length"}`
-   target -> initiator  `bench:verified {"ok", "first_bad", "seed", "offset", "length"}`
+   target -> initiator  `bench:verified {"ok", "first_bad", "bad_bytes", "seed", "offset", "length"}`
 5. initiator -> target  `bench:keepalive` between block sizes (resets the idle timeout)
 6. initiator -> target  `bench:stop`  (target deregisters and exits 0)
 """

@@ -22,17 +22,18 @@ from typing import IO, Any, Sequence
 import numpy as np
 
 from multirail.bench import protocol as proto
-from multirail.bench.core import TARGET_SEED, first_mismatch, pattern
+from multirail.bench.core import TARGET_SEED, pattern
 
 
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
-          stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None) -> int:
+          stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
+          secret: str | None = None) -> int:
     import multirail  # lazy: the tool must import without the extension
 
     cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
                                 policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                stall_timeout=stall_timeout)
+                                stall_timeout=stall_timeout, auth_secret=secret)  # None: $MULTIRAIL_SECRET
     agent = multirail.Agent(name, cfg)
     buf = np.zeros(buffer_size, dtype=np.uint8)
     try:
@@ -101,9 +102,10 @@ def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: in
         if off < 0 or length < 0 or off + length > len(buf):
             return proto.encode(proto.VERIFIED, {"ok": False, "first_bad": None, "error": "out of range"})
         _corrupt(buf, corrupt_offset, off + length)
-        bad = first_mismatch(buf[off:off + length], seed, off)
-        return proto.encode(proto.VERIFIED, {"ok": bad is None, "first_bad": None if bad is None else off + bad,
-                                             "seed": seed, "offset": off, "length": length})
+        differ = buf[off:off + length] != pattern(seed, off, length)
+        n_bad = int(np.count_nonzero(differ))
+        return proto.encode(proto.VERIFIED, {"ok": n_bad == 0, "first_bad": off + int(np.argmax(differ)) if n_bad else None,
+                                             "bad_bytes": n_bad, "seed": seed, "offset": off, "length": length})
     return None  # keepalive and unknown kinds only reset the idle timer
 
 

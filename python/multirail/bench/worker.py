@@ -115,7 +115,8 @@ class EngineWorker:
 
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
-                 chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 1.0) -> None:
+                 chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 1.0,
+                 secret: str | None = None) -> None:
         import multirail  # lazy: the tool must import without the extension
 
         self.mr = multirail
@@ -124,7 +125,7 @@ class EngineWorker:
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(target_host, target_port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails,
                                     policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                    stall_timeout=stall_timeout)
+                                    stall_timeout=stall_timeout, auth_secret=secret)  # None: $MULTIRAIL_SECRET
         self.agent = multirail.Agent(f"mr-bench-initiator-{os.getpid()}", cfg)
         self.peer = target_name
         self.buf = np.zeros(buffer_size, dtype=np.uint8)
@@ -133,6 +134,7 @@ class EngineWorker:
         self._layout = (0, 0)
         self._stopped = False
         self.stale_replies = 0  # replies skipped because they answered an earlier request
+        self.last_verified: dict[str, Any] = {}  # the target's last `bench:verified` reply
         try:
             self.agent.fetch_remote_metadata(target_name, target_host, target_port)
             self._wait_for(lambda: self.agent.check_remote_metadata(target_name),
@@ -215,9 +217,12 @@ class EngineWorker:
         self.agent.send_notif(self.peer, proto.encode(
             proto.VERIFY, {"seed": seed, "offset": offset, "length": length}))
         res = self._await_reply(proto.VERIFIED, {"seed": seed, "offset": offset, "length": length})
+        self.last_verified = res
         if res.get("ok"):
             return None
-        return f"target reports byte at offset {res.get('first_bad')} differs from what was written"
+        n = res.get("bad_bytes")
+        return (f"target reports byte at offset {res.get('first_bad')} differs from what was written"
+                + (f" ({n} bytes differ)" if n is not None else ""))
 
     def engine_rails(self) -> dict[str, int]:
         try:
