@@ -641,3 +641,101 @@ def test_auth_secret_required_and_checked():
         # A raw client that skips the proof is refused.
         with pytest.raises((AssertionError, ConnectionError)):
             rawpeer.connect(t.port)
+
+
+def test_transfer_sync_and_timeout_validation(pair):
+    t, i = pair
+    src, dst = pattern(64 << 10), np.zeros(64 << 10, np.uint8)
+    loaded(t, i, src, dst)
+    h = i.initialize_xfer("READ", [dst], [src], "target")
+    i.transfer_sync(h, timeout=5)
+    assert np.array_equal(dst, src) and i.check_xfer_state(h) == XferState.DONE
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(errors.InvalidArgumentError, match="timeout"):
+            i.wait(h, bad)
+        with pytest.raises(errors.InvalidArgumentError, match="timeout"):
+            i.transfer_sync(h, timeout=bad)
+    i.release_xfer_handle(h)
+
+
+def test_concurrent_small_and_bulk_transfers_share_connections(pair):
+    """Caller-driven completion (a waiting thread reads its own responses) and the receiver
+    threads must never lose, duplicate or misroute a response: several Python threads run small
+    READs/WRITEs with transfer_sync, wait and check_xfer_state polling while bulk READs run."""
+    t, i = pair
+    n_small, small = 6, 4096
+    src = pattern(16 * MiB + n_small * small, 3)
+    t.register_memory(src)
+    dst = np.zeros(src.size, np.uint8)
+    i.register_memory(dst)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    bulk = 16 * MiB
+    errs: list[BaseException] = []
+
+    def small_worker(k: int) -> None:
+        try:
+            off = bulk + k * small
+            r = i.initialize_xfer("READ", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
+            w = i.initialize_xfer("WRITE", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
+            for it in range(300):
+                mode = (it + k) % 3
+                if mode == 0:
+                    i.transfer_sync(r, timeout=10)
+                elif mode == 1:
+                    i.transfer(r)
+                    i.wait(r, 10)
+                else:
+                    i.transfer(r)
+                    deadline = time.monotonic() + 10
+                    while i.check_xfer_state(r) == XferState.IN_PROGRESS:
+                        assert time.monotonic() < deadline, "polled READ never finished"
+                assert np.array_equal(dst[off:off + small], src[off:off + small])
+                if it % 50 == 0:
+                    i.transfer_sync(w, timeout=10)  # writes back the same bytes
+            i.release_xfer_handle(r)
+            i.release_xfer_handle(w)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    def bulk_worker() -> None:
+        try:
+            h = i.initialize_xfer("READ", [(dst.ctypes.data, bulk, 0)], [(src.ctypes.data, bulk, 0)], "target")
+            for _ in range(4):
+                i.transfer_sync(h, timeout=30)
+                assert np.array_equal(dst[:bulk], src[:bulk])
+            i.release_xfer_handle(h)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    threads = [threading.Thread(target=small_worker, args=(k,)) for k in range(n_small)] + [threading.Thread(target=bulk_worker)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads), "a transfer thread hung"
+    assert not errs, errs[0]
+    assert np.array_equal(dst, src)
+
+
+def test_wait_on_a_transfer_spread_over_connections_returns_promptly():
+    """A transfer striped over several connections: the waiting caller drives one of them and
+    must not sit in a read there once its chunks elsewhere complete it (that bug made some
+    waits take the 50 ms socket tick)."""
+    t = Agent("target")
+    i = Agent("initiator", {"connections": 3, "chunk_size": 64 << 10, "stripe_threshold": 4096, "timeout": 5.0})
+    try:
+        src, dst = pattern(512 << 10, 5), np.zeros(512 << 10, np.uint8)
+        loaded(t, i, src, dst)
+        h = i.initialize_xfer("READ", [dst], [src], "target")
+        slow = 0
+        for _ in range(300):
+            t0 = time.monotonic()
+            i.transfer(h)
+            i.wait(h, 10)
+            slow += time.monotonic() - t0 > 0.035
+        assert np.array_equal(dst, src)
+        assert slow <= 3, f"{slow} of 300 striped 512 KiB READs took > 35 ms"
+        i.release_xfer_handle(h)
+    finally:
+        i.close()
+        t.close()

@@ -33,6 +33,10 @@ class XferState(enum.IntEnum):
     ERROR = 3
 
 
+# Engine state codes (0 = never posted) -> XferState, without enum construction.
+_STATES: tuple[XferState, ...] = (XferState.IN_PROGRESS, XferState.IN_PROGRESS, XferState.DONE, XferState.ERROR)
+
+
 @dataclass
 class AgentConfig:
     """Agent settings. Every field has a sane default; see docs/ARCHITECTURE.md.
@@ -408,16 +412,23 @@ class Agent:
         return self.initialize_xfer(op, DescList(local.descs.arr[li]), DescList(remote.descs.arr[ri]), remote.peer, notif)
 
     def transfer(self, h: XferHandle, notif: bytes | None = None) -> XferState:
-        return XferState(self._core_post(h, notif))
+        # Table lookup, not XferState(int): this is on the small-transfer latency path.
+        return _STATES[h._h.post(None if notif is None else bytes(notif))]
 
-    def _core_post(self, h: XferHandle, notif: bytes | None) -> int:
-        return h._h.post(None if notif is None else bytes(notif))
+    def transfer_sync(self, h: XferHandle, timeout: float | None = None, notif: bytes | None = None) -> None:
+        """Post `h` and block until it is DONE (raises its MultirailError on failure or
+        TimeoutError): `transfer` + `wait` in one engine call, the lowest-latency form for a
+        caller that would wait anyway."""
+        h._h.post_wait(None if notif is None else bytes(notif), timeout)
 
     def check_xfer_state(self, h: XferHandle) -> XferState:
-        s = h._h.state()
+        """The transfer's state. While it is in progress this also completes responses that
+        have already arrived (progress in the caller's thread, as UCX's worker progress does),
+        so a polling loop sees small transfers finish without a thread handoff."""
+        s = h._h.progress()
         if s == 0:
             raise InvalidArgumentError("transfer was never posted")
-        return XferState(s)
+        return _STATES[s]
 
     def xfer_error(self, h: XferHandle) -> BaseException | None:
         """The exception a failed transfer would raise, or None."""

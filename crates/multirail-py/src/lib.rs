@@ -274,6 +274,10 @@ impl PyXfer {
     fn state(&self) -> u8 {
         self.0.state() as u8
     }
+    /// State after completing responses that have already arrived (see `XferHandle::progress`).
+    fn progress(&self, py: Python<'_>) -> u8 {
+        py.allow_threads(|| self.0.progress()) as u8
+    }
     /// Raise the transfer's error if it failed.
     fn check(&self) -> PyResult<u8> {
         let s = self.0.state();
@@ -284,9 +288,15 @@ impl PyXfer {
         }
         Ok(s as u8)
     }
+    /// Post and wait in one call (one GIL release): the blocking form for latency-bound use.
+    #[pyo3(signature = (notif=None, timeout=None))]
+    fn post_wait(&self, py: Python<'_>, notif: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<()> {
+        let t = wait_timeout(timeout)?;
+        py.allow_threads(|| self.0.post(notif).and_then(|_| self.0.wait(t))).map_err(to_py)
+    }
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
-        let t = timeout.map(Duration::from_secs_f64);
+        let t = wait_timeout(timeout)?;
         py.allow_threads(|| self.0.wait(t)).map_err(to_py)
     }
     fn release(&self, py: Python<'_>) {
@@ -299,6 +309,15 @@ impl PyXfer {
     #[getter]
     fn num_pieces(&self) -> usize {
         self.0.num_pieces()
+    }
+}
+
+/// A caller's timeout in seconds (None: no limit); negative, NaN or absurd values are refused.
+fn wait_timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
+    match t {
+        None => Ok(None),
+        Some(s) if (0.0..1e9).contains(&s) => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(to_py(multirail::Error::InvalidArgument(format!("timeout must be a non-negative number of seconds, got {s}")))),
     }
 }
 

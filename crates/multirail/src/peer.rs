@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use crate::auth;
 use crate::error::{Error, Result};
 use crate::registry::random_bytes;
 use crate::wire::{self, WireError};
-use crate::xfer::{Op, XferHandle, XferShared};
+use crate::xfer::{Op, XferHandle, XferShared, XferState};
 
 /// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
 const TICK: Duration = Duration::from_millis(50);
@@ -105,6 +105,12 @@ impl Peer {
     pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>) -> Result<()> {
         let link = self.link()?;
         link.submit(x)
+    }
+
+    /// See [`Link::drive`]; false when there is no link.
+    pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        let link = self.link.lock().expect("peer lock").clone();
+        link.is_some_and(|l| l.drive(x, deadline, poll_only))
     }
 
     pub(crate) fn cancel(&self, x: &Arc<XferShared>) {
@@ -201,9 +207,55 @@ struct Sent {
     xfer: Arc<XferShared>,
 }
 
+/// Who is reading a connection's responses (`Conn::owner`).
+const OWNER_NONE: u8 = 0;
+const OWNER_RECEIVER: u8 = 1;
+const OWNER_CALLER: u8 = 2;
+/// How long the receiver stays away while a caller drives its connection.
+const CALLER_YIELD: Duration = Duration::from_micros(200);
+
+/// Why a reader stopped.
+enum Stop {
+    /// The link is shutting down.
+    Shutdown,
+    /// The connection failed: the reason.
+    Failed(String),
+    /// (Caller) nothing is outstanding on the connection.
+    Idle,
+    /// (Caller) its deadline passed.
+    CallerTimeout,
+}
+
+/// Stall bookkeeping, shared by whoever reads the connection.
+struct Clock {
+    /// Last response (or idle moment).
+    last: Instant,
+    last_link_check: Instant,
+}
+
+/// The reading half of a connection: owned by the receiver thread or by a waiting caller.
+struct Rx {
+    s: TcpStream,
+    inb: wire::Inbound,
+    clock: Clock,
+}
+
+/// Wait up to `timeout` for `fd` to be readable (or closed/failed). False on timeout.
+fn poll_in(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
+    r != 0
+}
+
 /// One TCP connection on one rail.
 struct Conn {
     rail: usize,
+    /// The socket's fd (for poll and TCP_INFO); owned by `rx.s`.
+    fd: std::os::fd::RawFd,
+    rx: Mutex<Rx>,
+    /// OWNER_*: who may lock `rx` and read.
+    owner: AtomicU8,
     /// The nonce of this connection's `Hello`: the target knows it by this id (for `Fence`).
     id: [u8; 16],
     /// Carried a WRITE: must be fenced on the target if it dies.
@@ -574,6 +626,13 @@ impl Link {
             fds.push(s.try_clone().map_err(|e| Error::io("clone socket", e))?);
             let c = Arc::new(Conn {
                 rail: ri,
+                fd: std::os::fd::AsRawFd::as_raw_fd(&reader),
+                rx: Mutex::new(Rx {
+                    s: reader,
+                    inb: wire::Inbound::new(),
+                    clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
+                }),
+                owner: AtomicU8::new(OWNER_NONE),
                 id,
                 wrote: AtomicBool::new(false),
                 writer: Mutex::new(s),
@@ -584,10 +643,7 @@ impl Link {
             });
             rail.live_receivers.fetch_add(1, Ordering::AcqRel);
             let (l1, c1) = (self.clone(), c.clone());
-            std::thread::Builder::new()
-                .name(format!("mr-recv-{ri}"))
-                .spawn(move || l1.receiver(c1, reader))
-                .map_err(|e| Error::io("spawn", e))?;
+            std::thread::Builder::new().name(format!("mr-recv-{ri}")).spawn(move || l1.receiver(c1)).map_err(|e| Error::io("spawn", e))?;
             let (l2, c2) = (self.clone(), c.clone());
             std::thread::Builder::new().name(format!("mr-send-{ri}")).spawn(move || l2.sender(c2)).map_err(|e| Error::io("spawn", e))?;
             conns.push(c);
@@ -780,13 +836,17 @@ impl Link {
         }
     }
 
-    fn receiver(self: Arc<Self>, c: Arc<Conn>, mut s: TcpStream) {
-        let reason = self.receive_loop(&c, &mut s);
+    fn receiver(self: Arc<Self>, c: Arc<Conn>) {
+        let reason = self.receive_loop(&c);
         c.dead.store(true, Ordering::Release);
-        if reason.is_some() {
-            abort_socket(&s);
-        } else {
-            let _ = s.shutdown(Shutdown::Both);
+        {
+            // Waits for a caller that is still reading this connection (it sees `dead`).
+            let rx = c.rx.lock().expect("rx lock");
+            if reason.is_some() {
+                abort_socket(&rx.s);
+            } else {
+                let _ = rx.s.shutdown(Shutdown::Both);
+            }
         }
         if let Some(reason) = reason {
             self.rail_failed(c.rail, reason);
@@ -832,108 +892,226 @@ impl Link {
         }
     }
 
+    /// The receiver thread: waits for the socket to become readable without holding the
+    /// connection's reader, then reads responses while requests are outstanding. A caller
+    /// blocked in `wait` on a transfer of this connection may own the reader instead
+    /// (caller-driven completion, see `drive`); the receiver then stays out of its way.
     /// Returns the failure reason, or None on orderly shutdown.
-    fn receive_loop(&self, c: &Arc<Conn>, s: &mut TcpStream) -> Option<String> {
-        use std::os::fd::AsRawFd;
-        let stall = self.ctx.cfg.planner.stall_timeout;
-        let fd = s.as_raw_fd();
-        let dev = self.rails[c.rail].local.as_ref().map(|l| l.0.clone()).filter(|d| !d.is_empty());
-        let mut last = Instant::now();
-        let mut last_link_check = Instant::now();
-        let mut inb = wire::Inbound::new();
+    fn receive_loop(&self, c: &Arc<Conn>) -> Option<String> {
+        let fd = c.fd;
         loop {
-            // Runs every TICK while the socket has nothing to read.
-            let mut tick = |started: bool| -> Result<(), String> {
-                if self.shutdown.load(Ordering::Acquire) {
-                    return Err(String::new());
-                }
-                if c.dead.load(Ordering::Acquire) {
-                    return Err("connection shut".into());
-                }
-                let busy = started || c.inflight_n.load(Ordering::Acquire) > 0;
-                if !busy {
-                    last = Instant::now();
-                    return Ok(());
-                }
-                let quiet = last.elapsed();
-                // A local link that lost carrier is dead now; no need to wait for the stall.
-                if quiet > LINK_CHECK && last_link_check.elapsed() > LINK_CHECK {
-                    last_link_check = Instant::now();
-                    if let Some(why) = dev.as_deref().and_then(link_down) {
-                        return Err(why);
+            if self.shutdown.load(Ordering::Acquire) {
+                return None;
+            }
+            if c.dead.load(Ordering::Acquire) {
+                return Some("connection shut".into());
+            }
+            if c.owner.load(Ordering::Acquire) == OWNER_CALLER {
+                // A caller is reading; look again shortly (no handoff signal on its path).
+                std::thread::sleep(CALLER_YIELD);
+                continue;
+            }
+            let readable = poll_in(fd, TICK);
+            if c.owner.compare_exchange(OWNER_NONE, OWNER_RECEIVER, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                continue;
+            }
+            let mut rx = c.rx.lock().expect("rx lock");
+            // A caller may have read what woke us: only read what is still there (a read with
+            // nothing to come would hold the reader from the next waiting caller).
+            let r = if readable && poll_in(fd, Duration::ZERO) {
+                // Read while requests are outstanding; hand the reader back when idle so a
+                // waiting caller can drive the next round trip itself.
+                loop {
+                    match self.read_one(c, &mut rx, None) {
+                        Ok(()) if c.inflight_n.load(Ordering::Acquire) > 0 => {}
+                        Ok(()) => break Ok(()),
+                        Err(e) => break Err(e),
                     }
                 }
-                // Stalled = no byte received (not merely no whole response: a large chunk on a
-                // slow rail is progress) for `stall_timeout` with requests outstanding.
-                if quiet > stall && ms_since_data(fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
-                    return Err(format!("stalled: no data for {stall:?}"));
-                }
-                Ok(())
-            };
-            // The response answers the oldest request (TCP keeps order). When a READ is already
-            // queued (pipelined bulk), land header and payload with one scatter read; on an idle
-            // connection the read-ahead takes the response whole and the payload lands after.
-            let front = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
-            let dst = match front {
-                // SAFETY: registered local memory held by the transfer (see `send_chunk`).
-                Some((p, Op::Read)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
-                _ => None,
-            };
-            let (h, body, mut landed) = match inb.read_response_into(s, dst, &mut tick) {
-                Ok(f) => f,
-                Err(WireError::GaveUp(r)) if r.is_empty() => return None,
-                Err(e) => return Some(e.to_string()),
-            };
-            if front.is_none() {
-                let late = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
-                if let (Some((p, Op::Read)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (late, &body) {
-                    if *bulk_len == p.len {
-                        // SAFETY: as above.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
-                        if let Err(e) = inb.read_into(s, dst, &mut tick) {
-                            return Some(e.to_string());
-                        }
-                        landed = true;
-                    }
-                }
-            }
-            last = Instant::now();
-            let (status, bulk_len, msg) = match body {
-                Body::Resp { status, bulk_len, msg } => (status, bulk_len, msg),
-                Body::Error { status, msg } => return Some(format!("peer closed the connection: {status:?}: {msg}")),
-                other => return Some(format!("protocol error: unexpected {:?} on a data connection", other.kind())),
-            };
-            let Some(sent) = c.inflight.lock().expect("conn lock").pop_front() else {
-                return Some("protocol error: response with no request outstanding".into());
-            };
-            if sent.req_id != h.req_id {
-                return Some(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
-            }
-            let ok = status == Status::Ok;
-            if ok && sent.xfer.op == Op::Read && !landed {
-                return Some(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
-            } else if (!ok || sent.xfer.op == Op::Write) && bulk_len != 0 {
-                return Some("protocol error: bulk data on a refused or WRITE response".into());
-            }
-            c.inflight_n.fetch_sub(1, Ordering::AcqRel);
-            let now = Instant::now();
-            let mut g = self.sched.lock().expect("sched lock");
-            if ok {
-                g.planner.handle_done(sent.chunk.id, now);
             } else {
-                sent.xfer.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
-                g.planner.handle_failed(sent.chunk.id, msg, now);
-            }
-            let done = self.drain_events(&mut g);
-            // Wake the senders only when there is work left; an idle completion (the common
-            // case for small transfers) costs no extra thread wakeups.
-            let more = !g.planner.is_idle();
-            drop(g);
-            self.complete(done);
-            if more {
-                self.cond.notify_all();
+                self.quiet_checks(c, &mut rx.clock, false)
+            };
+            drop(rx);
+            c.owner.store(OWNER_NONE, Ordering::Release);
+            match r {
+                Ok(()) => {}
+                Err(Stop::Shutdown) => return None,
+                Err(Stop::Failed(e)) => return Some(e),
+                Err(Stop::Idle) | Err(Stop::CallerTimeout) => {}
             }
         }
+    }
+
+    /// Deadline, stall and link checks for a reader with nothing to read right now.
+    fn quiet_checks(&self, c: &Conn, clock: &mut Clock, started: bool) -> Result<(), Stop> {
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(Stop::Shutdown);
+        }
+        if c.dead.load(Ordering::Acquire) {
+            return Err(Stop::Failed("connection shut".into()));
+        }
+        let busy = started || c.inflight_n.load(Ordering::Acquire) > 0;
+        if !busy {
+            clock.last = Instant::now();
+            return Ok(());
+        }
+        let quiet = clock.last.elapsed();
+        // A local link that lost carrier is dead now; no need to wait for the stall.
+        if quiet > LINK_CHECK && clock.last_link_check.elapsed() > LINK_CHECK {
+            clock.last_link_check = Instant::now();
+            if let Some(why) = self.rails[c.rail].local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down) {
+                return Err(Stop::Failed(why));
+            }
+        }
+        // Stalled = no byte received (not merely no whole response: a large chunk on a slow
+        // rail is progress) for `stall_timeout` with requests outstanding.
+        let stall = self.ctx.cfg.planner.stall_timeout;
+        if quiet > stall && ms_since_data(c.fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
+            return Err(Stop::Failed(format!("stalled: no data for {stall:?}")));
+        }
+        Ok(())
+    }
+
+    /// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
+    /// reader also stops (between frames only) when nothing is outstanding or time is up.
+    fn read_one(&self, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
+        let Rx { s, inb, clock } = rx;
+        let mut stop: Option<Stop> = None;
+        // Runs every TICK while the socket has nothing to read.
+        let mut tick = |started: bool| -> Result<(), String> {
+            let r = match caller {
+                Some(_) if !started && c.inflight_n.load(Ordering::Acquire) == 0 => Err(Stop::Idle),
+                Some(Some(d)) if !started && Instant::now() >= d => Err(Stop::CallerTimeout),
+                _ => self.quiet_checks(c, clock, started),
+            };
+            r.map_err(|e| {
+                stop = Some(e);
+                String::new()
+            })
+        };
+        // The response answers the oldest request (TCP keeps order). When a READ is already
+        // queued (pipelined bulk), land header and payload with one scatter read; on an idle
+        // connection the read-ahead takes the response whole and the payload lands after.
+        let front = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+        let dst = match front {
+            // SAFETY: registered local memory held by the transfer (see `send_chunk`).
+            Some((p, Op::Read)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
+            _ => None,
+        };
+        let failed = |e: WireError, stop: &mut Option<Stop>| stop.take().unwrap_or_else(|| Stop::Failed(e.to_string()));
+        let (h, body, mut landed) = match inb.read_response_into(s, dst, &mut tick) {
+            Ok(f) => f,
+            Err(e) => return Err(failed(e, &mut stop)),
+        };
+        if front.is_none() {
+            let late = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+            if let (Some((p, Op::Read)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (late, &body) {
+                if *bulk_len == p.len {
+                    // SAFETY: as above.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+                    if let Err(e) = inb.read_into(s, dst, &mut tick) {
+                        return Err(failed(e, &mut stop));
+                    }
+                    landed = true;
+                }
+            }
+        }
+        clock.last = Instant::now();
+        let proto = |m: String| Err(Stop::Failed(m));
+        let (status, bulk_len, msg) = match body {
+            Body::Resp { status, bulk_len, msg } => (status, bulk_len, msg),
+            Body::Error { status, msg } => return proto(format!("peer closed the connection: {status:?}: {msg}")),
+            other => return proto(format!("protocol error: unexpected {:?} on a data connection", other.kind())),
+        };
+        let Some(sent) = c.inflight.lock().expect("conn lock").pop_front() else {
+            return proto("protocol error: response with no request outstanding".into());
+        };
+        if sent.req_id != h.req_id {
+            return proto(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
+        }
+        let ok = status == Status::Ok;
+        if ok && sent.xfer.op == Op::Read && !landed {
+            return proto(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
+        } else if (!ok || sent.xfer.op == Op::Write) && bulk_len != 0 {
+            return proto("protocol error: bulk data on a refused or WRITE response".into());
+        }
+        c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+        let now = Instant::now();
+        let mut g = self.sched.lock().expect("sched lock");
+        if ok {
+            g.planner.handle_done(sent.chunk.id, now);
+        } else {
+            sent.xfer.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
+            g.planner.handle_failed(sent.chunk.id, msg, now);
+        }
+        let done = self.drain_events(&mut g);
+        // Wake the senders only when there is work left; an idle completion (the common case
+        // for small transfers) costs no extra thread wakeups.
+        let more = !g.planner.is_idle();
+        drop(g);
+        self.complete(done);
+        if more {
+            self.cond.notify_all();
+        }
+        Ok(())
+    }
+
+    /// Caller-driven completion: the thread waiting for `x` reads its responses itself, as a
+    /// ping-pong client would, instead of being woken by the receiver thread (one thread
+    /// wakeup per round trip instead of two). Only when `x` has a chunk in flight on a
+    /// connection whose reader is free; returns whether `x` is finished. `poll_only`: read only
+    /// what has already arrived (progress from `check_xfer_state`), never block for more.
+    pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        for rail in &self.rails {
+            let conns = rail.conns.read().expect("rail lock");
+            let Some(c) = conns.iter().find(|c| {
+                !c.dead.load(Ordering::Acquire)
+                    && c.inflight_n.load(Ordering::Acquire) > 0
+                    && c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x))
+            }) else {
+                continue;
+            };
+            let c = c.clone();
+            drop(conns);
+            if c.owner.compare_exchange(OWNER_NONE, OWNER_CALLER, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return false;
+            }
+            let Ok(mut rx) = c.rx.try_lock() else {
+                c.owner.store(OWNER_NONE, Ordering::Release);
+                return false;
+            };
+            let mut failure = None;
+            let mine = |c: &Conn| c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x));
+            while x.state() == XferState::InProgress {
+                if poll_only && !poll_in(c.fd, Duration::ZERO) {
+                    break;
+                }
+                if !poll_only && !mine(&c) {
+                    // The rest of `x` is on other connections: their readers finish it.
+                    break;
+                }
+                match self.read_one(&c, &mut rx, Some(deadline)) {
+                    Ok(()) => {}
+                    Err(Stop::Failed(e)) => {
+                        failure = Some(e);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if failure.is_some() {
+                c.dead.store(true, Ordering::Release);
+                abort_socket(&rx.s);
+            }
+            drop(rx);
+            c.owner.store(OWNER_NONE, Ordering::Release);
+            if let Some(e) = failure {
+                // The receiver sees the connection dead and runs the rail-down path.
+                self.rail_failed(c.rail, e);
+            }
+            return x.state() != XferState::InProgress;
+        }
+        false
     }
 
     /// Shut every connection of a rail so all its receivers stop.
