@@ -200,9 +200,8 @@ class EngineWorker:
         return self._handle
 
     def run_once(self) -> None:
-        state = self.agent.transfer(self._handle)
-        if state != self.mr.XferState.DONE:
-            self.agent.wait(self._handle, timeout=self.timeout)
+        # Post + wait in one engine call (Agent.transfer_sync): the blocking round trip.
+        self.agent.transfer_sync(self._handle, timeout=self.timeout)
 
     def verify(self) -> str | None:
         bs, batch = self._layout
