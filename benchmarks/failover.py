@@ -52,7 +52,7 @@ def failover_runs(tb: Testbed, args: argparse.Namespace, size: int) -> list[dict
     runs = []
     for i in range(args.repeat):
         out = run_drill(tb, {"mode": "failover", "op": args.op, "size": size, "rail": 1,
-                             "stall_timeout": args.stall_timeout, "connections": args.connections,
+                             "stall_timeout": args.stall_timeout, "connections": args.connections, "how": args.how,
                              "chunk_size": args.chunk_size, "timeout": 60.0}, timeout=args.limit)
         fo, one = out["failover"], out["one_rail"]
         row = {
@@ -80,7 +80,7 @@ def failover_runs(tb: Testbed, args: argparse.Namespace, size: int) -> list[dict
 
 
 def summarize(runs: list[dict[str, Any]], args: argparse.Namespace, size: int) -> str:
-    lines = [f"2 x {args.rate} rails, {args.op} {format_size(size)}, stall_timeout {args.stall_timeout} s, "
+    lines = [f"2 x {args.rate} rails, {args.op} {format_size(size)}, failure {args.how}, stall_timeout {args.stall_timeout} s, "
              f"{args.connections} connection(s)/rail, chunk {args.chunk_size}", "",
              "| run | completed | byte-exact | detect s | remainder Gbps | one rail Gbps | remainder % of one rail | readmit s |",
              "|---:|---|---|---:|---:|---:|---:|---:|"]
@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flap", type=int, default=0, metavar="N", help="flap rail 1 N times instead")
     p.add_argument("--down-s", type=float, default=1.0, help="--flap: seconds down (default 1)")
     p.add_argument("--up-s", type=float, default=2.0, help="--flap: seconds up between flaps (default 2)")
-    p.add_argument("--stall-timeout", type=float, default=1.0, help="engine stall_timeout (default 1 s)")
+    p.add_argument("--stall-timeout", type=float, default=0.5, help="engine stall_timeout (default 0.5 s, the engine's)")
+    p.add_argument("--how", default="link", choices=["link", "blackhole"],
+                   help="failure: link = rail device down on side a (carrier loss); blackhole = side a silently "
+                        "drops what it sends on the rail (only the stall timeout can see it)")
     p.add_argument("--connections", type=int, default=1)
     p.add_argument("--chunk-size", default="1MiB")
     p.add_argument("--limit", type=float, default=300.0, help="seconds allowed per drill (default 300)")

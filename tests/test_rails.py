@@ -112,9 +112,11 @@ def _check_rail_down(stats: list[dict[str, Any]], rail: int) -> None:
     assert all(s["up"] for i, s in enumerate(stats) if i != rail), stats
 
 
-@pytest.mark.parametrize("op", ["READ", "WRITE"])
-def test_failover_mid_transfer_and_readmit(testbed: Any, op: str) -> None:
-    out = run_drill(testbed, {"mode": "failover", "op": op, "size": 256 * MiB, "rail": 1,
+@pytest.mark.parametrize("op,how", [("READ", "link"), ("WRITE", "link"), ("WRITE", "blackhole")])
+def test_failover_mid_transfer_and_readmit(testbed: Any, op: str, how: str) -> None:
+    """`link`: side a's device goes down (side b loses carrier, seen in ~0.1 s); `blackhole`:
+    side a silently drops its traffic on the rail, carrier intact (only the stall timeout sees it)."""
+    out = run_drill(testbed, {"mode": "failover", "op": op, "size": 256 * MiB, "rail": 1, "how": how,
                               "stall_timeout": STALL_S}, timeout=90)
     for step in ("baseline", "failover", "one_rail", "after_readmit"):
         assert out[step]["ok"] and out[step]["corrupt"] is None, (step, out[step])
@@ -124,6 +126,8 @@ def test_failover_mid_transfer_and_readmit(testbed: Any, op: str) -> None:
     assert fo["detect_s"] is not None and fo["detect_s"] <= STALL_S + 1.5, fo["detect_s"]
     _check_rail_down(fo["rail_stats"], 1)
     assert any("rail 1" in e and "down" in e for e in out["events"]), out["events"]
+    reason = fo["rail_stats"][1]["down_reason"]
+    assert ("link down" in reason) if how == "link" else ("stalled" in reason), reason
     assert out["one_rail"]["bytes_on_down_rail"] == 0
     # readmitted within a few seconds, and the next transfer uses it again
     assert out["readmit_s"] is not None and out["readmit_s"] <= 5.0, out["readmit_s"]

@@ -401,6 +401,21 @@ class Testbed:
                       "src", r.addrs[s], "table", str(r.table)])
         self._wait_operstate([r], up)
 
+    def set_blackhole(self, rail: int, on: bool, side: str = "a") -> None:
+        """Silently drop everything `side` sends to the other side's address on this rail (an
+        `ip rule ... blackhole`), or stop doing so. Unlike `set_link`, both ends keep carrier:
+        this is a path that fails without telling anyone (a dead switch port upstream, a
+        misprogrammed route), which only a stall timeout can detect."""
+        require_root()
+        r = self._rail(rail)
+        other = "b" if side == "a" else "a"
+        rule = ["rule", "to", f"{r.addrs[other]}/32", "pref", str(RULE_PREF_BASE - 100 + r.index), "blackhole"]
+        if on:
+            _run(["ip", "-n", self.ns(side), "rule", "del", *rule[1:]], check=False)
+            _run(["ip", "-n", self.ns(side), "rule", "add", *rule[1:]])
+        else:
+            _run(["ip", "-n", self.ns(side), "rule", "del", *rule[1:]], check=False)
+
     def delete_rail(self, rail: int) -> None:
         """Delete a rail's veth pair and its policy rules: the rail is gone for good (until the
         next `up`, which rebuilds the testbed because it no longer matches its spec)."""

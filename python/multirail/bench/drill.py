@@ -16,7 +16,8 @@ A drill runs on a testbed (python/multirail/testbed.py) with two processes, as o
 Scenarios (``SPEC["mode"]``):
 
 * ``failover``: a baseline transfer on all rails; then a transfer during which rail ``rail`` is
-  taken down once ``fraction`` of its bytes are done (detect time = link down -> the engine
+  taken down (``how``: "link", its device on side a down; or "blackhole", side a silently
+  drops what it sends on it, carrier intact) once ``fraction`` of its bytes are done (detect time = link down -> the engine
   marks the rail down; remainder rate = bytes done after detection / time after detection);
   a transfer with the rail still down (the one-rail rate of this run); the link back up, the
   time until the engine readmits the rail; a last transfer that must use it again. Every
@@ -326,8 +327,14 @@ def scenario_failover(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     t0 = ini.post()
     ini.wait_bytes(rail, start[rail] + int(share * float(spec.get("fraction", 0.5))), ini.timeout)
     before_down = ini.rail_bytes()
+    # "link": the rail's device on side a goes down (side b loses carrier); "blackhole": side
+    # a silently drops what it sends on the rail (carrier stays up: only the stall timeout sees it)
+    how = str(spec.get("how", "link"))
+    if how not in ("link", "blackhole"):
+        raise ValueError(f"unknown failure kind {how!r}")
+    breaker = ini.tb.set_link if how == "link" else (lambda r, up: ini.tb.set_blackhole(r, not up))
     t_down = time.monotonic()
-    ini.tb.set_link(rail, False)
+    breaker(rail, False)
     t_link = time.monotonic()
     detect_after_call = ini.wait_rail(rail, False, ini.timeout)
     detect = None if detect_after_call is None else time.monotonic() - t_down
@@ -352,7 +359,7 @@ def scenario_failover(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     out["one_rail"] = {**one.as_dict(), "gbps": _gbps(ini.size, one.seconds),
                        "bytes_on_down_rail": one_bytes[rail] - end[rail]}
     t_up = time.monotonic()
-    ini.tb.set_link(rail, True)
+    breaker(rail, True)
     readmit = ini.wait_rail(rail, True, float(spec.get("readmit_limit_s", 10.0)))
     out["readmit_s"] = None if readmit is None else time.monotonic() - t_up
     before_after = ini.rail_bytes()
