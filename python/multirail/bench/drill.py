@@ -71,7 +71,7 @@ class DrillError(RuntimeError):
 
 @contextlib.contextmanager
 def target_process(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
-                   stall_timeout: float = 1.0, lifetime_s: float = 300.0,
+                   stall_timeout: float = 0.5, lifetime_s: float = 300.0,
                    env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
     """A `bench target` on every rail of namespace a; yields (port, pid); killed by PID on exit.
     `env` is the target's environment (e.g. with MULTIRAIL_SECRET: secrets stay off argv)."""
@@ -93,7 +93,7 @@ def target_process(tb: Any, buffer_size: int, *, connections: int = 1, chunk_siz
 
 @contextlib.contextmanager
 def target_in(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
-              stall_timeout: float = 1.0, lifetime_s: float = 300.0) -> Iterator[int]:
+              stall_timeout: float = 0.5, lifetime_s: float = 300.0) -> Iterator[int]:
     """A `bench target` on every rail of namespace a; yields its port; killed by PID on exit."""
     with target_process(tb, buffer_size, connections=connections, chunk_size=chunk_size,
                         stall_timeout=stall_timeout, lifetime_s=lifetime_s) as (port, _pid):
@@ -109,7 +109,7 @@ def run_drill(tb: Any, spec: dict[str, Any], timeout: float = 120.0, *, env: dic
     spec = {"testbed": tb.name, "target": tb.addrs("a")[0], "rails": tb.addrs("b"), **spec}
     with target_process(tb, int(spec["size"]), connections=int(spec.get("connections", 1)),
                         chunk_size=str(spec.get("chunk_size", "1MiB")),
-                        stall_timeout=float(spec.get("stall_timeout", 1.0)),
+                        stall_timeout=float(spec.get("stall_timeout", 0.5)),
                         lifetime_s=timeout + 30, env=env) as (port, target_pid):
         spec["port"] = port
         cmd = tb.exec_argv("b", [sys.executable, "-m", "multirail.bench.drill", json.dumps(spec)])
@@ -183,7 +183,7 @@ class Initiator:
             raise DrillError(f"op must be READ, WRITE or MIXED, not {self.op!r}")
         self.size = int(spec["size"])
         self.timeout = float(spec.get("timeout", 30.0))
-        self.stall_timeout = float(spec.get("stall_timeout", 1.0))
+        self.stall_timeout = float(spec.get("stall_timeout", 0.5))
         self.worker = EngineWorker(
             op="WRITE" if self.op == "WRITE" else "READ", target_host=spec["target"],
             target_port=int(spec["port"]), target_name=spec.get("target_name", "mr-bench-target"),

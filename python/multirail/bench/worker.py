@@ -115,7 +115,7 @@ class EngineWorker:
 
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
-                 chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 1.0,
+                 chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 0.5,
                  secret: str | None = None) -> None:
         import multirail  # lazy: the tool must import without the extension
 
