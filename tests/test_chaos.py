@@ -141,6 +141,9 @@ def test_growth_flags_leaks_and_tolerates_noise() -> None:
     assert growth(leak, 5, 10, Limits())["rss_trend_kib_per_min"] == pytest.approx(60_000)
     fd_leak = _series([100_000] * n, [18 + i // 10 for i in range(n)])
     assert any(p.startswith("fds") for p in growth(fd_leak, 5, 10, Limits())["problems"])
+    # two-valued (a rail down half the time), with a swing larger than the slack: no problem
+    flap = _series([100_000] * n, [17 + 4 * (i % 2) for i in range(n)], [12 + 3 * (i % 2) for i in range(n)])
+    assert growth(flap, 5, 10, Limits())["problems"] == []
     th_leak = _series([100_000] * n, [18] * n, [10 + i // 10 for i in range(n)])
     assert any(p.startswith("threads") for p in growth(th_leak, 5, 10, Limits())["problems"])
     assert "too few samples" in growth(steady[:4], 5, 10, Limits())["problems"][0]
@@ -334,3 +337,38 @@ def test_chaos_single_rail_failures_are_counted_separately(tmp_path: Path) -> No
     assert doc["lost"] == 0 and doc["bytes_corrupted"] == 0 and doc["completed"] > 0
     assert res.returncode == 0 and doc["ok"], doc["problems"]
     assert "while no rail was up" in res.stdout
+
+
+# -- the soak script ----------------------------------------------------------------------------
+
+SOAK = str(Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py")
+
+
+@pytest.mark.parametrize("args,needle", [(["--minutes", "0"], "must be positive"),
+                                         (["--sizes", "4XB"], "invalid size"),
+                                         (["--flap-rails", "a"], "rail indices")])
+def test_soak_usage_errors(args: list[str], needle: str) -> None:
+    res = subprocess.run([ENGINE_PY or sys.executable, SOAK, *args], env=ENV, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+@needs_ns
+def test_soak_smoke(tmp_path: Path) -> None:
+    """15 s of the soak (its own testbed, removed at the end): the growth check runs on both
+    processes and the JSON has the samples."""
+    out = tmp_path / "soak.json"
+    res = subprocess.run([ENGINE_PY or sys.executable, SOAK, "--minutes", "0.25", "--op", "READ", "--sample-s", "0.5",
+                          "--json", str(out)], env=ENV, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in res.stderr, res.stderr
+    doc = json.loads(out.read_text())
+    assert res.returncode == 0 and doc["ok"], (doc["problems"], res.stdout[-2000:])
+    assert doc["chaos"]["bytes_corrupted"] == 0 and doc["chaos"]["lost"] == 0 and doc["chaos"]["flaps"] >= 2
+    for name in ("target", "initiator"):
+        g = doc["growth"][name]
+        assert g["problems"] == [] and g["early_n"] >= 3 and g["late_n"] >= 3, g
+        assert {"rss_kib", "fds", "threads"} <= set(g)
+        assert len(doc["chaos"]["resources"]["processes"][name]["samples"]) >= 10
+    assert not any(doc["testbed"] in ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                                  text=True).stdout.split())
+    assert "soak: OK" in res.stdout

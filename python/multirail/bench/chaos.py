@@ -217,11 +217,10 @@ def format_summary(doc: dict[str, Any]) -> str:
                      f"(max {_s(r['detect_max_s'])}, {r['undetected']} not detected while down); readmitted after "
                      f"median {_s(r['readmit_median_s'])} (max {_s(r['readmit_max_s'])})")
     for name, proc in doc.get("resources", {}).get("processes", {}).items():
-        a, b = proc.get("first"), proc.get("last")
-        if a and b:
-            lines.append(f"  {name:<9} pid {proc['pid']}: RSS {a['rss_kib'] / 1024:.1f} -> {b['rss_kib'] / 1024:.1f} MiB, "
-                         f"fds {a['fds']} -> {b['fds']}, threads {a['threads']} -> {b['threads']} "
-                         f"({proc['n']} samples)")
+        m = proc.get("max")
+        if m:  # peaks (the first sample is the process starting, the last may be it closing)
+            lines.append(f"  {name:<9} pid {proc['pid']}: peak RSS {m['rss_kib'] / 1024:.1f} MiB, fds {m['fds']}, "
+                         f"threads {m['threads']} ({proc['n']} samples; benchmarks/soak.py checks growth)")
     lines.append("  result            " + ("OK" if doc["ok"] else "FAILED: " + " | ".join(doc["problems"])))
     return "\n".join(lines)
 
