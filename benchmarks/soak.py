@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rails", type=int, default=2, help="testbed rails (default 2)")
     p.add_argument("--rate", default="1gbit", help="rate of every rail (default 1gbit)")
     p.add_argument("--flap-rails", default=None, help="rail indices that flap in turn (default: all but 0)")
+    p.add_argument("--how", default="link", choices=["link", "blackhole"],
+                   help="link (default): device down; blackhole: silent drop, carrier intact")
     p.add_argument("--down-s", type=float, default=2.0, help="seconds a rail stays down per flap (default 2)")
     p.add_argument("--up-s", type=float, default=2.0, help="seconds between flaps (default 2)")
     p.add_argument("--stall-timeout", type=float, default=1.0)
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.minutes <= 0 or args.sample_s <= 0 or args.rails < 1:
             raise UsageError("--minutes, --sample-s must be positive, --rails at least 1")
         opts = ChaosOptions(testbed="", op=args.op, sizes=parse_sizes(args.sizes), duration_s=args.minutes * 60,
-                            down_s=args.down_s, up_s=args.up_s,
+                            down_s=args.down_s, up_s=args.up_s, how=args.how,
                             flap_rails=parse_rail_list(args.flap_rails) if args.flap_rails else None,
                             connections=args.connections, chunk_size=args.chunk_size,
                             stall_timeout=args.stall_timeout, timeout=args.timeout,

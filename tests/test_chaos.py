@@ -68,6 +68,7 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--chaos-duration", "5"], "--chaos-duration: only with --chaos"),
     (["--flap-rails", "1", "--flap-up-s", "1"], "--flap-up-s, --flap-rails: only with --chaos"),
     (["--op", "MIXED"], "--op MIXED is only for chaos runs"),
+    (["--flap-how", "blackhole"], "--flap-how: only with --chaos"),
     (["--secret", ""], "--secret must not be empty"),
 ])
 def test_usage_errors(args: list[str], needle: str) -> None:
@@ -298,6 +299,20 @@ def test_chaos_rail_flap_read(testbed2: Any, tmp_path: Path) -> None:
     assert "chaos-secret" not in json.dumps(doc)
     for needle in ("flaps done", "transfers", "bytes moved", "bytes corrupted", "rail 1:", "result            OK"):
         assert needle in res.stdout, res.stdout
+
+
+@needs_ns
+def test_chaos_blackhole_read(testbed2: Any, tmp_path: Path) -> None:
+    """Carrier stays up: only the stall timeout sees the dead rail; the rule is gone afterwards."""
+    res, doc = chaos(testbed2, tmp_path, "--op", "READ", "--chaos-duration", "9", "--flap-how", "blackhole",
+                     "--chaos-sizes", "1MiB,16MiB")
+    assert doc["how"] == "blackhole" and doc["flaps"] >= 2, doc["flap_log"]
+    assert res.returncode == 0 and doc["ok"], doc["problems"]
+    assert doc["bytes_corrupted"] == 0 and doc["lost"] == 0 and doc["failed_with_rail_up"] == 0
+    r = doc["per_rail"][0]
+    assert r["undetected"] == 0 and r["detect_max_s"] < doc["down_s"], r  # detected by the stall timeout
+    rules = subprocess.run(["ip", "-n", testbed2.ns("a"), "rule", "list"], capture_output=True, text=True).stdout
+    assert "blackhole" not in rules, rules
 
 
 @needs_ns

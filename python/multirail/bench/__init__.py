@@ -133,6 +133,9 @@ def register(subparsers: Any) -> None:
                    help="testbed rail indices that flap, one at a time in turn (default: every rail but 0)")
     c.add_argument("--chaos-sizes", default=None, metavar="S1,S2",
                    help=f"transfer sizes, cycled (default {DEFAULT_SIZES})")
+    c.add_argument("--flap-how", choices=["link", "blackhole"], default=None,
+                   help="link (default): the rail's device goes down (carrier lost); blackhole: its "
+                        "traffic is silently dropped, carrier intact (only the stall timeout sees it)")
     for sp in (t, i, l):
         sp.set_defaults(func=main)
 

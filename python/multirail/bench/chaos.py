@@ -7,6 +7,10 @@ byte for byte (READ: against the target's pattern; WRITE: the target verifies th
 pattern of each transfer). While it runs, the host samples the RSS, open fds and threads of
 both processes by PID (procstat.py).
 
+``--flap-how link`` (default) sets the rail's device on side a down, so side b loses carrier;
+``blackhole`` makes side a silently drop what it sends on the rail (carrier intact: only the
+stall timeout notices, and frames already sent may sit in the path).
+
 Pass/fail (exit 1 on any): a corrupted byte; a transfer lost (neither completed nor failed
 within ``--timeout`` + stall timeout + 5 s); a failed transfer while some rail was up (failures
 are excused only while no rail's link was up); a WRITE whose verification never came back; no
@@ -44,6 +48,7 @@ class ChaosOptions:
     down_s: float = DEFAULT_DOWN_S
     up_s: float = DEFAULT_UP_S
     flap_rails: list[int] | None = None    # None: every rail but rail 0 (rail 0 on a 1-rail testbed)
+    how: str = "link"                      # link: device down (carrier lost); blackhole: silent drop
     connections: int = 1
     policy: str = "weighted"
     chunk_size: str = "1MiB"
@@ -87,7 +92,8 @@ def default_flap_rails(n_rails: int) -> list[int]:
     return list(range(1, n_rails)) or [0]
 
 
-CHAOS_ONLY = ("chaos_duration", "flap_down_s", "flap_up_s", "flap_rails", "chaos_sizes")
+CHAOS_ONLY = ("chaos_duration", "flap_down_s", "flap_up_s", "flap_rails", "chaos_sizes", "flap_how")
+HOWS = ("link", "blackhole")
 
 
 def options_from_args(args: argparse.Namespace) -> ChaosOptions:
@@ -108,7 +114,7 @@ def options_from_args(args: argparse.Namespace) -> ChaosOptions:
         down_s=DEFAULT_DOWN_S if args.flap_down_s is None else args.flap_down_s,
         up_s=DEFAULT_UP_S if args.flap_up_s is None else args.flap_up_s,
         flap_rails=parse_rail_list(args.flap_rails) if args.flap_rails else None,
-        connections=args.connections, policy=args.policy, chunk_size=args.chunk_size,
+        how=args.flap_how or "link", connections=args.connections, policy=args.policy, chunk_size=args.chunk_size,
         stall_timeout=args.stall_timeout, timeout=args.timeout, secret=args.secret)
     check(opts)
     return opts
@@ -117,6 +123,8 @@ def options_from_args(args: argparse.Namespace) -> ChaosOptions:
 def check(opts: ChaosOptions) -> None:
     if opts.op not in ("READ", "WRITE", "MIXED"):
         raise UsageError(f"--op must be READ, WRITE or MIXED, not {opts.op!r}")
+    if opts.how not in HOWS:
+        raise UsageError(f"--flap-how must be link or blackhole, not {opts.how!r}")
     if opts.down_s <= 0 or opts.up_s <= 0:
         raise UsageError("--flap-down-s and --flap-up-s must be positive")
     if opts.duration_s < opts.up_s / 2 + opts.down_s:
@@ -141,20 +149,35 @@ def run_chaos(tb: Any, opts: ChaosOptions, sampler: Any = None, keep_samples: bo
     if bad:
         raise UsageError(f"--flap-rails {bad} not on testbed {tb.name!r} (rails 0..{n_rails - 1})")
     spec = {"mode": "flap", "op": opts.op, "size": opts.buffer_size(), "sizes": opts.sizes,
-            "duration_s": opts.duration_s, "flap_rails": rails, "down_s": opts.down_s, "up_s": opts.up_s,
+            "duration_s": opts.duration_s, "flap_rails": rails, "how": opts.how, "down_s": opts.down_s, "up_s": opts.up_s,
             "stall_timeout": opts.stall_timeout, "connections": opts.connections,
             "chunk_size": opts.chunk_size, "policy": opts.policy, "timeout": opts.timeout,
             "lost_after_s": opts.lost_after_s()}
     env = {**os.environ, "MULTIRAIL_SECRET": opts.secret} if opts.secret else None  # off the command line
     sampler = sampler or ProcSampler(opts.sample_s)
     limit = opts.duration_s + 3 * opts.lost_after_s() + 90.0
-    out = run_drill(tb, spec, timeout=limit, env=env, sampler=sampler)
+    try:
+        out = run_drill(tb, spec, timeout=limit, env=env, sampler=sampler)
+    finally:  # the initiator may have died mid-flap: give the testbed back with every rail up
+        restore(tb, rails, opts.how)
     doc: dict[str, Any] = {"chaos": "rail-flap", "testbed": tb.name, "n_rails": n_rails, "op": opts.op, **out}
     doc["resources"] = sampler.to_json(with_samples=keep_samples)
     doc["config"] = opts.config()
     doc["problems"] = verdict(doc)
     doc["ok"] = not doc["problems"]
     return doc
+
+
+def restore(tb: Any, rails: list[int], how: str) -> None:
+    """Every flapped rail up again (idempotent); problems here must not hide the run's result."""
+    for r in rails:
+        try:
+            if how == "blackhole":
+                tb.set_blackhole(r, False)
+            else:
+                tb.set_link(r, True)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            print(f"multirail bench: warning: could not bring rail {r} back up: {e}", file=sys.stderr)
 
 
 def verdict(doc: dict[str, Any]) -> list[str]:
@@ -201,7 +224,7 @@ def format_summary(doc: dict[str, Any]) -> str:
     lines = [
         f"chaos rail-flap on testbed {doc['testbed']} ({doc['n_rails']} rail{'s' if doc['n_rails'] != 1 else ''}): {doc['op']} "
         f"{'/'.join(format_size(s) for s in doc['sizes'])}, {doc['duration_s']:g} s, rail(s) {rails} "
-        f"down {doc['down_s']:g} s / up {doc['up_s']:g} s",
+        f"{'down' if doc['how'] == 'link' else 'blackholed'} {doc['down_s']:g} s / up {doc['up_s']:g} s",
         f"  flaps done        {doc['flaps']}",
         f"  transfers         {doc['transfers']}: completed {doc['completed']}, failed {doc['failed']} "
         f"({doc['failed_no_rail_up']} while no rail was up, {doc['failed_with_rail_up']} with a rail up), "

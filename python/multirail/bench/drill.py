@@ -28,8 +28,9 @@ Scenarios (``SPEC["mode"]``):
   verified, the link comes back, and the range is verified again (a chunk left queued on the
   dead rail's socket must not land late and overwrite newer data).
 * ``flap``: transfers back to back while rails go down and up (one at a time, cycling through
-  ``flap_rails``, default rail 1), ``flaps`` times or for ``duration_s`` seconds; sizes cycle
-  through ``sizes`` and, with op ``MIXED``, READs and WRITEs alternate. Counts transfers
+  ``flap_rails``, default rail 1; ``how`` as for ``failover``, default "link"), ``flaps``
+  times or for ``duration_s`` seconds; sizes cycle through ``sizes`` and, with op ``MIXED``,
+  READs and WRITEs alternate. Counts transfers
   completed, failed (separately: while no rail was up), lost (still in progress after
   ``lost_after_s``) and bytes corrupted; per flapped rail, the time from link down to the
   engine marking it down and from link up to readmission. `multirail bench local --chaos
@@ -437,6 +438,15 @@ def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     duration = float(spec["duration_s"]) if spec.get("duration_s") is not None else None
     flaps_max = int(spec.get("flaps", 3)) if duration is None else None
     down_s, up_s = float(spec.get("down_s", 1.0)), float(spec.get("up_s", 2.0))
+    how = str(spec.get("how", "link"))  # "link": device down on side a; "blackhole": a drops silently
+    if how not in ("link", "blackhole"):
+        raise DrillError(f"unknown flap kind {how!r} (link or blackhole)")
+
+    def set_rail(rail: int, up: bool) -> None:
+        if how == "link":
+            ini.tb.set_link(rail, up)
+        else:
+            ini.tb.set_blackhole(rail, not up)
     poll_s = float(spec.get("poll_s", 0.002))
     ops = ["READ", "WRITE"] if ini.op == "MIXED" else [ini.op]
     sizes = [int(x) for x in (spec.get("sizes") or [])] or [min(ini.region(op)[1] for op in ops)]
@@ -459,12 +469,12 @@ def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
                     break
                 rail = flap_rails[k % len(flap_rails)]
                 t = time.monotonic()
-                ini.tb.set_link(rail, False)
+                set_rail(rail, False)
                 seen = ini.wait_rail(rail, False, max(0.0, down_s - (time.monotonic() - t)), poll_s)
                 detect = None if seen is None else time.monotonic() - t
                 time.sleep(max(0.0, down_s - (time.monotonic() - t)))
                 t_up = time.monotonic()
-                ini.tb.set_link(rail, True)
+                set_rail(rail, True)
                 readmit = None
                 if detect is not None:
                     back = ini.wait_rail(rail, True, up_s, poll_s)
@@ -539,7 +549,7 @@ def scenario_flap(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
         "gbps_overall": _gbps(total.bytes_moved, total.seconds),
         "by_op": {op: t.as_dict() for op, t in by_op.items()},
         "by_size": {str(sz): t.as_dict() for sz, t in by_size.items()},
-        "per_rail": per_rail, "flap_rails": flap_rails, "sizes": sizes, "ops": ops,
+        "per_rail": per_rail, "flap_rails": flap_rails, "how": how, "sizes": sizes, "ops": ops,
         "down_s": down_s, "up_s": up_s, "duration_s": duration, "lost_after_s": wait_s,
         "flap_log": [{**f, "down_at": f["down_at"] - t_start, "up_at": f["up_at"] - t_start} for f in flap_log],
         "readmit_after_last_flap_s": readmit, "last": {**last.as_dict(), "start": last.start - t_start},
