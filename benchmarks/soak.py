@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="link (default): device down; blackhole: silent drop, carrier intact")
     p.add_argument("--down-s", type=float, default=2.0, help="seconds a rail stays down per flap (default 2)")
     p.add_argument("--up-s", type=float, default=2.0, help="seconds between flaps (default 2)")
-    p.add_argument("--stall-timeout", type=float, default=1.0)
+    p.add_argument("--stall-timeout", type=float, default=0.5, help="engine stall timeout (default 0.5 s, the engine's)")
     p.add_argument("--timeout", type=float, default=10.0, help="engine timeout; lost after this + stall + 5 s")
     p.add_argument("--connections", type=int, default=1)
     p.add_argument("--chunk-size", default="1MiB")

@@ -52,7 +52,7 @@ class ChaosOptions:
     connections: int = 1
     policy: str = "weighted"
     chunk_size: str = "1MiB"
-    stall_timeout: float = 1.0
+    stall_timeout: float = 0.5
     timeout: float = 10.0
     secret: str | None = None              # None: $MULTIRAIL_SECRET as inherited
     sample_s: float = DEFAULT_SAMPLE_S
