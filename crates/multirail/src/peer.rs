@@ -807,10 +807,14 @@ impl Link {
             wire::write_full(&mut w, &[&hdr], &mut tick)
         };
         if let Err(e) = r {
-            // The receiver notices the shut socket and runs the rail-down path.
-            self.ctx.log(&format!("peer {}: rail {} send failed: {e}", self.peer_name, c.rail));
-            c.dead.store(true, Ordering::Release);
+            // Record why (the first cause names the rail's failure), shut the rail's
+            // connections; the receivers notice and run the rail-down path.
+            let was_dead = c.dead.swap(true, Ordering::AcqRel);
             abort_socket(&w);
+            drop(w);
+            if !was_dead && !self.shutdown.load(Ordering::Acquire) {
+                self.rail_failed(c.rail, format!("send failed: {e}"));
+            }
         }
     }
 
