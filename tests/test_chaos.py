@@ -322,7 +322,6 @@ def test_chaos_bad_flap_rail_is_a_usage_error(testbed2: Any) -> None:
 
 
 @needs_ns
-@pytest.mark.xfail(strict=False, reason="stale WRITE after rail flap, issue #4")
 def test_chaos_rail_flap_write(testbed2: Any, tmp_path: Path) -> None:
     res, doc = chaos(testbed2, tmp_path, "--op", "WRITE", "--chaos-duration", "14", "--flap-down-s", "2",
                      "--flap-up-s", "2")

@@ -136,6 +136,16 @@ def test_failover_mid_transfer_and_readmit(testbed: Any, op: str, how: str) -> N
     assert all(s["up"] for s in out["rail_stats_end"])
 
 
+def test_notification_fails_over_when_its_rail_dies(testbed: Any) -> None:
+    """Notifications ride a control connection opened on one rail; with that rail's link down and
+    no data in flight (so no data connection noticed), a notification still goes out over
+    another rail within about a second (before: the agent's whole timeout, then an error)."""
+    out = run_drill(testbed, {"mode": "notif_failover", "op": "READ", "size": 1 * MiB, "rail": 0,
+                              "stall_timeout": STALL_S, "timeout": 10.0}, timeout=90)
+    assert out["error"] is None, out
+    assert out["notif_s"] < 3.0, out
+
+
 def test_all_rails_down_fails_fast_naming_each_rail(testbed: Any) -> None:
     out = run_drill(testbed, {"mode": "all_down", "op": "READ", "size": 256 * MiB,
                               "stall_timeout": STALL_S, "wait_limit_s": 20}, timeout=90)

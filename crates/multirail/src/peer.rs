@@ -1246,40 +1246,65 @@ impl Link {
         Err(last)
     }
 
-    /// One request/response on the control connection (notifications).
+    /// One request/response on the control connection (notifications), failing over between
+    /// rails: each try gets `stall_timeout` (at least 200 ms) for its answer; a rail that does
+    /// not answer, or whose local link is down, is left for the next one, until the agent's
+    /// `timeout`. A notification whose answer was lost may thus arrive twice (at least once).
     fn control_request(&self, body: Body) -> Result<()> {
         let who = self.peer_name.clone();
+        let overall = Instant::now() + self.ctx.cfg.timeout;
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
         let mut g = self.control.lock().expect("control lock");
-        for attempt in 0..2 {
+        let mut last: Option<Error> = None;
+        let mut tries = 0usize;
+        while Instant::now() < overall {
+            tries += 1;
             if g.is_none() {
-                let rail = self.rails.iter().find(|r| r.live_receivers.load(Ordering::Acquire) > 0).unwrap_or(&self.rails[0]);
-                *g = Some(dial(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, Some((&self.peer_name, self.incarnation)))?);
+                // Rails whose local link is up, those still carrying data first.
+                let up = |r: &RailLink| r.local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down).is_none();
+                let mut order: Vec<usize> = (0..self.rails.len()).filter(|&r| up(&self.rails[r])).collect();
+                order.sort_by_key(|&r| self.rails[r].live_receivers.load(Ordering::Acquire) == 0);
+                if order.is_empty() {
+                    order = (0..self.rails.len()).collect();
+                }
+                let ri = order[(tries - 1) % order.len()];
+                let rail = &self.rails[ri];
+                let expect = Some((self.peer_name.as_str(), self.incarnation));
+                match dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, expect, per_try) {
+                    Ok((s, _)) => *g = Some(s),
+                    Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
+                    Err(e) => {
+                        last = Some(e);
+                        continue;
+                    }
+                }
             }
             let s = g.as_mut().expect("connected");
-            let deadline = Instant::now() + self.ctx.cfg.timeout;
-            let mut tick = |_: bool| if Instant::now() > deadline { Err("control request timed out".to_string()) } else { Ok(()) };
+            let deadline = Instant::now() + per_try;
+            let mut tick =
+                |_: bool| if Instant::now() > deadline { Err("no answer on the control connection".to_string()) } else { Ok(()) };
             let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
             match r {
                 Ok((_, Body::Resp { status: Status::Ok, .. })) => return Ok(()),
                 Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
-                    return Err(status_error(&who, status, msg))
+                    *g = None;
+                    return Err(status_error(&who, status, msg));
                 }
                 Ok((_, other)) => {
-                    return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) })
-                }
-                Err(WireError::GaveUp(m)) => {
                     *g = None;
-                    return Err(Error::Timeout(m));
+                    return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) });
                 }
                 Err(e) => {
-                    *g = None;
-                    if attempt == 1 {
-                        return Err(Error::PeerLost { peer: who, reason: e.to_string() });
+                    // Dead or silent path: drop this connection (purging what is queued on it)
+                    // and try the next rail.
+                    if let Some(s) = g.take() {
+                        abort_socket(&s);
                     }
+                    last = Some(Error::PeerLost { peer: who.clone(), reason: format!("control connection: {e}") });
                 }
             }
         }
-        unreachable!("the loop returns on its second attempt")
+        Err(last.unwrap_or_else(|| Error::Timeout(format!("control request to {who} not answered within {:?}", self.ctx.cfg.timeout))))
     }
 
     fn rail_reports(&self) -> Vec<RailReport> {

@@ -22,6 +22,8 @@ Scenarios (``SPEC["mode"]``):
   a transfer with the rail still down (the one-rail rate of this run); the link back up, the
   time until the engine readmits the rail; a last transfer that must use it again. Every
   transfer is checked byte for byte.
+* ``notif_failover``: the rail the control connection (notifications) runs on goes down with no
+  data in flight; a notification must still go out, over another rail, in about a second.
 * ``all_down``: every rail is taken down mid-transfer; the transfer must fail (PeerLostError)
   within stall_timeout + slack.
 * ``stale_write``: a WRITE loses a rail mid-way, the next WRITE overwrites the range and is
@@ -389,6 +391,27 @@ def scenario_all_down(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def scenario_notif_failover(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
+    """A notification while the rail its control connection was opened on is down (no data in
+    flight, so nothing else has noticed): it must go out over another rail well within the
+    agent's timeout."""
+    from multirail.bench import protocol as bproto
+
+    rail = int(spec.get("rail", 0))
+    ini.transfer()
+    ini.agent.send_notif(ini.peer, bproto.encode(bproto.KEEPALIVE, {}))  # opens the control connection
+    ini.tb.set_link(rail, False)
+    t0 = time.monotonic()
+    err = None
+    try:
+        ini.agent.send_notif(ini.peer, bproto.encode(bproto.KEEPALIVE, {}))
+    except Exception as e:  # noqa: BLE001 - reported
+        err = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    ini.tb.set_link(rail, True)
+    return {"rail": rail, "notif_s": took, "error": err, "timeout": ini.timeout}
+
+
 def _overlaps(a0: float, a1: float, windows: list[tuple[float, float]]) -> bool:
     return any(a0 < w1 and w0 < a1 for w0, w1 in windows)
 
@@ -581,6 +604,7 @@ def scenario_stale_write(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]
 
 SCENARIOS: dict[str, Callable[[Initiator, dict[str, Any]], dict[str, Any]]] = {
     "failover": scenario_failover, "all_down": scenario_all_down, "flap": scenario_flap,
+    "notif_failover": scenario_notif_failover,
     "stale_write": scenario_stale_write,
 }
 
