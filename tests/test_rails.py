@@ -136,6 +136,17 @@ def test_failover_mid_transfer_and_readmit(testbed: Any, op: str, how: str) -> N
     assert all(s["up"] for s in out["rail_stats_end"])
 
 
+def test_failover_when_the_rail_is_deleted(testbed: Any) -> None:
+    """The rail's veth pair is deleted mid-WRITE: the transfer completes on the survivor, byte-exact."""
+    out = run_drill(testbed, {"mode": "failover", "op": "WRITE", "size": 128 * MiB, "rail": 1, "how": "delete",
+                              "stall_timeout": STALL_S}, timeout=90)
+    for step in ("baseline", "failover", "one_rail"):
+        assert out[step]["ok"] and out[step]["corrupt"] is None, (step, out[step])
+    assert out["failover"]["detect_s"] is not None and out["failover"]["detect_s"] <= STALL_S + 1.5, out["failover"]
+    _check_rail_down(out["failover"]["rail_stats"], 1)
+    assert out["one_rail"]["bytes_on_down_rail"] == 0
+
+
 def test_notification_fails_over_when_its_rail_dies(testbed: Any) -> None:
     """Notifications ride a control connection opened on one rail; with that rail's link down and
     no data in flight (so no data connection noticed), a notification still goes out over

@@ -103,7 +103,8 @@ impl Shared {
 /// A multirail agent. Dropping it closes its listeners and links.
 pub struct Agent {
     shared: Arc<Shared>,
-    listeners: Mutex<Vec<(SocketAddr, JoinHandle<()>)>>,
+    /// Address, a handle on the socket (to shut it down) and accept thread of each listener.
+    listeners: Mutex<Vec<(SocketAddr, TcpListener, JoinHandle<()>)>>,
     port: u16,
 }
 
@@ -191,12 +192,13 @@ impl Agent {
         let mut handles = Vec::new();
         for l in listeners {
             let addr = l.local_addr().map_err(|e| Error::io("local_addr", e))?;
+            let handle = l.try_clone().map_err(|e| Error::io("clone listener", e))?;
             let sh = shared.clone();
             let h = std::thread::Builder::new()
                 .name(format!("mr-accept-{}", addr.port()))
                 .spawn(move || server::accept_loop(sh, l))
                 .map_err(|e| Error::io("spawn", e))?;
-            handles.push((addr, h));
+            handles.push((addr, handle, h));
         }
         Ok(Agent { shared, listeners: Mutex::new(handles), port: side_addr.port() })
     }
@@ -357,10 +359,14 @@ impl Agent {
             p.1.close();
         }
         let listeners: Vec<_> = self.listeners.lock().expect("listeners lock").drain(..).collect();
-        for (addr, h) in listeners {
-            // Wake the blocking accept.
-            let wake = if addr.ip().is_unspecified() { SocketAddr::new(IpAddr::from([127, 0, 0, 1]), addr.port()) } else { addr };
-            let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
+        for (_addr, l, h) in listeners {
+            // Wake the blocking accept: shutdown(2) on a listening socket makes accept fail at
+            // once (a wake-up connection would not do when the address has vanished, e.g. a
+            // deleted rail's interface).
+            // SAFETY: shutdown on a socket this agent owns (`l` keeps it open).
+            unsafe {
+                libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&l), libc::SHUT_RDWR);
+            }
             let _ = h.join();
         }
     }

@@ -17,7 +17,7 @@ Scenarios (``SPEC["mode"]``):
 
 * ``failover``: a baseline transfer on all rails; then a transfer during which rail ``rail`` is
   taken down (``how``: "link", its device on side a down; or "blackhole", side a silently
-  drops what it sends on it, carrier intact) once ``fraction`` of its bytes are done (detect time = link down -> the engine
+  drops what it sends on it, carrier intact; or "delete", its veth pair deleted, no readmission) once ``fraction`` of its bytes are done (detect time = link down -> the engine
   marks the rail down; remainder rate = bytes done after detection / time after detection);
   a transfer with the rail still down (the one-rail rate of this run); the link back up, the
   time until the engine readmits the rail; a last transfer that must use it again. Every
@@ -332,10 +332,16 @@ def scenario_failover(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     before_down = ini.rail_bytes()
     # "link": the rail's device on side a goes down (side b loses carrier); "blackhole": side
     # a silently drops what it sends on the rail (carrier stays up: only the stall timeout sees it)
+    # "delete": the rail's veth pair is deleted (gone for good: no readmission step)
     how = str(spec.get("how", "link"))
-    if how not in ("link", "blackhole"):
+    if how not in ("link", "blackhole", "delete"):
         raise ValueError(f"unknown failure kind {how!r}")
-    breaker = ini.tb.set_link if how == "link" else (lambda r, up: ini.tb.set_blackhole(r, not up))
+    breakers: dict[str, Callable[[int, bool], None]] = {
+        "link": ini.tb.set_link,
+        "blackhole": lambda r, up: ini.tb.set_blackhole(r, not up),
+        "delete": lambda r, up: None if up else ini.tb.delete_rail(r),
+    }
+    breaker = breakers[how]
     t_down = time.monotonic()
     breaker(rail, False)
     t_link = time.monotonic()
@@ -361,6 +367,9 @@ def scenario_failover(ini: Initiator, spec: dict[str, Any]) -> dict[str, Any]:
     one_bytes = ini.rail_bytes()
     out["one_rail"] = {**one.as_dict(), "gbps": _gbps(ini.size, one.seconds),
                        "bytes_on_down_rail": one_bytes[rail] - end[rail]}
+    if how == "delete":
+        out["rail_stats_end"] = ini.stats()
+        return out
     t_up = time.monotonic()
     breaker(rail, True)
     readmit = ini.wait_rail(rail, True, float(spec.get("readmit_limit_s", 10.0)))
