@@ -3,7 +3,10 @@
 //! Threads per connection: a sender that pulls chunks from the link's planner while it has
 //! window room and writes requests (and WRITE payloads, straight from registered memory), and
 //! a receiver that reads responses in order, lands READ payloads straight in registered memory
-//! and reports completions. Lock order: `sched` before nothing else; socket writes and reads
+//! and reports completions. The reading half of a connection (`Rx`) belongs to whoever reads:
+//! the receiver, or a caller waiting for one of its transfers (`Link::drive`, caller-driven
+//! completion). A dead rail's connections that carried WRITEs are fenced on the target
+//! (`Fence`) before their chunks are reissued. Lock order: `sched` before nothing else; socket writes and reads
 //! never happen under `sched`.
 
 use std::collections::{HashMap, VecDeque};
