@@ -37,3 +37,17 @@ def engine_python() -> str | None:
                                                 capture_output=True, timeout=30).returncode == 0:
             return py
     return None
+
+
+def netns_unavailable() -> str | None:
+    """Why network-namespace tests cannot run here (not root, or `ip netns add` fails), or None.
+    Probes with a uniquely named namespace that it removes again."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, ip link, tc)"
+    probe = f"mrprobe{os.getpid() % 100000}{os.urandom(2).hex()}"
+    try:
+        cp = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`ip netns` is not available: {e}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None if cp.returncode == 0 else f"cannot create network namespaces: {cp.stderr.strip()}"

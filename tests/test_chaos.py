@@ -25,24 +25,16 @@ from multirail.bench.core import UsageError
 from multirail.bench.procstat import Limits, ProcSampler, Sample, growth, read_proc
 from multirail.bench.worker import BenchFailure
 
-from conftest import ENV, engine_python  # noqa: E402
+from conftest import ENV, engine_python, netns_unavailable  # noqa: E402
 
 ENGINE_PY = engine_python()
 needs_engine = pytest.mark.skipif(ENGINE_PY is None, reason="multirail._core (the engine extension) is not built")
 
 
 def _ns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, ip link)"
     if ENGINE_PY is None:
         return "multirail._core (the engine extension) is not built"
-    probe = f"mrcp{os.getpid() % 10000}{secrets.token_hex(2)}"
-    try:
-        cp = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`ip netns` is not available: {e}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-    return None if cp.returncode == 0 else f"cannot create network namespaces: {cp.stderr.strip()}"
+    return netns_unavailable()
 
 
 NS_SKIP = _ns_unavailable()

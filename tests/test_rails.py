@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from conftest import netns_unavailable
 
 from multirail.bench.drill import run_drill
 
@@ -33,19 +34,11 @@ STALL_S = 1.0
 
 
 def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, tc)"
     try:
         import multirail._core  # noqa: F401
     except ImportError as e:
         return f"the engine extension is not built ({e})"
-    probe = f"mrprobe{uuid.uuid4().hex[:6]}"
-    try:
-        cp = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"cannot run ip: {e}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
-    return None if cp.returncode == 0 else f"cannot create network namespaces: {cp.stderr.strip()}"
+    return netns_unavailable()
 
 
 _SKIP = _why_not()
