@@ -13,22 +13,22 @@ use multirail_proto::{Access, MemType, RegionKey, RegionMeta, Status};
 
 use crate::error::{Error, Result};
 
-/// A registered region. The memory belongs to the caller (Python keeps the object alive while
-/// it is registered); holders of an `Arc<Region>` block its deregistration.
+/// A registered region: its published description, and nothing else to keep in step with it.
+/// The memory belongs to the caller (Python keeps the object alive while it is registered);
+/// holders of an `Arc<Region>` block its deregistration.
 #[derive(Debug)]
-pub struct Region {
-    pub id: u64,
-    pub base: u64,
-    pub len: u64,
-    pub dev: u32,
-    pub mem: MemType,
-    pub access: Access,
-    pub key: RegionKey,
+pub struct Region(RegionMeta);
+
+impl std::ops::Deref for Region {
+    type Target = RegionMeta;
+    fn deref(&self) -> &RegionMeta {
+        &self.0
+    }
 }
 
 impl Region {
     pub fn meta(&self) -> RegionMeta {
-        RegionMeta { id: self.id, base: self.base, len: self.len, dev: self.dev, mem: self.mem, access: self.access, key: self.key }
+        self.0.clone()
     }
 
     /// Raw pointer to `offset` (bounds already checked by the caller).
@@ -58,7 +58,7 @@ impl Registry {
             return Err(Error::InvalidArgument(format!("bad region address {base:#x} + {len}")));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-        let r = Arc::new(Region { id, base, len, dev, mem, access, key: RegionKey(random_bytes()) });
+        let r = Arc::new(Region(RegionMeta { id, base, len, dev, mem, access, key: RegionKey(random_bytes()) }));
         // Overlapping registrations are allowed (NIXL allows them); lookups pick a region that
         // contains the whole descriptor.
         self.by_id.write().expect("registry lock").insert(id, r.clone());
