@@ -247,6 +247,42 @@ def test_fallback_selection_without_rdma(tmp_path: Path, capsys: pytest.CaptureF
     assert by[("mtu-consistency", None)] == "fail" and rc == 1
 
 
+# The field notes' first setup: both RoCE ports enslaved to bond0 (balance-xor), the address on the bond.
+BONDED: list[Mutation] = add_interface("bond0", "192.168.100.10", 24) + [
+    write("sys/class/net/bond0/bonding/mode", "balance-xor 2"), write("sys/class/net/bond0/bonding/slaves", f"{R0} {R1}"),
+    symlink(f"{NET0}/master", "../bond0"), symlink(f"{NET1}/master", "../bond0"),
+    write(f"{NET0}/bonding_slave/state", "active"), write(f"{NET1}/bonding_slave/state", "active"),
+    set_addr(R0, []), set_addr(R1, []),
+]
+
+
+@pytest.mark.parametrize("mgmt", [True, False], ids=["with-mgmt-nic", "rdma-nics-only"])
+def test_bonded_host_without_rails_names_the_bond(mgmt: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tree = make_variant(tmp_path, BONDED + ([] if mgmt else [set_addr("eno1", [])]))
+    rc, rep = run_json(capsys, "--root", str(tree))
+    assert rep["rails"] == [R0, R1], "the enslaved RDMA NICs are the rails, not eno1 and not none"
+    sel = [r for r in rep["results"] if r["name"] == "rail-selection"]
+    assert [r["status"] for r in sel] == ["fail"]
+    ev, fix = sel[0]["evidence"], sel[0]["fix"]
+    for fact in ("bond0", "192.168.100.10/24", f"mlx5_0->{R0}", f"mlx5_1->{R1}", "RDMA verbs cannot use", "own address"):
+        assert fact in ev, (fact, ev)
+    for cmd in (f"ip link set {R0} nomaster", f"ip link set {R1} nomaster", "ip link delete bond0",
+                f"ip addr add 192.168.100.10/24 dev {R0}", f"ip addr add <address>/<prefix> dev {R1}", "netplan"):
+        assert cmd in fix, (cmd, fix)
+    assert "--rails" not in fix
+    # Plain doctor reports what `--rails` naming the NICs reports, plus the host-level finding.
+    _, named = run_json(capsys, "--root", str(tree), "--rails", f"{R0},{R1}")
+    assert alarms(named)[("bond", R0)] is alarms(named)[("bond", R1)] is Status.FAIL
+    assert alarms(rep) == {**alarms(named), ("rail-selection", None): Status.FAIL}
+    assert rc == 1 and rep["exit_code"] == 1
+
+
+def test_enslaved_rdma_nic_named_when_another_rail_has_an_address(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tree = make_variant(tmp_path, BONDED + [set_addr(R0, [("10.0.0.1", 24)])])
+    _, rep = run_json(capsys, "--root", str(tree))
+    assert rep["rails"] == [R0] and f"ignored (no IPv4): {R1} (enslaved to bond0)" in rep["selection"]
+
+
 def test_no_rails_fails_rail_selection(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tree = make_variant(tmp_path, [rm("sys/class/infiniband")] + [set_addr(n, []) for n in ("eno1", R0, R1)])
     rc, rep = run_json(capsys, "--root", str(tree))

@@ -7,8 +7,10 @@ Model
    goes through a :class:`multirail.netinfo.Probe`. With ``--root DIR`` commands are replayed
    from ``DIR/.cmd/`` (see netinfo), so every check runs against fixture trees offline.
 2. **Rails.** ``--rails IF1,IF2`` names them. Otherwise: interfaces with an RDMA device behind
-   them that have an IPv4 address; if there are none, non-loopback, non-bridge, non-bond,
-   non-tun interfaces that are up with an IPv4 address. The rule used is reported.
+   them that have an IPv4 address; if there are none, RDMA interfaces enslaved to a bond or
+   bridge (the bonded host: ``rail-selection`` fails, naming the bond and how to undo it); if
+   there are none, non-loopback, non-bridge, non-bond, non-tun interfaces that are up with an
+   IPv4 address. The rule used is reported.
 3. **Peers.** ``--peer HOST[,HOST...]``: each rail is paired with the peer address in its own
    subnet; else, with as many addresses as rails, by position; else with the first address.
    Without ``--peer`` the peer checks report ``skip``.
@@ -53,6 +55,7 @@ RESERVED_TABLES = {"main", "local", "default", "254", "255", "253", "0", "unspec
 ROCE_HEADER_BYTES = 96  # GRH+UDP+BTH+XRC+AtomicETH+ICRC, as iboe_get_mtu() subtracts
 IB_MTUS = (4096, 2048, 1024, 512, 256)
 PING_FALLBACK_SIZES = (9000, 4200, 1500, 1280)
+ADDR_PLACEHOLDER = "<address>/<prefix>"
 
 
 class Status(str, enum.Enum):
@@ -203,13 +206,19 @@ def select_rails(sysfs: SysFS, all_ifs: dict[str, Interface], explicit: list[str
     rdma = [i for i in all_ifs.values() if i.rdma_dev and i.name != "lo"]
     with_ip = [i for i in rdma if i.ipv4]
     if with_ip:
-        ignored = [i.name for i in rdma if not i.ipv4]
+        ignored = [i.name + (f" (enslaved to {i.master})" if i.master else "") for i in rdma if not i.ipv4]
         note = f"; ignored (no IPv4): {', '.join(ignored)}" if ignored else ""
-        pairs = ", ".join(f"{i.rdma_dev}->{i.name}" for i in with_ip)
-        return with_ip, f"auto: interfaces with an RDMA device and an IPv4 address ({pairs}){note}"
+        return with_ip, f"auto: interfaces with an RDMA device and an IPv4 address ({_rdma_pairs(with_ip)}){note}"
+    enslaved = [i for i in rdma if i.master]
+    if enslaved:
+        return enslaved, "auto (no RDMA device has an IPv4 address): RDMA interfaces enslaved to a bond or bridge"
     cands = [i for i in all_ifs.values() if _is_virtual_bridgeish(sysfs, i) is None and i.oper_up and i.ipv4]
     why = "no RDMA device has an IPv4 address" if rdma else "no RDMA devices"
     return cands, f"auto ({why}): non-loopback, non-bridge, non-bond, non-tun interfaces that are up with IPv4"
+
+
+def _rdma_pairs(ifs: list[Interface]) -> str:
+    return ", ".join(f"{i.rdma_dev}->{i.name}" for i in ifs)
 
 
 def _resolve_ipv4(host: str, timeout: float = 3.0) -> str:
@@ -264,6 +273,30 @@ def _addr_list(rail: Interface) -> str:
     return ", ".join(f"{a}/{p}" for a, p in rail.ipv4) or "no IPv4"
 
 
+def check_rail_selection(ctx: Context, explicit: bool) -> list[CheckResult]:
+    """How the rails were chosen; fail when auto-detection found no usable rail."""
+    if not ctx.rails:
+        return [_r("rail-selection", Status.FAIL, None, f"{ctx.selection}: none found",
+                   "multirail doctor --rails IF1,IF2  # or bring the rail interfaces up with an IPv4 address")]
+    enslaved = [] if explicit else [r for r in ctx.rails if r.master and not r.ipv4]
+    if not enslaved:
+        return [_r("rail-selection", Status.OK, None, f"{ctx.selection}: {', '.join(r.name for r in ctx.rails)}")]
+    masters = dict.fromkeys(r.master for r in enslaved if r.master)
+    return [_enslaved_rails(ctx, m, [r for r in enslaved if r.master == m]) for m in masters]
+
+
+def _enslaved_rails(ctx: Context, master: str, nics: list[Interface]) -> CheckResult:
+    """The bonded host: RDMA NICs whose only address is on their master."""
+    held = [f"{a}/{p}" for a, p in ctx.all_ifs[master].ipv4] if master in ctx.all_ifs else []
+    holds = f", holds {', '.join(held)}" if held else ""
+    ev = (f"{ctx.selection}: {_rdma_pairs(nics)} are enslaved to {master} ({_master_kind(ctx.sysfs, nics[0])}{holds}): "
+          f"{_enslaved_why(master)}. RoCE multi-rail needs each NIC with its own address")
+    fix = (_release_fix([n.name for n in nics], held[0] if held else ADDR_PLACEHOLDER, delete=master) +
+           f"  # each NIC in its own subnet, the same on the peer; to persist, replace {master} in "
+           "/etc/netplan/*.yaml with per-NIC `addresses:`, then netplan apply")
+    return _r("rail-selection", Status.FAIL, None, ev, fix)
+
+
 def check_link(ctx: Context, rail: Interface) -> CheckResult:
     base = f"/sys/class/net/{rail.name}"
     oper = ctx.sysfs.read(f"{base}/operstate") or "?"
@@ -278,7 +311,7 @@ def check_link(ctx: Context, rail: Interface) -> CheckResult:
         return _r("link", Status.FAIL, rail, ev + " (no carrier: cable, peer port or switch port down)",
                   f"ethtool {rail.name}  # check the cable/peer; then: ip link set {rail.name} down && ip link set {rail.name} up")
     if not rail.ipv4:
-        return _r("link", Status.FAIL, rail, ev, f"ip addr add <address>/<prefix> dev {rail.name}")
+        return _r("link", Status.FAIL, rail, ev, f"ip addr add {ADDR_PLACEHOLDER} dev {rail.name}")
     return _r("link", Status.OK, rail, ev)
 
 
@@ -313,17 +346,31 @@ def check_rdma_mapping(ctx: Context, rail: Interface) -> CheckResult:
     return _r("rdma-mapping", Status.OK, rail, ev)
 
 
+def _master_kind(sysfs: SysFS, itf: Interface) -> str:
+    """What an enslaved interface's master is: "bond", "bridge" or "master"."""
+    if sysfs.exists(f"/sys/class/net/{itf.master}/bonding") or sysfs.exists(f"/sys/class/net/{itf.name}/bonding_slave"):
+        return "bond"
+    return "bridge" if sysfs.exists(f"/sys/class/net/{itf.master}/bridge") else "master"
+
+
+def _enslaved_why(master: str) -> str:
+    return f"RDMA verbs cannot use an enslaved port; its GIDs and address move to {master}"
+
+
+def _release_fix(nics: list[str], first_addr: str = ADDR_PLACEHOLDER, delete: str | None = None) -> str:
+    """Take NICs out of their master (then delete it, if given) and give each its own address."""
+    cmds = [f"ip link set {n} nomaster" for n in nics] + ([f"ip link delete {delete}"] if delete else [])
+    cmds += [f"ip link set {n} up && ip addr add {first_addr if i == 0 else ADDR_PLACEHOLDER} dev {n}"
+             for i, n in enumerate(nics)]
+    return " && ".join(cmds)
+
+
 def check_bond(ctx: Context, rail: Interface) -> CheckResult:
     base = f"/sys/class/net/{rail.name}"
     if rail.master is None:
         return _r("bond", Status.OK, rail, f"{base}/master absent: not enslaved")
-    is_bond = ctx.sysfs.exists(f"/sys/class/net/{rail.master}/bonding") or ctx.sysfs.exists(f"{base}/bonding_slave")
-    kind = "bond" if is_bond else "bridge" if ctx.sysfs.exists(f"/sys/class/net/{rail.master}/bridge") else "master"
-    ev = (f"{base}/master -> {rail.master} ({kind}): RDMA verbs cannot use an enslaved port; "
-          f"its GIDs and address move to {rail.master}")
-    fix = (f"ip link set {rail.name} nomaster && ip link set {rail.name} up && "
-           f"ip addr add <address>/<prefix> dev {rail.name}")
-    return _r("bond", Status.FAIL, rail, ev, fix)
+    ev = f"{base}/master -> {rail.master} ({_master_kind(ctx.sysfs, rail)}): {_enslaved_why(rail.master)}"
+    return _r("bond", Status.FAIL, rail, ev, _release_fix([rail.name]))
 
 
 def check_mtu_consistency(ctx: Context) -> list[CheckResult]:
@@ -783,11 +830,7 @@ def run_doctor(root: str = "/", rails: list[str] | None = None, peers: list[str]
     rail_ifs, selection = select_rails(sysfs, all_ifs, rails)
     peer_addrs = [_resolve_ipv4(p) for p in (peers or [])]
     ctx = Context(sysfs, probe, all_ifs, rail_ifs, selection, pair_peers(rail_ifs, peer_addrs), peer_ucx_version)
-    if rail_ifs:
-        results = [_r("rail-selection", Status.OK, None, f"{selection}: {', '.join(r.name for r in rail_ifs)}")]
-    else:
-        results = [_r("rail-selection", Status.FAIL, None, f"{selection}: none found",
-                      "multirail doctor --rails IF1,IF2  # or bring the rail interfaces up with an IPv4 address")]
+    results = check_rail_selection(ctx, explicit=bool(rails))
     if rail_ifs:
         for _name, fn in CHECKS:
             results.extend(fn(ctx))
