@@ -318,8 +318,20 @@ def test_each_rail_delivers_its_rate(name: str) -> None:
 
 
 def _unprivileged_prefix() -> list[str] | None:
+    """A command prefix that runs the CLI without root.
+
+    A user namespace comes first: the child sees euid 65534 and holds no capability outside it,
+    yet keeps root's file access, so a checkout under a private directory (mktemp -d is 0700)
+    still imports; dropping to user nobody would fail there for another reason than the one
+    asserted."""
     if os.geteuid() != 0:
         return []  # we are already unprivileged
+    try:
+        ok = subprocess.run(["unshare", "--user", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    if ok:
+        return ["unshare", "--user"]
     if shutil.which("setpriv"):
         return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     if shutil.which("runuser"):

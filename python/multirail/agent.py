@@ -9,9 +9,11 @@ end to end, so N descriptors cost no per-descriptor Python work.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import enum
 import ipaddress
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -51,6 +53,12 @@ class AgentConfig:
     stall_timeout: a rail with requests outstanding that receives no byte for this long is
     declared down and its chunks are reissued (a local link that loses carrier is declared down
     within about 0.1 s regardless).
+    progress: how threads wait for data. "adaptive" (default): waiting callers and serving
+    connections busy-poll for up to `spin_us` before sleeping in the kernel; "poll": a waiting
+    caller busy-polls until its transfer completes or times out (serving connections as in
+    adaptive); "block": sleep in the kernel at once (least CPU; every round trip then pays a
+    scheduler wake-up). docs/benchmarks.md has what each costs and buys.
+    spin_us: the busy-poll budget, microseconds.
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +73,8 @@ class AgentConfig:
     stall_timeout: float = 0.5
     auth_secret: bytes | str | None = None
     bind_device: bool = True
+    progress: str = "adaptive"
+    spin_us: float = 200.0
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -293,8 +303,9 @@ class Agent:
         self._core = _core.Agent(
             name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
-            float(cfg.stall_timeout), secret,
+            float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us),
         )
+        _LIVE.add(self)
         self._regs: dict[int, Any] = {}
 
     # identity
@@ -479,6 +490,10 @@ class Agent:
         return self._core.refused()
 
     def close(self) -> None:
+        """Stop serving and close every link. Once this returns nothing of the agent touches
+        registered memory any more (inbound connections are aborted and drained, in-flight
+        transfers fail), so the application may free its buffers. Idempotent; also runs at
+        `with` exit and at interpreter exit."""
         self._core.close()
 
     def __enter__(self) -> "Agent":
@@ -486,3 +501,14 @@ class Agent:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Agents still open at interpreter exit are closed before module teardown frees the buffers
+# they serve (atexit handlers run first).
+_LIVE: "weakref.WeakSet[Agent]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_agents() -> None:
+    for a in list(_LIVE):
+        a.close()

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use multirail::config::{Config, RailSpec};
+use multirail::config::{Config, Progress, RailSpec};
 use multirail::{Agent, Error, Op, XferHandle, XferState};
 use multirail_proto::codec::Status;
 use multirail_proto::{Access, DecodeError, DescList, MemType, Policy};
@@ -105,7 +105,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -121,6 +121,8 @@ impl PyAgent {
         timeout_s: f64,
         stall_timeout_s: f64,
         secret: Option<Vec<u8>>,
+        progress: &str,
+        spin_us: f64,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -139,6 +141,12 @@ impl PyAgent {
         }
         cfg.timeout = Duration::from_secs_f64(timeout_s);
         cfg.planner.stall_timeout = Duration::from_secs_f64(stall_timeout_s);
+        cfg.progress = Progress::parse(progress)
+            .ok_or_else(|| PyValueError::new_err(format!("progress must be 'poll', 'block' or 'adaptive', not {progress:?}")))?;
+        if !(0.0..=1e6).contains(&spin_us) {
+            return Err(PyValueError::new_err("spin_us must be between 0 and 1,000,000"));
+        }
+        cfg.spin = Duration::from_secs_f64(spin_us / 1e6);
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }

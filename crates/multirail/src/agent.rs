@@ -39,6 +39,9 @@ pub struct Ctx {
     pub bind_devices: bool,
     events: Mutex<VecDeque<String>>,
     started: Instant,
+    /// Set first thing in `Agent::close`: no link is opened after it (a prepared handle that
+    /// outlives the agent must not reconnect).
+    pub closed: AtomicBool,
 }
 
 impl Ctx {
@@ -176,6 +179,7 @@ impl Agent {
             bind_devices,
             events: Mutex::new(VecDeque::new()),
             started: Instant::now(),
+            closed: AtomicBool::new(false),
         });
         let shared = Arc::new(Shared {
             ctx,
@@ -351,8 +355,13 @@ impl Agent {
         self.shared.ctx.events.lock().expect("events lock").iter().cloned().collect()
     }
 
+    /// Stop serving and close every link. When this returns, nothing of this agent touches
+    /// registered memory any more: no inbound request is being served or will be (inbound
+    /// connections are aborted and their threads have finished), and no outbound transfer is
+    /// reading or landing data. Transfers still in flight fail with `PeerLost`.
     pub fn close(&self) {
-        if self.shared.shutdown.swap(true, Ordering::AcqRel) {
+        self.shared.ctx.closed.store(true, Ordering::SeqCst);
+        if self.shared.shutdown.swap(true, Ordering::SeqCst) {
             return;
         }
         for p in self.shared.peers.write().expect("peers lock").drain() {
@@ -368,6 +377,18 @@ impl Agent {
                 libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&l), libc::SHUT_RDWR);
             }
             let _ = h.join();
+        }
+        // No connection is accepted any more; stop the ones being served and wait for their
+        // threads (each notices within a tick even mid-handshake).
+        server::abort_all(&self.shared);
+        let deadline = Instant::now() + self.shared.ctx.cfg.timeout.max(Duration::from_secs(5));
+        while self.shared.open_conns.load(Ordering::SeqCst) > 0 {
+            if Instant::now() > deadline {
+                self.shared.ctx.log("close: inbound connection threads still running");
+                break;
+            }
+            server::abort_all(&self.shared);
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 }

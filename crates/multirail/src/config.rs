@@ -22,6 +22,41 @@ pub struct RailSpec {
     pub bind_device: bool,
 }
 
+/// How a thread that waits for data on a connection behaves (`Config::progress`).
+///
+/// Waiting in the kernel (`Block`) costs no CPU but puts a scheduler wake-up on every round
+/// trip, which a loaded host makes slow and erratic; busy-polling keeps the thread on the CPU
+/// and sees the data as soon as it lands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Sleep in the kernel until data arrives (no spinning).
+    Block,
+    /// A waiting caller busy-polls until its transfer completes or its deadline passes; a
+    /// serving connection busy-polls for `spin` after each request, then sleeps.
+    Poll,
+    /// Waiting callers and serving connections busy-poll for up to `spin`, then sleep.
+    Adaptive,
+}
+
+impl Progress {
+    pub fn parse(s: &str) -> Option<Progress> {
+        match s {
+            "block" => Some(Progress::Block),
+            "poll" => Some(Progress::Poll),
+            "adaptive" => Some(Progress::Adaptive),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Progress::Block => "block",
+            Progress::Poll => "poll",
+            Progress::Adaptive => "adaptive",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Side-channel listen address.
@@ -44,6 +79,11 @@ pub struct Config {
     pub max_connections: usize,
     /// Most requests one connection keeps in flight.
     pub conn_window: usize,
+    /// How threads wait for data (see [`Progress`]).
+    pub progress: Progress,
+    /// Busy-poll budget per wait for `Progress::Adaptive` (callers and serving connections)
+    /// and for serving connections under `Progress::Poll`.
+    pub spin: Duration,
 }
 
 impl Default for Config {
@@ -59,6 +99,8 @@ impl Default for Config {
             secret: None,
             max_connections: 1024,
             conn_window: 16,
+            progress: Progress::Adaptive,
+            spin: Duration::from_micros(200),
         }
     }
 }

@@ -21,9 +21,10 @@ use multirail_proto::{AgentMeta, Body, Chunk, Event, Pair, Planner, RailInfo, Re
 
 use crate::agent::Ctx;
 use crate::auth;
+use crate::config::Progress;
 use crate::error::{Error, Result};
 use crate::registry::random_bytes;
-use crate::wire::{self, WireError};
+use crate::wire::{self, poll_in, WireError};
 use crate::xfer::{Op, XferHandle, XferShared, XferState};
 
 /// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
@@ -87,9 +88,17 @@ impl Peer {
     /// The live link, connecting first if needed.
     pub fn link(self: &Arc<Self>) -> Result<Arc<Link>> {
         let mut g = self.link.lock().expect("peer lock");
+        // Checked under the lock that `close` takes: a link is never opened after the agent's
+        // close has passed this peer.
+        if self.ctx.closed.load(Ordering::SeqCst) {
+            return Err(Error::PeerLost { peer: self.name.clone(), reason: "agent closed".into() });
+        }
         if let Some(l) = g.as_ref() {
             if l.usable() {
-                return Ok(l.clone());
+                let l = l.clone();
+                drop(g);
+                l.revive()?;
+                return Ok(l);
             }
             if let Some(e) = l.fatal.lock().expect("link lock").clone() {
                 return Err(e);
@@ -124,6 +133,11 @@ impl Peer {
 
     pub fn send_notif(self: &Arc<Self>, msg: &[u8]) -> Result<()> {
         self.link()?.control_request(Body::Notif(msg.to_vec()))
+    }
+
+    /// The agent's progress mode and spin budget (for waiting callers).
+    pub(crate) fn progress(&self) -> (Progress, Duration) {
+        (self.ctx.cfg.progress, self.ctx.cfg.spin)
     }
 
     pub fn rail_stats(&self) -> Vec<RailReport> {
@@ -243,13 +257,6 @@ struct Rx {
     clock: Clock,
 }
 
-/// Wait up to `timeout` for `fd` to be readable (or closed/failed). False on timeout.
-fn poll_in(fd: std::os::fd::RawFd, timeout: Duration) -> bool {
-    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-    // SAFETY: one valid pollfd.
-    let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
-    r != 0
-}
 
 /// One TCP connection on one rail.
 struct Conn {
@@ -346,6 +353,8 @@ struct RailLink {
     /// Raw fds of the current connections, so a failure can shut all of them at once.
     fds: Mutex<Vec<TcpStream>>,
     probing: AtomicBool,
+    /// Serialises readmission (the probe thread and a caller reviving a dead link).
+    readmit: Mutex<()>,
     /// First failure cause since the rail was last opened.
     failure: Mutex<Option<String>>,
 }
@@ -372,6 +381,18 @@ pub struct Link {
     fatal: Mutex<Option<Error>>,
     /// Shared with the [`Peer`]; see `Peer::unfenced`.
     unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
+    /// Threads that may touch registered memory through this link right now (senders,
+    /// receivers, callers posting or driving a transfer); `close` waits until none is left.
+    active: AtomicUsize,
+}
+
+/// One thread counted in `Link::active` (see [`Link::enter`]).
+struct Active<'a>(&'a AtomicUsize);
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
@@ -546,6 +567,7 @@ impl Link {
                 live_receivers: AtomicUsize::new(0),
                 fds: Mutex::new(Vec::new()),
                 probing: AtomicBool::new(false),
+                readmit: Mutex::new(()),
                 failure: Mutex::new(None),
             });
         }
@@ -562,6 +584,7 @@ impl Link {
             shutdown: AtomicBool::new(false),
             fatal: Mutex::new(None),
             unfenced: peer.unfenced.clone(),
+            active: AtomicUsize::new(0),
         });
         let mut first_err = None;
         let mut any = false;
@@ -612,6 +635,74 @@ impl Link {
 
     fn usable(&self) -> bool {
         !self.shutdown.load(Ordering::Acquire) && self.fatal.lock().expect("link lock").is_none()
+    }
+
+    /// Count the calling thread as one that may touch registered memory through this link;
+    /// None once the link is shutting down. With `close` (which sets `shutdown`, then waits for
+    /// `active` to reach zero) this is a store-then-load handshake on both sides (SeqCst):
+    /// either `close` sees the count or the thread sees the shutdown.
+    fn enter(&self) -> Option<Active<'_>> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.shutdown.load(Ordering::SeqCst) {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Active(&self.active))
+    }
+
+    /// True when no rail of the link has a live connection.
+    fn all_down(&self) -> bool {
+        self.rails.iter().all(|r| r.live_receivers.load(Ordering::Acquire) == 0)
+    }
+
+    /// A link whose every rail is down is probed now, from the caller's thread, rather than
+    /// left to the background probe's backoff: a peer that restarted is found out (its new
+    /// incarnation fails the handshake) and reported as stale at once, and one that came back
+    /// is readmitted before the caller's transfer fails for want of a rail. One dial per rail,
+    /// each bounded by `stall_timeout` (at least 200 ms, at most `timeout`).
+    fn revive(self: &Arc<Self>) -> Result<()> {
+        if !self.all_down() {
+            return Ok(());
+        }
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
+        for ri in 0..self.rails.len() {
+            match self.readmit(ri, per_try) {
+                Ok(_) => {}
+                Err(e @ Error::StaleMetadata { .. }) => {
+                    self.ctx.log(&format!("peer {}: {e}", self.peer_name));
+                    *self.fatal.lock().expect("link lock") = Some(e.clone());
+                    return Err(e);
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Reconnect rail `ri` (fencing pending connections first) and readmit it. Ok(false) when
+    /// it was already up. Serialised per rail, so the probe and a reviving caller never open
+    /// a rail twice.
+    fn readmit(self: &Arc<Self>, ri: usize, dial_timeout: Duration) -> Result<bool> {
+        let _one = self.rails[ri].readmit.lock().expect("rail lock");
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
+        }
+        if self.rails[ri].live_receivers.load(Ordering::Acquire) > 0 {
+            return Ok(false);
+        }
+        // Fence first: a rail is not readmitted while dead connections are unfenced.
+        let mut via: Vec<usize> =
+            (0..self.rails.len()).filter(|&r| r != ri && self.rails[r].live_receivers.load(Ordering::Acquire) > 0).collect();
+        via.push(ri);
+        self.fence_pending(&via)?;
+        self.open_rail(ri, dial_timeout)?;
+        let mut g = self.sched.lock().expect("sched lock");
+        g.planner.handle_rail_up(ri, Instant::now());
+        let done = self.drain_events(&mut g);
+        drop(g);
+        self.complete(done);
+        self.cond.notify_all();
+        Ok(true)
     }
 
     /// Open the configured number of connections on rail `ri` and start their threads.
@@ -671,6 +762,7 @@ impl Link {
         self.complete(done);
         // Post the first chunks from this thread: saves a wakeup on the latency path. The
         // senders are woken only if some connection ran out of window with work left.
+        let Some(_active) = self.enter() else { return Ok(()) };
         let mut need_senders = false;
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock").clone();
@@ -822,6 +914,7 @@ impl Link {
     }
 
     fn sender(self: Arc<Self>, c: Arc<Conn>) {
+        let Some(_active) = self.enter() else { return };
         let mut g = self.sched.lock().expect("sched lock");
         loop {
             if self.shutdown.load(Ordering::Acquire) || c.dead.load(Ordering::Acquire) {
@@ -844,7 +937,10 @@ impl Link {
     }
 
     fn receiver(self: Arc<Self>, c: Arc<Conn>) {
-        let reason = self.receive_loop(&c);
+        let reason = match self.enter() {
+            Some(_active) => self.receive_loop(&c),
+            None => None,
+        };
         c.dead.store(true, Ordering::Release);
         {
             // Waits for a caller that is still reading this connection (it sees `dead`).
@@ -859,6 +955,9 @@ impl Link {
             self.rail_failed(c.rail, reason);
         }
         let rail = &self.rails[c.rail];
+        // Under the readmit lock: a rail is never readmitted between its last receiver stopping
+        // and the planner learning that it is down.
+        let _one = rail.readmit.lock().expect("rail lock");
         if rail.live_receivers.fetch_sub(1, Ordering::AcqRel) == 1 {
             // Last receiver of this rail: nothing on it touches local memory any more. Its
             // chunks can be reissued elsewhere once the target has fenced the connections that
@@ -1069,6 +1168,7 @@ impl Link {
     /// connection whose reader is free; returns whether `x` is finished. `poll_only`: read only
     /// what has already arrived (progress from `check_xfer_state`), never block for more.
     pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        let Some(_active) = self.enter() else { return false };
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock");
             let Some(c) = conns.iter().find(|c| {
@@ -1097,6 +1197,14 @@ impl Link {
                     // The rest of `x` is on other connections: their readers finish it.
                     break;
                 }
+                if !poll_only && rx.inb.unread() == 0 {
+                    if let Err(e) = self.spin_for_response(&c, &mut rx.clock, deadline) {
+                        if let Stop::Failed(e) = e {
+                            failure = Some(e);
+                        }
+                        break;
+                    }
+                }
                 match self.read_one(&c, &mut rx, Some(deadline)) {
                     Ok(()) => {}
                     Err(Stop::Failed(e)) => {
@@ -1119,6 +1227,26 @@ impl Link {
             return x.state() != XferState::InProgress;
         }
         false
+    }
+
+    /// Busy-poll `c` for the next response before the read that would sleep in the kernel, as
+    /// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`), or until the
+    /// caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
+    /// the spin ends early when nothing is outstanding on `c`.
+    fn spin_for_response(&self, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
+        let cfg = &self.ctx.cfg;
+        let budget = match cfg.progress {
+            Progress::Block => return Ok(()),
+            Progress::Adaptive => cfg.spin,
+            Progress::Poll => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
+        };
+        wire::spin_readable(c.fd, budget, || {
+            if c.inflight_n.load(Ordering::Acquire) == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
+            self.quiet_checks(c, clock, false).map(|_| true)
+        })
+        .map(|_| ())
     }
 
     /// Shut every connection of a rail so all its receivers stop.
@@ -1156,29 +1284,8 @@ impl Link {
                     backoff = LINK_CHECK;
                     continue;
                 }
-                // Fence first: a rail is not readmitted while dead connections are unfenced.
-                let mut via: Vec<usize> =
-                    (0..l.rails.len()).filter(|&r| r != ri && l.rails[r].live_receivers.load(Ordering::Acquire) > 0).collect();
-                via.push(ri);
-                if let Err(e) = l.fence_pending(&via) {
-                    if matches!(e, Error::StaleMetadata { .. }) {
-                        l.ctx.log(&format!("peer {}: {e}", l.peer_name));
-                        *l.fatal.lock().expect("link lock") = Some(e);
-                        break;
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
-                    continue;
-                }
-                match l.open_rail(ri, dial_timeout) {
-                    Ok(()) => {
-                        let mut g = l.sched.lock().expect("sched lock");
-                        g.planner.handle_rail_up(ri, Instant::now());
-                        let done = l.drain_events(&mut g);
-                        drop(g);
-                        l.complete(done);
-                        l.cond.notify_all();
-                        break;
-                    }
+                match l.readmit(ri, dial_timeout) {
+                    Ok(_) => break,
                     Err(e @ Error::StaleMetadata { .. }) => {
                         l.ctx.log(&format!("peer {}: {e}", l.peer_name));
                         *l.fatal.lock().expect("link lock") = Some(e);
@@ -1325,13 +1432,26 @@ impl Link {
             .collect()
     }
 
+    /// Shut the link down and return once no thread of it touches registered memory any more
+    /// (senders, receivers, callers posting or driving): after this the application may free
+    /// the memory its transfers named. Must not be called from a link thread (they count in
+    /// `active`); those use `close_with`.
     pub(crate) fn close(&self) {
         self.close_with("link closed");
+        // Every such thread sees `shutdown` within a tick: sockets are aborted, senders woken.
+        let deadline = Instant::now() + self.ctx.cfg.timeout.max(Duration::from_secs(5));
+        while self.active.load(Ordering::SeqCst) > 0 {
+            if Instant::now() > deadline {
+                self.ctx.log(&format!("peer {}: link threads still running after close", self.peer_name));
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     /// Shut everything down; transfers still pending fail with `reason`.
     fn close_with(&self, reason: &str) {
-        self.shutdown.store(true, Ordering::Release);
+        self.shutdown.store(true, Ordering::SeqCst);
         for r in &self.rails {
             for c in r.conns.read().expect("rail lock").iter() {
                 c.kill();

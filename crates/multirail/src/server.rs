@@ -23,6 +23,7 @@ use multirail_proto::{AgentMeta, Body, DecodeError};
 
 use crate::agent::Shared;
 use crate::auth;
+use crate::config::Progress;
 use crate::peer::abort_socket;
 use crate::registry::random_bytes;
 use crate::wire::{self, WireError};
@@ -72,6 +73,16 @@ fn fence(sh: &Shared, peer: &str, ids: &[[u8; 16]]) -> usize {
         sh.ctx.log(&format!("fenced {} connection(s) of {peer}", victims.len()));
     }
     victims.len()
+}
+
+/// Abort every served connection (at `Agent::close`): blocked reads and writes fail at once,
+/// and no further request is served on any of them.
+pub(crate) fn abort_all(sh: &Shared) {
+    let all: Vec<Arc<Served>> = sh.served.lock().expect("served lock").values().cloned().collect();
+    for c in all {
+        c.fenced.store(true, Ordering::Release);
+        abort_socket(&c.sock);
+    }
 }
 
 pub fn accept_loop(sh: Arc<Shared>, l: TcpListener) {
@@ -147,7 +158,14 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         g.insert(conn_id, me.clone());
     }
     let _registered = Registered { sh, id: conn_id };
+    // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
+    // registered after that sees the flag here.
+    if sh.shutdown.load(Ordering::SeqCst) {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
     let mut inb = wire::Inbound::new();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
     loop {
         // Idle between frames is fine; a frame, once started, must finish within `timeout`.
         let mut started_at: Option<Instant> = None;
@@ -163,6 +181,13 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
             }
             Ok(())
         };
+        if sh.ctx.cfg.progress != Progress::Block && inb.unread() == 0 {
+            // Busy-poll for the next request before sleeping in the kernel: a client in a
+            // round-trip loop sends it within microseconds, and a wake-up costs more.
+            let _ = wire::spin_readable(fd, sh.ctx.cfg.spin, || {
+                Ok::<bool, ()>(!sh.shutdown.load(Ordering::Acquire) && !me.fenced.load(Ordering::Acquire))
+            });
+        }
         let (h, body) = match inb.read_frame(&mut s, &mut tick) {
             Ok(f) => f,
             Err(WireError::Decode(e)) => {
@@ -177,6 +202,10 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
             }
             Err(WireError::Io(_)) => break,
         };
+        if sh.shutdown.load(Ordering::SeqCst) || me.fenced.load(Ordering::Acquire) {
+            // Closing (or fenced): serve nothing more, touch no memory.
+            break;
+        }
         let t0 = Instant::now();
         let mut op_tick = |_: bool| {
             if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {

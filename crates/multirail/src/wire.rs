@@ -38,6 +38,49 @@ impl std::fmt::Display for WireError {
     }
 }
 
+/// Wait up to `timeout` for `fd` to be readable (or closed/failed). False on timeout.
+pub fn poll_in(fd: std::os::fd::RawFd, timeout: std::time::Duration) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, timeout.as_millis().min(i32::MAX as u128) as i32) };
+    r != 0
+}
+
+/// How often a busy-poll runs its `check` closure.
+const SPIN_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Busy-poll (non-blocking readiness checks, no sleep) until `fd` is readable or closed, or
+/// `budget` has passed, so that the read that follows finds its data without a scheduler
+/// wake-up. `check` runs about every 10 ms: `Ok(false)` ends the spin early (nothing to wait
+/// for), an error aborts it. Returns whether `fd` was seen readable.
+pub fn spin_readable<E>(
+    fd: std::os::fd::RawFd,
+    budget: std::time::Duration,
+    mut check: impl FnMut() -> Result<bool, E>,
+) -> Result<bool, E> {
+    if budget.is_zero() {
+        return Ok(false);
+    }
+    let t0 = std::time::Instant::now();
+    let mut next_check = t0 + SPIN_CHECK;
+    loop {
+        if poll_in(fd, std::time::Duration::ZERO) {
+            return Ok(true);
+        }
+        let now = std::time::Instant::now();
+        if now.duration_since(t0) >= budget {
+            return Ok(false);
+        }
+        if now >= next_check {
+            if !check()? {
+                return Ok(false);
+            }
+            next_check = now + SPIN_CHECK;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 fn is_tick(e: &io::Error) -> bool {
     matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
 }
@@ -126,7 +169,8 @@ impl Inbound {
         Inbound { stash: Vec::with_capacity(READ_AHEAD), pos: 0 }
     }
 
-    fn unread(&self) -> usize {
+    /// Bytes read ahead and not consumed yet.
+    pub fn unread(&self) -> usize {
         self.stash.len() - self.pos
     }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use multirail_proto::Pair;
 
+use crate::config::Progress;
 use crate::error::{Error, Result};
 use crate::peer::Peer;
 use crate::registry::Region;
@@ -147,9 +148,17 @@ impl XferShared {
         if self.state() == XferState::InProgress {
             self.peer.drive(self, deadline, false);
         }
-        // Otherwise a short spin: small transfers complete in tens of microseconds, and a
-        // condvar sleep would add a wakeup to their latency.
-        let spin_until = Instant::now() + Duration::from_micros(50);
+        // Otherwise spin before sleeping: small transfers complete in tens of microseconds, and a
+        // condvar sleep would add a wakeup to their latency. How long follows the progress
+        // mode: 50 µs when blocking, the spin budget when adaptive, up to the deadline when
+        // polling.
+        let (mode, spin) = self.peer.progress();
+        let spin = match mode {
+            Progress::Block => Duration::from_micros(50),
+            Progress::Adaptive => spin.max(Duration::from_micros(50)),
+            Progress::Poll => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
+        };
+        let spin_until = Instant::now() + spin;
         while self.state() == XferState::InProgress && Instant::now() < spin_until {
             std::hint::spin_loop();
             std::thread::yield_now();
