@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from multirail import nixl
-from multirail.errors import MetadataError
+from multirail.errors import InvalidArgumentError, MetadataError, NotRegisteredError, OutOfBoundsError
 
-from conftest import ENV, REPO, engine_python  # noqa: E402
+from conftest import ENV, REPO, engine_available, engine_python  # noqa: E402
 
 
 ENGINE_PY = engine_python()
+needs_engine = pytest.mark.skipif(not engine_available(), reason="multirail._core (the engine extension) is not built")
 
 
 def test_config_matches_nixl_signature() -> None:
@@ -146,3 +147,142 @@ def test_two_peer_nixl_script(tmp_path: Path) -> None:
         if target.poll() is None:
             target.kill()  # by PID
             target.wait(timeout=10)
+
+
+# -- the descriptor fast path: Nx3 uint64 arrays go to the engine as they are ------------------
+
+def test_coalesce_merges_contiguous_runs_exactly() -> None:
+    bs = 4096
+    base = 1 << 32
+    blocks = [0, 1, 2, 7, 8, 3]  # runs: 0-2, 7-8, 3
+    rows = np.array([(base + b * bs, bs, 0) for b in blocks], dtype=np.uint64)
+    out = nixl._coalesce(rows)
+    assert out.tolist() == [[base, 3 * bs, 0], [base + 7 * bs, 2 * bs, 0], [base + 3 * bs, bs, 0]]
+    # A device change cuts a run; so does a gap.
+    dev = rows.copy()
+    dev[1, 2] = 1
+    assert nixl._coalesce(dev).tolist()[:3] == [[base, bs, 0], [base + bs, bs, 1], [base + 2 * bs, bs, 0]]
+    # Nothing to gain: the very same array comes back (no copy, no work for the caller).
+    scattered = np.array([(base + b * bs, bs, 0) for b in (5, 0, 9, 2, 7, 4)], dtype=np.uint64)
+    assert nixl._coalesce(scattered) is scattered
+    # A row whose end wraps past 2**64 is left for the engine to report.
+    wrap = np.array([(2**64 - bs, bs, 0), (0, bs, 0), (bs, bs, 0)], dtype=np.uint64)
+    assert nixl._coalesce(wrap) is wrap
+    # Long contiguous lists become one row, same total.
+    n = 1000
+    big = np.array([(base + i * bs, bs, 0) for i in range(n)], dtype=np.uint64)
+    assert nixl._coalesce(big).tolist() == [[base, n * bs, 0]]
+
+
+@needs_engine
+def test_get_xfer_descs_keeps_uint64_rows_without_copy() -> None:
+    a = nixl.nixl_agent("fastpath", nixl.nixl_agent_config())
+    try:
+        rows = np.zeros((1024, 3), dtype=np.uint64)
+        rows[:, 0] = 0x10000 + np.arange(1024, dtype=np.uint64) * 64
+        rows[:, 1] = 64
+        d = a.get_xfer_descs(rows, "DRAM")
+        assert d.rows is rows  # kept as is: no copy, no conversion
+        assert a._engine_descs(d).arr.ctypes.data == rows.ctypes.data  # straight to the engine
+        assert len(d) == 1024 and d.getType() == "DRAM" and d[3] == (0x10000 + 3 * 64, 64, 0)
+        # Other layouts/dtypes are converted once, to a C-contiguous uint64 array.
+        for other in (np.asfortranarray(rows), rows.astype(np.int64), rows[::2]):
+            c = a.get_xfer_descs(other, "cpu")
+            assert c.rows.dtype == np.uint64 and c.rows.flags.c_contiguous
+            assert np.array_equal(c.rows, other) and not np.shares_memory(c.rows, rows)
+        # Existing validation: unsupported memory type, bad tuple width, no mem type for tuples.
+        with pytest.raises(InvalidArgumentError):
+            a.get_xfer_descs(rows, "FILE")
+        assert a.get_xfer_descs([(1, 2)], "DRAM") is None
+        assert a.get_xfer_descs([(1, 2, 0)]) is None
+    finally:
+        a.close()
+
+
+def _wait_done(agent: "nixl.nixl_agent", h: "nixl.nixl_xfer_handle") -> None:
+    import time
+
+    state, deadline = agent.transfer(h), time.monotonic() + 30
+    while state != "DONE":
+        assert state != "ERR" and time.monotonic() < deadline, state
+        state = agent.check_xfer_state(h)
+
+
+@needs_engine
+def test_initialize_xfer_read_from_uint64_rows_round_trips() -> None:
+    n, bs = 256, 4096
+    t = nixl.nixl_agent("rt-target", nixl.nixl_agent_config())
+    i = nixl.nixl_agent("rt-init", nixl.nixl_agent_config(capture_telemetry=True))
+    try:
+        src = np.random.default_rng(7).integers(0, 256, n * bs, dtype=np.uint8)
+        half = n * bs // 2
+        # Two adjacent target regions: a merged run crosses from one into the other.
+        t.register_memory([(src.ctypes.data, half, 0, ""), (src.ctypes.data + half, half, 0, "")], "DRAM")
+        i.add_remote_agent(t.get_agent_metadata())
+
+        def rows(base: int, order: np.ndarray) -> np.ndarray:
+            r = np.zeros((len(order), 3), dtype=np.uint64)
+            r[:, 0] = base + order.astype(np.uint64) * bs
+            r[:, 1] = bs
+            return r
+
+        ident = np.arange(n)
+        perm = np.random.default_rng(3).permutation(n)
+        runs = np.concatenate([np.arange(128, 256), np.arange(0, 64), np.arange(64, 128)[::-1]])
+        for lorder, rorder in ((ident, ident), (perm, ident), (ident, perm), (runs, perm), (perm, runs)):
+            dst = np.zeros(n * bs, np.uint8)
+            reg = i.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+            lr, rr = rows(dst.ctypes.data, lorder), rows(src.ctypes.data, rorder)
+            ld, rd = i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM")
+            assert np.shares_memory(ld.rows, lr) and np.shares_memory(rd.rows, rr)
+            h = i.initialize_xfer("READ", ld, rd, "rt-target", b"done")
+            _wait_done(i, h)
+            tel = i.get_xfer_telemetry(h)
+            assert (tel.totalBytes, tel.descCount) == (n * bs, n)
+            # local block lorder[k] now holds remote block rorder[k]
+            expect = np.empty_like(dst)
+            expect.reshape(n, bs)[lorder] = src.reshape(n, bs)[rorder]
+            assert np.array_equal(dst, expect)
+            i.release_xfer_handle(h)
+            i.deregister_memory(reg)
+            assert np.array_equal(lr, rows(dst.ctypes.data, lorder))  # the caller's rows untouched
+    finally:
+        i.close()
+        t.close()
+
+
+@needs_engine
+def test_initialize_xfer_errors_name_the_callers_rows() -> None:
+    n, bs = 64, 4096
+    t = nixl.nixl_agent("err-target", nixl.nixl_agent_config())
+    i = nixl.nixl_agent("err-init", nixl.nixl_agent_config())
+    try:
+        src, dst = np.zeros(n * bs, np.uint8), np.zeros(n * bs, np.uint8)
+        t.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        i.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        i.add_remote_agent(t.get_agent_metadata())
+
+        def rows(base: int, first: int) -> np.ndarray:
+            r = np.zeros((n, 3), dtype=np.uint64)
+            r[:, 0] = base + (first + np.arange(n, dtype=np.uint64)) * bs
+            r[:, 1] = bs
+            return r
+
+        good_l, good_r = rows(dst.ctypes.data, 0), rows(src.ctypes.data, 0)
+        # Contiguous rows whose last one runs one block past the remote region: the error names
+        # row 63 as given (not the merged row 0).
+        with pytest.raises(OutOfBoundsError, match=r"remote descriptor 63 "):
+            i.initialize_xfer("READ", i.get_xfer_descs(good_l, "DRAM"),
+                              i.get_xfer_descs(rows(src.ctypes.data, 1), "DRAM"), "err-target")
+        with pytest.raises(NotRegisteredError, match=r"local descriptor 63 "):
+            i.initialize_xfer("READ", i.get_xfer_descs(rows(dst.ctypes.data, 1), "DRAM"),
+                              i.get_xfer_descs(good_r, "DRAM"), "err-target")
+        with pytest.raises(InvalidArgumentError):
+            i.initialize_xfer("COPY", i.get_xfer_descs(good_l, "DRAM"), i.get_xfer_descs(good_r, "DRAM"), "err-target")
+        with pytest.raises(InvalidArgumentError):
+            i.initialize_xfer("READ", good_l, good_r, "err-target")  # raw arrays, not descriptor lists
+        h = i.initialize_xfer("READ", i.get_xfer_descs(good_l, "DRAM"), i.get_xfer_descs(good_r, "DRAM"), "err-target")
+        i.release_xfer_handle(h)
+    finally:
+        i.close()
+        t.close()

@@ -7,8 +7,13 @@ notifications are `{agent_name: [bytes]}`, descriptor lists come from `get_xfer_
 handles have `.release()`). Both the older signatures (with `is_sorted`) and the newer ones
 (without) are accepted.
 
-Model: descriptor lists are kept here as an Nx3 uint64 array (address, length, device) plus a
-memory type, converted to engine descriptors when a transfer is prepared. They serialise to a
+Model: descriptor lists are kept here as a C-contiguous Nx3 uint64 array (address, length,
+device) plus a memory type. An Nx3 uint64 array given to `get_xfer_descs` is kept as is (no
+copy, no per-row Python work) and its data pointer goes straight to the engine when a transfer
+is prepared. `initialize_xfer` first merges runs of descriptors that are contiguous in memory
+(NIXL's descriptor-merging optimization, cf. its deprecated `skip_desc_merge`): the engine
+treats each side as one byte stream, so this moves exactly the same bytes, with far less work
+for the engine; errors still name the caller's rows. Lists serialise to a
 small fixed binary format (magic b"MRXD", version, memory type, count, rows; never pickle), so
 `get_serialized_descs`/`deserialize_descs` are safe on untrusted bytes.
 
@@ -29,7 +34,8 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from multirail.errors import InvalidArgumentError, MetadataError, MultirailError
+from multirail.errors import (InvalidArgumentError, MetadataError, MultirailError, NotRegisteredError,
+                              OutOfBoundsError)
 
 logger = logging.getLogger("multirail.nixl")
 
@@ -230,7 +236,9 @@ class nixl_agent:
     def _rows(self, descs: Any, mem_type: Optional[str], width: int) -> Optional[tuple[str, np.ndarray, Any]]:
         """(mem type, Nx3 rows, objects to keep alive) from any NIXL input form, or None."""
         if isinstance(descs, np.ndarray) and descs.ndim == 2 and descs.shape[1] == 3 and mem_type is not None:
-            return self._mem(mem_type), descs.astype(np.uint64, copy=False), None
+            # The fast path: a C-contiguous uint64 array is kept as is (no copy); anything else
+            # is converted once, here, never again per transfer.
+            return self._mem(mem_type), np.ascontiguousarray(descs, dtype=np.uint64), None
         objs = _buffers(descs)
         if objs is not None:
             rows = np.array([_buffer_row(o) for o in objs], dtype=np.uint64).reshape(-1, 3)
@@ -271,8 +279,10 @@ class nixl_agent:
     def deserialize_descs(self, serialized_descs: bytes) -> nixl_xfer_dlist:
         return deserialize_descs(serialized_descs)
 
-    def _engine_descs(self, d: nixl_xfer_dlist) -> Any:
-        return self._engine.get_xfer_descs(np.ascontiguousarray(d.rows, dtype=np.uint64), mem_type=d.mem_type)
+    def _engine_descs(self, d: nixl_xfer_dlist, rows: Optional[np.ndarray] = None) -> Any:
+        """Engine descriptors over `rows` (default: the list's own rows), no copy when they are
+        already a C-contiguous uint64 array."""
+        return self._engine.get_xfer_descs(_contiguous_rows(d.rows if rows is None else rows), mem_type=d.mem_type)
 
     # -- memory ----------------------------------------------------------------------------
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None, is_sorted: Any = False,
@@ -346,27 +356,31 @@ class nixl_agent:
                           notif_msg: Union[bytes, str] = b"", backends: Optional[list[str]] = None,
                           skip_desc_merge: bool = False) -> nixl_xfer_handle:
         li, ri = [int(i) for i in local_indices], [int(i) for i in remote_indices]
-        recipe = ("prepped", self._op(operation), local_xfer_side, li, remote_xfer_side, ri)
-        rows = local_xfer_side.descs.rows[li] if li else local_xfer_side.descs.rows[:0]
-        return self._build(recipe, _to_bytes(notif_msg), int(rows[:, 1].sum()) if len(rows) else 0, len(li))
+        op, notif = self._op(operation), _to_bytes(notif_msg)
+        h = self._engine.make_prepped_xfer(op, local_xfer_side._handle, li, remote_xfer_side._handle, ri, notif=notif)
+        return nixl_xfer_handle(self, h, notif, int(h.total_bytes), len(li))
 
     def initialize_xfer(self, operation: str, local_descs: nixl_xfer_dlist, remote_descs: nixl_xfer_dlist,
                         remote_agent: str, notif_msg: Union[bytes, str] = b"",
                         backends: Optional[list[str]] = None) -> nixl_xfer_handle:
         if not isinstance(local_descs, nixl_xfer_dlist) or not isinstance(remote_descs, nixl_xfer_dlist):
             raise InvalidArgumentError("initialize_xfer needs descriptor lists from get_xfer_descs/deserialize_descs")
-        recipe = ("direct", self._op(operation), local_descs, remote_descs, remote_agent)
-        return self._build(recipe, _to_bytes(notif_msg), local_descs.total_bytes(), len(local_descs))
-
-    def _engine_handle(self, recipe: tuple[Any, ...], notif: bytes) -> Any:
-        if recipe[0] == "direct":
-            _, op, local, remote, peer = recipe
-            return self._engine.initialize_xfer(op, self._engine_descs(local), self._engine_descs(remote), peer, notif=notif)
-        _, op, lside, li, rside, ri = recipe
-        return self._engine.make_prepped_xfer(op, lside._handle, li, rside._handle, ri, notif=notif)
-
-    def _build(self, recipe: tuple[Any, ...], notif: bytes, total: int, count: int) -> nixl_xfer_handle:
-        return nixl_xfer_handle(self, self._engine_handle(recipe, notif), notif, total, count)
+        op, notif = self._op(operation), _to_bytes(notif_msg)
+        lrows, rrows = _contiguous_rows(local_descs.rows), _contiguous_rows(remote_descs.rows)
+        lmerged, rmerged = _coalesce(lrows), _coalesce(rrows)
+        eng = self._engine
+        try:
+            h = eng.initialize_xfer(op, self._engine_descs(local_descs, lmerged),
+                                    self._engine_descs(remote_descs, rmerged), remote_agent, notif=notif)
+        except (NotRegisteredError, OutOfBoundsError):
+            if lmerged is lrows and rmerged is rrows:
+                raise
+            # A merged run can cross from one registered region into an adjacent one where
+            # the caller's rows did not, and errors name row indices: redo with the rows as
+            # given, so both success and the error raised are exactly the unmerged ones.
+            h = eng.initialize_xfer(op, self._engine_descs(local_descs, lrows),
+                                    self._engine_descs(remote_descs, rrows), remote_agent, notif=notif)
+        return nixl_xfer_handle(self, h, notif, int(h.total_bytes), len(local_descs))
 
     def _state(self, state: Any) -> str:
         XferState = self._mr.XferState
@@ -463,6 +477,56 @@ def _buffers(descs: Any) -> Optional[list[Any]]:
     if isinstance(descs, (list, tuple)) and descs and all(_is_tensor(d) or isinstance(d, np.ndarray) for d in descs):
         return list(descs)
     return None
+
+
+def _contiguous_rows(rows: np.ndarray) -> np.ndarray:
+    """`rows` as a C-contiguous uint64 array: the same object when it already is one."""
+    if rows.dtype == np.uint64 and rows.flags.c_contiguous:
+        return rows
+    return np.ascontiguousarray(rows, dtype=np.uint64)
+
+
+def _coalesce(rows: np.ndarray) -> np.ndarray:
+    """Merge each run of descriptors that are contiguous in memory (row i ends where row i+1
+    starts, same device) into one row.
+
+    The engine treats each side of a transfer as one byte stream cut into segments (local and
+    remote may be cut differently; only the totals must match), so the merged list moves the
+    same bytes between the same addresses. Returns `rows` itself (no work, no copy) when a
+    probe of a few adjacent pairs finds none contiguous, when merging would not at least
+    halve the list, or when a row's end overflows 64 bits (the engine then reports that row).
+    `rows` must be a C-contiguous (N, 3) uint64 array.
+    """
+    n = rows.shape[0]
+    if n < 2:
+        return rows
+    item = rows.item
+    for i in {0, (n - 1) // 2, n - 2}:  # O(1): a scattered list costs nothing more
+        if item(i, 0) + item(i, 1) == item(i + 1, 0) and item(i, 2) == item(i + 1, 2):
+            break
+    else:
+        return rows
+    a, length, dev = rows[:, 0], rows[:, 1], rows[:, 2]
+    end = a + length
+    if (end < a).any():
+        return rows
+    cut = end[:-1] != a[1:]
+    cut |= dev[:-1] != dev[1:]
+    cuts = np.flatnonzero(cut)  # row cuts[k] ends a run
+    m = cuts.size + 1
+    if 2 * m > n:
+        return rows
+    first = np.empty(m, dtype=np.intp)
+    first[0] = 0
+    np.add(cuts, 1, out=first[1:])
+    last = np.empty(m, dtype=np.intp)
+    last[:-1] = cuts
+    last[-1] = n - 1
+    out = np.empty((m, 3), dtype=np.uint64)
+    out[:, 0] = a[first]
+    np.subtract(end[last], out[:, 0], out=out[:, 1])
+    out[:, 2] = dev[first]
+    return out
 
 
 def _buffer_row(o: Any) -> tuple[int, int, int]:
