@@ -300,7 +300,7 @@ impl PyXfer {
     #[pyo3(signature = (notif=None, timeout=None))]
     fn post_wait(&self, py: Python<'_>, notif: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<()> {
         let t = wait_timeout(timeout)?;
-        py.allow_threads(|| self.0.post(notif).and_then(|_| self.0.wait(t))).map_err(to_py)
+        py.allow_threads(|| self.0.post_wait(notif, t)).map_err(to_py)
     }
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {

@@ -114,9 +114,11 @@ impl Peer {
         self.link.lock().expect("peer lock").as_ref().is_some_and(|l| l.usable())
     }
 
-    pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>) -> Result<()> {
+    /// Post `x`. `will_drive`: the caller waits for it next (`post_wait`) and reads its own
+    /// responses; otherwise a parked receiver is kicked to read them.
+    pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
         let link = self.link()?;
-        link.submit(x)
+        link.submit(x, will_drive)
     }
 
     /// See [`Link::drive`]; false when there is no link.
@@ -230,6 +232,36 @@ const OWNER_RECEIVER: u8 = 1;
 const OWNER_CALLER: u8 = 2;
 /// How long the receiver stays away while a caller drives its connection.
 const CALLER_YIELD: Duration = Duration::from_micros(200);
+/// For this long after a caller last drove a connection, the receiver leaves its responses to
+/// callers ("parked"): it watches the socket for hang-up and its kick eventfd only, so a
+/// response does not wake it too (on a busy host that wake-up preempts the very threads of the
+/// round trip: measured, it was the whole 4 KiB p99). An asynchronous post, or a caller that
+/// stops driving with requests still outstanding, kicks it back to reading.
+const CALLER_GRACE: Duration = Duration::from_millis(50);
+
+/// Wait up to `timeout` for `fd` to hang up or fail, or for `kick` to be written (data arriving
+/// on `fd` does not end the wait). Returns (hung up, kicked).
+fn park(fd: std::os::fd::RawFd, kick: std::os::fd::RawFd, timeout: Duration) -> (bool, bool) {
+    let mut p = [libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 }, libc::pollfd { fd: kick, events: libc::POLLIN, revents: 0 }];
+    // SAFETY: two valid pollfds.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout.as_millis().clamp(1, i32::MAX as u128) as i32) };
+    if r <= 0 {
+        return (false, false);
+    }
+    let hup = p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0;
+    (hup, p[1].revents & libc::POLLIN != 0)
+}
+
+/// A non-blocking eventfd (a receiver's kick).
+fn eventfd() -> Result<std::os::fd::OwnedFd> {
+    // SAFETY: plain syscall; a valid fd it returns is owned by nobody else.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io("eventfd", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor we own.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+}
 
 /// Why a reader stopped.
 enum Stop {
@@ -257,7 +289,6 @@ struct Rx {
     clock: Clock,
 }
 
-
 /// One TCP connection on one rail.
 struct Conn {
     rail: usize,
@@ -266,6 +297,15 @@ struct Conn {
     rx: Mutex<Rx>,
     /// OWNER_*: who may lock `rx` and read.
     owner: AtomicU8,
+    /// When a caller last drove this connection (µs since `Link::epoch`).
+    caller_at: AtomicU64,
+    /// Callers' busy-poll budget on this connection (`Progress::Adaptive`).
+    spin: wire::SpinBudget,
+    /// Wakes a parked receiver (see `CALLER_GRACE`); `kicks` counts requests to, `parked` says
+    /// whether the receiver sleeps on it (store-then-load on both sides, SeqCst).
+    kick: std::os::fd::OwnedFd,
+    kicks: AtomicU64,
+    parked: AtomicBool,
     /// The nonce of this connection's `Hello`: the target knows it by this id (for `Fence`).
     id: [u8; 16],
     /// Carried a WRITE: must be fenced on the target if it dies.
@@ -278,6 +318,18 @@ struct Conn {
 }
 
 impl Conn {
+    /// Have the receiver read responses again (it may be parked, leaving them to callers).
+    fn kick(&self) {
+        self.kicks.fetch_add(1, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: an 8-byte write to our own eventfd; EAGAIN (counter full) is harmless.
+            unsafe {
+                libc::write(std::os::fd::AsRawFd::as_raw_fd(&self.kick), &one as *const u64 as *const libc::c_void, 8);
+            }
+        }
+    }
+
     fn kill(&self) {
         self.dead.store(true, Ordering::Release);
         if let Ok(s) = self.writer.try_lock() {
@@ -381,6 +433,8 @@ pub struct Link {
     fatal: Mutex<Option<Error>>,
     /// Shared with the [`Peer`]; see `Peer::unfenced`.
     unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
+    /// Time base of `Conn::caller_at`.
+    epoch: Instant,
     /// Threads that may touch registered memory through this link right now (senders,
     /// receivers, callers posting or driving a transfer); `close` waits until none is left.
     active: AtomicUsize,
@@ -585,6 +639,7 @@ impl Link {
             fatal: Mutex::new(None),
             unfenced: peer.unfenced.clone(),
             active: AtomicUsize::new(0),
+            epoch: Instant::now(),
         });
         let mut first_err = None;
         let mut any = false;
@@ -648,6 +703,10 @@ impl Link {
             return None;
         }
         Some(Active(&self.active))
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
     }
 
     /// True when no rail of the link has a live connection.
@@ -727,6 +786,11 @@ impl Link {
                     clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
                 }),
                 owner: AtomicU8::new(OWNER_NONE),
+                caller_at: AtomicU64::new(0),
+                spin: wire::SpinBudget::new(self.ctx.cfg.spin),
+                kick: eventfd()?,
+                kicks: AtomicU64::new(0),
+                parked: AtomicBool::new(false),
                 id,
                 wrote: AtomicBool::new(false),
                 writer: Mutex::new(s),
@@ -747,7 +811,7 @@ impl Link {
         Ok(())
     }
 
-    fn submit(self: &Arc<Self>, x: Arc<XferShared>) -> Result<()> {
+    fn submit(self: &Arc<Self>, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
         if !self.usable() {
             return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
         }
@@ -768,6 +832,9 @@ impl Link {
             let conns = rail.conns.read().expect("rail lock").clone();
             for c in conns {
                 need_senders |= self.pump(&c);
+                if !will_drive && c.inflight_n.load(Ordering::Acquire) > 0 {
+                    c.kick();
+                }
             }
         }
         if need_senders {
@@ -1005,6 +1072,8 @@ impl Link {
     /// Returns the failure reason, or None on orderly shutdown.
     fn receive_loop(&self, c: &Arc<Conn>) -> Option<String> {
         let fd = c.fd;
+        let kick_fd = std::os::fd::AsRawFd::as_raw_fd(&c.kick);
+        let mut seen_kicks = 0u64;
         loop {
             if self.shutdown.load(Ordering::Acquire) {
                 return None;
@@ -1016,6 +1085,29 @@ impl Link {
                 // A caller is reading; look again shortly (no handoff signal on its path).
                 std::thread::sleep(CALLER_YIELD);
                 continue;
+            }
+            let since_caller = self.now_us().saturating_sub(c.caller_at.load(Ordering::Acquire));
+            if since_caller < CALLER_GRACE.as_micros() as u64 {
+                // Callers are driving this connection round trip after round trip: stay out of
+                // their way until kicked, the socket hangs up (read below, which sees the
+                // failure), or the grace period ends.
+                c.parked.store(true, Ordering::SeqCst);
+                let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks {
+                    (false, true)
+                } else {
+                    park(fd, kick_fd, CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)))
+                };
+                c.parked.store(false, Ordering::SeqCst);
+                if kicked {
+                    seen_kicks = c.kicks.load(Ordering::SeqCst);
+                    let mut buf = 0u64;
+                    // SAFETY: an 8-byte read from our own non-blocking eventfd (drains it).
+                    unsafe {
+                        libc::read(kick_fd, &mut buf as *mut u64 as *mut libc::c_void, 8);
+                    }
+                } else if !hup {
+                    continue;
+                }
             }
             let readable = poll_in(fd, TICK);
             if c.owner.compare_exchange(OWNER_NONE, OWNER_RECEIVER, Ordering::AcqRel, Ordering::Acquire).is_err() {
@@ -1187,6 +1279,7 @@ impl Link {
                 c.owner.store(OWNER_NONE, Ordering::Release);
                 return false;
             };
+            c.caller_at.store(self.now_us(), Ordering::Release);
             let mut failure = None;
             let mine = |c: &Conn| c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x));
             while x.state() == XferState::InProgress {
@@ -1219,7 +1312,12 @@ impl Link {
                 abort_socket(&rx.s);
             }
             drop(rx);
+            c.caller_at.store(self.now_us(), Ordering::Release);
             c.owner.store(OWNER_NONE, Ordering::Release);
+            if c.inflight_n.load(Ordering::Acquire) > 0 {
+                // Responses are still due and this caller is leaving: the receiver reads them.
+                c.kick();
+            }
             if let Some(e) = failure {
                 // The receiver sees the connection dead and runs the rail-down path.
                 self.rail_failed(c.rail, e);
@@ -1237,16 +1335,17 @@ impl Link {
         let cfg = &self.ctx.cfg;
         let budget = match cfg.progress {
             Progress::Block => return Ok(()),
-            Progress::Adaptive => cfg.spin,
+            Progress::Adaptive => c.spin.get(),
             Progress::Poll => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
         };
-        wire::spin_readable(c.fd, budget, || {
+        let how = wire::spin_readable(c.fd, budget, || {
             if c.inflight_n.load(Ordering::Acquire) == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(false);
             }
             self.quiet_checks(c, clock, false).map(|_| true)
-        })
-        .map(|_| ())
+        })?;
+        c.spin.record(how);
+        Ok(())
     }
 
     /// Shut every connection of a rail so all its receivers stop.
@@ -1455,6 +1554,7 @@ impl Link {
         for r in &self.rails {
             for c in r.conns.read().expect("rail lock").iter() {
                 c.kill();
+                c.kick();
             }
             for s in r.fds.lock().expect("rail lock").iter() {
                 let _ = s.shutdown(Shutdown::Both);

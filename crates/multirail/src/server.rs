@@ -166,6 +166,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
     }
     let mut inb = wire::Inbound::new();
     let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+    let spin = wire::SpinBudget::new(sh.ctx.cfg.spin);
     loop {
         // Idle between frames is fine; a frame, once started, must finish within `timeout`.
         let mut started_at: Option<Instant> = None;
@@ -184,9 +185,12 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         if sh.ctx.cfg.progress != Progress::Block && inb.unread() == 0 {
             // Busy-poll for the next request before sleeping in the kernel: a client in a
             // round-trip loop sends it within microseconds, and a wake-up costs more.
-            let _ = wire::spin_readable(fd, sh.ctx.cfg.spin, || {
+            let r = wire::spin_readable(fd, spin.get(), || {
                 Ok::<bool, ()>(!sh.shutdown.load(Ordering::Acquire) && !me.fenced.load(Ordering::Acquire))
             });
+            if let Ok(how) = r {
+                spin.record(how);
+            }
         }
         let (h, body) = match inb.read_frame(&mut s, &mut tick) {
             Ok(f) => f,

@@ -49,35 +49,79 @@ pub fn poll_in(fd: std::os::fd::RawFd, timeout: std::time::Duration) -> bool {
 /// How often a busy-poll runs its `check` closure.
 const SPIN_CHECK: std::time::Duration = std::time::Duration::from_millis(10);
 
+/// How a busy-poll ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spin {
+    /// The socket became readable (or closed): the next read will not sleep.
+    Ready,
+    /// The budget ran out first.
+    Exhausted,
+    /// `check` ended it (nothing to wait for any more).
+    Stopped,
+}
+
 /// Busy-poll (non-blocking readiness checks, no sleep) until `fd` is readable or closed, or
 /// `budget` has passed, so that the read that follows finds its data without a scheduler
-/// wake-up. `check` runs about every 10 ms: `Ok(false)` ends the spin early (nothing to wait
-/// for), an error aborts it. Returns whether `fd` was seen readable.
+/// wake-up. Between checks the thread yields, so a runnable thread on the same CPU (say, the
+/// peer it waits for, on an oversubscribed host) is not starved. `check` runs about every
+/// 10 ms: `Ok(false)` ends the spin early, an error aborts it.
 pub fn spin_readable<E>(
     fd: std::os::fd::RawFd,
     budget: std::time::Duration,
     mut check: impl FnMut() -> Result<bool, E>,
-) -> Result<bool, E> {
+) -> Result<Spin, E> {
     if budget.is_zero() {
-        return Ok(false);
+        return Ok(Spin::Exhausted);
     }
     let t0 = std::time::Instant::now();
     let mut next_check = t0 + SPIN_CHECK;
     loop {
         if poll_in(fd, std::time::Duration::ZERO) {
-            return Ok(true);
+            return Ok(Spin::Ready);
         }
         let now = std::time::Instant::now();
         if now.duration_since(t0) >= budget {
-            return Ok(false);
+            return Ok(Spin::Exhausted);
         }
         if now >= next_check {
             if !check()? {
-                return Ok(false);
+                return Ok(Spin::Stopped);
             }
             next_check = now + SPIN_CHECK;
         }
         std::hint::spin_loop();
+    }
+}
+
+/// An adaptive busy-poll budget: doubled (up to `max`) when data arrived within it, halved
+/// (down to `max / 16`) when it ran out. Spinning that keeps paying off (back-to-back round
+/// trips) stays at `max`; on an oversubscribed host, where the peer is not running to answer,
+/// failed spins shrink it so the CPU goes back to the threads that need it.
+pub struct SpinBudget {
+    cur_ns: std::sync::atomic::AtomicU64,
+    max_ns: u64,
+}
+
+impl SpinBudget {
+    pub fn new(max: std::time::Duration) -> SpinBudget {
+        let max_ns = max.as_nanos().min(u64::MAX as u128) as u64;
+        SpinBudget { cur_ns: std::sync::atomic::AtomicU64::new(max_ns), max_ns }
+    }
+
+    pub fn get(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.cur_ns.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Adjust after a spin that ended `how`.
+    pub fn record(&self, how: Spin) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let cur = self.cur_ns.load(Relaxed);
+        let next = match how {
+            Spin::Ready => cur.saturating_mul(2).min(self.max_ns),
+            Spin::Exhausted => (cur / 2).max(self.max_ns / 16),
+            Spin::Stopped => cur,
+        };
+        self.cur_ns.store(next, Relaxed);
     }
 }
 

@@ -199,6 +199,17 @@ pub struct XferHandle(pub(crate) Arc<XferShared>);
 impl XferHandle {
     /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
+        self.post_inner(notif, false)
+    }
+
+    /// Post and wait in one call: the caller reads its own responses (no receiver wake-up on
+    /// the round trip), the lowest-latency form for a caller that would wait anyway.
+    pub fn post_wait(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>) -> Result<()> {
+        self.post_inner(notif, true)?;
+        self.wait(timeout)
+    }
+
+    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool) -> Result<XferState> {
         if let Some(n) = notif {
             if n.len() > multirail_proto::codec::MAX_NOTIF {
                 return Err(Error::InvalidArgument(format!(
@@ -211,7 +222,7 @@ impl XferHandle {
         }
         self.0.begin()?;
         let x = self.0.clone();
-        if let Err(e) = self.0.peer.submit(x) {
+        if let Err(e) = self.0.peer.submit(x, will_drive) {
             self.0.finish(Err(e.clone()));
             return Err(e);
         }

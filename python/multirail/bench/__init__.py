@@ -67,6 +67,10 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=0.5,
                    help="a rail silent this long with work in flight is shut and its chunks reissued "
                         "on the other rails (default 0.5 s, the engine's; a local link that loses carrier is seen in ~0.1 s)")
+    p.add_argument("--progress", default="adaptive", choices=["adaptive", "poll", "block"],
+                   help="how waiting threads wait: busy-poll up to --spin-us then sleep (adaptive, "
+                        "default), busy-poll until done (poll), or sleep at once (block)")
+    p.add_argument("--spin-us", type=float, default=200.0, help="busy-poll budget, microseconds (default 200)")
     p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
     p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
     p.add_argument("--secret", default=None,
@@ -184,7 +188,14 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--secret must not be empty")
     return dict(connections=args.connections, rails=_rails(args.rails), policy=_policy(args.policy),
                 chunk_size=parse_size(args.chunk_size), timeout=args.timeout,
-                stall_timeout=args.stall_timeout, secret=args.secret)
+                stall_timeout=args.stall_timeout, secret=args.secret, progress=args.progress,
+                spin_us=_spin_us(args))
+
+
+def _spin_us(args: argparse.Namespace) -> float:
+    if not 0 <= args.spin_us <= 1e6:
+        raise UsageError("--spin-us must be between 0 and 1000000")
+    return float(args.spin_us)
 
 
 def _child_env(args: argparse.Namespace) -> dict[str, str] | None:
@@ -313,7 +324,8 @@ def _select_testbed_rails(tb: dict[str, Any], spec: str | None) -> dict[str, Any
 def _engine_argv(args: argparse.Namespace, rails: str | None, total: int) -> list[str]:
     argv = ["--connections", str(args.connections), "--policy", args.policy, "--chunk-size", args.chunk_size,
             "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
-            "--target-name", args.target_name, "--total-buffer-size", str(total)]
+            "--target-name", args.target_name, "--total-buffer-size", str(total),
+            "--progress", args.progress, "--spin-us", str(args.spin_us)]
     return argv + (["--rails", rails] if rails else [])
 
 
@@ -427,19 +439,36 @@ def _baselines(args: argparse.Namespace, host: str, prefix_a: list[str],
         rows.append(run_iperf3(host, args.connections, args.baseline_time, args.op, prefix_a, prefix_b))
     except BenchFailure as e:
         problems.append(f"iperf3 baseline skipped: {e}")
-    try:
-        rows.append(run_pingpong(LATENCY_SIZE, args.latency_iter, min(args.latency_iter, 200), host, prefix_a, prefix_b))
-    except BenchFailure as e:
-        problems.append(f"mr-pingpong baseline skipped: {e}")
+    for poll in (False, True):  # like with like: blocking and busy-polling raw TCP
+        try:
+            rows.append(run_pingpong(LATENCY_SIZE, args.latency_iter, min(args.latency_iter, 200), host,
+                                     prefix_a, prefix_b, poll=poll))
+        except BenchFailure as e:
+            problems.append(f"mr-pingpong{' --poll' if poll else ''} baseline skipped: {e}")
+    if args.testbed:
+        problems.append("NIXL latency baseline: only on loopback (bench local without --testbed)")
+    else:
+        from multirail.bench.nixl_latency import nixl_available, run_nixl_latency
+        if nixl_available():
+            try:
+                rows.append(run_nixl_latency(LATENCY_SIZE, args.latency_iter, min(args.latency_iter, 200)))
+            except BenchFailure as e:
+                problems.append(f"NIXL latency baseline skipped: {e}")
+        else:
+            problems.append("NIXL latency baseline skipped: NIXL is not installed (pip install nixl-cu12)")
     return rows, problems
 
 
-def ratios(rows: list[BenchRow], baselines: list[BenchRow]) -> dict[str, Any]:
-    """Throughput of the largest block vs iperf3, and 4KiB latency vs mr-pingpong."""
+def ratios(rows: list[BenchRow], baselines: list[BenchRow], progress: str = "adaptive") -> dict[str, Any]:
+    """Throughput of the largest block vs iperf3; 4KiB latency vs the raw TCP ping-pong that waits
+    the same way (blocking for --progress block, busy-polling otherwise) and vs NIXL."""
     out: dict[str, Any] = {}
     sweep = [r for r in rows if r.worker == "multirail"]
     iperf = next((b for b in baselines if b.worker.startswith("iperf3")), None)
-    ping = next((b for b in baselines if b.worker == "mr-pingpong"), None)
+    polling = progress != "block"
+    want = "mr-pingpong-poll" if polling else "mr-pingpong"
+    ping = next((b for b in baselines if b.worker == want), None)
+    nixl = next((b for b in baselines if b.worker.startswith("nixl")), None)
     if sweep and iperf and iperf.gbps > 0:
         big = max(sweep, key=lambda r: r.block_size)
         out["throughput_pct_of_iperf3"] = 100.0 * big.gbps / iperf.gbps
@@ -450,9 +479,22 @@ def ratios(rows: list[BenchRow], baselines: list[BenchRow]) -> dict[str, Any]:
     if small and ping and ping.lat_p50_us > 0:
         out["p50_x_pingpong"] = small.lat_p50_us / ping.lat_p50_us
         out["p99_x_pingpong"] = small.lat_p99_us / ping.lat_p99_us
-        out["latency_text"] = (f"4KiB {small.op} p50 = {out['p50_x_pingpong']:.2f}x raw TCP ping-pong "
+        out["pingpong_worker"] = ping.worker
+        out["latency_text"] = (f"4KiB {small.op} ({progress}) p50 = {out['p50_x_pingpong']:.2f}x "
+                               f"{'polling' if polling else 'blocking'} raw TCP ping-pong "
                                f"({small.lat_p50_us:.1f} vs {ping.lat_p50_us:.1f} us); p99 = "
                                f"{out['p99_x_pingpong']:.2f}x ({small.lat_p99_us:.1f} vs {ping.lat_p99_us:.1f} us)")
+    if small and nixl and nixl.lat_p50_us > 0:
+        out["p50_x_nixl"] = small.lat_p50_us / nixl.lat_p50_us
+        out["p99_x_nixl"] = small.lat_p99_us / nixl.lat_p99_us
+        out["nixl_text"] = (f"4KiB {small.op} ({progress}) vs {nixl.worker}: p50 {out['p50_x_nixl']:.2f}x "
+                            f"({small.lat_p50_us:.1f} vs {nixl.lat_p50_us:.1f} us), p99 {out['p99_x_nixl']:.2f}x "
+                            f"({small.lat_p99_us:.1f} vs {nixl.lat_p99_us:.1f} us)")
+    if small and small.cpu_pct is not None:
+        out["waiter_cpu_pct"] = small.cpu_pct
+        out["cpu_text"] = (f"progress {progress}: the waiting thread used {small.cpu_pct:.0f}% of a core "
+                           f"during the 4KiB loop" + (f" (NIXL's: {nixl.cpu_pct:.0f}%)" if nixl and nixl.cpu_pct
+                                                      is not None else ""))
     return out
 
 
@@ -468,16 +510,19 @@ def _clean(obj: Any) -> Any:
 
 
 def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchRow], problems: list[str]) -> int:
-    rat = ratios(rows, baselines)
+    rat = ratios(rows, baselines, getattr(args, "progress", "adaptive"))
     text_out = sys.stderr if args.json == "-" else sys.stdout
     print(format_table(rows), file=text_out)
+    print(f"progress: {getattr(args, 'progress', 'adaptive')} (spin {getattr(args, 'spin_us', 200.0):g} us)",
+          file=text_out)
     for b in baselines:
-        if b.worker == "mr-pingpong":
+        if not b.worker.startswith("iperf3"):
+            cpu = f", waiting thread {b.cpu_pct:.0f}% CPU" if b.cpu_pct is not None else ""
             print(f"baseline {b.worker} {format_size(b.block_size)}: avg {b.lat_avg_us:.1f} us, "
-                  f"p50 {b.lat_p50_us:.1f} us, p99 {b.lat_p99_us:.1f} us", file=text_out)
+                  f"p50 {b.lat_p50_us:.1f} us, p99 {b.lat_p99_us:.1f} us{cpu}", file=text_out)
         else:
             print(f"baseline {b.worker}: {b.gbps:.2f} Gbps ({b.gb_per_s:.3f} GB/s)", file=text_out)
-    for key in ("throughput_text", "latency_text"):
+    for key in ("throughput_text", "latency_text", "nixl_text", "cpu_text"):
         if key in rat:
             print(rat[key], file=text_out)
     for p in problems:

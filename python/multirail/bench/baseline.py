@@ -6,8 +6,12 @@
   `finally` regardless.
 * mr-pingpong (benchmarks/pingpong, Rust, std only): N-byte request, N-byte echo over one
   TCP_NODELAY connection; its p50/p99 are the raw-TCP round-trip floor for small transfers.
+  Blocking sockets by default; `poll=True` passes `--poll` to both ends, which then busy-poll
+  non-blocking sockets (the comparison for the engine's polling progress mode). The row
+  carries the client thread's CPU use (`cpu_pct`, CPU time / wall time in percent).
 
-Both return `BenchRow`s (worker "iperf3" / "mr-pingpong") so they print in the same table.
+Both return `BenchRow`s (worker "iperf3 -P n" / "mr-pingpong" or "mr-pingpong-poll") so they
+print in the same table.
 Commands can be prefixed (e.g. `ip netns exec NS`) for the testbed.
 """
 
@@ -120,10 +124,13 @@ def run_iperf3(host: str, connections: int, seconds: int, op: str,
 
 
 def run_pingpong(size: int, iters: int, warmup: int, host: str = "127.0.0.1",
-                 server_prefix: list[str] | None = None, client_prefix: list[str] | None = None) -> BenchRow:
+                 server_prefix: list[str] | None = None, client_prefix: list[str] | None = None,
+                 poll: bool = False) -> BenchRow:
+    """One mr-pingpong server + client run; worker "mr-pingpong-poll" when `poll`, else "mr-pingpong"."""
     exe = str(find_pingpong())
+    mode = ["--poll"] if poll else []
     server = subprocess.Popen((server_prefix or []) + [exe, "server", "--listen", f"{host}:0", "--size", str(size),
-                                                      "--idle-timeout", "30"],
+                                                      "--idle-timeout", "30"] + mode,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
@@ -135,7 +142,7 @@ def run_pingpong(size: int, iters: int, warmup: int, host: str = "127.0.0.1",
             raise BenchFailure(f"mr-pingpong server did not start: {ready.strip()} {err.strip()}") from None
         try:
             res = subprocess.run((client_prefix or []) + [exe, "client", "--connect", f"{host}:{port}", "--size", str(size),
-                                                          "--iters", str(iters), "--warmup", str(warmup)],
+                                                          "--iters", str(iters), "--warmup", str(warmup)] + mode,
                                  capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
             raise BenchFailure("mr-pingpong client did not finish within 120 s") from None
@@ -144,10 +151,17 @@ def run_pingpong(size: int, iters: int, warmup: int, host: str = "127.0.0.1",
         d = json.loads(res.stdout)
     finally:
         _stop(server)
+    want = "poll" if poll else "block"
+    if d.get("mode", "block") != want:  # an older binary prints no mode (and only blocks)
+        raise BenchFailure(f"mr-pingpong ran in mode {d.get('mode')!r}, not {want!r}; rebuild it "
+                           "(cargo build --release -p mr-pingpong)")
+    cpu = d.get("client_cpu_pct")
     avg = float(d["avg_us"])
     secs = avg * iters / 1e6
     return BenchRow(op="PING", block_size=size, batch_size=1, iterations=iters, seconds=secs,
                     total_bytes=2 * size * iters, gbps=size * 8 / (avg * 1e3) if avg else 0.0,
                     gb_per_s=size / (avg * 1e3) if avg else 0.0, lat_avg_us=avg,
                     lat_p50_us=float(d["p50_us"]), lat_p99_us=float(d["p99_us"]),
-                    lat_min_us=float(d["min_us"]), lat_max_us=float(d["max_us"]), worker="mr-pingpong")
+                    lat_min_us=float(d["min_us"]), lat_max_us=float(d["max_us"]),
+                    worker="mr-pingpong-poll" if poll else "mr-pingpong",
+                    cpu_pct=float(cpu) if cpu is not None else None)

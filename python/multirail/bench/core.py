@@ -149,6 +149,7 @@ class BenchRow:
     consistency: str = "not checked"
     rails: list[RailRow] = field(default_factory=list)
     engine_rails: list[RailRow] = field(default_factory=list)
+    cpu_pct: float | None = None  # CPU time / wall time of the measuring thread (%), where known
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -28,12 +28,13 @@ from multirail.bench.core import TARGET_SEED, pattern
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
           stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
-          secret: str | None = None) -> int:
+          secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0) -> int:
     import multirail  # lazy: the tool must import without the extension
 
     cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
                                 policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                stall_timeout=stall_timeout, auth_secret=secret)  # None: $MULTIRAIL_SECRET
+                                stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
+                                progress=progress, spin_us=spin_us)
     agent = multirail.Agent(name, cfg)
     buf = np.zeros(buffer_size, dtype=np.uint8)
     try:

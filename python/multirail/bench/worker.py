@@ -62,6 +62,7 @@ def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters:
             before = counters.snapshot() if counters else {}
             lat: list[float] = []
             step = max(1, iters // 50)
+            cpu_start = time.thread_time()  # this thread posts and waits: what waiting costs
             t_start = time.perf_counter()
             for i in range(iters):
                 t0 = time.perf_counter()
@@ -70,9 +71,11 @@ def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters:
                 if i % step == 0:
                     progress.update(f"{label}: iter {i + 1}/{iters}")
             wall = time.perf_counter() - t_start
+            cpu = time.thread_time() - cpu_start
             after = counters.snapshot() if counters else {}
             eng_after = worker.engine_rails()
             row = make_row(op, bs, batch_size, lat, wall, worker=worker.name)
+            row.cpu_pct = 100.0 * cpu / wall if wall > 0 else None
             if counters:
                 row.rails = counters.delta(before, after, wall)
             row.engine_rails = [
@@ -116,7 +119,7 @@ class EngineWorker:
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
                  chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 0.5,
-                 secret: str | None = None) -> None:
+                 secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0) -> None:
         import multirail  # lazy: the tool must import without the extension
 
         self.mr = multirail
@@ -125,7 +128,8 @@ class EngineWorker:
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(target_host, target_port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails,
                                     policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                    stall_timeout=stall_timeout, auth_secret=secret)  # None: $MULTIRAIL_SECRET
+                                    stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
+                                    progress=progress, spin_us=spin_us)
         self.agent = multirail.Agent(f"mr-bench-initiator-{os.getpid()}", cfg)
         self.peer = target_name
         self.buf = np.zeros(buffer_size, dtype=np.uint8)
