@@ -88,10 +88,18 @@ def test_ratios() -> None:
     small = make_row("READ", 4096, 1, [20e-6] * 100, 0.002)
     iperf = BenchRow("READ", 0, 1, 1, 1.0, 0, big.gbps * 2, 0, nan, nan, nan, nan, nan, worker="iperf3 -P 1")
     ping = BenchRow("PING", 4096, 1, 1, 1.0, 0, 0, 0, 10, 10, 10, 10, 10, worker="mr-pingpong")
-    r = ratios([small, big], [iperf, ping])
+    ping_poll = BenchRow("PING", 4096, 1, 1, 1.0, 0, 0, 0, 5, 5, 5, 5, 5, worker="mr-pingpong-poll")
+    nixl = BenchRow("READ", 4096, 1, 1, 1.0, 0, 0, 0, 40, 40, 80, 40, 40, worker="nixl-ucx(tcp)", cpu_pct=70.0)
+    small.cpu_pct = 99.0
+    r = ratios([small, big], [iperf, ping, ping_poll, nixl], "block")
     assert r["throughput_pct_of_iperf3"] == pytest.approx(50.0)
-    assert r["p50_x_pingpong"] == pytest.approx(2.0)
+    assert r["p50_x_pingpong"] == pytest.approx(2.0) and r["pingpong_worker"] == "mr-pingpong"
     assert "64MiB = 50.0% of iperf3 -P 1" in r["throughput_text"]
+    # like with like: a polling engine is compared with the polling ping-pong; NIXL in any mode
+    r = ratios([small, big], [iperf, ping, ping_poll, nixl], "adaptive")
+    assert r["p50_x_pingpong"] == pytest.approx(4.0) and r["pingpong_worker"] == "mr-pingpong-poll"
+    assert r["p50_x_nixl"] == pytest.approx(0.5) and r["p99_x_nixl"] == pytest.approx(0.25)
+    assert r["waiter_cpu_pct"] == pytest.approx(99.0) and "NIXL's: 70%" in r["cpu_text"]
 
 
 # -- harness with an in-memory worker ---------------------------------------------------------
@@ -200,12 +208,16 @@ def pingpong_path() -> Path | None:
 
 
 @pytest.mark.skipif(pingpong_path() is None, reason="mr-pingpong not built (cargo build --release -p mr-pingpong)")
-def test_pingpong_baseline() -> None:
+@pytest.mark.parametrize("poll", [False, True], ids=["block", "poll"])
+def test_pingpong_baseline(poll: bool) -> None:
     from multirail.bench.baseline import run_pingpong
 
-    row = run_pingpong(4096, 300, 30)
-    assert row.worker == "mr-pingpong" and row.iterations == 300
+    row = run_pingpong(4096, 300, 30, poll=poll)  # raises unless the binary reports the asked-for mode
+    assert row.worker == ("mr-pingpong-poll" if poll else "mr-pingpong") and row.iterations == 300
+    assert row.lat_p50_us > 0
     assert 0 < row.lat_min_us <= row.lat_p50_us <= row.lat_p99_us <= row.lat_max_us
+    assert row.cpu_pct is not None and row.cpu_pct >= 0
+    assert json.loads(json.dumps(row.to_json()))["cpu_pct"] == row.cpu_pct
 
 
 @pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 not installed")
@@ -269,6 +281,33 @@ def test_local_baseline(tmp_path: Path) -> None:
                 py=ENGINE_PY, timeout=120)
     assert res.returncode == 0, res.stderr
     doc = json.loads(out.read_text())
-    assert {b["worker"] for b in doc["baselines"]} == {"iperf3 -P 1", "mr-pingpong"}
+    from multirail.bench.nixl_latency import nixl_available
+
+    workers = {b["worker"] for b in doc["baselines"]}
+    assert {"iperf3 -P 1", "mr-pingpong", "mr-pingpong-poll"} <= workers
+    if nixl_available(ENGINE_PY):
+        assert "nixl-ucx(tcp)" in workers and doc["ratios"]["p50_x_nixl"] > 0
+    else:
+        assert any("NIXL latency baseline skipped" in p for p in doc["problems"]), doc["problems"]
     assert doc["ratios"]["throughput_pct_of_iperf3"] > 0 and doc["ratios"]["p50_x_pingpong"] > 0
-    assert "of iperf3 -P 1" in res.stdout and "raw TCP ping-pong" in res.stdout
+    # the default (adaptive) engine polls: compared with the polling ping-pong
+    assert doc["ratios"]["pingpong_worker"] == "mr-pingpong-poll"
+    assert doc["ratios"]["waiter_cpu_pct"] > 0
+    assert "of iperf3 -P 1" in res.stdout and "polling raw TCP ping-pong" in res.stdout
+    assert "progress: adaptive (spin 200 us)" in res.stdout
+
+
+@pytest.mark.skipif(ENGINE_PY is None, reason="no interpreter can import the engine")
+def test_nixl_latency_baseline_runs_nixl_or_says_why_not() -> None:
+    """With NIXL installed, its 4 KiB READ loop yields a latency row; without, a clear error."""
+    from multirail.bench.nixl_latency import nixl_available, run_nixl_latency
+
+    if not nixl_available(ENGINE_PY):
+        res = subprocess.run([ENGINE_PY, "-m", "multirail.bench.nixl_latency", "initiator", "4096", "10", "1", "00", "00"],
+                             capture_output=True, text=True, timeout=60, env=ENV)
+        assert res.returncode == 1 and "NIXL is not importable" in res.stdout
+        pytest.skip("NIXL (nixl-cu12) is not installed: only the error path ran")
+    row = run_nixl_latency(4096, 200, 20, python=ENGINE_PY)
+    assert row.worker == "nixl-ucx(tcp)" and row.iterations == 200
+    assert 0 < row.lat_min_us <= row.lat_p50_us <= row.lat_p99_us <= row.lat_max_us
+    assert row.cpu_pct is not None and row.cpu_pct > 0
