@@ -10,7 +10,8 @@
 
 Rows describe N consecutive S-byte blocks of one registered buffer on each side (--scatter:
 the same blocks in a random order, identical on both sides, so that no two adjacent rows are
-contiguous and multirail.nixl's merging of contiguous runs cannot apply).
+contiguous and the engine's merging of contiguous runs cannot apply: every row is resolved,
+validated and paired, 65,536 pairs by default).
 Two agents per path on loopback; nothing is transferred. Repetitions are interleaved (every
 round times each path once, in a rotating order) so that a noisy machine slows all paths alike;
 releasing and freeing each handle happens outside the timed region for every path. Reports

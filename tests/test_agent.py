@@ -222,6 +222,126 @@ def test_mismatched_total_lengths(pair):
         i.initialize_xfer("READ", [dst[:100]], [src[:99]], "target")
 
 
+def _block_rows(base: int, order, bs: int) -> np.ndarray:
+    """Nx3 uint64 rows: row k is block order[k] (bs bytes) of the buffer at base."""
+    r = np.zeros((len(order), 3), dtype=np.uint64)
+    r[:, 0] = base + np.asarray(order, dtype=np.uint64) * np.uint64(bs)
+    r[:, 1] = bs
+    return r
+
+
+def _runs(lorder, rorder) -> int:
+    """Pairs of a 1:1 block pairing once runs contiguous on both sides are merged."""
+    lo, ro = np.asarray(lorder), np.asarray(rorder)
+    return 1 + int(np.count_nonzero((np.diff(lo) != 1) | (np.diff(ro) != 1))) if len(lo) else 0
+
+
+def test_prepare_merges_runs_contiguous_on_both_sides(pair):
+    """Rows are paired in one pass that merges runs contiguous on both sides (within one
+    registered region on each side): the handle has one piece per run, and moves exactly the
+    bytes the rows name, READ and WRITE, contiguous or scattered."""
+    t, i = pair
+    n, bs = 256, 4096
+    src = pattern(n * bs)
+    half = n * bs // 2
+    # Two adjacent regions on each side: a run is cut where it crosses from one to the other.
+    t.register_memory([(src.ctypes.data, half, 0), (src.ctypes.data + half, half, 0)])
+    dst = np.zeros(n * bs, np.uint8)
+    i.register_memory([(dst.ctypes.data, half, 0), (dst.ctypes.data + half, half, 0)])
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    ident = np.arange(n)
+    perm = np.random.default_rng(5).permutation(n)
+    runs = np.concatenate([np.arange(200, 256), np.arange(0, 100), np.arange(100, 200)[::-1]])
+    for lorder, rorder in ((ident, ident), (perm, perm), (ident, perm), (runs, ident), (runs, runs)):
+        dst[:] = 0
+        h = i.initialize_xfer("READ", i.get_xfer_descs(_block_rows(dst.ctypes.data, lorder, bs)),
+                              i.get_xfer_descs(_block_rows(src.ctypes.data, rorder, bs)), "target")
+        # A run crossing the middle of either buffer crosses a region boundary: one more piece.
+        cross = sum(1 for k in range(n - 1) if lorder[k + 1] == lorder[k] + 1 and rorder[k + 1] == rorder[k] + 1
+                    and (lorder[k + 1] * bs == half or rorder[k + 1] * bs == half))
+        assert (h._h.num_pieces, h.total_bytes) == (_runs(lorder, rorder) + cross, n * bs)
+        i.transfer(h)
+        i.wait(h, 10)
+        expect = np.empty_like(dst)
+        expect.reshape(n, bs)[lorder] = src.reshape(n, bs)[rorder]
+        assert np.array_equal(dst, expect)
+    # WRITE, local blocks scattered, remote contiguous; a different segmentation on each side.
+    out = pattern(n * bs, 9)
+    i.register_memory(out)
+    w = i.initialize_xfer("WRITE", i.get_xfer_descs(_block_rows(out.ctypes.data, perm, bs)),
+                          [(src.ctypes.data, half, 0), (src.ctypes.data + half, half, 0)], "target")
+    i.transfer(w)
+    i.wait(w, 10)
+    assert np.array_equal(src, out.reshape(n, bs)[perm].reshape(-1))
+
+
+def test_prepare_reads_rows_in_place_even_unaligned(pair):
+    """Rows are read where they are; an Nx3 uint64 array at an address that is not 8-byte
+    aligned (np.frombuffer at an odd offset) still works (it is copied first)."""
+    t, i = pair
+    n, bs = 64, 512
+    src, dst = pattern(n * bs), np.zeros(n * bs, np.uint8)
+    loaded(t, i, src, dst)
+    perm = np.random.default_rng(2).permutation(n)
+    rows = _block_rows(dst.ctypes.data, perm, bs)
+    raw = bytearray(rows.nbytes + 4)
+    raw[4:] = rows.tobytes()
+    unaligned = np.frombuffer(raw, dtype=np.uint64, offset=4).reshape(n, 3)
+    assert unaligned.ctypes.data % 8 != 0
+    h = i.initialize_xfer("READ", i.get_xfer_descs(unaligned), i.get_xfer_descs(_block_rows(src.ctypes.data, perm, bs)),
+                          "target")
+    i.transfer(h)
+    i.wait(h, 10)
+    assert np.array_equal(dst, src)
+
+
+def test_prepare_errors_name_the_callers_rows_first_error_first(pair):
+    """Errors name the row as given, even inside a run that would be merged, and when several
+    things are wrong the first of these is reported: a local row not registered, the
+    notification too large, a remote row out of bounds, a WRITE to a read-only region, totals
+    that differ."""
+    t, i = pair
+    n, bs = 64, 4096
+    src, dst = pattern(n * bs), np.zeros(n * bs, np.uint8)
+    loaded(t, i, src, dst, access="ro")
+    good_l, good_r = _block_rows(dst.ctypes.data, range(n), bs), _block_rows(src.ctypes.data, range(n), bs)
+    bad_l, bad_r = _block_rows(dst.ctypes.data, range(1, n + 1), bs), _block_rows(src.ctypes.data, range(1, n + 1), bs)
+    short_r = good_r[:-1]
+    big = b"x" * ((1 << 20) + 1)
+
+    def prep(op, lr, rr, notif=b""):
+        return i.initialize_xfer(op, i.get_xfer_descs(lr), i.get_xfer_descs(rr), "target", notif)
+
+    with pytest.raises(errors.OutOfBoundsError, match=r"remote descriptor 63 "):
+        prep("READ", good_l, bad_r)
+    with pytest.raises(errors.NotRegisteredError, match=r"local descriptor 63 "):
+        prep("READ", bad_l, good_r)
+    with pytest.raises(errors.NotRegisteredError, match=r"local descriptor 63 "):
+        prep("WRITE", bad_l, bad_r[:3], big)
+    with pytest.raises(errors.InvalidArgumentError, match="notification"):
+        prep("WRITE", good_l, bad_r, big)
+    with pytest.raises(errors.OutOfBoundsError, match=r"remote descriptor 63 "):
+        prep("WRITE", good_l, bad_r)
+    with pytest.raises(errors.ReadOnlyError):
+        prep("WRITE", good_l, short_r)
+    with pytest.raises(errors.LengthMismatchError, match=f"total {n * bs} bytes but remote descriptors total {(n - 1) * bs}"):
+        prep("READ", good_l, short_r)
+    # An empty row counts as a row: outside every region it is an error too, wherever it is.
+    empty = np.array([[8, 0, 0]], dtype=np.uint64)
+    with pytest.raises(errors.NotRegisteredError, match=r"local descriptor 64 "):
+        prep("READ", np.concatenate([good_l, empty]), good_r)
+    with pytest.raises(errors.OutOfBoundsError, match=r"remote descriptor 64 "):
+        prep("READ", good_l, np.concatenate([good_r, empty]))
+    # Empty rows inside registered memory are fine anywhere; nothing failed above for good.
+    zl, zr = good_l[:1].copy(), good_r[-1:].copy()
+    zl[:, 1] = zr[:, 1] = 0
+    h = prep("READ", np.concatenate([zl, good_l]), np.concatenate([good_r, zr]))
+    assert (h._h.num_pieces, h.total_bytes) == (1, n * bs)
+    i.transfer(h)
+    i.wait(h, 10)
+    assert np.array_equal(dst, src)
+
+
 def _tampered_meta(t, mutate) -> bytes:
     blob = bytearray(t.get_agent_metadata())
     for r in rawpeer.parse_regions(bytes(blob)):
@@ -582,7 +702,9 @@ def test_peer_killed_mid_transfer_then_restarted():
                 i.transfer(h)
                 i.wait(h, 10)
         killed_at = t0 + 0.3
-        assert time.monotonic() - killed_at < 2.5, "error must come within the configured timeout"
+        # The kill resets the connections (seen at once); the bound is the configured timeout
+        # plus slack for a loaded machine.
+        assert time.monotonic() - killed_at < 2.0 + 1.5, "error must come within the configured timeout"
         p.wait()
         p2, port2, blob2 = _spawn_target(n, port)
         try:
@@ -727,14 +849,19 @@ def test_wait_on_a_transfer_spread_over_connections_returns_promptly():
         src, dst = pattern(512 << 10, 5), np.zeros(512 << 10, np.uint8)
         loaded(t, i, src, dst)
         h = i.initialize_xfer("READ", [dst], [src], "target")
-        slow = 0
+        took = []
         for _ in range(300):
             t0 = time.monotonic()
             i.transfer(h)
             i.wait(h, 10)
-            slow += time.monotonic() - t0 > 0.035
+            took.append(time.monotonic() - t0)
         assert np.array_equal(dst, src)
-        assert slow <= 3, f"{slow} of 300 striped 512 KiB READs took > 35 ms"
+        # The bug's signature is a wait that sits out the 50 ms socket tick. On a loaded 2-core
+        # machine a few waits are slow for other reasons: count only those that took at least
+        # 45 ms and 20x the fastest, and allow a few.
+        limit = max(0.045, 20 * min(took))
+        slow = sum(t > limit for t in took)
+        assert slow <= 10, f"{slow} of 300 striped 512 KiB READs took > {limit * 1e3:.0f} ms"
         i.release_xfer_handle(h)
     finally:
         i.close()

@@ -151,27 +151,40 @@ def test_two_peer_nixl_script(tmp_path: Path) -> None:
 
 # -- the descriptor fast path: Nx3 uint64 arrays go to the engine as they are ------------------
 
-def test_coalesce_merges_contiguous_runs_exactly() -> None:
-    bs = 4096
-    base = 1 << 32
-    blocks = [0, 1, 2, 7, 8, 3]  # runs: 0-2, 7-8, 3
-    rows = np.array([(base + b * bs, bs, 0) for b in blocks], dtype=np.uint64)
-    out = nixl._coalesce(rows)
-    assert out.tolist() == [[base, 3 * bs, 0], [base + 7 * bs, 2 * bs, 0], [base + 3 * bs, bs, 0]]
-    # A device change cuts a run; so does a gap.
-    dev = rows.copy()
-    dev[1, 2] = 1
-    assert nixl._coalesce(dev).tolist()[:3] == [[base, bs, 0], [base + bs, bs, 1], [base + 2 * bs, bs, 0]]
-    # Nothing to gain: the very same array comes back (no copy, no work for the caller).
-    scattered = np.array([(base + b * bs, bs, 0) for b in (5, 0, 9, 2, 7, 4)], dtype=np.uint64)
-    assert nixl._coalesce(scattered) is scattered
-    # A row whose end wraps past 2**64 is left for the engine to report.
-    wrap = np.array([(2**64 - bs, bs, 0), (0, bs, 0), (bs, bs, 0)], dtype=np.uint64)
-    assert nixl._coalesce(wrap) is wrap
-    # Long contiguous lists become one row, same total.
-    n = 1000
-    big = np.array([(base + i * bs, bs, 0) for i in range(n)], dtype=np.uint64)
-    assert nixl._coalesce(big).tolist() == [[base, n * bs, 0]]
+@needs_engine
+def test_initialize_xfer_merges_contiguous_runs_in_the_engine() -> None:
+    """No merging in Python any more: the rows go to the engine as given, which merges runs
+    contiguous on both sides while pairing them (one piece per run; a gap, a jump on either side
+    or a region boundary cuts a run). Telemetry still counts the caller's descriptors."""
+    n, bs = 512, 4096
+    t = nixl.nixl_agent("merge-target", nixl.nixl_agent_config())
+    i = nixl.nixl_agent("merge-init", nixl.nixl_agent_config(capture_telemetry=True))
+    try:
+        src, dst = np.zeros(n * bs, np.uint8), np.zeros(n * bs, np.uint8)
+        t.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        i.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+        i.add_remote_agent(t.get_agent_metadata())
+
+        def rows(base: int, order) -> np.ndarray:
+            r = np.zeros((len(order), 3), dtype=np.uint64)
+            r[:, 0] = base + np.asarray(order, dtype=np.uint64) * bs
+            r[:, 1] = bs
+            return r
+
+        perm = np.random.default_rng(4).permutation(n)
+        blocks = [0, 1, 2, 7, 8, 3]  # runs: 0-2, 7-8, 3
+        for lorder, rorder, pieces in ((range(n), range(n), 1), (blocks, blocks, 3), (blocks, range(6), 3),
+                                       (perm, perm, 1 + int(np.count_nonzero(np.diff(perm) != 1)))):
+            lr, rr = rows(dst.ctypes.data, lorder), rows(src.ctypes.data, rorder)
+            h = i.initialize_xfer("READ", i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM"), "merge-target")
+            assert h._handle._h.num_pieces == pieces
+            assert h._handle.total_bytes == len(lr) * bs
+            _wait_done(i, h)
+            assert i.get_xfer_telemetry(h).descCount == len(lr)
+            i.release_xfer_handle(h)
+    finally:
+        i.close()
+        t.close()
 
 
 @needs_engine
@@ -216,7 +229,8 @@ def test_initialize_xfer_read_from_uint64_rows_round_trips() -> None:
     try:
         src = np.random.default_rng(7).integers(0, 256, n * bs, dtype=np.uint8)
         half = n * bs // 2
-        # Two adjacent target regions: a merged run crosses from one into the other.
+        # Two adjacent target regions: runs of rows cross from one into the other (the engine
+        # cuts its merged pairs there).
         t.register_memory([(src.ctypes.data, half, 0, ""), (src.ctypes.data + half, half, 0, "")], "DRAM")
         i.add_remote_agent(t.get_agent_metadata())
 

@@ -10,10 +10,10 @@ handles have `.release()`). Both the older signatures (with `is_sorted`) and the
 Model: descriptor lists are kept here as a C-contiguous Nx3 uint64 array (address, length,
 device) plus a memory type. An Nx3 uint64 array given to `get_xfer_descs` is kept as is (no
 copy, no per-row Python work) and its data pointer goes straight to the engine when a transfer
-is prepared. `initialize_xfer` first merges runs of descriptors that are contiguous in memory
-(NIXL's descriptor-merging optimization, cf. its deprecated `skip_desc_merge`): the engine
-treats each side as one byte stream, so this moves exactly the same bytes, with far less work
-for the engine; errors still name the caller's rows. Lists serialise to a
+is prepared; the engine reads the rows in place and merges runs of descriptors that are
+contiguous on both sides as it pairs them (NIXL's descriptor-merging optimization, cf. its
+deprecated `skip_desc_merge`), so the same bytes move with far less work per transfer; errors
+name the caller's rows. Lists serialise to a
 small fixed binary format (magic b"MRXD", version, memory type, count, rows; never pickle), so
 `get_serialized_descs`/`deserialize_descs` are safe on untrusted bytes.
 
@@ -34,8 +34,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from multirail.errors import (InvalidArgumentError, MetadataError, MultirailError, NotRegisteredError,
-                              OutOfBoundsError)
+from multirail.errors import InvalidArgumentError, MetadataError, MultirailError
 
 logger = logging.getLogger("multirail.nixl")
 
@@ -279,10 +278,10 @@ class nixl_agent:
     def deserialize_descs(self, serialized_descs: bytes) -> nixl_xfer_dlist:
         return deserialize_descs(serialized_descs)
 
-    def _engine_descs(self, d: nixl_xfer_dlist, rows: Optional[np.ndarray] = None) -> Any:
-        """Engine descriptors over `rows` (default: the list's own rows), no copy when they are
-        already a C-contiguous uint64 array."""
-        return self._engine.get_xfer_descs(_contiguous_rows(d.rows if rows is None else rows), mem_type=d.mem_type)
+    def _engine_descs(self, d: nixl_xfer_dlist) -> Any:
+        """Engine descriptors over the list's rows, no copy when they are already a C-contiguous
+        uint64 array."""
+        return self._engine.get_xfer_descs(_contiguous_rows(d.rows), mem_type=d.mem_type)
 
     # -- memory ----------------------------------------------------------------------------
     def register_memory(self, reg_list: Any, mem_type: Optional[str] = None, is_sorted: Any = False,
@@ -366,20 +365,10 @@ class nixl_agent:
         if not isinstance(local_descs, nixl_xfer_dlist) or not isinstance(remote_descs, nixl_xfer_dlist):
             raise InvalidArgumentError("initialize_xfer needs descriptor lists from get_xfer_descs/deserialize_descs")
         op, notif = self._op(operation), _to_bytes(notif_msg)
-        lrows, rrows = _contiguous_rows(local_descs.rows), _contiguous_rows(remote_descs.rows)
-        lmerged, rmerged = _coalesce(lrows), _coalesce(rrows)
-        eng = self._engine
-        try:
-            h = eng.initialize_xfer(op, self._engine_descs(local_descs, lmerged),
-                                    self._engine_descs(remote_descs, rmerged), remote_agent, notif=notif)
-        except (NotRegisteredError, OutOfBoundsError):
-            if lmerged is lrows and rmerged is rrows:
-                raise
-            # A merged run can cross from one registered region into an adjacent one where
-            # the caller's rows did not, and errors name row indices: redo with the rows as
-            # given, so both success and the error raised are exactly the unmerged ones.
-            h = eng.initialize_xfer(op, self._engine_descs(local_descs, lrows),
-                                    self._engine_descs(remote_descs, rrows), remote_agent, notif=notif)
+        # The rows go to the engine as they are (no copy when already C-contiguous uint64); it
+        # merges contiguous runs itself and names the caller's rows in its errors.
+        h = self._engine.initialize_xfer(op, self._engine_descs(local_descs), self._engine_descs(remote_descs),
+                                         remote_agent, notif=notif)
         return nixl_xfer_handle(self, h, notif, int(h.total_bytes), len(local_descs))
 
     def _state(self, state: Any) -> str:
@@ -484,49 +473,6 @@ def _contiguous_rows(rows: np.ndarray) -> np.ndarray:
     if rows.dtype == np.uint64 and rows.flags.c_contiguous:
         return rows
     return np.ascontiguousarray(rows, dtype=np.uint64)
-
-
-def _coalesce(rows: np.ndarray) -> np.ndarray:
-    """Merge each run of descriptors that are contiguous in memory (row i ends where row i+1
-    starts, same device) into one row.
-
-    The engine treats each side of a transfer as one byte stream cut into segments (local and
-    remote may be cut differently; only the totals must match), so the merged list moves the
-    same bytes between the same addresses. Returns `rows` itself (no work, no copy) when a
-    probe of a few adjacent pairs finds none contiguous, when merging would not at least
-    halve the list, or when a row's end overflows 64 bits (the engine then reports that row).
-    `rows` must be a C-contiguous (N, 3) uint64 array.
-    """
-    n = rows.shape[0]
-    if n < 2:
-        return rows
-    item = rows.item
-    for i in {0, (n - 1) // 2, n - 2}:  # O(1): a scattered list costs nothing more
-        if item(i, 0) + item(i, 1) == item(i + 1, 0) and item(i, 2) == item(i + 1, 2):
-            break
-    else:
-        return rows
-    a, length, dev = rows[:, 0], rows[:, 1], rows[:, 2]
-    end = a + length
-    if (end < a).any():
-        return rows
-    cut = end[:-1] != a[1:]
-    cut |= dev[:-1] != dev[1:]
-    cuts = np.flatnonzero(cut)  # row cuts[k] ends a run
-    m = cuts.size + 1
-    if 2 * m > n:
-        return rows
-    first = np.empty(m, dtype=np.intp)
-    first[0] = 0
-    np.add(cuts, 1, out=first[1:])
-    last = np.empty(m, dtype=np.intp)
-    last[:-1] = cuts
-    last[-1] = n - 1
-    out = np.empty((m, 3), dtype=np.uint64)
-    out[:, 0] = a[first]
-    np.subtract(end[last], out[:, 0], out=out[:, 1])
-    out[:, 2] = dev[first]
-    return out
 
 
 def _buffer_row(o: Any) -> tuple[int, int, int]:

@@ -6,14 +6,15 @@
 //! 2. [`Planner::submit`] a transfer as a list of [`Pair`]s (see [`pair_segments`]).
 //! 3. A worker with room calls [`Planner::poll_work`] for its rail and executes the chunk.
 //! 4. It reports [`Planner::handle_done`] (or [`Planner::handle_failed`]); the planner updates the
-//!    rail's measured rate (EWMA over busy periods).
+//!    rail's measured rate (see "Rate estimation" below).
 //! 5. [`Planner::poll_event`] yields `XferDone` / `XferFailed`.
 //! 6. A rail that errors is reported with [`Planner::handle_rail_down`]: its in-flight chunks go
 //!    back to their transfers' retry queues and are reissued on the surviving rails.
 //!    [`Planner::poll_timeout`] / [`Planner::handle_timeout`] turn a stalled rail into a down one.
 //!
 //! Weighted policy ("earliest common finish"): given each up rail's measured rate `r_j` and the
-//! time `b_j` it needs to drain what it already has in flight, the planner solves for the time
+//! time `b_j` it needs to drain what it already has in flight (its in-flight bytes at `r_j`,
+//! less what it has served since its last completion), the planner solves for the time
 //! `T` at which all remaining unassigned bytes would be done if every rail worked until `T`
 //! (`sum_j r_j * max(0, T - b_j) = remaining`). A rail asking for work gets at most
 //! `r * (T - b)` bytes, so near the tail slow rails take smaller pieces or none and all rails
@@ -22,16 +23,43 @@
 //! drains. Transfers below `stripe_threshold` stay on one rail (the one that would finish them
 //! first) for latency, and are served before the chunks of large transfers.
 //!
-//! Each rail keeps at most `rate * (window_time + rtt)` bytes in flight (clamped to
-//! `[min_window, max_window]`), where `rtt` is the smallest observed round trip. The rate is an
-//! EWMA of the delivery rate, sampled from the first completion of a busy period on, so the
-//! first round trip is not mistaken for a slow link. docs/planner.md has the details and the
-//! simulator results that chose the defaults.
+//! Window: each rail keeps at most `chunk_size + rate * (window_time + rtt)` bytes in flight
+//! (at least `min_window`, times a probe gain, below, at most `max_window`): the chunk being
+//! served, the bytes that cover the round trip, and a queue of about `window_time` at the
+//! rail. `rtt` is the in-flight time of a chunk that met no queue (issued to an idle rail) less
+//! its service time at the *current* rate, so a round trip first measured against a wrong seed
+//! does not stick.
+//!
+//! Rate estimation. The seed (`add_rail`'s link speed, else `default_rate`) only stands until
+//! the first sample. A sample is the bytes a rail delivered over at least `sample_interval` of
+//! a busy period, timed from completion to completion (so the first round trip is not counted
+//! as slowness). Each chunk's wait behind other chunks at the rail is known (its in-flight time
+//! less that of a chunk that met no queue), and samples are sorted by it:
+//! - every chunk of the sample waited at least `window_time / 2`: the link was busy throughout
+//!   and the sample measures it. It joins decayed sums of bytes and seconds (each sample decays
+//!   the sums by `(1 - ewma_alpha)^(dt / sample_interval)`), and the rate is their ratio: the
+//!   recent samples' bytes over their seconds. The sums start empty, so the first sample
+//!   replaces the seed outright and the next ones average in as `1/n` until the EWMA's memory
+//!   (about 95 ms at the defaults) takes over: no seed, however wrong, is worth more than one
+//!   sample.
+//! - otherwise the link may have idled and the sample measured the load offered, not the
+//!   link: it is dropped, so tails, gaps and trickles cannot drag an estimate down. If the rail
+//!   had work waiting all along, its window was what held it back, the window's gain is doubled
+//!   (up to 16) until its chunks queue, and the first queued sample measures the link and
+//!   resets the gain. This is what keeps an underestimate from confirming itself on a long
+//!   path, where a window sized from a low rate cannot cover the bandwidth-delay product. A
+//!   window already at `max_window` (or grown 16-fold to no effect) cannot help, and its
+//!   samples count as they are.
+//!
+//! docs/planner.md has the details and the simulator results that chose the defaults.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 pub type RailId = usize;
+
+/// Largest window gain of a rail whose window holds it back (see [`Rail::add_sample`]).
+const MAX_PROBE: f64 = 16.0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct XferId(pub u64);
@@ -87,17 +115,19 @@ pub struct PlannerConfig {
     pub min_chunk: u64,
     /// Transfers smaller than this stay on one rail.
     pub stripe_threshold: u64,
-    /// A rail keeps about `rate * window_time` bytes in flight ...
+    /// A rail keeps `chunk_size + rate * (window_time + rtt)` bytes in flight: about
+    /// `window_time` of work queued at the rail ...
     pub window_time: Duration,
     /// ... but never less than this ...
     pub min_window: u64,
     /// ... nor more than this.
     pub max_window: u64,
-    /// Rate assumed for a rail whose link speed is unknown, in bytes/s.
+    /// Rate assumed for a rail whose link speed is unknown, in bytes/s (until its first sample).
     pub default_rate: f64,
-    /// EWMA weight of one `sample_interval` worth of new measurement.
+    /// Weight of one `sample_interval` worth of new measurement in the rate estimate, once the
+    /// estimate has that much history (before, the samples are averaged evenly).
     pub ewma_alpha: f64,
-    /// Shortest busy period that yields a rate sample.
+    /// Shortest stretch of a busy period that yields a rate sample.
     pub sample_interval: Duration,
     /// A rail with work in flight and no completion for this long is declared down.
     pub stall_timeout: Duration,
@@ -111,10 +141,10 @@ impl Default for PlannerConfig {
             min_chunk: 64 << 10,
             stripe_threshold: 256 << 10,
             window_time: Duration::from_millis(4),
-            min_window: 4 << 20,
+            min_window: 2 << 20,
             max_window: 64 << 20,
             default_rate: 1.25e9,
-            ewma_alpha: 0.3,
+            ewma_alpha: 0.1,
             sample_interval: Duration::from_millis(10),
             stall_timeout: Duration::from_millis(500),
             policy: Policy::Weighted,
@@ -156,7 +186,13 @@ pub struct RailStats {
 #[derive(Debug)]
 struct Rail {
     up: bool,
+    /// Estimated delivery rate, bytes/s: the seed until the first sample, then
+    /// `est_bytes / est_secs`.
     rate: f64,
+    /// Decayed sums over the samples behind `rate`: bytes delivered and the seconds it took.
+    /// Both start at zero, so the first sample replaces the seed outright.
+    est_bytes: f64,
+    est_secs: f64,
     inflight_bytes: u64,
     inflight_chunks: usize,
     /// Start of the current rate sample: the first completion of a busy period (a period
@@ -164,9 +200,21 @@ struct Rail {
     busy_since: Option<Instant>,
     /// Bytes completed since `busy_since`.
     sample_bytes: u64,
+    /// The shortest time a chunk completed in the current sample waited behind other chunks
+    /// at the rail (see [`Rail::queued_for`]); infinite while none was measured.
+    sample_wait: f64,
+    /// A chunk completed in the current sample was issued while the rail was `starved`.
+    sample_starved: bool,
+    /// The rail had room in its window and nothing to take, and has not been filled to its
+    /// window since: a chunk issued now may find the link idle for want of work.
+    starved: bool,
+    /// Window gain, doubled while the window holds the rail back (see [`Rail::add_sample`]).
+    probe: f64,
     last_progress: Instant,
-    /// Smallest observed (completion - issue - service time): the rail's round trip.
-    rtt: Option<Duration>,
+    /// Of the chunks issued while the rail had nothing in flight (so they met no queue), the
+    /// (time in flight, length) of the one with the least time beyond its own service time.
+    /// The round trip is recomputed from it with the current rate (see [`Rail::rtt`]).
+    idle_trip: Option<(Duration, u64)>,
     bytes_done: u64,
     chunks_done: u64,
     chunks_reissued: u64,
@@ -190,6 +238,104 @@ struct Xfer {
     rr_next: usize,
 }
 
+impl Rail {
+    /// The round trip: time in flight of a chunk that met no queue, less its service time at
+    /// the current rate. Recomputed on every use, so a round trip measured while the rate was
+    /// far off (a seed) does not stick once the rate is known.
+    fn rtt(&self) -> Duration {
+        self.idle_trip.map_or(Duration::ZERO, |(t, len)| trip_excess(t, len, self.rate))
+    }
+
+    /// Seconds until the rail has delivered what it has in flight: its in-flight bytes at its
+    /// rate, less what it has served of the chunk at their head since its last completion (a
+    /// busy rail starts on its next chunk when it finishes one; `chunk_size` bounds that
+    /// chunk, so a rail that is late or stalled still counts as busy with the rest). Counting
+    /// the head chunk as unserved would make every busy rail look up to a chunk time later
+    /// than it is, and the tail would then give the rail asking for work too much.
+    fn drain_time(&self, now: Instant, chunk_size: u64) -> f64 {
+        let head = self.inflight_bytes.min(chunk_size) as f64 / self.rate;
+        let served = now.saturating_duration_since(self.last_progress).as_secs_f64().min(head);
+        self.inflight_bytes as f64 / self.rate - served
+    }
+
+    /// Forget the current sample (a new busy period starts).
+    fn clear_sample(&mut self) {
+        self.busy_since = None;
+        self.sample_bytes = 0;
+        self.sample_wait = f64::INFINITY;
+        self.sample_starved = false;
+    }
+
+    /// Open a new sample at `now` (a completion).
+    fn start_sample(&mut self, now: Instant) {
+        self.clear_sample();
+        self.busy_since = Some(now);
+    }
+
+    /// Seconds a chunk of `len` bytes that spent `trip` in flight waited behind other chunks
+    /// at the rail: `trip` less the in-flight time of a chunk that met no queue (scaled to
+    /// `len`). `None` until such a chunk has been seen.
+    fn queued_for(&self, trip: Duration, len: u64) -> Option<f64> {
+        let (t0, len0) = self.idle_trip?;
+        let alone = t0.as_secs_f64() + (len as f64 - len0 as f64) / self.rate;
+        Some(trip.as_secs_f64() - alone)
+    }
+
+    /// The rail's in-flight budget: `chunk_size + rate * (window_time + rtt)`, at least
+    /// `min_window`, times `probe`, at most `max_window`: the chunk being served, the bytes
+    /// that cover the round trip (so the link does not idle while a new chunk is on its way)
+    /// and `window_time` of margin, a queue of about `window_time` at the rail. `probe` is 1
+    /// unless the window has been found too small (see [`Rail::add_sample`]).
+    fn window(&self, cfg: &PlannerConfig) -> u64 {
+        let t = cfg.window_time + self.rtt();
+        let w = (cfg.chunk_size as f64 + self.rate * t.as_secs_f64()).max(cfg.min_window as f64) * self.probe;
+        (w as u64).min(cfg.max_window.max(cfg.min_window))
+    }
+
+    /// Fold a sample of `bytes` delivered in `dt` into the estimate.
+    ///
+    /// Only a sample taken while the link was kept busy measures the link. The window keeps
+    /// about `window_time` of work queued at a busy rail, so when every chunk of the sample
+    /// waited behind others for at least half of that, the link was busy: the sample is
+    /// added to the decayed sums (decayed by `(1 - ewma_alpha)^(dt / sample_interval)`), and
+    /// the estimate is bytes over seconds of the recent samples, each counting by its length.
+    ///
+    /// Otherwise the link may have idled, and the sample measured what the rail was given,
+    /// not what it can do; it is dropped. If the rail was short of work, that is all. If it
+    /// was not, its window held it back: the estimate (or the round trip) is too low for the
+    /// window to cover the path, and the window is doubled (`probe`) until the chunks queue;
+    /// the first queued sample then measures the link, and `probe` returns to 1. A window
+    /// already at `max_window` cannot grow: the rail is as fast as the configuration lets it
+    /// be, and the sample counts. So it does once the window has grown `MAX_PROBE`-fold
+    /// without the chunks queueing: something other than the window (the driver's own
+    /// limits) holds the rail back, and what it delivers is what it can do.
+    fn add_sample(&mut self, bytes: u64, dt: Duration, cfg: &PlannerConfig) {
+        let secs = dt.as_secs_f64();
+        if secs <= 0.0 {
+            return;
+        }
+        let margin = cfg.window_time.as_secs_f64() / 2.0;
+        let queued = self.sample_wait >= margin;
+        let capped = self.probe >= MAX_PROBE || self.window(cfg) >= cfg.max_window;
+        if !queued && !capped {
+            if !self.sample_starved {
+                self.probe = (self.probe * 2.0).min(MAX_PROBE);
+            }
+            return;
+        }
+        self.probe = 1.0;
+        let keep = (1.0 - cfg.ewma_alpha).powf(secs / cfg.sample_interval.as_secs_f64());
+        self.est_bytes = self.est_bytes * keep + bytes as f64;
+        self.est_secs = self.est_secs * keep + secs;
+        self.rate = self.est_bytes / self.est_secs;
+    }
+}
+
+/// Time in flight beyond the service time of `len` bytes at `rate`.
+fn trip_excess(in_flight: Duration, len: u64, rate: f64) -> Duration {
+    in_flight.saturating_sub(Duration::from_secs_f64(len as f64 / rate))
+}
+
 impl Xfer {
     fn has_work(&self) -> bool {
         !self.retry.is_empty() || self.idx < self.pairs.len()
@@ -202,6 +348,10 @@ struct InFlight {
     rail: RailId,
     piece: Pair,
     issued: Instant,
+    /// Issued while its rail had nothing in flight: it met no queue.
+    idle_start: bool,
+    /// Issued while its rail was `starved`.
+    starved: bool,
 }
 
 /// See the module documentation for the model and the order of calls.
@@ -248,6 +398,69 @@ pub fn pair_segments(local: &[(u64, u64)], remote: &[(u64, u64, u64)]) -> Result
     Ok(out)
 }
 
+/// [`pair_segments`] in one pass over rows resolved on the fly, merging as it goes: `local(i)`
+/// resolves local row `i` to `(tag, address, len)` and `remote(j)` remote row `j` to
+/// `(region, offset, len)`, each called once per row, in order. A piece that continues the
+/// previous pair on both sides (adjacent local address and remote offset, same local tag, same
+/// region) extends that pair instead of starting one, so contiguous runs become one pair; the
+/// pairs map the same bytes to the same bytes as `pair_segments` does.
+///
+/// None when a row does not resolve or the totals differ (rows may be left unresolved then):
+/// the caller works out which error to report.
+pub fn pair_rows(
+    ln: usize,
+    mut local: impl FnMut(usize) -> Option<(u64, u64, u64)>,
+    rn: usize,
+    mut remote: impl FnMut(usize) -> Option<(u64, u64, u64)>,
+) -> Option<Vec<Pair>> {
+    let mut out: Vec<Pair> = Vec::with_capacity(ln.max(rn));
+    // The unpaired rest of the current row on each side, and the local tag of the last pair.
+    let ((mut ltag, mut la, mut ll), (mut rg, mut ro, mut rl)) = ((0, 0, 0), (0, 0, 0));
+    let (mut i, mut j, mut last_tag) = (0usize, 0usize, 0u64);
+    'pair: loop {
+        while ll == 0 {
+            if i == ln {
+                break 'pair;
+            }
+            (ltag, la, ll) = local(i)?;
+            i += 1;
+        }
+        while rl == 0 {
+            if j == rn {
+                break 'pair;
+            }
+            (rg, ro, rl) = remote(j)?;
+            j += 1;
+        }
+        let n = ll.min(rl);
+        let prev = out.last_mut().filter(|p| {
+            last_tag == ltag && p.region == rg && p.local.checked_add(p.len) == Some(la) && p.offset.checked_add(p.len) == Some(ro)
+        });
+        match prev {
+            Some(p) => p.len += n,
+            None => {
+                out.push(Pair { local: la, region: rg, offset: ro, len: n });
+                last_tag = ltag;
+            }
+        }
+        (la, ll, ro, rl) = (la.wrapping_add(n), ll - n, ro.wrapping_add(n), rl - n);
+    }
+    // The loop ends with every local row taken (when the remote rows ran out first, a local
+    // row is left unpaired): what is left of the remote side must be empty rows.
+    if ll != 0 || rl != 0 {
+        return None;
+    }
+    for j in j..rn {
+        if remote(j)?.2 != 0 {
+            return None;
+        }
+    }
+    if out.len() < out.capacity() / 2 {
+        out.shrink_to_fit();
+    }
+    Some(out)
+}
+
 impl Planner {
     pub fn new(cfg: PlannerConfig) -> Self {
         Planner {
@@ -271,12 +484,18 @@ impl Planner {
         self.rails.push(Rail {
             up: true,
             rate,
+            est_bytes: 0.0,
+            est_secs: 0.0,
             inflight_bytes: 0,
             inflight_chunks: 0,
             busy_since: None,
             sample_bytes: 0,
+            sample_wait: f64::INFINITY,
+            sample_starved: false,
+            starved: false,
+            probe: 1.0,
             last_progress: now,
-            rtt: None,
+            idle_trip: None,
             bytes_done: 0,
             chunks_done: 0,
             chunks_reissued: 0,
@@ -315,7 +534,6 @@ impl Planner {
 
     /// Queue a transfer. An empty transfer completes at once.
     pub fn submit(&mut self, xfer: XferId, pairs: Vec<Pair>, now: Instant) {
-        let _ = now;
         let pairs: Vec<Pair> = pairs.into_iter().filter(|p| p.len > 0).collect();
         let total: u64 = pairs.iter().map(|p| p.len).sum();
         if total == 0 {
@@ -329,7 +547,7 @@ impl Planner {
         }
         let pinned = match self.cfg.policy {
             Policy::Pinned(r) => Some(r),
-            Policy::Weighted if total < self.cfg.stripe_threshold => Some(self.fastest_finish(total)),
+            Policy::Weighted if total < self.cfg.stripe_threshold => Some(self.fastest_finish(total, now)),
             _ => None,
         };
         if pinned.is_none() {
@@ -355,10 +573,10 @@ impl Planner {
     }
 
     /// The up rail that would finish `bytes` first, given what it has in flight.
-    fn fastest_finish(&self, bytes: u64) -> RailId {
+    fn fastest_finish(&self, bytes: u64, now: Instant) -> RailId {
         let mut best = (f64::INFINITY, 0);
         for (i, r) in self.rails.iter().enumerate().filter(|(_, r)| r.up) {
-            let t = (r.inflight_bytes + bytes) as f64 / r.rate;
+            let t = r.drain_time(now, self.cfg.chunk_size) + bytes as f64 / r.rate;
             if t < best.0 {
                 best = (t, i);
             }
@@ -366,21 +584,17 @@ impl Planner {
         best.1
     }
 
-    /// The rail's in-flight budget: `rate * (window_time + rtt)`, clamped to
-    /// `[min_window, max_window]`. Including the round trip keeps the pipe full on long paths,
-    /// and a rail limited by its window then measures more than its estimate, so the estimate
-    /// (and the window) grows until the link, not the window, is the limit.
+    /// The rail's in-flight budget (see [`Rail::window`]).
     fn window(&self, rail: RailId) -> u64 {
-        let r = &self.rails[rail];
-        let t = self.cfg.window_time + r.rtt.unwrap_or(Duration::ZERO);
-        ((r.rate * t.as_secs_f64()) as u64).clamp(self.cfg.min_window, self.cfg.max_window.max(self.cfg.min_window))
+        self.rails[rail].window(&self.cfg)
     }
 
     /// The most bytes `rail` should take now so that all rails finish together (weighted policy).
-    fn fair_share(&self, rail: RailId) -> u64 {
+    fn fair_share(&self, rail: RailId, now: Instant) -> u64 {
         let remaining = self.striped_unassigned as f64;
         // b_j: seconds until rail j drains its in-flight work.
-        let mut busy: Vec<(f64, f64)> = self.rails.iter().filter(|r| r.up).map(|r| (r.inflight_bytes as f64 / r.rate, r.rate)).collect();
+        let mut busy: Vec<(f64, f64)> =
+            self.rails.iter().filter(|r| r.up).map(|r| (r.drain_time(now, self.cfg.chunk_size), r.rate)).collect();
         busy.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (mut sum_rate, mut sum_rb) = (0.0, 0.0);
         let mut t = 0.0;
@@ -394,8 +608,7 @@ impl Planner {
             }
         }
         let me = &self.rails[rail];
-        let b = me.inflight_bytes as f64 / me.rate;
-        let share = me.rate * (t - b);
+        let share = me.rate * (t - me.drain_time(now, self.cfg.chunk_size));
         if share <= 0.0 {
             0
         } else {
@@ -406,15 +619,22 @@ impl Planner {
     /// Hand `rail` its next chunk, or `None` when it has no window room, no eligible work, or
     /// (weighted policy, at the tail) another rail would finish the remaining bytes sooner.
     pub fn poll_work(&mut self, rail: RailId, now: Instant) -> Option<Chunk> {
-        if !self.rails.get(rail)?.up || self.rails[rail].inflight_bytes >= self.window(rail) {
+        if !self.rails.get(rail)?.up {
             return None;
         }
-        let (xi, max_len) = self.pick(rail)?;
+        if self.rails[rail].inflight_bytes >= self.window(rail) {
+            self.rails[rail].starved = false;
+            return None;
+        }
+        let Some((xi, max_len)) = self.pick(rail, now) else {
+            self.rails[rail].starved = true;
+            return None;
+        };
         Some(self.take(xi, rail, max_len, now))
     }
 
     /// Which transfer `rail` should serve next, and the largest piece it may take.
-    fn pick(&self, rail: RailId) -> Option<(usize, u64)> {
+    fn pick(&self, rail: RailId, now: Instant) -> Option<(usize, u64)> {
         let chunk = self.cfg.chunk_size;
         // Small transfers kept on this rail for latency go first.
         if let Some(xi) = self.xfers.iter().position(|x| x.small && x.pinned == Some(rail) && x.has_work()) {
@@ -433,22 +653,22 @@ impl Planner {
                     return Some((xi, chunk));
                 }
                 // Weighted (a pinned policy pins every transfer).
-                (None, _) => return self.weighted_cap(rail).map(|cap| (xi, cap)),
+                (None, _) => return self.weighted_cap(rail, now).map(|cap| (xi, cap)),
             }
         }
         None
     }
 
     /// Weighted policy: the piece `rail` may take from the striped pool now, if any.
-    fn weighted_cap(&self, rail: RailId) -> Option<u64> {
-        let share = self.fair_share(rail);
+    fn weighted_cap(&self, rail: RailId, now: Instant) -> Option<u64> {
+        let share = self.fair_share(rail, now);
         if share >= self.cfg.min_chunk {
             return Some(share.next_multiple_of(4096).min(self.cfg.chunk_size));
         }
         // The tail: no rail's share is worth a minimum chunk any more. The next crumb (at most
         // `min_chunk`) goes to whichever rail would finish it first, so the pool always drains.
         let crumb = self.striped_unassigned.min(self.cfg.min_chunk);
-        (self.fastest_finish(crumb) == rail).then_some(self.cfg.min_chunk)
+        (self.fastest_finish(crumb, now) == rail).then_some(self.cfg.min_chunk)
     }
 
     /// Cut the next piece (at most `max_len`) of transfer `xi` for `rail`.
@@ -478,14 +698,17 @@ impl Planner {
         self.next_chunk += 1;
         let xfer = x.id;
         let r = &mut self.rails[rail];
-        if r.inflight_chunks == 0 {
-            r.busy_since = None;
-            r.sample_bytes = 0;
+        let idle_start = r.inflight_chunks == 0;
+        if idle_start {
+            // A new busy period: its first round trip is not sampled, so no gap before it counts.
+            r.clear_sample();
+            r.starved = false;
             r.last_progress = now;
         }
+        let starved = r.starved;
         r.inflight_chunks += 1;
         r.inflight_bytes += piece.len;
-        self.inflight.insert(id, InFlight { xfer, rail, piece, issued: now });
+        self.inflight.insert(id, InFlight { xfer, rail, piece, issued: now, idle_start, starved });
         Chunk { xfer, id, rail, piece }
     }
 
@@ -495,30 +718,31 @@ impl Planner {
         let Some(f) = self.release(chunk, Some(now)) else {
             return false;
         };
-        let alpha = self.cfg.ewma_alpha;
-        let interval = self.cfg.sample_interval;
+        let cfg = &self.cfg;
         let r = &mut self.rails[f.rail];
         r.bytes_done += f.piece.len;
         r.chunks_done += 1;
-        // Round trip: time in flight less the chunk's own service time; the minimum over
-        // chunks is the one that found the pipe empty.
-        let service = Duration::from_secs_f64(f.piece.len as f64 / r.rate);
-        let rtt = now.saturating_duration_since(f.issued).saturating_sub(service);
-        r.rtt = Some(r.rtt.map_or(rtt, |v| v.min(rtt)));
+        if f.idle_start {
+            // A chunk that met no queue: its time in flight is its service time plus the round
+            // trip. Keep the one with the least excess (judged at the current rate).
+            let trip = now.saturating_duration_since(f.issued);
+            if r.idle_trip.is_none_or(|(t, len)| trip_excess(trip, f.piece.len, r.rate) < trip_excess(t, len, r.rate)) {
+                r.idle_trip = Some((trip, f.piece.len));
+            }
+        }
         if let Some(t0) = r.busy_since {
             r.sample_bytes += f.piece.len;
+            if let Some(w) = r.queued_for(now.saturating_duration_since(f.issued), f.piece.len).filter(|_| !f.idle_start) {
+                r.sample_wait = r.sample_wait.min(w);
+            }
+            r.sample_starved |= f.starved;
             let dt = now.saturating_duration_since(t0);
-            if dt >= interval {
-                let sample = r.sample_bytes as f64 / dt.as_secs_f64();
-                // Weight by how long the sample is, so a long busy period counts for more.
-                let w = 1.0 - (1.0 - alpha).powf(dt.as_secs_f64() / interval.as_secs_f64());
-                r.rate = (1.0 - w) * r.rate + w * sample;
-                r.busy_since = Some(now);
-                r.sample_bytes = 0;
+            if dt >= cfg.sample_interval {
+                r.add_sample(r.sample_bytes, dt, cfg);
+                r.start_sample(now);
             }
         } else {
-            r.busy_since = Some(now);
-            r.sample_bytes = 0;
+            r.start_sample(now);
         }
         if r.inflight_chunks == 0 {
             r.busy_since = None;
@@ -564,7 +788,7 @@ impl Planner {
         r.down_reason = Some(reason.clone());
         r.inflight_bytes = 0;
         r.inflight_chunks = 0;
-        r.busy_since = None;
+        r.clear_sample();
         let lost: Vec<ChunkId> = self.inflight.iter().filter(|(_, f)| f.rail == rail).map(|(id, _)| *id).collect();
         let mut lost: Vec<(ChunkId, InFlight)> = lost.into_iter().map(|id| (id, self.inflight.remove(&id).expect("listed"))).collect();
         lost.sort_by_key(|(id, _)| *id);
@@ -618,7 +842,8 @@ impl Planner {
                 r.down_reason = None;
                 r.last_progress = now;
                 // The path may have changed: measure the round trip afresh.
-                r.rtt = None;
+                r.idle_trip = None;
+                r.probe = 1.0;
                 self.events.push_back(Event::RailUp(rail));
             }
         }
@@ -727,6 +952,33 @@ mod tests {
     }
 
     #[test]
+    fn pair_rows_merges_runs_within_one_region_on_each_side() {
+        // Local rows (tag, addr, len), remote rows (region, offset, len).
+        let rows = |v: &'static [(u64, u64, u64)]| move |i: usize| Some(v[i]);
+        let local: &[(u64, u64, u64)] = &[(0, 1000, 10), (0, 1010, 10), (0, 1020, 5), (1, 1025, 5), (1, 2000, 0), (1, 1030, 10)];
+        let remote: &[(u64, u64, u64)] = &[(7, 0, 15), (7, 15, 10), (7, 25, 5), (8, 30, 10)];
+        let p = pair_rows(local.len(), rows(local), remote.len(), rows(remote)).unwrap();
+        assert_eq!(
+            p,
+            vec![
+                // 1000..1025 and 0..25: one run on both sides
+                Pair { local: 1000, region: 7, offset: 0, len: 25 },
+                // contiguous on both sides, but another local region (tag 1)
+                Pair { local: 1025, region: 7, offset: 25, len: 5 },
+                // another remote region
+                Pair { local: 1030, region: 8, offset: 30, len: 10 },
+            ]
+        );
+        // Unequal totals, a trailing non-empty row, a row that does not resolve: None.
+        assert_eq!(pair_rows(2, rows(local), 4, rows(remote)), None);
+        assert_eq!(pair_rows(6, rows(local), 3, rows(remote)), None);
+        assert_eq!(pair_rows(6, |i| (i != 3).then_some(local[i]), 4, rows(remote)), None);
+        // Trailing empty rows are fine; nothing at all is no pairs.
+        assert_eq!(pair_rows(5, rows(local), 1, |_| Some((9, 0, 30))).map(|p| p.len()), Some(2));
+        assert_eq!(pair_rows(0, rows(local), 0, rows(remote)), Some(vec![]));
+    }
+
+    #[test]
     fn single_rail_covers_transfer_exactly_once() {
         let now = Instant::now();
         let mut p = Planner::new(PlannerConfig::default());
@@ -823,5 +1075,54 @@ mod tests {
         assert_eq!(p.poll_event(), None);
         assert!(p.is_idle());
         assert_eq!(p.rail_stats(r).inflight_bytes, 0);
+    }
+
+    /// One rail at 100 MB/s, no latency, served FIFO: the `k`-th chunk (1 MiB) of a queue
+    /// issued at `t0` completes `k` chunk times later.
+    const RATE: f64 = 1e8;
+    fn chunk_time() -> Duration {
+        Duration::from_secs_f64((1 << 20) as f64 / RATE)
+    }
+
+    #[test]
+    fn first_queued_sample_replaces_the_seed() {
+        let t0 = Instant::now();
+        let mut p = Planner::new(PlannerConfig { stripe_threshold: 0, ..PlannerConfig::default() });
+        let r = p.add_rail(Some(RATE * 10.0), t0);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], t0);
+        let chunks: Vec<Chunk> = std::iter::from_fn(|| p.poll_work(r, t0)).collect();
+        assert!(chunks.len() >= 3, "a seed ten times too high opens a wide window");
+        // The first completion opens the sample; the next two (which queued behind it) close
+        // it once 10 ms have passed.
+        for (k, c) in chunks.iter().take(3).enumerate() {
+            assert!(p.handle_done(c.id, t0 + chunk_time() * (k as u32 + 1)));
+        }
+        let rate = p.rail_stats(r).rate;
+        assert!((rate / RATE - 1.0).abs() < 1e-6, "rate {rate}: one sample outweighs any seed");
+    }
+
+    #[test]
+    fn sample_with_an_idle_link_is_dropped() {
+        // 5 ms each way: a chunk completes 10 ms after the link has served it.
+        let (t0, lat) = (Instant::now(), Duration::from_millis(5));
+        let mut p = Planner::new(PlannerConfig { stripe_threshold: 0, ..PlannerConfig::default() });
+        let r = p.add_rail(Some(RATE), t0);
+        let one = |x: u64| vec![Pair { local: x << 30, region: 1, offset: 0, len: 1 << 20 }];
+        // Two chunks at 0: the link serves them back to back.
+        p.submit(XferId(1), one(1), t0);
+        p.submit(XferId(2), one(2), t0);
+        let (a, b) = (p.poll_work(r, t0).unwrap(), p.poll_work(r, t0).unwrap());
+        assert!(p.handle_done(a.id, t0 + chunk_time() + 2 * lat));
+        assert!(p.poll_work(r, t0 + chunk_time() + 2 * lat).is_none(), "nothing left to do");
+        // A third chunk only once the link has gone idle, but before b's completion is back.
+        let t_c = t0 + 2 * chunk_time() + lat + Duration::from_millis(1);
+        p.submit(XferId(3), one(3), t_c);
+        let c = p.poll_work(r, t_c).unwrap();
+        assert!(p.handle_done(b.id, t0 + 2 * chunk_time() + 2 * lat));
+        // c met no queue: the sample from a's completion to c's (2 MiB over more than two
+        // chunk times) saw the link idle, and must not lower the estimate.
+        assert!(p.handle_done(c.id, t_c + chunk_time() + 2 * lat));
+        assert_eq!(p.rail_stats(r).rate, RATE);
+        assert_eq!(p.rails[r].probe, 1.0, "the rail was short of work, not held back by its window");
     }
 }

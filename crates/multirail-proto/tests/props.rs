@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use multirail_proto::codec::{RemoteOp, Role, HEADER_LEN};
-use multirail_proto::planner::pair_segments;
+use multirail_proto::planner::{pair_rows, pair_segments};
 use multirail_proto::{
     Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig, Policy, RailInfo, RegionKey, RegionMeta,
     Status, XferId,
@@ -283,6 +283,100 @@ proptest! {
             prop_assert!(lo + p.len <= local[li].1 && ro + p.len <= remote[rj].2);
             lo += p.len;
             ro += p.len;
+        }
+    }
+
+    /// pair_rows (one pass, merging) pairs exactly the bytes pair_segments pairs: every piece
+    /// of the unmerged pairing lies, in order, at the same place in one merged pair; merged
+    /// pairs are maximal (two in a row are never adjacent on both sides within one local tag
+    /// and region); each row is resolved once, in order. Unequal totals or a row that does
+    /// not resolve give None.
+    #[test]
+    fn pair_rows_pairs_the_same_bytes_as_pair_segments(
+        lrows in prop::collection::vec((0u8..3, any::<bool>(), 0u64..1 << 40, prop_oneof![Just(0u64), 1u64..5000]), 0..10),
+        cuts in prop::collection::vec(0u64..1000, 0..10),
+        rsteps in prop::collection::vec((0u8..3, any::<bool>(), 0u64..1 << 30), 12),
+        extra in 0u64..2,
+        fail in prop::option::of((any::<bool>(), 0usize..12)),
+    ) {
+        // Local rows (tag, addr, len): most continue the row before (some in the next tag).
+        let (mut local, mut end, mut tag) = (Vec::new(), 0u64, 0u64);
+        for (k, &(cont, step, jump, len)) in lrows.iter().enumerate() {
+            tag += step as u64;
+            let addr = if k > 0 && cont > 0 { end } else { jump };
+            local.push((tag, addr, len));
+            end = addr + len;
+        }
+        // Remote rows (region, offset, len) cutting the same total differently.
+        let total: u64 = local.iter().map(|l| l.2).sum();
+        let mut points: Vec<u64> = cuts.iter().map(|c| c * total / 1000).collect();
+        points.extend([0, total]);
+        points.sort();
+        let (mut remote, mut end, mut region) = (Vec::new(), 0u64, 0u64);
+        for (k, w) in points.windows(2).enumerate() {
+            let (cont, step, jump) = rsteps[k % rsteps.len()];
+            region += step as u64;
+            let offset = if k > 0 && cont > 0 { end } else { jump };
+            remote.push((region, offset, w[1] - w[0]));
+            end = offset + (w[1] - w[0]);
+        }
+        if extra > 0 {
+            remote.push((99, 0, extra));
+        }
+        let fail = fail.filter(|&(side, k)| k < if side { local.len() } else { remote.len() });
+        let (mut lseen, mut rseen) = (Vec::new(), Vec::new());
+        let got = pair_rows(
+            local.len(),
+            |i| {
+                lseen.push(i);
+                (fail != Some((true, i))).then_some(local[i])
+            },
+            remote.len(),
+            |j| {
+                rseen.push(j);
+                (fail != Some((false, j))).then_some(remote[j])
+            },
+        );
+        if extra > 0 || fail.is_some() {
+            prop_assert_eq!(got, None);
+            return Ok(());
+        }
+        let merged = got.expect("equal totals, every row resolves");
+        prop_assert_eq!(lseen, (0..local.len()).collect::<Vec<_>>());
+        prop_assert_eq!(rseen, (0..remote.len()).collect::<Vec<_>>());
+        let l2: Vec<(u64, u64)> = local.iter().map(|l| (l.1, l.2)).collect();
+        let unmerged = pair_segments(&l2, &remote).expect("equal totals");
+        prop_assert!(merged.iter().all(|p| p.len > 0));
+        prop_assert_eq!(merged.iter().map(|p| p.len).sum::<u64>(), total);
+        // Walk the unmerged pieces through the merged pairs.
+        let (mut k, mut off) = (0usize, 0u64);
+        for u in &unmerged {
+            let m = merged[k];
+            prop_assert_eq!((u.local, u.region, u.offset), (m.local + off, m.region, m.offset + off), "piece {:?} in {:?}", u, m);
+            prop_assert!(off + u.len <= m.len);
+            off += u.len;
+            if off == m.len {
+                k += 1;
+                off = 0;
+            }
+        }
+        prop_assert_eq!((k, off), (merged.len(), 0));
+        // Maximal: adjacent pairs on both sides are cut only where the local tag changes.
+        let tag_at = |pos: u64| {
+            let mut start = 0;
+            local.iter().find(|l| { start += l.2; l.2 > 0 && pos < start }).map(|l| l.0)
+        };
+        let mut pos = 0;
+        for m in &merged {
+            prop_assert_eq!(tag_at(pos), tag_at(pos + m.len - 1), "{:?} spans two local tags", m);
+            pos += m.len;
+        }
+        pos = 0;
+        for w in merged.windows(2) {
+            pos += w[0].len;
+            if w[0].local + w[0].len == w[1].local && w[0].region == w[1].region && w[0].offset + w[0].len == w[1].offset {
+                prop_assert_ne!(tag_at(pos - 1), tag_at(pos), "{:?} and {:?} not merged", w[0], w[1]);
+            }
         }
     }
 

@@ -4,6 +4,7 @@
 //! Descriptor lists cross the boundary as contiguous Nx3 uint64 arrays (address of the first
 //! element + row count), so no per-descriptor Python object is created on either side.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use multirail::config::{Config, Progress, RailSpec};
@@ -82,15 +83,22 @@ fn mem_name(m: MemType) -> &'static str {
     }
 }
 
-/// Read an Nx3 uint64 array at `ptr` (the caller keeps it alive and contiguous).
-fn rows(ptr: usize, n: usize) -> Vec<(u64, u64, u32)> {
+/// The rows of an Nx3 uint64 array at `ptr`, read in place (copied only when `ptr` is not
+/// 8-byte aligned).
+///
+/// # Safety
+/// `ptr` is the data pointer of a C-contiguous (n, 3) uint64 array that the caller (the Python
+/// layer) holds, unchanged, for as long as the returned rows are used; the GIL may be released
+/// meanwhile (a thread that rewrites the array under a running call gets rows that are
+/// validated like any others).
+unsafe fn rows<'a>(ptr: usize, n: usize) -> Cow<'a, [[u64; 3]]> {
     if n == 0 {
-        return Vec::new();
+        Cow::Borrowed(&[])
+    } else if (ptr as *const [u64; 3]).is_aligned() {
+        Cow::Borrowed(std::slice::from_raw_parts(ptr as *const [u64; 3], n))
+    } else {
+        Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((ptr as *const [u64; 3]).add(i))).collect())
     }
-    // SAFETY: the Python layer passes the data pointer of a C-contiguous (n, 3) uint64 numpy
-    // array that it holds for the duration of this call.
-    let s = unsafe { std::slice::from_raw_parts(ptr as *const u64, n * 3) };
-    s.chunks_exact(3).map(|r| (r[0], r[1], r[2] as u32)).collect()
 }
 
 /// (interface, address, prefix length, speed Mbit/s, MTU, NUMA node, RDMA device, bind device)
@@ -181,7 +189,8 @@ impl PyAgent {
 
     /// (addr, len, dev) of every registered region containing each descriptor, or an error.
     fn check_local(&self, ptr: usize, n: usize) -> PyResult<()> {
-        self.0.resolve_local(&rows(ptr, n)).map(|_| ()).map_err(to_py)
+        // SAFETY: see `rows`; the array is only read before this returns.
+        self.0.resolve_local(&unsafe { rows(ptr, n) }).map(|_| ()).map_err(to_py)
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
@@ -207,7 +216,8 @@ impl PyAgent {
         py.allow_threads(|| self.0.peer(peer).and_then(|p| p.link()).map(|_| ())).map_err(to_py)
     }
 
-    /// Build a transfer handle from two Nx3 uint64 arrays.
+    /// Build a transfer handle from two Nx3 uint64 arrays (data pointer, rows), read in place
+    /// with the GIL released.
     #[allow(clippy::too_many_arguments)]
     fn prepare(
         &self,
@@ -221,7 +231,8 @@ impl PyAgent {
         notif: Vec<u8>,
     ) -> PyResult<PyXfer> {
         let op = Op::parse(op).map_err(to_py)?;
-        let (local, remote) = (rows(lptr, ln), rows(rptr, rn));
+        // SAFETY: see `rows`; the Python layer holds both arrays until this returns.
+        let (local, remote) = unsafe { (rows(lptr, ln), rows(rptr, rn)) };
         py.allow_threads(|| self.0.prepare(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
     }
 
@@ -332,7 +343,9 @@ fn wait_timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
 /// Serialise an Nx3 uint64 descriptor array.
 #[pyfunction]
 fn serialize_descs<'py>(py: Python<'py>, ptr: usize, n: usize, mem: &str) -> PyResult<Bound<'py, PyBytes>> {
-    let d = DescList { mem: parse_mem(mem)?, descs: rows(ptr, n) };
+    // SAFETY: see `rows`; the array is only read before this returns.
+    let descs = unsafe { rows(ptr, n) }.iter().map(|r| (r[0], r[1], r[2] as u32)).collect();
+    let d = DescList { mem: parse_mem(mem)?, descs };
     Ok(PyBytes::new(py, &d.encode()))
 }
 

@@ -12,11 +12,11 @@ use multirail_proto::{Access, AgentMeta, Body, MemType, RailInfo};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::peer::{dial, find_region, status_error, Peer, RailReport};
+use crate::peer::{dial, resolve_in, status_error, Peer, RailReport};
 use crate::registry::{random_bytes, Region, Registry};
 use crate::server;
 use crate::wire::{self, WireError};
-use crate::xfer::{Op, XferHandle};
+use crate::xfer::{Desc, Op, XferHandle};
 
 /// Local descriptors as (addr, len), and the registered regions that contain them.
 pub type ResolvedLocal = (Vec<(u64, u64)>, Vec<Arc<Region>>);
@@ -303,33 +303,16 @@ impl Agent {
 
     /// Resolve local descriptors against the registry: every one must lie inside a registered
     /// region. Returns the (addr, len) list and the regions to hold.
-    pub fn resolve_local(&self, descs: &[(u64, u64, u32)]) -> Result<ResolvedLocal> {
-        let regions = self.shared.registry.snapshot();
-        let mut hold: Vec<Arc<Region>> = Vec::new();
-        let mut out = Vec::with_capacity(descs.len());
-        let mut last: Option<&Arc<Region>> = None;
-        for (i, &(addr, len, _)) in descs.iter().enumerate() {
-            let hit = match last {
-                Some(r) if r.base <= addr && addr.checked_add(len).is_some_and(|e| e <= r.base + r.len) => r,
-                _ => {
-                    let r = find_region(&regions, addr, len, |r| (r.base, r.len)).ok_or(Error::NotRegistered { index: i, addr, len })?;
-                    if !hold.iter().any(|h| h.id == r.id) {
-                        hold.push(r.clone());
-                    }
-                    r
-                }
-            };
-            last = Some(hit);
-            out.push((addr, len));
-        }
-        Ok((out, hold))
+    pub fn resolve_local<D: Desc>(&self, descs: &[D]) -> Result<ResolvedLocal> {
+        resolve_in(&self.shared.registry.snapshot(), descs)
     }
 
-    /// Make a transfer handle (resolve, validate and pair all descriptors now).
-    pub fn prepare(&self, op: Op, local: &[(u64, u64, u32)], remote: &[(u64, u64, u32)], peer: &str, notif: Vec<u8>) -> Result<XferHandle> {
+    /// Make a transfer handle (resolve, validate and pair all descriptors now; see
+    /// [`Peer::prepare`]). Rows are read where they are: an Nx3 uint64 array can be passed as
+    /// `&[[u64; 3]]` without a copy.
+    pub fn prepare<D: Desc>(&self, op: Op, local: &[D], remote: &[D], peer: &str, notif: Vec<u8>) -> Result<XferHandle> {
         let peer = self.peer(peer)?;
-        let (local, hold) = self.resolve_local(local)?;
-        peer.prepare(op, local, hold, remote, notif)
+        peer.prepare(op, local, &self.shared.registry.snapshot(), remote, notif)
     }
 
     pub fn send_notif(&self, peer: &str, msg: &[u8]) -> Result<()> {

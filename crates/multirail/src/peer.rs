@@ -16,16 +16,16 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{RemoteOp, Role, Status};
-use multirail_proto::planner::{pair_segments, RailStats};
+use multirail_proto::planner::{pair_rows, pair_segments, RailStats};
 use multirail_proto::{AgentMeta, Body, Chunk, Event, Pair, Planner, RailInfo, RegionKey, RegionMeta, XferId};
 
-use crate::agent::Ctx;
+use crate::agent::{Ctx, ResolvedLocal};
 use crate::auth;
 use crate::config::Progress;
 use crate::error::{Error, Result};
-use crate::registry::random_bytes;
+use crate::registry::{random_bytes, Region};
 use crate::wire::{self, poll_in, WireError};
-use crate::xfer::{Op, XferHandle, XferShared, XferState};
+use crate::xfer::{Desc, Op, XferHandle, XferShared, XferState};
 
 /// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
 const TICK: Duration = Duration::from_millis(50);
@@ -67,16 +67,18 @@ impl Peer {
 
     /// Resolve remote (addr, len) descriptors into (region, offset, len) against the peer's
     /// exported regions.
-    pub fn resolve(&self, descs: &[(u64, u64, u32)]) -> Result<Vec<(u64, u64, u64)>> {
+    pub fn resolve<D: Desc>(&self, descs: &[D]) -> Result<Vec<(u64, u64, u64)>> {
         let mut out = Vec::with_capacity(descs.len());
-        for (i, &(addr, len, _dev)) in descs.iter().enumerate() {
-            let r = find_region(&self.regions, addr, len, |r| (r.base, r.len)).ok_or(Error::OutOfBounds {
+        let mut look = Lookup::new();
+        for (i, d) in descs.iter().enumerate() {
+            let (addr, len) = d.span();
+            let (k, _) = look.find(&self.regions, addr, len, |r| (r.base, r.len)).ok_or(Error::OutOfBounds {
                 peer: self.name.clone(),
                 index: i,
                 addr,
                 len,
             })?;
-            out.push((r.id, addr - r.base, len));
+            out.push((self.regions[k].id, addr - look.base, len));
         }
         Ok(out)
     }
@@ -155,15 +157,73 @@ impl Peer {
         }
     }
 
-    /// Create a transfer handle: resolve and pair descriptors now, so posting is cheap.
-    pub fn prepare(
+    /// Create a transfer handle: resolve, validate and pair all descriptors now, so posting is
+    /// cheap. `local_regions` is this agent's registry (`Registry::snapshot`, sorted by base).
+    ///
+    /// One pass over both lists resolves each row (binary search, skipped while rows stay in
+    /// the region last found) and writes the pairs, a contiguous run (adjacent on both sides,
+    /// one region each) merged into one pair. When anything is wrong, the checks run again one
+    /// at a time (`prepare_checked`) so that the error is the first of, in this order:
+    /// a local row not registered, the notification too large, a remote row outside the
+    /// peer's regions, a WRITE to a read-only region, unequal totals.
+    pub fn prepare<D: Desc>(
         self: &Arc<Self>,
         op: Op,
-        local: Vec<(u64, u64)>,
-        local_hold: Vec<Arc<crate::registry::Region>>,
-        remote: &[(u64, u64, u32)],
+        local: &[D],
+        local_regions: &[Arc<Region>],
+        remote: &[D],
         notif: Vec<u8>,
     ) -> Result<XferHandle> {
+        if notif.len() > multirail_proto::codec::MAX_NOTIF {
+            return self.prepare_checked(op, local, local_regions, remote, notif);
+        }
+        let mut hold: Vec<Arc<Region>> = Vec::new();
+        let (mut llook, mut rlook) = (Lookup::new(), Lookup::new());
+        let mut region = 0;
+        let write = op == Op::Write;
+        let pairs = pair_rows(
+            local.len(),
+            |i| {
+                let (addr, len) = local[i].span();
+                let (k, fresh) = llook.find(local_regions, addr, len, |r| (r.base, r.len))?;
+                if fresh && !hold.iter().any(|h| h.id == local_regions[k].id) {
+                    hold.push(local_regions[k].clone());
+                }
+                Some((k as u64, addr, len))
+            },
+            remote.len(),
+            |j| {
+                let (addr, len) = remote[j].span();
+                let (k, fresh) = rlook.find(&self.regions, addr, len, |r| (r.base, r.len))?;
+                if fresh {
+                    let r = &self.regions[k];
+                    if write && r.access != multirail_proto::Access::ReadWrite {
+                        return None;
+                    }
+                    region = r.id;
+                }
+                Some((region, addr - rlook.base, len))
+            },
+        );
+        let Some(pairs) = pairs else {
+            return self.prepare_checked(op, local, local_regions, remote, notif);
+        };
+        // Connect now, so unreachable peers fail here rather than on the first post.
+        self.link()?;
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold)))
+    }
+
+    /// `prepare` one check at a time, each over all rows, pairing without merging: the
+    /// error (if any) is the first in the order `prepare` documents.
+    fn prepare_checked<D: Desc>(
+        self: &Arc<Self>,
+        op: Op,
+        local: &[D],
+        local_regions: &[Arc<Region>],
+        remote: &[D],
+        notif: Vec<u8>,
+    ) -> Result<XferHandle> {
+        let (local, hold) = resolve_in(local_regions, local)?;
         if notif.len() > multirail_proto::codec::MAX_NOTIF {
             return Err(Error::InvalidArgument(format!(
                 "notification of {} bytes exceeds {}",
@@ -186,28 +246,74 @@ impl Peer {
             }
         }
         let pairs = self.pair(&local, &remote)?;
-        // Connect now, so unreachable peers fail here rather than on the first post.
         self.link()?;
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, local_hold)))
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold)))
     }
 }
 
 /// Binary search for a region containing [addr, addr+len), falling back to a scan when
-/// regions overlap.
-pub(crate) fn find_region<T>(sorted: &[T], addr: u64, len: u64, span: impl Fn(&T) -> (u64, u64)) -> Option<&T> {
+/// regions overlap. Returns its index in `sorted`.
+pub(crate) fn find_region<T>(sorted: &[T], addr: u64, len: u64, span: impl Fn(&T) -> (u64, u64)) -> Option<usize> {
     let end = addr.checked_add(len)?;
     let idx = sorted.partition_point(|r| span(r).0 <= addr);
     if idx > 0 {
-        let r = &sorted[idx - 1];
-        let (b, l) = span(r);
-        if end <= b + l {
-            return Some(r);
+        let (b, l) = span(&sorted[idx - 1]);
+        if end <= b.saturating_add(l) {
+            return Some(idx - 1);
         }
     }
-    sorted[..idx].iter().rev().find(|r| {
+    sorted[..idx].iter().rposition(|r| {
         let (b, l) = span(r);
-        end <= b + l
+        end <= b.saturating_add(l)
     })
+}
+
+/// [`find_region`] for runs of rows: the search is skipped while rows stay inside the region
+/// last found and below the next region's base (where `find_region` would find it too).
+pub(crate) struct Lookup {
+    /// The region last found: index, base, end, and the base of the one after it.
+    idx: usize,
+    pub base: u64,
+    end: u64,
+    next: u64,
+}
+
+impl Lookup {
+    pub fn new() -> Lookup {
+        Lookup { idx: 0, base: u64::MAX, end: 0, next: 0 }
+    }
+
+    /// `find_region`'s answer, and whether it was searched for (the region changed) rather
+    /// than the last one's again. `base` is the found region's base.
+    #[inline]
+    pub fn find<T>(&mut self, sorted: &[T], addr: u64, len: u64, span: impl Fn(&T) -> (u64, u64)) -> Option<(usize, bool)> {
+        let end = addr.checked_add(len)?;
+        if self.base <= addr && end <= self.end && addr < self.next {
+            return Some((self.idx, false));
+        }
+        let k = find_region(sorted, addr, len, &span)?;
+        let (b, l) = span(&sorted[k]);
+        let next = sorted.get(k + 1).map_or(u64::MAX, |r| span(r).0);
+        *self = Lookup { idx: k, base: b, end: b.saturating_add(l), next };
+        Some((k, true))
+    }
+}
+
+/// Resolve local descriptors against `regions` (sorted by base): every one must lie inside a
+/// registered region. Returns the (addr, len) list and the regions to hold.
+pub(crate) fn resolve_in<D: Desc>(regions: &[Arc<Region>], descs: &[D]) -> Result<ResolvedLocal> {
+    let mut hold: Vec<Arc<Region>> = Vec::new();
+    let mut out = Vec::with_capacity(descs.len());
+    let mut look = Lookup::new();
+    for (i, d) in descs.iter().enumerate() {
+        let (addr, len) = d.span();
+        let (k, fresh) = look.find(regions, addr, len, |r| (r.base, r.len)).ok_or(Error::NotRegistered { index: i, addr, len })?;
+        if fresh && !hold.iter().any(|h| h.id == regions[k].id) {
+            hold.push(regions[k].clone());
+        }
+        out.push((addr, len));
+    }
+    Ok((out, hold))
 }
 
 /// One rail's state and counters as reported to the caller.

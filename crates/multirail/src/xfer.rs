@@ -31,6 +31,27 @@ impl Op {
     }
 }
 
+/// A descriptor row as `prepare` reads it: (address, length, device); the device is not used.
+/// `[u64; 3]` is a row of an Nx3 uint64 array read in place.
+pub trait Desc: Copy + Sync {
+    /// (address, length).
+    fn span(&self) -> (u64, u64);
+}
+
+impl Desc for (u64, u64, u32) {
+    #[inline]
+    fn span(&self) -> (u64, u64) {
+        (self.0, self.1)
+    }
+}
+
+impl Desc for [u64; 3] {
+    #[inline]
+    fn span(&self) -> (u64, u64) {
+        (self[0], self[1])
+    }
+}
+
 /// Transfer state. `Idle` is a handle never posted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -268,5 +289,49 @@ impl XferHandle {
         }
         // Nothing touches the local memory any more: let it be deregistered.
         self.0.hold.lock().expect("xfer lock").clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::peer::{find_region, Lookup};
+
+    /// The lookup that `prepare` uses for runs of rows answers exactly as `find_region`, also
+    /// with overlapping, nested, adjacent and duplicate-base regions, empty rows and rows
+    /// whose end overflows.
+    #[test]
+    fn lookup_answers_as_find_region() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rand = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let mut total_hits = 0;
+        for _ in 0..200 {
+            let mut regions: Vec<(u64, u64)> = (0..1 + rand(6)).map(|_| (rand(64) * 16, 1 + rand(96))).collect();
+            regions.sort_by_key(|&(b, l)| (b, std::cmp::Reverse(l)));
+            let (mut look, mut end, mut hits) = (Lookup::new(), 0u64, 0);
+            for _ in 0..300 {
+                // Mostly runs (a row starting where the last one ended), then jumps.
+                let (addr, len) = match rand(20) {
+                    0 => (u64::MAX - rand(4), rand(8)),
+                    1..=12 => (end, rand(24)),
+                    _ => (rand(1100), rand(40)),
+                };
+                end = addr.saturating_add(len);
+                let want = find_region(&regions, addr, len, |r| *r);
+                let got = look.find(&regions, addr, len, |r| *r);
+                hits += got.is_some_and(|(_, searched)| !searched) as usize;
+                let got = got.map(|(k, _)| k);
+                assert_eq!(got, want, "row ({addr}, {len}) in {regions:?}");
+                if let Some(k) = got {
+                    assert_eq!(look.base, regions[k].0);
+                }
+            }
+            total_hits += hits;
+        }
+        assert!(total_hits > 1000, "the fast path was taken {total_hits} times");
     }
 }

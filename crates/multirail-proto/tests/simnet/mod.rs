@@ -9,6 +9,11 @@
 //!   at `t` starts serialising at `max(t, end of the previous chunk)`, takes `len * f / rate`
 //!   (integrated over the rate schedule; `f` is a jitter factor uniform in `[1-j, 1+j]`) and
 //!   its completion reaches the planner `2 * latency` later (data there, response back).
+//! - A rail may start cold: the driver does not poll it before its `start` (its connection is
+//!   still being made; the planner counts it as up all the same), and with `slow_start` a pipe
+//!   that starts serialising for the first time, or after being idle a while, runs at a
+//!   fraction of its rate that doubles every step (TCP slow start). `hiccups` hold the pipe a
+//!   while after a random share of chunks (a noisy host descheduling the sender).
 //! - Faults: an `Outage` takes a rail down with an error at `at` (the driver calls
 //!   `handle_rail_down`, everything in its pipe is lost) and brings it back at `until`
 //!   (`handle_rail_up`). A stall is a rate of 0 for a while; the planner's stall timeout has
@@ -20,9 +25,12 @@
 //!   (rotating the starting rail) until a full pass hands out nothing, then drain the planner's
 //!   events and advance to the next event time. A planner that still has work but no event can
 //!   ever occur again is a hang and fails the run.
+//! - Transfers are submitted at fixed times, or (`submit_after`) a gap after another one ends,
+//!   as a caller that waits for each transfer does.
 //!
-//! Everything that happened is recorded in a [`Report`] (every chunk with its outcome, every
-//! planner event with its time) so tests can assert both performance and invariants.
+//! Everything that happened is recorded in a [`Report`] (every chunk with its outcome and the
+//! time it held its pipe, every planner event with its time, the planner's rate estimates
+//! after every completion) so tests can assert both performance and invariants.
 #![allow(dead_code)] // each test crate uses a different part of the simulator
 
 use std::cmp::Reverse;
@@ -72,6 +80,16 @@ pub struct Outage {
     pub until: Option<Duration>,
 }
 
+/// TCP-like slow start: a pipe that starts serialising for the first time, or after it has
+/// been idle for at least `after_idle`, runs at `2^-doublings` of its rate and doubles that
+/// every `step` until it is at full rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlowStart {
+    pub step: Duration,
+    pub doublings: u32,
+    pub after_idle: Duration,
+}
+
 /// One simulated rail.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RailSpec {
@@ -83,6 +101,13 @@ pub struct RailSpec {
     /// What `add_rail` is told (the link speed, when known).
     pub hint: Option<f64>,
     pub outages: Vec<Outage>,
+    /// When the driver brings the rail's connection up: before that it never polls the rail,
+    /// although the planner counts it as up (a rail whose connection is still being made).
+    pub start: Duration,
+    pub slow_start: Option<SlowStart>,
+    /// A noisy host: with probability `.0` a chunk also holds its pipe for `.1` (the sender was
+    /// descheduled).
+    pub hiccups: Option<(f64, Duration)>,
 }
 
 impl RailSpec {
@@ -94,7 +119,27 @@ impl RailSpec {
             jitter: 0.0,
             hint: Some(rate),
             outages: Vec::new(),
+            start: Duration::ZERO,
+            slow_start: None,
+            hiccups: None,
         }
+    }
+
+    /// The driver polls the rail from `at` on (it is cold until then).
+    pub fn start_at(mut self, at: Duration) -> Self {
+        self.start = at;
+        self
+    }
+
+    /// Slow start, [`SlowStart`]: from `2^-doublings` of the rate, doubling every `step`.
+    pub fn slow_start(mut self, step: Duration, doublings: u32, after_idle: Duration) -> Self {
+        self.slow_start = Some(SlowStart { step, doublings, after_idle });
+        self
+    }
+
+    pub fn hiccups(mut self, p: f64, d: Duration) -> Self {
+        self.hiccups = Some((p, d));
+        self
     }
 
     pub fn latency(mut self, l: Duration) -> Self {
@@ -129,14 +174,35 @@ impl RailSpec {
         self.rates.iter().take_while(|r| r.0 <= t).last().map_or(0.0, |r| r.1)
     }
 
-    /// When `bytes` of service starting at `start` end, integrating the rate schedule, or
-    /// `None` if the rail stalls for ever first.
-    fn serve(&self, start: Duration, bytes: f64) -> Option<Duration> {
+    /// The slow-start factor at `t` of a ramp that began at `ramp`.
+    fn ramp_factor(&self, t: Duration, ramp: Option<Duration>) -> f64 {
+        match (self.slow_start, ramp) {
+            (Some(s), Some(r0)) if t >= r0 => {
+                let k = ((t - r0).as_nanos() / s.step.as_nanos().max(1)) as u32;
+                0.5f64.powi(s.doublings.saturating_sub(k) as i32)
+            }
+            _ => 1.0,
+        }
+    }
+
+    /// The next time after `t` at which the rate schedule or the ramp changes.
+    fn next_change(&self, t: Duration, ramp: Option<Duration>) -> Option<Duration> {
+        let sched = self.rates.iter().map(|r| r.0).find(|&x| x > t);
+        let ramp = match (self.slow_start, ramp) {
+            (Some(s), Some(r0)) => (1..=s.doublings).map(|k| r0 + s.step * k).find(|&x| x > t),
+            _ => None,
+        };
+        [sched, ramp].into_iter().flatten().min()
+    }
+
+    /// When `bytes` of service starting at `start` end, integrating the rate schedule (and the
+    /// slow-start ramp that began at `ramp`), or `None` if the rail stalls for ever first.
+    fn serve(&self, start: Duration, bytes: f64, ramp: Option<Duration>) -> Option<Duration> {
         let mut t = start;
         let mut left = bytes;
         loop {
-            let rate = self.rate(t);
-            let next = self.rates.iter().map(|r| r.0).find(|&x| x > t);
+            let rate = self.rate(t) * self.ramp_factor(t, ramp);
+            let next = self.next_change(t, ramp);
             if rate > 0.0 {
                 let need = left / rate;
                 match next {
@@ -206,6 +272,17 @@ pub struct ChunkRecord {
     pub chunk: Chunk,
     pub issued: Duration,
     pub outcome: Outcome,
+    /// Time the chunk held its pipe (jitter, hiccups and slow start included).
+    pub served: Duration,
+}
+
+/// The planner's rate estimates after a completion, with the bytes completed so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateSample {
+    pub at: Duration,
+    /// Bytes of all transfers completed so far (accepted chunks).
+    pub bytes_done: u64,
+    pub rates: Vec<f64>,
 }
 
 /// Everything a run produced.
@@ -219,6 +296,11 @@ pub struct Report {
     pub idle_at_end: bool,
     /// Per rail, the time it spent serialising chunks (including ones later lost).
     pub serving: Vec<Duration>,
+    /// When each transfer was submitted (chained ones are submitted when their predecessor
+    /// ends).
+    pub submitted: Vec<(XferId, Duration)>,
+    /// The rate estimates after every accepted completion.
+    pub trace: Vec<RateSample>,
 }
 
 impl Report {
@@ -259,6 +341,21 @@ impl Report {
         }
         b
     }
+
+    pub fn submitted_at(&self, x: XferId) -> Option<Duration> {
+        self.submitted.iter().find(|s| s.0 == x).map(|s| s.1)
+    }
+
+    /// Per rail, the rate it really served `x`'s completed chunks at (bytes over the time they
+    /// held the pipe: jitter and hiccups included, idle time not), `None` if it served none.
+    pub fn realised_rates(&self, x: XferId, rails: usize) -> Vec<Option<f64>> {
+        let mut acc = vec![(0u64, Duration::ZERO); rails];
+        for c in self.done_chunks(x) {
+            acc[c.chunk.rail].0 += c.chunk.piece.len;
+            acc[c.chunk.rail].1 += c.served;
+        }
+        acc.into_iter().map(|(b, t)| (b > 0 && !t.is_zero()).then(|| b as f64 / t.as_secs_f64())).collect()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -275,6 +372,8 @@ enum What {
     Probe(RailId),
     Submit(usize),
     Cancel(XferId),
+    /// The rail's connection is up: the driver starts polling it.
+    Start(RailId),
 }
 
 #[derive(Debug, Default)]
@@ -287,6 +386,10 @@ struct Pipe {
     broken: bool,
     /// Total time spent serialising chunks (jitter included).
     serving: Duration,
+    /// Whether the pipe has carried anything since it was (re)connected.
+    used: bool,
+    /// Start of the current slow-start ramp.
+    ramp: Option<Duration>,
 }
 
 /// The simulator: a planner, its rails and a timeline.
@@ -308,6 +411,13 @@ pub struct Sim {
     pub limit: Duration,
     /// Chunks (by id) the remote refuses: their completion is reported with `handle_failed`.
     pub refuse: HashSet<ChunkId>,
+    /// Per rail: polled by the driver (its start time has come).
+    started: Vec<bool>,
+    /// Transfers (by index) to submit a gap after the given one ends.
+    chained: HashMap<XferId, Vec<(usize, Duration)>>,
+    submitted: Vec<(XferId, Duration)>,
+    trace: Vec<RateSample>,
+    bytes_done: u64,
 }
 
 impl Sim {
@@ -329,6 +439,11 @@ impl Sim {
             poll_from: 0,
             limit: Duration::from_secs(600),
             refuse: HashSet::new(),
+            started: rails.iter().map(|r| r.start.is_zero()).collect(),
+            chained: HashMap::new(),
+            submitted: Vec::new(),
+            trace: Vec::new(),
+            bytes_done: 0,
         };
         for (i, r) in rails.iter().enumerate() {
             assert_eq!(sim.planner.add_rail(r.hint, t0), i);
@@ -343,6 +458,9 @@ impl Sim {
                     sim.push(w[1].0, What::Probe(i));
                 }
             }
+            if !r.start.is_zero() {
+                sim.push(r.start, What::Start(i));
+            }
         }
         sim.specs = rails;
         sim
@@ -351,6 +469,14 @@ impl Sim {
     pub fn submit(&mut self, x: XferSpec) {
         self.xfers.push(x.clone());
         self.push(x.at, What::Submit(self.xfers.len() - 1));
+    }
+
+    /// Submit `x` (its `at` is ignored) `gap` after transfer `after` ends, as a caller that
+    /// waits for each transfer before starting the next does.
+    pub fn submit_after(&mut self, x: XferSpec, after: XferId, gap: Duration) {
+        self.xfers.push(x);
+        let i = self.xfers.len() - 1;
+        self.chained.entry(after).or_default().push((i, gap));
     }
 
     pub fn cancel_at(&mut self, at: Duration, x: XferId) {
@@ -371,6 +497,7 @@ impl Sim {
         let p = &mut self.pipes[rail];
         p.epoch += 1;
         p.busy_until = self.now;
+        p.used = false;
         for r in self.records.iter_mut() {
             if r.chunk.rail == rail && r.outcome == Outcome::Pending {
                 r.outcome = Outcome::Lost(self.now);
@@ -392,6 +519,11 @@ impl Sim {
                     self.planner.handle_done(id, now)
                 };
                 self.records[idx].outcome = if accepted { Outcome::Done(self.now) } else { Outcome::Stale(self.now) };
+                if accepted {
+                    self.bytes_done += self.records[idx].chunk.piece.len;
+                    let rates = (0..self.specs.len()).map(|r| self.planner.rail_stats(r).rate).collect();
+                    self.trace.push(RateSample { at: self.now, bytes_done: self.bytes_done, rates });
+                }
             }
             What::Down(rail) => {
                 self.drop_pipe(rail);
@@ -401,6 +533,7 @@ impl Sim {
             What::Up(rail) => {
                 self.pipes[rail].broken = false;
                 self.pipes[rail].busy_until = self.now;
+                self.pipes[rail].used = false;
                 self.planner.handle_rail_up(rail, now);
             }
             What::Probe(rail) => {
@@ -410,9 +543,11 @@ impl Sim {
             }
             What::Submit(i) => {
                 let x = &self.xfers[i];
+                self.submitted.push((x.id, self.now));
                 self.planner.submit(x.id, x.pairs.clone(), now);
             }
             What::Cancel(x) => self.planner.cancel(x),
+            What::Start(rail) => self.started[rail] = true,
         }
     }
 
@@ -423,12 +558,24 @@ impl Sim {
         let pipe = &mut self.pipes[c.rail];
         assert!(!pipe.broken, "planner handed work to rail {} that it was told is down", c.rail);
         let start = pipe.busy_until.max(self.now);
+        if let Some(s) = spec.slow_start {
+            if !pipe.used || start - pipe.busy_until >= s.after_idle {
+                pipe.ramp = Some(start);
+            }
+        }
+        pipe.used = true;
+        let hiccup = match spec.hiccups {
+            Some((p, d)) if self.rng.unit() < p => d,
+            _ => Duration::ZERO,
+        };
         let idx = self.records.len();
-        self.records.push(ChunkRecord { chunk: c, issued: self.now, outcome: Outcome::Pending });
+        self.records.push(ChunkRecord { chunk: c, issued: self.now, outcome: Outcome::Pending, served: Duration::ZERO });
         let prev = self.by_id.insert(c.id, idx);
         assert!(prev.is_none(), "chunk id {:?} handed out twice", c.id);
-        match spec.serve(start, c.piece.len as f64 * f) {
+        match spec.serve(start, c.piece.len as f64 * f, pipe.ramp) {
             Some(end) => {
+                let end = end + hiccup;
+                self.records[idx].served = end - start;
                 pipe.serving += end - start;
                 pipe.busy_until = end;
                 let epoch = pipe.epoch;
@@ -450,6 +597,9 @@ impl Sim {
             let mut any = false;
             for k in 0..n {
                 let rail = (self.poll_from + k) % n;
+                if !self.started[rail] {
+                    continue;
+                }
                 if let Some(c) = self.planner.poll_work(rail, self.at()) {
                     assert_eq!(c.rail, rail, "chunk handed to the wrong rail");
                     self.issue(c);
@@ -465,6 +615,13 @@ impl Sim {
 
     fn drain_events(&mut self) {
         while let Some(e) = self.planner.poll_event() {
+            let ended = match &e {
+                Event::XferDone(x) | Event::XferFailed { xfer: x, .. } => Some(*x),
+                _ => None,
+            };
+            for (i, gap) in ended.and_then(|x| self.chained.remove(&x)).unwrap_or_default() {
+                self.push(self.now + gap, What::Submit(i));
+            }
             self.events.push((self.now, e));
         }
     }
@@ -504,6 +661,8 @@ impl Sim {
             end: self.now,
             idle_at_end: idle,
             serving: self.pipes.iter().map(|p| p.serving).collect(),
+            submitted: self.submitted,
+            trace: self.trace,
         }
     }
 
