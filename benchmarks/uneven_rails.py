@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Uneven rails, every time: N fresh engines, each from a cold start, on 2 Gbit/s + 1 Gbit/s.
+
+Run as root: ``python3 benchmarks/uneven_rails.py [--runs 10] [--iters 10] [--rates 2gbit,1gbit]``.
+On one testbed (brought up here unless one with the same spec is up, and then left as it was):
+
+1. each rail's capacity: iperf3 alone on that rail (b -> a), summed; measured before and after
+   the runs, and the mean of the two is the reference (the same run, so a noisy host shifts both);
+2. ``--runs`` times: a new ``multirail bench target`` (namespace a) and ``initiator``
+   (namespace b) over every rail, ``--iters`` timed 64 MiB transfers and **no warm-up**, so every
+   run starts with fresh weights and its first transfer includes the convergence (the planner
+   must converge within the first ~100 MiB). Per run: Gbps, % of the capacity, and the
+   engine's byte split between the rails against the capacities' split.
+
+The verdict: every run >= 97% of the capacity (``--floor``). ``--json FILE`` writes everything.
+Every server is started by the script, bounded in time and killed by PID (compare_rails.py's
+helpers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("compare_rails", HERE / "compare_rails.py")
+assert _spec and _spec.loader
+cr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cr)
+tbm = cr.tbm
+
+
+def engine_run(tb: Any, op: str, iters: int, timeout_s: float) -> dict[str, Any]:
+    """One fresh target + initiator pair: the 64 MiB row of `multirail bench initiator`."""
+    a_addrs, b_addrs = ",".join(tb.addrs("a")), ",".join(tb.addrs("b"))
+    listen = f"{tb.addrs('a')[0]}:{cr.MR_PORT}"
+    mr = [sys.executable, "-m", "multirail", "bench"]
+    servers = cr.Servers()
+    with tempfile.TemporaryDirectory(prefix="uneven-rails-") as tmp:
+        out_json = Path(tmp) / "bench.json"
+        try:
+            target = servers.start(tb.exec_argv("a", [*mr, "target", "--listen", listen, "--rails", a_addrs,
+                                                      "--duration", str(int(timeout_s)), "--idle-timeout", "60"]),
+                                   stdout=subprocess.PIPE)
+            cr.wait_listening(tb, cr.MR_PORT, target)
+            cp = cr.run(tb.exec_argv("b", [*mr, "initiator", "--connect", listen, "--rails", b_addrs, "--op", op,
+                                           "--start-block-size", "64MiB", "--max-block-size", "64MiB",
+                                           "--num-iter", str(iters), "--warmup-iter", "0", "--json", str(out_json)]),
+                        timeout=timeout_s, check=False)
+            if cp.returncode != 0:
+                raise RuntimeError(f"multirail bench initiator failed ({cp.returncode}): {cp.stderr.strip()[-400:]}")
+            return json.loads(out_json.read_text())["rows"][0]
+        finally:
+            servers.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--name", default="mruneven")
+    ap.add_argument("--rates", default="2gbit,1gbit")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--ops", default="READ")
+    ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail (default 3)")
+    ap.add_argument("--floor", type=float, default=97.0)
+    ap.add_argument("--json", metavar="FILE")
+    a = ap.parse_args()
+    try:
+        tbm.require_root()
+        tb = tbm.Testbed(a.name, rates=a.rates.split(","))
+        action = tb.up()
+    except tbm.TestbedError as e:
+        print(f"uneven_rails: {e}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {"rates": a.rates, "runs": {}}
+    try:
+        rails = list(range(tb.n_rails))
+        cap0 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
+        rows: dict[str, list[dict[str, Any]]] = {op: [] for op in a.ops.split(",")}
+        for k in range(a.runs):
+            for op in rows:
+                rows[op].append(engine_run(tb, op, a.iters, 300))
+                r = rows[op][-1]
+                print(f"run {k + 1}/{a.runs} {op}: {r['gbps']:.3f} Gbps", file=sys.stderr, flush=True)
+        cap1 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
+    finally:
+        if action != "unchanged":
+            tb.down()
+    cap = [(x + y) / 2 for x, y in zip(cap0, cap1)]
+    total = sum(cap)
+    want = [c / total for c in cap]
+    print(f"\n{tb.n_rails} rails ({a.rates}); per-rail iperf3 (mean of before/after): "
+          f"{', '.join(f'{c / 1e9:.3f}' for c in cap)} Gbps = {total / 1e9:.3f} Gbps; "
+          f"{a.runs} fresh engines x {a.iters} x 64 MiB, no warm-up\n")
+    ok = True
+    for op, rs in rows.items():
+        print(f"| {op} run | Gbps | % of capacity | engine split | capacity split |")
+        print("|---|---|---|---|---|")
+        pcts = []
+        for k, r in enumerate(rs):
+            pct = 100.0 * r["gbps"] * 1e9 / total
+            pcts.append(pct)
+            eb = [e["bytes"] for e in r["engine_rails"]]
+            split = [b / max(1, sum(eb)) for b in eb]
+            print(f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {':'.join(f'{s:.3f}' for s in split)} | "
+                  f"{':'.join(f'{w:.3f}' for w in want)} |")
+            results["runs"].setdefault(op, []).append({"gbps": r["gbps"], "pct": pct, "split": split})
+        ok &= min(pcts) >= a.floor
+        print(f"\n{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "
+              f"(floor {a.floor}%: {'met' if min(pcts) >= a.floor else 'NOT met'})\n")
+    results |= {"capacity_bps": cap, "capacity_before_bps": cap0, "capacity_after_bps": cap1, "ok": ok}
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
