@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("compare_rails", HERE / "compare_rails.py")
 assert _spec and _spec.loader
 cr = importlib.util.module_from_spec(_spec)
+sys.modules["compare_rails"] = cr  # dataclasses look their module up there
 _spec.loader.exec_module(cr)
 tbm = cr.tbm
 
