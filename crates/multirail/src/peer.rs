@@ -1099,6 +1099,12 @@ impl Link {
                     drop(g);
                     if let Some(x) = x {
                         self.send_chunk(&c, chunk, x);
+                        if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
+                            // No caller is reading this connection now (one that leaves with
+                            // requests outstanding kicks on its way out): a parked receiver
+                            // must read this chunk's response.
+                            c.kick();
+                        }
                     }
                     g = self.sched.lock().expect("sched lock");
                     continue;
