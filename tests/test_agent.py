@@ -727,6 +727,41 @@ def test_peer_killed_mid_transfer_then_restarted():
             p2.wait()
 
 
+def test_restarted_peer_is_reported_stale_at_once():
+    """A peer that died long enough ago for the background probe to back off (2 s) and then
+    restarted: the next initialize_xfer with the old metadata is refused as stale at once (the
+    caller probes a link whose every rail is down) instead of succeeding until the probe's next
+    try; after a fresh fetch, transfers work."""
+    n = 1 * MiB
+    p, port, blob = _spawn_target(n)
+    with Agent("initiator", {"timeout": 2.0, "stall_timeout": 0.5}) as i:
+        dst = np.zeros(n, np.uint8)
+        i.register_memory(dst)
+        i.fetch_remote_metadata("target", "127.0.0.1", port)
+        h = i.initialize_xfer("READ", [dst], i.deserialize_descs(blob), "target")
+        i.transfer_sync(h, 10)
+        p.kill()
+        p.wait()
+        with pytest.raises(errors.PeerLostError):
+            i.transfer_sync(h, 10)
+        time.sleep(3.0)  # the background probe's backoff reaches its 2 s cap
+        p2, port2, blob2 = _spawn_target(n, port)
+        try:
+            assert port2 == port
+            with pytest.raises(errors.StaleMetadataError):
+                i.initialize_xfer("READ", [dst], i.deserialize_descs(blob), "target")
+            with pytest.raises(errors.StaleMetadataError):
+                i.transfer_sync(h, 10)
+            i.fetch_remote_metadata("target", "127.0.0.1", port)
+            h2 = i.initialize_xfer("READ", [dst], i.deserialize_descs(blob2), "target")
+            i.transfer_sync(h2, 10)
+            assert np.array_equal(dst, np.random.default_rng(11).integers(0, 256, n, dtype=np.uint8))
+            i.send_notif("target", b"done")
+        finally:
+            p2.kill()
+            p2.wait()
+
+
 def test_port_already_in_use():
     with Agent("first") as a:
         with pytest.raises(errors.AddressInUseError):
