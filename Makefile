@@ -12,7 +12,7 @@ APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io
 $(VPY):
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pyyaml>=6" "pytest>=7" "hypothesis>=6"
+	$(VPY) -m pip install -q "maturin>=1.5,<2" "numpy>=1.22" "pyyaml>=6" "pytest>=7" "hypothesis>=6" "libucx-cu12>=1.22,<2"
 
 ## deps: install the system tools (root + apt); otherwise say which are missing
 deps:
@@ -43,8 +43,10 @@ demo: setup
 ## test: set up, then run every test (Rust and Python)
 test: setup test-rust test-py
 
-test-rust:
+test-rust: $(VPY)
 	cargo test -q --workspace --exclude multirail-py
+	# UCX tests are ignored in a plain `cargo test`; here the .venv's libucx wheel is there: run them
+	cargo test -q -p multirail-ucx -- --ignored
 
 test-py:
 	$(VPY) -m pytest -q tests

@@ -1,0 +1,390 @@
+//! UCP contexts (one per rail), memory mapping and packed remote keys.
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use crate::capture::capture;
+use crate::error::{Error, Result};
+use crate::load::Ucx;
+use crate::status::Status;
+use crate::sys;
+
+/// The largest packed rkey accepted (real ones are tens to a few hundred bytes per memory domain).
+pub const MAX_RKEY_LEN: usize = 16 * 1024;
+
+/// Settings for [`Context::new`]: which environment prefix UCX reads its defaults from, and
+/// overrides applied with `ucp_config_modify` (these win over the environment).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ContextConfig {
+    env_prefix: Option<String>,
+    settings: Vec<(String, String)>,
+    wakeup: bool,
+    name: Option<String>,
+}
+
+impl ContextConfig {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Read `<prefix>_UCX_*` variables instead of `UCX_*` (`ucp_config_read`'s `env_prefix`).
+    pub fn env_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.env_prefix = Some(prefix.into());
+        self
+    }
+
+    /// Sets a UCX configuration variable, named without its `UCX_` prefix (`"TLS"`,
+    /// `"NET_DEVICES"`, `"KEEPALIVE_INTERVAL"`; a leading `UCX_` is stripped).
+    pub fn set(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        let name = name.into();
+        let name = name.strip_prefix("UCX_").map(str::to_string).unwrap_or(name);
+        self.settings.push((name, value.into()));
+        self
+    }
+
+    /// `NET_DEVICES`: restrict the context to one device: `mlx5_0:1` (an RDMA device and port)
+    /// or a netdev name for tcp (`eth1`, `lo`). One context per rail, each on its rail's device.
+    pub fn net_devices(self, devices: impl Into<String>) -> Self {
+        self.set("NET_DEVICES", devices)
+    }
+
+    /// `TLS`: the transports UCX may use (`rc,ud,sm,self`, `tcp`, `^tcp`, ...).
+    pub fn tls(self, tls: impl Into<String>) -> Self {
+        self.set("TLS", tls)
+    }
+
+    /// Adds `UCP_FEATURE_WAKEUP`, so workers get an event fd ([`crate::Worker::wait_for_events`]).
+    pub fn wakeup(mut self, on: bool) -> Self {
+        self.wakeup = on;
+        self
+    }
+
+    /// A name for the context in UCX's logs.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The `ucp_config_modify` settings, in order.
+    pub fn settings(&self) -> &[(String, String)] {
+        &self.settings
+    }
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) ucx: Ucx,
+    pub(crate) handle: sys::ucp_context_h,
+    pub(crate) wakeup: bool,
+}
+
+// SAFETY: the context is created with mt_workers_shared = 1, which makes UCP's context-level
+// calls (mem_map/unmap, rkey_pack, print_info) thread-safe; `handle` is never mutated.
+unsafe impl Send for ContextInner {}
+// SAFETY: as above.
+unsafe impl Sync for ContextInner {}
+
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // SAFETY: the last owner is gone: every worker and mapped region holds an Arc to this,
+        // so none is left when ucp_cleanup runs.
+        unsafe { (self.ucx.api().cleanup)(self.handle) };
+    }
+}
+
+/// A UCP context (`ucp_init`) with the RMA feature. One per rail, restricted to the rail's device.
+/// Cheap to clone; workers and mapped regions keep it alive.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("handle", &self.inner.handle).finish()
+    }
+}
+
+fn cstring(s: &str, what: &'static str) -> Result<CString> {
+    CString::new(s).map_err(|_| Error::Nul { what })
+}
+
+struct Config<'a> {
+    api: &'a sys::Api,
+    ptr: *mut sys::ucp_config_t,
+}
+
+impl Drop for Config<'_> {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from ucp_config_read and is released once.
+        unsafe { (self.api.config_release)(self.ptr) };
+    }
+}
+
+impl Context {
+    /// `ucp_config_read` + `ucp_config_modify` (each setting) + `ucp_init` with `UCP_FEATURE_RMA`
+    /// (and `WAKEUP` when asked), `mt_workers_shared = 1`.
+    pub fn new(ucx: &Ucx, cfg: &ContextConfig) -> Result<Context> {
+        let api = ucx.api();
+        let prefix = cfg.env_prefix.as_deref().map(|p| cstring(p, "env prefix")).transpose()?;
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        // SAFETY: prefix is NULL or a C string; filename NULL means "environment only".
+        let st = unsafe { (api.config_read)(prefix.as_ref().map_or(std::ptr::null(), |p| p.as_ptr()), std::ptr::null(), &mut config) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_config_read", s))?;
+        let config = Config { api, ptr: config };
+        for (key, value) in &cfg.settings {
+            let k = cstring(key, "UCX configuration name")?;
+            let v = cstring(value, "UCX configuration value")?;
+            // SAFETY: config is live; both strings are NUL-terminated and copied by UCX.
+            let st = unsafe { (api.config_modify)(config.ptr, k.as_ptr(), v.as_ptr()) };
+            Status::check(st).map_err(|status| Error::Config { key: key.clone(), value: value.clone(), status })?;
+        }
+        let name = cfg.name.as_deref().map(|n| cstring(n, "context name")).transpose()?;
+        let mut params: sys::ucp_params_t = sys::zeroed();
+        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+        params.features = sys::UCP_FEATURE_RMA | if cfg.wakeup { sys::UCP_FEATURE_WAKEUP } else { 0 };
+        params.mt_workers_shared = 1;
+        if let Some(n) = &name {
+            params.field_mask |= sys::UCP_PARAM_FIELD_NAME;
+            params.name = n.as_ptr();
+        }
+        let mut handle: sys::ucp_context_h = std::ptr::null_mut();
+        // SAFETY: params is fully initialised for the fields in field_mask; config is live. The
+        // API version passed is the oldest checked (1.13): ucp_init_version only compares it.
+        let st =
+            unsafe { (api.init_version)(crate::load::MIN_VERSION.major, crate::load::MIN_VERSION.minor, &params, config.ptr, &mut handle) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_init", s))?;
+        drop(config);
+        Ok(Context { inner: Arc::new(ContextInner { ucx: ucx.clone(), handle, wakeup: cfg.wakeup }) })
+    }
+
+    /// The library this context runs on.
+    pub fn ucx(&self) -> &Ucx {
+        &self.inner.ucx
+    }
+
+    /// `ucp_context_print_info`: the resources (transports and devices) this context may use.
+    pub fn info_string(&self) -> Result<String> {
+        let api = self.inner.ucx.api();
+        // SAFETY: the context is live; the stream is valid during the call.
+        capture(|f| unsafe { (api.context_print_info)(self.inner.handle, f) })
+    }
+
+    /// Maps (registers) existing memory with `ucp_mem_map` (no allocation) for RMA.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be memory UCX can register (host memory, or device memory of a
+    /// kind the loaded UCX supports) that stays allocated until the region's last user is gone:
+    /// the returned [`MemRegion`] and every [`crate::Request`] posted with it (wait for them, or
+    /// close their endpoints, which completes or cancels them). While mapped, peers holding its
+    /// packed rkey may read and write it at any time, and local GETs write into it: do not keep
+    /// Rust references to it that assume no one else writes.
+    pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemRegion> {
+        if len == 0 {
+            return Err(Error::Empty { what: "memory region" });
+        }
+        let mut params: sys::ucp_mem_map_params_t = sys::zeroed();
+        params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+        params.address = addr.cast::<c_void>();
+        params.length = len;
+        let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
+        // SAFETY: the caller vouches for the memory; no ALLOCATE flag, so UCX registers it as is.
+        let st = unsafe { (self.inner.ucx.api().mem_map)(self.inner.handle, &params, &mut memh) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_mem_map", s))?;
+        Ok(MemRegion { inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, addr: addr as usize, len }) })
+    }
+
+    pub(crate) fn same(&self, other: &Arc<ContextInner>) -> bool {
+        Arc::ptr_eq(&self.inner, other)
+    }
+}
+
+pub(crate) struct MemInner {
+    pub(crate) ctx: Arc<ContextInner>,
+    pub(crate) memh: sys::ucp_mem_h,
+    pub(crate) addr: usize,
+    pub(crate) len: usize,
+}
+
+// SAFETY: memh is used only in context-level calls (thread-safe, see ContextInner) and as a
+// parameter of operations posted under the worker lock; it is unmapped once, in Drop.
+unsafe impl Send for MemInner {}
+// SAFETY: as above.
+unsafe impl Sync for MemInner {}
+
+impl Drop for MemInner {
+    fn drop(&mut self) {
+        // SAFETY: no request using this memh is pending (each holds an Arc to this).
+        let st = unsafe { (self.ctx.ucx.api().mem_unmap)(self.ctx.handle, self.memh) };
+        // Nothing to report to from Drop; ucp_mem_unmap fails only on an invalid handle.
+        let _ = st;
+    }
+}
+
+/// Memory mapped with [`Context::map`]. Unmapped (`ucp_mem_unmap`) when this and every request
+/// that uses it are gone.
+#[derive(Clone)]
+pub struct MemRegion {
+    pub(crate) inner: Arc<MemInner>,
+}
+
+impl std::fmt::Debug for MemRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemRegion").field("addr", &format_args!("{:#x}", self.inner.addr)).field("len", &self.inner.len).finish()
+    }
+}
+
+impl MemRegion {
+    /// The first byte's address (what a peer passes as remote address, plus an offset).
+    pub fn addr(&self) -> u64 {
+        self.inner.addr as u64
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    /// The region as a peer sees it: put this with the packed rkey into the metadata.
+    pub fn remote_region(&self) -> RemoteRegion {
+        RemoteRegion { addr: self.inner.addr as u64, len: self.inner.len as u64 }
+    }
+
+    /// `ucp_rkey_pack` → bytes (bounded by [`MAX_RKEY_LEN`]) → `ucp_rkey_buffer_release`.
+    pub fn pack_rkey(&self) -> Result<PackedRkey> {
+        let api = self.inner.ctx.ucx.api();
+        let mut buf: *mut c_void = std::ptr::null_mut();
+        let mut size: usize = 0;
+        // SAFETY: context and memh are live; UCX allocates `buf` (released below).
+        let st = unsafe { (api.rkey_pack)(self.inner.ctx.handle, self.inner.memh, &mut buf, &mut size) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_rkey_pack", s))?;
+        let bytes = if buf.is_null() || size == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: UCX wrote `size` bytes at `buf`.
+            unsafe { std::slice::from_raw_parts(buf as *const u8, size.min(MAX_RKEY_LEN + 1)) }.to_vec()
+        };
+        if !buf.is_null() {
+            // SAFETY: `buf` came from ucp_rkey_pack and is released once.
+            unsafe { (api.rkey_buffer_release)(buf) };
+        }
+        if size > MAX_RKEY_LEN {
+            return Err(Error::TooLarge { what: "packed rkey", len: size, max: MAX_RKEY_LEN });
+        }
+        if bytes.is_empty() {
+            return Err(Error::Empty { what: "packed rkey" });
+        }
+        Ok(PackedRkey(bytes))
+    }
+
+    pub(crate) fn check(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        if !matches!(offset.checked_add(len), Some(end) if end <= self.inner.len) {
+            return Err(Error::OutOfBounds {
+                what: "local region",
+                offset: offset as u64,
+                len: len as u64,
+                base: 0,
+                size: self.inner.len as u64,
+            });
+        }
+        Ok((self.inner.addr + offset) as *mut u8)
+    }
+}
+
+/// The remote memory an rkey covers, as the peer's metadata says: `[addr, addr + len)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl RemoteRegion {
+    /// Whether `[addr, addr + len)` lies inside the region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        match (addr.checked_sub(self.addr), addr.checked_add(len), self.addr.checked_add(self.len)) {
+            (Some(_), Some(end), Some(region_end)) => end <= region_end,
+            _ => false,
+        }
+    }
+}
+
+/// A packed remote key: opaque bytes made by `ucp_rkey_pack`, to travel in the metadata.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PackedRkey(Vec<u8>);
+
+impl std::fmt::Debug for PackedRkey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PackedRkey({} bytes)", self.0.len())
+    }
+}
+
+impl PackedRkey {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+
+    /// Wraps bytes received from a peer.
+    ///
+    /// # Safety
+    /// `bytes` must be exactly what `ucp_rkey_pack` produced on the peer (delivered intact over an
+    /// authenticated channel, e.g. the agent's metadata). `ucp_ep_rkey_unpack` takes no length and
+    /// trusts the contents: a truncated or forged buffer makes it read out of bounds. Only the
+    /// length is checked here (1 ..= [`MAX_RKEY_LEN`]).
+    pub unsafe fn from_peer(bytes: Vec<u8>) -> Result<PackedRkey> {
+        if bytes.is_empty() {
+            return Err(Error::Empty { what: "packed rkey" });
+        }
+        if bytes.len() > MAX_RKEY_LEN {
+            return Err(Error::TooLarge { what: "packed rkey", len: bytes.len(), max: MAX_RKEY_LEN });
+        }
+        Ok(PackedRkey(bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_region_bounds() {
+        let r = RemoteRegion { addr: 0x1000, len: 0x100 };
+        assert!(r.contains(0x1000, 0x100));
+        assert!(r.contains(0x10ff, 1));
+        assert!(r.contains(0x1100, 0));
+        assert!(!r.contains(0x1100, 1));
+        assert!(!r.contains(0xfff, 1));
+        assert!(!r.contains(u64::MAX, 2));
+        let top = RemoteRegion { addr: u64::MAX - 1, len: 1 };
+        assert!(top.contains(u64::MAX - 1, 1));
+        assert!(!RemoteRegion { addr: u64::MAX, len: 2 }.contains(u64::MAX, 1));
+    }
+
+    #[test]
+    fn config_builder() {
+        let c = ContextConfig::new().tls("tcp").net_devices("lo").set("UCX_KEEPALIVE_INTERVAL", "1s");
+        assert_eq!(
+            c.settings(),
+            &[
+                ("TLS".to_string(), "tcp".to_string()),
+                ("NET_DEVICES".to_string(), "lo".to_string()),
+                ("KEEPALIVE_INTERVAL".to_string(), "1s".to_string())
+            ]
+        );
+    }
+
+    #[test]
+    fn packed_rkey_bounds() {
+        // SAFETY: never unpacked.
+        unsafe {
+            assert!(matches!(PackedRkey::from_peer(vec![]), Err(Error::Empty { .. })));
+            assert!(matches!(PackedRkey::from_peer(vec![0; MAX_RKEY_LEN + 1]), Err(Error::TooLarge { .. })));
+            assert_eq!(PackedRkey::from_peer(vec![1, 2]).unwrap().as_bytes(), &[1, 2]);
+        }
+    }
+}

@@ -1,0 +1,586 @@
+//! Workers, their addresses, progress, and requests (non-blocking operations polled to completion).
+
+use std::ffi::{c_int, c_void};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicI8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, ThreadId};
+use std::time::{Duration, Instant};
+
+use crate::capture::capture;
+use crate::context::{Context, MemInner};
+use crate::endpoint::{Endpoint, RkeyInner};
+use crate::error::{Error, Result};
+use crate::status::{ptr_status, PtrStatus, Status};
+use crate::sys;
+
+/// The largest worker address accepted (a few hundred bytes per device in practice).
+pub const MAX_ADDRESS_LEN: usize = 64 * 1024;
+/// Consecutive idle polls before a waiting thread yields its CPU once.
+const SPINS_BEFORE_YIELD: u32 = 64;
+/// How long dropping a worker keeps progressing to let abandoned requests finish.
+const DROP_DRAIN: Duration = Duration::from_millis(100);
+
+/// How the worker may be used across threads. Both mean "no locking inside UCX"; this crate
+/// serialises every call on a worker (and its endpoints, rkeys, requests) with one mutex.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ThreadMode {
+    /// `UCS_THREAD_MODE_SINGLE`: only the creating thread may use the worker and what hangs off
+    /// it; calls from other threads fail with [`Error::WrongThread`] (UCX 1.18+ asserts on it in
+    /// builds with assertions). Drops from another thread still release (serialised).
+    Single,
+    /// `UCS_THREAD_MODE_SERIALIZED`: any thread, one at a time (the mutex). The default: a
+    /// caller-driven transport progresses the worker from whichever thread waits.
+    #[default]
+    Serialized,
+}
+
+/// Failure state of an endpoint, written by UCX's error callback (error mode PEER).
+#[derive(Default)]
+pub(crate) struct EpFail {
+    status: AtomicI8,
+}
+
+impl EpFail {
+    pub(crate) fn set(&self, status: i8) {
+        // A failure must read as one: UCS_OK would mean "healthy".
+        let s = if status == 0 { Status::ERR_IO_ERROR.0 } else { status };
+        self.status.store(s, Ordering::Release);
+    }
+
+    pub(crate) fn get(&self) -> Option<Status> {
+        match self.status.load(Ordering::Acquire) {
+            0 => None,
+            s => Some(Status(s)),
+        }
+    }
+}
+
+/// What an in-flight operation needs kept alive: the local mapping and the remote key it uses.
+#[derive(Default)]
+pub(crate) struct KeepAlive {
+    pub(crate) _mem: Option<Arc<MemInner>>,
+    pub(crate) _rkey: Option<Arc<RkeyInner>>,
+}
+
+/// A request whose [`Request`] was dropped before it completed: polled on every progress,
+/// released (with what it keeps alive) once complete.
+struct Orphan {
+    req: NonNull<c_void>,
+    keep: KeepAlive,
+}
+
+pub(crate) struct WorkerState {
+    orphans: Vec<Orphan>,
+    /// Error-callback arguments of endpoints whose close did not finish in time: UCX may still
+    /// call back with them until the worker is destroyed.
+    zombies: Vec<*const EpFail>,
+}
+
+pub(crate) struct WorkerInner {
+    pub(crate) ctx: Context,
+    pub(crate) handle: sys::ucp_worker_h,
+    mode: ThreadMode,
+    owner: ThreadId,
+    efd: Option<c_int>,
+    state: Mutex<WorkerState>,
+}
+
+// SAFETY: `handle` (and every endpoint, rkey and request of this worker) is used only while
+// `state` is locked, so UCX sees one thread at a time, which is what SERIALIZED mode requires;
+// SINGLE mode additionally refuses other threads (`lock`). The raw pointers in `state` are only
+// touched under the same lock.
+unsafe impl Send for WorkerInner {}
+// SAFETY: as above.
+unsafe impl Sync for WorkerInner {}
+
+/// The worker lock. Keep-alives of requests completed while it is held are dropped after it is
+/// released (dropping an rkey takes the lock again).
+pub(crate) struct Locked<'a> {
+    pub(crate) w: &'a WorkerInner,
+    guard: Option<MutexGuard<'a, WorkerState>>,
+    dead: Vec<KeepAlive>,
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        self.dead.clear();
+    }
+}
+
+impl Locked<'_> {
+    pub(crate) fn api(&self) -> &sys::Api {
+        self.w.ctx.inner.ucx.api()
+    }
+
+    fn state(&mut self) -> Option<&mut WorkerState> {
+        self.guard.as_deref_mut()
+    }
+
+    /// `ucp_worker_progress` once, then releases abandoned requests that completed.
+    pub(crate) fn progress(&mut self) -> u32 {
+        // SAFETY: the worker is live and locked.
+        let n = unsafe { (self.api().worker_progress)(self.w.handle) };
+        self.reap();
+        n
+    }
+
+    fn reap(&mut self) {
+        let api = self.w.ctx.inner.ucx.api();
+        let Some(st) = self.guard.as_deref_mut() else { return };
+        let mut i = 0;
+        while i < st.orphans.len() {
+            // SAFETY: orphans are requests not yet freed.
+            let s = unsafe { (api.request_check_status)(st.orphans[i].req.as_ptr()) };
+            if s == Status::INPROGRESS.0 {
+                i += 1;
+                continue;
+            }
+            let o = st.orphans.swap_remove(i);
+            // SAFETY: completed and freed exactly once.
+            unsafe { (api.request_free)(o.req.as_ptr()) };
+            self.dead.push(o.keep);
+        }
+    }
+
+    /// Status of a pending request; frees it once complete.
+    pub(crate) fn poll_req(&mut self, req: NonNull<c_void>) -> Option<Result<(), Status>> {
+        let api = self.api();
+        // SAFETY: `req` is a live request of this worker.
+        let s = unsafe { (api.request_check_status)(req.as_ptr()) };
+        if s == Status::INPROGRESS.0 {
+            return None;
+        }
+        // SAFETY: complete, freed once.
+        unsafe { (api.request_free)(req.as_ptr()) };
+        Some(Status::check(s))
+    }
+
+    /// Drops a keep-alive after the lock is released.
+    pub(crate) fn bury(&mut self, keep: KeepAlive) {
+        self.dead.push(keep);
+    }
+
+    pub(crate) fn add_zombie(&mut self, arg: *const EpFail) {
+        if let Some(st) = self.state() {
+            st.zombies.push(arg);
+        }
+    }
+}
+
+impl WorkerInner {
+    /// Locks the worker, refusing other threads in single-thread mode.
+    pub(crate) fn lock(&self) -> Result<Locked<'_>> {
+        if self.mode == ThreadMode::Single && thread::current().id() != self.owner {
+            return Err(Error::WrongThread);
+        }
+        Ok(self.lock_unchecked())
+    }
+
+    /// Locks the worker from any thread (releases in `Drop`).
+    pub(crate) fn lock_unchecked(&self) -> Locked<'_> {
+        Locked { w: self, guard: Some(self.state.lock().unwrap_or_else(PoisonError::into_inner)), dead: Vec::new() }
+    }
+
+    /// Progresses until `req` completes (then frees it) or `deadline` passes (then leaves it
+    /// pending: `None`). The lock is released between polls.
+    pub(crate) fn wait_req(&self, req: NonNull<c_void>, deadline: Instant, checked: bool) -> Result<Option<Result<(), Status>>> {
+        let mut idle = 0u32;
+        loop {
+            {
+                let mut l = if checked { self.lock()? } else { self.lock_unchecked() };
+                let n = l.progress();
+                if let Some(r) = l.poll_req(req) {
+                    return Ok(Some(r));
+                }
+                idle = if n == 0 { idle + 1 } else { 0 };
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            if idle >= SPINS_BEFORE_YIELD {
+                idle = 0;
+                thread::yield_now();
+            }
+        }
+    }
+}
+
+impl Drop for WorkerInner {
+    fn drop(&mut self) {
+        let api = self.ctx.inner.ucx.api();
+        let end = Instant::now() + DROP_DRAIN;
+        let mut l = self.lock_unchecked();
+        while l.state().is_some_and(|s| !s.orphans.is_empty()) && Instant::now() < end {
+            l.progress();
+        }
+        let (orphans, zombies) = match l.state() {
+            Some(s) => (std::mem::take(&mut s.orphans), std::mem::take(&mut s.zombies)),
+            None => (Vec::new(), Vec::new()),
+        };
+        for o in &orphans {
+            // SAFETY: not yet freed; UCX releases it when the worker goes.
+            unsafe { (api.request_free)(o.req.as_ptr()) };
+        }
+        // SAFETY: nothing else refers to the worker (this is the last Arc); every endpoint of
+        // ours is closed (each holds an Arc), so this only tears down UCX-internal state.
+        unsafe { (api.worker_destroy)(self.handle) };
+        drop(l);
+        drop(orphans);
+        for z in zombies {
+            // SAFETY: `z` came from Arc::into_raw in Endpoint::connect; the worker (and with it
+            // the endpoint that could call back with it) is destroyed.
+            drop(unsafe { Arc::from_raw(z) });
+        }
+    }
+}
+
+/// A UCP worker: progress engine and owner of endpoints. Cheap to clone (all clones are the same
+/// worker). Dropped (`ucp_worker_destroy`) when the last clone, endpoint, rkey and request is gone.
+#[derive(Clone)]
+pub struct Worker {
+    pub(crate) inner: Arc<WorkerInner>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("handle", &self.inner.handle).field("mode", &self.inner.mode).finish()
+    }
+}
+
+impl Worker {
+    /// `ucp_worker_create` in the given thread mode. With a context created with
+    /// `wakeup(true)`, also fetches the worker's event fd.
+    pub fn new(ctx: &Context, mode: ThreadMode) -> Result<Worker> {
+        let api = ctx.inner.ucx.api();
+        let mut params: sys::ucp_worker_params_t = sys::zeroed();
+        params.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+        params.thread_mode = match mode {
+            ThreadMode::Single => sys::UCS_THREAD_MODE_SINGLE,
+            ThreadMode::Serialized => sys::UCS_THREAD_MODE_SERIALIZED,
+        };
+        let mut handle: sys::ucp_worker_h = std::ptr::null_mut();
+        // SAFETY: context live; params initialised for the masked field.
+        let st = unsafe { (api.worker_create)(ctx.inner.handle, &params, &mut handle) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_worker_create", s))?;
+        let mut efd = None;
+        if ctx.inner.wakeup {
+            let mut fd: c_int = -1;
+            // SAFETY: worker live; UCX owns the fd (not closed by us).
+            let st = unsafe { (api.worker_get_efd)(handle, &mut fd) };
+            if let Err(s) = Status::check(st) {
+                // SAFETY: just created, nothing hangs off it.
+                unsafe { (api.worker_destroy)(handle) };
+                return Err(Error::ucx("ucp_worker_get_efd", s));
+            }
+            efd = Some(fd);
+        }
+        let inner = WorkerInner {
+            ctx: ctx.clone(),
+            handle,
+            mode,
+            owner: thread::current().id(),
+            efd,
+            state: Mutex::new(WorkerState { orphans: Vec::new(), zombies: Vec::new() }),
+        };
+        Ok(Worker { inner: Arc::new(inner) })
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub fn thread_mode(&self) -> ThreadMode {
+        self.inner.mode
+    }
+
+    /// `ucp_worker_get_address`, copied out (bounded by [`MAX_ADDRESS_LEN`]) and released.
+    pub fn address(&self) -> Result<WorkerAddress> {
+        let l = self.inner.lock()?;
+        let api = l.api();
+        let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+        let mut len: usize = 0;
+        // SAFETY: worker live and locked; UCX allocates `addr` (released below).
+        let st = unsafe { (api.worker_get_address)(self.inner.handle, &mut addr, &mut len) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_worker_get_address", s))?;
+        let bytes = if addr.is_null() {
+            Vec::new()
+        } else {
+            // SAFETY: UCX wrote `len` bytes at `addr`.
+            unsafe { std::slice::from_raw_parts(addr as *const u8, len.min(MAX_ADDRESS_LEN + 1)) }.to_vec()
+        };
+        if !addr.is_null() {
+            // SAFETY: from ucp_worker_get_address on this worker, released once.
+            unsafe { (api.worker_release_address)(self.inner.handle, addr) };
+        }
+        if len > MAX_ADDRESS_LEN {
+            return Err(Error::TooLarge { what: "worker address", len, max: MAX_ADDRESS_LEN });
+        }
+        if bytes.is_empty() {
+            return Err(Error::Empty { what: "worker address" });
+        }
+        Ok(WorkerAddress(bytes))
+    }
+
+    /// One `ucp_worker_progress` (also releases abandoned requests that completed). Returns the
+    /// number of events UCX processed.
+    pub fn progress(&self) -> Result<u32> {
+        let mut l = self.inner.lock()?;
+        Ok(l.progress())
+    }
+
+    /// Progresses until `cond()` holds or `deadline` passes (then [`Error::Timeout`] naming `op`).
+    /// `cond` runs without the worker lock held.
+    pub fn progress_until(&self, deadline: Instant, op: &'static str, mut cond: impl FnMut() -> bool) -> Result<()> {
+        let start = Instant::now();
+        let mut idle = 0u32;
+        loop {
+            let n = self.progress()?;
+            if cond() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout { op, waited: start.elapsed() });
+            }
+            idle = if n == 0 { idle + 1 } else { 0 };
+            if idle >= SPINS_BEFORE_YIELD {
+                idle = 0;
+                thread::yield_now();
+            }
+        }
+    }
+
+    /// Sleeps until the worker has events or `timeout` passes (`ucp_worker_arm` + `poll` on the
+    /// event fd; needs `ContextConfig::wakeup(true)`). Progresses first; `Ok(true)` means "call
+    /// progress again". For a passive side that must keep its worker progressed without spinning.
+    pub fn wait_for_events(&self, timeout: Duration) -> Result<bool> {
+        let efd = self.inner.efd.ok_or(Error::NoWakeup)?;
+        {
+            let mut l = self.inner.lock()?;
+            // Drain what is there already (bounded: an endless stream of events is "busy").
+            for _ in 0..1024 {
+                if l.progress() == 0 {
+                    break;
+                }
+            }
+            // SAFETY: worker live and locked.
+            let st = unsafe { (l.api().worker_arm)(self.inner.handle) };
+            if st == Status::ERR_BUSY.0 {
+                return Ok(true);
+            }
+            Status::check(st).map_err(|s| Error::ucx("ucp_worker_arm", s))?;
+        }
+        let mut pfd = libc::pollfd { fd: efd, events: libc::POLLIN, revents: 0 };
+        let ms = c_int::try_from(timeout.as_millis()).unwrap_or(c_int::MAX);
+        // SAFETY: one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                return Ok(true);
+            }
+            return Err(Error::Io { op: "poll(worker event fd)", source: e });
+        }
+        Ok(rc > 0)
+    }
+
+    /// `ucp_worker_flush_nbx`: completes when every operation posted on this worker so far has
+    /// completed remotely.
+    pub fn flush(&self) -> Result<Request> {
+        let l = self.inner.lock()?;
+        let param: sys::ucp_request_param_t = sys::zeroed();
+        // SAFETY: worker live and locked.
+        let p = unsafe { (l.api().worker_flush_nbx)(self.inner.handle, &param) };
+        drop(l);
+        Ok(Request::from_ptr(self.inner.clone(), "ucp_worker_flush_nbx", None, p, KeepAlive::default()))
+    }
+
+    /// `ucp_worker_print_info`: the worker's address and resources.
+    pub fn info_string(&self) -> Result<String> {
+        let l = self.inner.lock()?;
+        let api = l.api();
+        // SAFETY: worker live and locked; stream valid during the call.
+        capture(|f| unsafe { (api.worker_print_info)(self.inner.handle, f) })
+    }
+
+    /// Creates an endpoint to the worker at `remote` (error mode PEER). See [`Endpoint::connect`].
+    pub fn connect(&self, remote: &WorkerAddress) -> Result<Endpoint> {
+        Endpoint::connect(self, remote)
+    }
+}
+
+/// A worker address: opaque bytes to put in the metadata; the peer connects to it.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct WorkerAddress(Vec<u8>);
+
+impl std::fmt::Debug for WorkerAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WorkerAddress({} bytes)", self.0.len())
+    }
+}
+
+impl WorkerAddress {
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.0
+    }
+
+    /// Wraps an address received from a peer.
+    ///
+    /// # Safety
+    /// `bytes` must be exactly what `ucp_worker_get_address` produced on the peer, delivered
+    /// intact over an authenticated channel. `ucp_ep_create` takes no length and trusts the
+    /// contents: a truncated or forged address makes it read out of bounds. Only the length is
+    /// checked here (1 ..= [`MAX_ADDRESS_LEN`]).
+    pub unsafe fn from_peer(bytes: Vec<u8>) -> Result<WorkerAddress> {
+        if bytes.is_empty() {
+            return Err(Error::Empty { what: "worker address" });
+        }
+        if bytes.len() > MAX_ADDRESS_LEN {
+            return Err(Error::TooLarge { what: "worker address", len: bytes.len(), max: MAX_ADDRESS_LEN });
+        }
+        Ok(WorkerAddress(bytes))
+    }
+}
+
+enum ReqState {
+    Done(Result<(), Status>),
+    Pending(NonNull<c_void>, KeepAlive),
+}
+
+/// A non-blocking operation (PUT, GET, flush). Completion is driven by the caller: [`Request::wait`]
+/// and [`Request::test`] progress the worker. A PUT is complete when its source buffer may be
+/// reused, not when the data is visible remotely: flush the endpoint or worker for that.
+///
+/// Dropping a pending request does not cancel it: it finishes in the background (on later
+/// progress, or when its endpoint is closed), keeping its memory mapping and rkey alive until then.
+#[must_use = "a request completes only while someone progresses its worker: wait for it"]
+pub struct Request {
+    worker: Arc<WorkerInner>,
+    op: &'static str,
+    fail: Option<Arc<EpFail>>,
+    state: ReqState,
+}
+
+// SAFETY: the request pointer is used only under the worker lock (see WorkerInner).
+unsafe impl Send for Request {}
+// SAFETY: &Request methods read only `state`'s discriminant and immutable fields.
+unsafe impl Sync for Request {}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            ReqState::Done(r) => format!("{r:?}"),
+            ReqState::Pending(..) => "pending".into(),
+        };
+        f.debug_struct("Request").field("op", &self.op).field("state", &state).finish()
+    }
+}
+
+impl Request {
+    pub(crate) fn done(worker: Arc<WorkerInner>, op: &'static str, r: Result<(), Status>) -> Request {
+        Request { worker, op, fail: None, state: ReqState::Done(r) }
+    }
+
+    /// Wraps what a `*_nbx` call returned. `keep` is released at once if it completed already.
+    pub(crate) fn from_ptr(
+        worker: Arc<WorkerInner>,
+        op: &'static str,
+        fail: Option<Arc<EpFail>>,
+        p: sys::ucs_status_ptr_t,
+        keep: KeepAlive,
+    ) -> Request {
+        let state = match ptr_status(p) {
+            PtrStatus::Done(r) => ReqState::Done(r),
+            PtrStatus::Pending(req) => ReqState::Pending(req, keep),
+        };
+        Request { worker, op, fail, state }
+    }
+
+    /// The UCP function that started this request.
+    pub fn op(&self) -> &'static str {
+        self.op
+    }
+
+    /// Whether it has completed (as last seen; does not progress).
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, ReqState::Done(_))
+    }
+
+    fn result(&self) -> Option<Result<()>> {
+        match &self.state {
+            ReqState::Done(Ok(())) => Some(Ok(())),
+            ReqState::Done(Err(s)) => Some(Err(match self.fail.as_ref().and_then(|f| f.get()) {
+                Some(status) => Error::EndpointFailed { status },
+                None => Error::ucx(self.op, *s),
+            })),
+            ReqState::Pending(..) => None,
+        }
+    }
+
+    fn finish(&mut self, l: &mut Locked<'_>, r: Result<(), Status>) {
+        if let ReqState::Pending(_, keep) = std::mem::replace(&mut self.state, ReqState::Done(r)) {
+            l.bury(keep);
+        }
+    }
+
+    /// Progresses the worker once and checks: `Ok(true)` done, `Ok(false)` still running, `Err`
+    /// failed (an endpoint failure shows as [`Error::EndpointFailed`]).
+    pub fn test(&mut self) -> Result<bool> {
+        if let Some(r) = self.result() {
+            return r.map(|()| true);
+        }
+        let worker = self.worker.clone();
+        let mut l = worker.lock()?;
+        l.progress();
+        if let ReqState::Pending(req, _) = &self.state {
+            if let Some(r) = l.poll_req(*req) {
+                self.finish(&mut l, r);
+            }
+        }
+        drop(l);
+        match self.result() {
+            Some(r) => r.map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Progresses the worker until the request completes or `deadline` passes
+    /// ([`Error::Timeout`]; the request stays pending and may be waited for again).
+    pub fn wait(&mut self, deadline: Instant) -> Result<()> {
+        let start = Instant::now();
+        if let ReqState::Pending(req, _) = &self.state {
+            let req = *req;
+            let worker = self.worker.clone();
+            match worker.wait_req(req, deadline, true)? {
+                Some(r) => {
+                    let mut l = worker.lock_unchecked();
+                    self.finish(&mut l, r);
+                }
+                None => return Err(Error::Timeout { op: self.op, waited: start.elapsed() }),
+            }
+        }
+        self.result().unwrap_or(Ok(()))
+    }
+
+    /// [`Request::wait`] with a timeout instead of a deadline.
+    pub fn wait_for(&mut self, timeout: Duration) -> Result<()> {
+        self.wait(Instant::now() + timeout)
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let ReqState::Pending(req, keep) = std::mem::replace(&mut self.state, ReqState::Done(Ok(()))) {
+            let mut l = self.worker.lock_unchecked();
+            match l.state() {
+                Some(st) => st.orphans.push(Orphan { req, keep }),
+                None => l.bury(keep),
+            }
+        }
+    }
+}
