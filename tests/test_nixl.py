@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from multirail import nixl
-from multirail.errors import InvalidArgumentError, MetadataError, NotRegisteredError, OutOfBoundsError
+import multirail.nixl.bindings  # noqa: F401  (nixl.bindings below)
+from multirail.errors import MetadataError, NotRegisteredError, OutOfBoundsError
 
 from conftest import ENV, REPO, engine_available, engine_python  # noqa: E402
 
@@ -177,8 +178,9 @@ def test_initialize_xfer_merges_contiguous_runs_in_the_engine() -> None:
                                        (perm, perm, 1 + int(np.count_nonzero(np.diff(perm) != 1)))):
             lr, rr = rows(dst.ctypes.data, lorder), rows(src.ctypes.data, rorder)
             h = i.initialize_xfer("READ", i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM"), "merge-target")
-            assert h._handle._h.num_pieces == pieces
-            assert h._handle.total_bytes == len(lr) * bs
+            x = i.agent._xfer(h._handle)  # the engine request behind the NIXL handle
+            assert x.h._h.num_pieces == pieces
+            assert x.total == len(lr) * bs
             _wait_done(i, h)
             assert i.get_xfer_telemetry(h).descCount == len(lr)
             i.release_xfer_handle(h)
@@ -196,16 +198,34 @@ def test_get_xfer_descs_keeps_uint64_rows_without_copy() -> None:
         rows[:, 1] = 64
         d = a.get_xfer_descs(rows, "DRAM")
         assert d.rows is rows  # kept as is: no copy, no conversion
-        assert a._engine_descs(d).arr.ctypes.data == rows.ctypes.data  # straight to the engine
-        assert len(d) == 1024 and d.getType() == "DRAM" and d[3] == (0x10000 + 3 * 64, 64, 0)
+        assert d.descCount() == len(d) == 1024 and d[3] == (0x10000 + 3 * 64, 64, 0)
+        assert d.getType() == nixl.bindings.DRAM_SEG and d.mem_type == "DRAM"
+        # Straight to the engine: the array the engine is handed is the caller's.
+        seen = []
+        real = a.agent.engine.initialize_xfer
+        a.agent.engine.initialize_xfer = lambda op, l, r, *args: (seen.append((l, r)), real(op, l, r, *args))[1]
+        t = nixl.nixl_agent("fastpath-t", nixl.nixl_agent_config())
+        try:
+            buf = np.zeros(1024 * 64 + 0x10000, np.uint8)
+            rows[:, 0] = buf.ctypes.data + np.arange(1024, dtype=np.uint64) * 64
+            a.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+            t.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+            a.add_remote_agent(t.get_agent_metadata())
+            a.release_xfer_handle(a.initialize_xfer("READ", d, d, "fastpath-t"))
+            assert seen and seen[0][0].arr.ctypes.data == rows.ctypes.data == seen[0][1].arr.ctypes.data
+        finally:
+            t.close()
         # Other layouts/dtypes are converted once, to a C-contiguous uint64 array.
         for other in (np.asfortranarray(rows), rows.astype(np.int64), rows[::2]):
             c = a.get_xfer_descs(other, "cpu")
             assert c.rows.dtype == np.uint64 and c.rows.flags.c_contiguous
             assert np.array_equal(c.rows, other) and not np.shares_memory(c.rows, rows)
-        # Existing validation: unsupported memory type, bad tuple width, no mem type for tuples.
-        with pytest.raises(InvalidArgumentError):
-            a.get_xfer_descs(rows, "FILE")
+        # NIXL's validation: unknown memory type (KeyError), bad tuple width, no mem type for
+        # tuples; FILE lists can be built but not registered (no storage backend).
+        with pytest.raises(KeyError):
+            a.get_xfer_descs(rows, "V-RAM")
+        with pytest.raises(nixl.bindings.nixlNotFoundError):
+            a.register_memory([(0x1000, 64, 0, "f")], "FILE")
         assert a.get_xfer_descs([(1, 2)], "DRAM") is None
         assert a.get_xfer_descs([(1, 2, 0)]) is None
     finally:
@@ -291,12 +311,167 @@ def test_initialize_xfer_errors_name_the_callers_rows() -> None:
         with pytest.raises(NotRegisteredError, match=r"local descriptor 63 "):
             i.initialize_xfer("READ", i.get_xfer_descs(rows(dst.ctypes.data, 1), "DRAM"),
                               i.get_xfer_descs(good_r, "DRAM"), "err-target")
-        with pytest.raises(InvalidArgumentError):
+        with pytest.raises(KeyError):  # as NIXL: the op is looked up in nixl_ops
             i.initialize_xfer("COPY", i.get_xfer_descs(good_l, "DRAM"), i.get_xfer_descs(good_r, "DRAM"), "err-target")
-        with pytest.raises(InvalidArgumentError):
+        with pytest.raises(TypeError):
             i.initialize_xfer("READ", good_l, good_r, "err-target")  # raw arrays, not descriptor lists
         h = i.initialize_xfer("READ", i.get_xfer_descs(good_l, "DRAM"), i.get_xfer_descs(good_r, "DRAM"), "err-target")
         i.release_xfer_handle(h)
     finally:
         i.close()
         t.close()
+
+
+# -- the package layout: utils, logging, bindings details ------------------------------------
+
+def test_utils_are_real_libc_helpers() -> None:
+    import ctypes
+
+    from multirail.nixl import utils
+
+    a, b = utils.malloc_passthru(100), utils.malloc_passthru(100)
+    try:
+        assert a % 4096 == 0 and b % 4096 == 0 and a != b
+        utils.ba_buf(a, 100)
+        assert ctypes.string_at(a, 100) == b"\xba" * 100
+        ctypes.memmove(b, a, 100)
+        utils.verify_transfer(a, b, 100)
+        ctypes.memset(b + 57, 0, 1)
+        with pytest.raises(AssertionError, match="byte 57"):
+            utils.verify_transfer(a, b, 100)
+    finally:
+        utils.free_passthru(a)
+        utils.free_passthru(b)
+
+
+def test_logging_writes_nixl_style_lines_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    from multirail.nixl.logging import get_logger
+
+    log = get_logger("__main__")
+    assert log.name == "multirail.nixl.main__" and get_logger("multirail.nixl._api").name == "multirail.nixl._api"
+    log.info("hello %s", "there")
+    out = capsys.readouterr().out
+    assert " NIXL INFO " in out and "hello there" in out
+
+
+def test_descriptor_lists_copy_on_write_and_serialise_metadata() -> None:
+    from multirail.nixl import bindings as b
+
+    rows = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.uint64)
+    d = b.nixlXferDList(b.DRAM_SEG, rows)
+    assert d.rows is rows  # borrowed
+    d[0] = (7, 8, 9)  # NIXL copies on construction; here the first change copies
+    assert rows[0].tolist() == [1, 2, 3] and d[0] == (7, 8, 9)
+    d.addDesc((10, 11, 12))
+    assert d.descCount() == 3 and rows.shape == (2, 3)
+    r = b.nixlRegDList(b.FILE_SEG, [(1, 2, 3, "a"), (4, 5, 6, b"\x00b")])
+    back = nixl.deserialize_descs(nixl.serialize_descs(r))
+    assert isinstance(back, b.nixlRegDList) and back == r and back[1] == (4, 5, 6, b"\x00b")
+    blob = nixl.serialize_descs(r)
+    for bad in (blob[:-1], blob + b"x", blob[:28]):
+        with pytest.raises(MetadataError):
+            nixl.deserialize_descs(bad)
+
+
+def test_engine_errors_are_nixl_and_multirail_exceptions() -> None:
+    from multirail.errors import MultirailError
+    from multirail.nixl import bindings as b
+
+    e = b._nixl_error(OutOfBoundsError("remote descriptor 3 (0x1000, 8 bytes) is outside every region"))
+    assert isinstance(e, b.nixlNotFoundError) and isinstance(e, OutOfBoundsError) and isinstance(e, MultirailError)
+    assert str(e).startswith("NIXL_ERR_NOT_FOUND: remote descriptor 3")
+    from multirail.errors import PeerLostError
+
+    assert isinstance(b._nixl_error(PeerLostError("gone")), b.nixlRemoteDisconnectError)
+
+
+@needs_engine
+def test_partial_metadata_over_the_side_channel_with_a_secret() -> None:
+    """The Python side-channel client (MetaPut/MetaGet) proves the shared secret as the engine
+    does; a wrong secret is refused with nixlNotAllowedError."""
+    from multirail.nixl import bindings as b, utils
+
+    good = nixl.nixl_agent_config(True, True, 0, auth_secret="s3cret")
+    t = nixl.nixl_agent("sec-target", good)
+    i = nixl.nixl_agent("sec-init", nixl.nixl_agent_config(True, True, 0, auth_secret="s3cret"))
+    bad = nixl.nixl_agent("sec-bad", nixl.nixl_agent_config(True, True, 0, auth_secret="other"))
+    a = utils.malloc_passthru(64)
+    try:
+        reg = t.register_memory([(a, 64, 0, "")], "DRAM")
+        t.send_partial_agent_metadata(reg, True, ["UCX"], "127.0.0.1", i.get_listen_port())
+        assert i.check_remote_metadata("sec-target", reg.trim())
+        with pytest.raises(b.nixlNotAllowedError):
+            bad.send_partial_agent_metadata(bad.get_reg_descs([], "DRAM"), True, [], "127.0.0.1", i.get_listen_port())
+        with pytest.raises(b.nixlNotAllowedError):
+            bad.fetch_remote_metadata("sec-target", "127.0.0.1", t.get_listen_port())
+        i.fetch_remote_metadata("sec-target", "127.0.0.1", t.get_listen_port())
+        assert i.check_remote_metadata("sec-target", reg.trim())
+    finally:
+        for ag in (t, i, bad):
+            ag.close()
+        utils.free_passthru(a)
+
+
+@needs_engine
+def test_strided_descriptors_and_loopback_notifications() -> None:
+    from multirail.nixl import utils
+
+    a = nixl.nixl_agent("strided", nixl.nixl_agent_config())
+    base = utils.malloc_passthru(8192)
+    try:
+        a.register_memory([(base, 8192, 0, "")], "DRAM")
+        utils.ba_buf(base, 4096)
+        # (address, len, device, stride, count): 4 blocks of 256 bytes, 1024 apart, READ from
+        # the agent itself (loopback) into 4 adjacent blocks
+        local = a.prep_xfer_dlist("", np.array([[base + 4096, 256, 0, 256, 4]], dtype=np.uint64), "DRAM")
+        remote = a.prep_xfer_dlist("strided", np.array([[base, 256, 0, 1024, 4]], dtype=np.uint64), "DRAM")
+        h = a.make_prepped_xfer("READ", local, [0, 1, 2, 3], remote, [0, 1, 2, 3], b"self-notif")
+        _wait_done(a, h)
+        utils.verify_transfer(base, base + 4096, 256)
+        utils.verify_transfer(base + 3072, base + 4096 + 768, 256)
+        import time
+
+        deadline = time.monotonic() + 10
+        while not a.check_remote_xfer_done("strided", b"self-notif"):
+            assert time.monotonic() < deadline
+        a.send_notif("strided", b"to myself")
+        assert a.get_new_notifs() == {"strided": [b"to myself"]}
+        a.release_xfer_handle(h)
+    finally:
+        a.close()
+        utils.free_passthru(base)
+
+
+@needs_engine
+def test_polled_multi_piece_writes_complete() -> None:
+    """NIXL's pattern (post, then poll check_xfer_state) for WRITEs of several unmerged pieces
+    and several WRITEs at once: every one completes (the engine's caller-thread progress used to
+    leave responses it had read ahead unprocessed, so some of these stalled).""" 
+    import time
+
+    from multirail.nixl import utils
+
+    t, i = nixl.nixl_agent("mw-t"), nixl.nixl_agent("mw-i")
+    a, b = utils.malloc_passthru(1 << 16), utils.malloc_passthru(1 << 16)
+    try:
+        t.register_memory([(a, 1 << 16, 0, "")], "DRAM")
+        i.register_memory([(b, 1 << 16, 0, "")], "DRAM")
+        i.add_remote_agent(t.get_agent_metadata())
+        for it in range(40):
+            utils.ba_buf(b, 4096)
+            hs = [i.initialize_xfer("WRITE", i.get_xfer_descs([(b + k * 1024 + j * 512, 256, 0) for j in range(2)], "DRAM"),
+                                    i.get_xfer_descs([(a + 8192 + k * 1024 + j * 256, 256, 0) for j in range(2)], "DRAM"),
+                                    "mw-t") for k in range(4)]
+            for h in hs:
+                assert i.transfer(h) in ("DONE", "PROC")
+            deadline = time.monotonic() + 10
+            for h in hs:
+                while i.check_xfer_state(h) != "DONE":
+                    assert time.monotonic() < deadline, f"WRITE {it} did not complete"
+                i.release_xfer_handle(h)
+        utils.verify_transfer(b + 3 * 1024 + 512, a + 8192 + 3 * 1024 + 256, 256)
+    finally:
+        i.close()
+        t.close()
+        utils.free_passthru(a)
+        utils.free_passthru(b)

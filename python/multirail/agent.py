@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from multirail import _core
-from multirail.errors import InvalidArgumentError
+from multirail.errors import InvalidArgumentError, MultirailError, StaleMetadataError
 
 __version__: str = _core.__version__
 
@@ -59,6 +59,12 @@ class AgentConfig:
     adaptive); "block": sleep in the kernel at once (least CPU; every round trip then pays a
     scheduler wake-up). docs/benchmarks.md has what each costs and buys.
     spin_us: the busy-poll budget, microseconds.
+    metadata: "etcd://HOST:PORT[,HOST:PORT...]/PREFIX" to publish this agent's metadata in etcd
+    (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/3 s, deleted by close())
+    and fetch peers by name; None (default): side channel only. docs/etcd.md.
+    metadata_ttl: lease TTL, seconds: a killed agent's key disappears within it.
+    metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
+    free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
 
     host: str = "127.0.0.1"
@@ -75,6 +81,10 @@ class AgentConfig:
     bind_device: bool = True
     progress: str = "adaptive"
     spin_us: float = 200.0
+    metadata: str | None = None
+    metadata_ttl: float = 10.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -259,10 +269,15 @@ class RegDescs(DescList):
 class XferHandle:
     """A prepared transfer; post it with `Agent.transfer`, as often as needed."""
 
-    __slots__ = ("_h", "op", "peer")
+    __slots__ = ("_h", "op", "peer", "_acct", "_nbytes", "_pending")
 
-    def __init__(self, h: Any, op: str, peer: str):
+    def __init__(self, h: Any, op: str, peer: str, acct: list[int] | None = None):
         self._h, self.op, self.peer = h, op, peer
+        # Metrics: the agent's [done, failed, bytes done] cell for (peer, op), the bytes of one
+        # post, and whether the outcome of the last post is still to be counted.
+        self._acct = [0, 0, 0] if acct is None else acct
+        self._nbytes = h.total_bytes
+        self._pending = False
 
     @property
     def total_bytes(self) -> int:
@@ -307,6 +322,26 @@ class Agent:
         )
         _LIVE.add(self)
         self._regs: dict[int, Any] = {}
+        self._closed = False
+        self._stale: dict[str, tuple[int, int]] = {}  # peer -> (cached, current) incarnation
+        self._xstats: dict[tuple[str, str], list[int]] = {}  # (peer, op) -> [done, failed, bytes]
+        self._peers: dict[str, None] = {}  # peers named to this agent (metrics)
+        self._store: Any = None  # multirail.metadata.AgentStore
+        self._metrics: Any = None  # multirail.metrics.MetricsServer
+        try:
+            if cfg.metadata:
+                from multirail.metadata import AgentStore
+
+                self._store = AgentStore(cfg.metadata, float(cfg.metadata_ttl), float(cfg.timeout), name=self.name,
+                                         incarnation=self.incarnation, host=cfg.host, port=self.port,
+                                         metadata=self.get_agent_metadata(), stale=self._stale)
+            if cfg.metrics_port is not None:
+                from multirail.metrics import serve_agent
+
+                self._metrics = serve_agent(self, int(cfg.metrics_port), cfg.metrics_host)
+        except BaseException:
+            self.close()
+            raise
 
     # identity
     @property
@@ -351,13 +386,19 @@ class Agent:
         reg = RegDescs(descs, ids)
         for i in ids:
             self._regs[i] = reg
+        if self._store is not None:
+            self._store.republish(self.get_agent_metadata())
         return reg
 
     def deregister_memory(self, reg: RegDescs) -> None:
-        for i in reg.region_ids:
-            if i in self._regs:
-                self._core.deregister(i)
-                del self._regs[i]
+        try:
+            for i in reg.region_ids:
+                if i in self._regs:
+                    self._core.deregister(i)
+                    del self._regs[i]
+        finally:
+            if self._store is not None:
+                self._store.republish(self.get_agent_metadata())
 
     def get_xfer_descs(self, data: Any, mem_type: str | None = None) -> DescList:
         return make_descs(data, mem_type)
@@ -379,31 +420,108 @@ class Agent:
         return self._core.metadata()
 
     def add_remote_agent(self, metadata: bytes) -> str:
-        return self._core.add_remote(bytes(metadata))
+        name = self._core.add_remote(bytes(metadata))
+        self._loaded(name)
+        return name
 
     def remove_remote_agent(self, name: str) -> None:
         self._core.remove_remote(name)
+        self._stale.pop(name, None)
+        self._peers.pop(name, None)
+        if self._store is not None:
+            self._store.forget(name)
 
-    def fetch_remote_metadata(self, name: str, ip: str, port: int) -> str:
-        return self._core.fetch_remote(name, ip, int(port))
+    def fetch_remote_metadata(self, name: str, ip: str | None = None, port: int | None = None) -> str:
+        """Load `name`'s metadata from its side channel at ip:port, or, with no address, from
+        the metadata store (config `metadata`); either clears a stale mark. Raises
+        UnknownPeerError when the store has no such agent, MetadataStoreError when it cannot
+        be reached within `timeout`."""
+        if ip is None:
+            got = self._need_store("fetch_remote_metadata without an address").load(self._core.add_remote, name, None)
+        else:
+            if port is None:
+                raise InvalidArgumentError("fetch_remote_metadata: pass both ip and port (or neither: metadata store)")
+            got = self._core.fetch_remote(name, ip, int(port))
+            if self._store is not None:
+                self._store.forget(got)
+        self._loaded(got)
+        return got
 
-    def send_local_metadata(self, ip: str, port: int) -> None:
+    def wait_for_peer(self, name: str, timeout: float | None = None) -> str:
+        """Wait (an etcd watch, up to `timeout` s, default the config's `timeout`) until `name`
+        is published in the metadata store, then load its metadata. TransferTimeoutError when
+        it does not appear in time, MetadataStoreError when the store is unreachable."""
+        t = self.config.timeout if timeout is None else float(timeout)
+        got = self._need_store("wait_for_peer").load(self._core.add_remote, name, t)
+        self._loaded(got)
+        return got
+
+    def send_local_metadata(self, ip: str | None = None, port: int | None = None) -> None:
+        """Push this agent's metadata to the side channel at ip:port, or, with no address,
+        (re)publish it in the metadata store now (raises MetadataStoreError)."""
+        if ip is None:
+            self._need_store("send_local_metadata without an address").publish(self.get_agent_metadata())
+            return
+        if port is None:
+            raise InvalidArgumentError("send_local_metadata: pass both ip and port (or neither: metadata store)")
         self._core.send_local(ip, int(port))
+
+    def invalidate_local_metadata(self) -> None:
+        """Delete this agent's record from the metadata store (and stop re-publishing it on
+        registration changes) until `send_local_metadata()`; no-op without a store."""
+        if self._store is not None:
+            self._store.unpublish()
+
+    @property
+    def metadata_store(self) -> Any:
+        """The `multirail.metadata.AgentStore` (config `metadata`), or None."""
+        return self._store
+
+    @property
+    def metrics_url(self) -> str | None:
+        """http://HOST:PORT/metrics of this agent's Prometheus endpoint, or None."""
+        return None if self._metrics is None else self._metrics.url
+
+    def _need_store(self, what: str) -> Any:
+        if self._store is None:
+            raise InvalidArgumentError(f"{what}: this agent has no metadata store; create it with "
+                                       "{'metadata': 'etcd://HOST:PORT/PREFIX'} or pass the peer's address")
+        return self._store
+
+    def _loaded(self, name: str) -> None:
+        self._stale.pop(name, None)
+        self._peers[name] = None
+
+    def _refuse_stale(self, peer: str) -> None:
+        inc = self._stale.get(peer)
+        if inc is not None:
+            where = self._store.store if self._store is not None else "the metadata store"
+            raise StaleMetadataError(f"stale metadata for peer {peer!r}: cached incarnation {inc[0]:#x}, {where} "
+                                     f"now holds {inc[1]:#x} (the peer restarted); fetch its metadata again")
 
     def check_remote_metadata(self, name: str) -> bool:
         return self._core.has_remote(name)
 
     def make_connection(self, peer: str) -> None:
         """Open the rails to `peer` now rather than on the first transfer."""
+        if self._stale:
+            self._refuse_stale(peer)
         self._core.connect(peer)
 
     # transfers
     def initialize_xfer(self, op: str, local_descs: Any, remote_descs: Any, peer: str, notif: bytes = b"") -> XferHandle:
+        if self._stale:
+            self._refuse_stale(peer)
         loc, rem = make_descs(local_descs), make_descs(remote_descs)
         lp, ln = loc._ptr()
         rp, rn = rem._ptr()
         h = self._core.prepare(str(op), lp, ln, rp, rn, peer, bytes(notif or b""))
-        return XferHandle(h, str(op).upper(), peer)
+        op = str(op).upper()
+        acct = self._xstats.get((peer, op))
+        if acct is None:  # setdefault: two threads preparing at once share one cell
+            acct = self._xstats.setdefault((peer, op), [0, 0, 0])
+            self._peers[peer] = None
+        return XferHandle(h, op, peer, acct)
 
     def prep_xfer_dlist(self, peer: str, descs: Any, mem_type: str | None = None) -> PreppedDescs:
         d = make_descs(descs, mem_type)
@@ -423,14 +541,54 @@ class Agent:
         return self.initialize_xfer(op, DescList(local.descs.arr[li]), DescList(remote.descs.arr[ri]), remote.peer, notif)
 
     def transfer(self, h: XferHandle, notif: bytes | None = None) -> XferState:
+        if self._stale:
+            self._refuse_stale(h.peer)
+        if h._pending:
+            self._settle(h)
+        try:
+            s = h._h.post(None if notif is None else bytes(notif))
+        except MultirailError as e:
+            if not isinstance(e, InvalidArgumentError):
+                h._acct[1] += 1
+            raise
+        h._pending = True
+        if s > 1:
+            self._settle(h, s)
         # Table lookup, not XferState(int): this is on the small-transfer latency path.
-        return _STATES[h._h.post(None if notif is None else bytes(notif))]
+        return _STATES[s]
 
     def transfer_sync(self, h: XferHandle, timeout: float | None = None, notif: bytes | None = None) -> None:
         """Post `h` and block until it is DONE (raises its MultirailError on failure or
         TimeoutError): `transfer` + `wait` in one engine call, the lowest-latency form for a
         caller that would wait anyway."""
-        h._h.post_wait(None if notif is None else bytes(notif), timeout)
+        if self._stale:
+            self._refuse_stale(h.peer)
+        if h._pending:
+            self._settle(h)
+        try:
+            h._h.post_wait(None if notif is None else bytes(notif), timeout)
+        except TimeoutError:
+            h._pending = True  # may still complete: counted when seen
+            raise
+        except MultirailError as e:
+            if not isinstance(e, InvalidArgumentError):
+                h._acct[1] += 1
+            raise
+        a = h._acct
+        a[0] += 1
+        a[2] += h._nbytes
+
+    def _settle(self, h: XferHandle, state: int | None = None) -> None:
+        """Count the outcome of `h`'s last post (metrics), once, when it is DONE or ERROR."""
+        s = h._h.state() if state is None else state
+        if s == 2:
+            h._pending = False
+            a = h._acct
+            a[0] += 1
+            a[2] += h._nbytes
+        elif s == 3:
+            h._pending = False
+            h._acct[1] += 1
 
     def check_xfer_state(self, h: XferHandle) -> XferState:
         """The transfer's state. While it is in progress this also completes responses that
@@ -439,10 +597,14 @@ class Agent:
         s = h._h.progress()
         if s == 0:
             raise InvalidArgumentError("transfer was never posted")
+        if s > 1 and h._pending:
+            self._settle(h, s)
         return _STATES[s]
 
     def xfer_error(self, h: XferHandle) -> BaseException | None:
         """The exception a failed transfer would raise, or None."""
+        if h._pending:
+            self._settle(h)
         try:
             h._h.check()
         except Exception as e:  # noqa: BLE001 - returned, not swallowed
@@ -451,22 +613,33 @@ class Agent:
 
     def wait(self, h: XferHandle, timeout: float | None = None) -> None:
         """Block until DONE (GIL released); raise the transfer's MultirailError on failure."""
-        h._h.wait(timeout)
+        try:
+            h._h.wait(timeout)
+        except MultirailError:
+            if h._pending:
+                self._settle(h)
+            raise
+        if h._pending:
+            self._settle(h, 2)
 
     async def wait_async(self, h: XferHandle, timeout: float | None = None) -> None:
         """Awaitable form of `wait`."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, h._h.wait, timeout)
+        await loop.run_in_executor(None, self.wait, h, timeout)
 
     async def transfer_async(self, h: XferHandle, notif: bytes | None = None, timeout: float | None = None) -> None:
         self.transfer(h, notif)
         await self.wait_async(h, timeout)
 
     def release_xfer_handle(self, h: XferHandle) -> None:
+        if h._pending:
+            self._settle(h)
         h._h.release()
 
     # notifications
     def send_notif(self, peer: str, msg: bytes) -> None:
+        if self._stale:
+            self._refuse_stale(peer)
         self._core.send_notif(peer, bytes(msg))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
@@ -477,7 +650,15 @@ class Agent:
 
     # introspection
     def rail_stats(self, peer: str) -> list[dict]:
+        """Per rail to `peer`: name, addresses, connections, up, down_reason, rate_gbps, bytes,
+        chunks, reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
+        chunks_read/chunks_written, readmissions, stalls."""
         return self._core.rail_stats(peer)
+
+    def peer_counters(self, peer: str) -> dict:
+        """transfers_done, transfers_failed (posts to `peer` by outcome) and fenced_connections
+        (our dead connections the peer confirmed fenced)."""
+        return self._core.peer_counters(peer)
 
     def rails(self) -> list[tuple[str, str, int]]:
         """(name, address, data port) of each local rail."""
@@ -493,8 +674,18 @@ class Agent:
         """Stop serving and close every link. Once this returns nothing of the agent touches
         registered memory any more (inbound connections are aborted and drained, in-flight
         transfers fail), so the application may free its buffers. Idempotent; also runs at
-        `with` exit and at interpreter exit."""
-        self._core.close()
+        `with` exit and at interpreter exit. With a metadata store, the agent's record is
+        deleted first (peers stop finding it at once); the metrics server stops."""
+        self._closed = True
+        m, self._metrics = getattr(self, "_metrics", None), None
+        st, self._store = getattr(self, "_store", None), None
+        try:
+            if m is not None:
+                m.close()
+            if st is not None:
+                st.close()
+        finally:
+            self._core.close()
 
     def __enter__(self) -> "Agent":
         return self

@@ -80,4 +80,10 @@ class TransferError(MultirailError):
     """A transfer failed for a reason not covered above; the message says why."""
 
 
+class MetadataStoreError(MultirailError, ConnectionError):
+    """The metadata store (etcd) is unreachable, timed out or refused a request.
+
+    Python only (python/multirail/metadata.py): the engine never raises it."""
+
+
 __all__ = [name for name in dir() if name.endswith("Error")]

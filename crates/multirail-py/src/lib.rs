@@ -259,9 +259,25 @@ impl PyAgent {
             d.set_item("times_down", r.stats.times_down)?;
             d.set_item("rate_gbps", r.stats.rate * 8.0 / 1e9)?;
             d.set_item("down_reason", r.stats.down_reason)?;
+            d.set_item("bytes_read", r.io.bytes_read)?;
+            d.set_item("chunks_read", r.io.chunks_read)?;
+            d.set_item("bytes_written", r.io.bytes_written)?;
+            d.set_item("chunks_written", r.io.chunks_written)?;
+            d.set_item("readmissions", r.io.readmissions)?;
+            d.set_item("stalls", r.io.stalls)?;
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// The peer's counters: transfers done and failed, connections it fenced for us.
+    fn peer_counters<'py>(&self, py: Python<'py>, peer: &str) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.0.peer(peer).map_err(to_py)?.counters.clone();
+        let d = PyDict::new(py);
+        d.set_item("transfers_done", c.transfers_done.load(std::sync::atomic::Ordering::Relaxed))?;
+        d.set_item("transfers_failed", c.transfers_failed.load(std::sync::atomic::Ordering::Relaxed))?;
+        d.set_item("fenced_connections", c.fenced_connections.load(std::sync::atomic::Ordering::Relaxed))?;
+        Ok(d)
     }
 
     /// (name, address, port) of every local rail's listener.

@@ -46,6 +46,60 @@ pub struct Peer {
     /// Ids of dead connections that carried WRITEs and that the peer has not yet confirmed
     /// fenced. Kept across links: no WRITE goes to the peer again before they are fenced.
     unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
+    /// Counters per rail (by the link's rail index), kept across reconnections.
+    io: Mutex<Vec<Arc<RailIo>>>,
+    /// Counters of the peer as a whole.
+    pub counters: Arc<PeerCounters>,
+}
+
+/// What went over one rail to a peer, for metrics; kept across links (reconnections).
+#[derive(Debug, Default)]
+pub struct RailIo {
+    /// Payload bytes and chunks landed here by READs.
+    pub bytes_read: AtomicU64,
+    pub chunks_read: AtomicU64,
+    /// Payload bytes and chunks the peer acknowledged for WRITEs.
+    pub bytes_written: AtomicU64,
+    pub chunks_written: AtomicU64,
+    /// Times the rail was readmitted after being down.
+    pub readmissions: AtomicU64,
+    /// Connections of the rail declared stalled (no byte for `stall_timeout`).
+    pub stalls: AtomicU64,
+}
+
+/// Counters of a peer as a whole, for metrics.
+#[derive(Debug, Default)]
+pub struct PeerCounters {
+    /// Transfers (posts) that ended DONE / in ERROR.
+    pub transfers_done: AtomicU64,
+    pub transfers_failed: AtomicU64,
+    /// Dead connections of ours the peer confirmed fenced.
+    pub fenced_connections: AtomicU64,
+}
+
+/// A plain copy of [`RailIo`].
+#[derive(Debug, Clone, Default)]
+pub struct RailIoSnapshot {
+    pub bytes_read: u64,
+    pub chunks_read: u64,
+    pub bytes_written: u64,
+    pub chunks_written: u64,
+    pub readmissions: u64,
+    pub stalls: u64,
+}
+
+impl RailIo {
+    fn snapshot(&self) -> RailIoSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RailIoSnapshot {
+            bytes_read: g(&self.bytes_read),
+            chunks_read: g(&self.chunks_read),
+            bytes_written: g(&self.bytes_written),
+            chunks_written: g(&self.chunks_written),
+            readmissions: g(&self.readmissions),
+            stalls: g(&self.stalls),
+        }
+    }
 }
 
 impl Peer {
@@ -62,6 +116,8 @@ impl Peer {
             ctx,
             link: Mutex::new(None),
             unfenced: Arc::new(Mutex::new(Vec::new())),
+            io: Mutex::new(Vec::new()),
+            counters: Arc::new(PeerCounters::default()),
         }
     }
 
@@ -110,6 +166,15 @@ impl Peer {
         let l = Link::connect(self)?;
         *g = Some(l.clone());
         Ok(l)
+    }
+
+    /// The counters of rails 0..n (created as needed).
+    fn rail_io(&self, n: usize) -> Vec<Arc<RailIo>> {
+        let mut g = self.io.lock().expect("peer lock");
+        while g.len() < n {
+            g.push(Arc::new(RailIo::default()));
+        }
+        g[..n].to_vec()
     }
 
     pub fn connected(&self) -> bool {
@@ -324,6 +389,7 @@ pub struct RailReport {
     pub remote_addr: String,
     pub connections: usize,
     pub stats: RailStats,
+    pub io: RailIoSnapshot,
 }
 
 struct Sent {
@@ -405,6 +471,11 @@ struct Conn {
     owner: AtomicU8,
     /// When a caller last drove this connection (µs since `Link::epoch`).
     caller_at: AtomicU64,
+    /// When the connection last went from no request outstanding to one (µs since `Link::epoch`).
+    busy_at: AtomicU64,
+    /// The reader that last let go of `rx` left bytes in its read-ahead (`wire::Inbound`):
+    /// whole responses may be waiting there that no socket readiness will announce.
+    stashed: AtomicBool,
     /// Callers' busy-poll budget on this connection (`Progress::Adaptive`).
     spin: wire::SpinBudget,
     /// Wakes a parked receiver (see `CALLER_GRACE`); `kicks` counts requests to, `parked` says
@@ -513,6 +584,8 @@ struct RailLink {
     probing: AtomicBool,
     /// Serialises readmission (the probe thread and a caller reviving a dead link).
     readmit: Mutex<()>,
+    /// This rail's counters (shared with the `Peer`, so they outlive the link).
+    io: Arc<RailIo>,
     /// First failure cause since the rail was last opened.
     failure: Mutex<Option<String>>,
 }
@@ -539,6 +612,8 @@ pub struct Link {
     fatal: Mutex<Option<Error>>,
     /// Shared with the [`Peer`]; see `Peer::unfenced`.
     unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
+    /// Shared with the [`Peer`].
+    counters: Arc<PeerCounters>,
     /// Time base of `Conn::caller_at`.
     epoch: Instant,
     /// Threads that may touch registered memory through this link right now (senders,
@@ -708,6 +783,7 @@ impl Link {
         }
         let mut planner = Planner::new(ctx.cfg.planner.clone());
         let now = Instant::now();
+        let io = peer.rail_io(pairs.len());
         let mut rails = Vec::new();
         for &(li, ri) in &pairs {
             let l = &ctx.rails[li];
@@ -728,6 +804,7 @@ impl Link {
                 fds: Mutex::new(Vec::new()),
                 probing: AtomicBool::new(false),
                 readmit: Mutex::new(()),
+                io: io[rails.len()].clone(),
                 failure: Mutex::new(None),
             });
         }
@@ -744,6 +821,7 @@ impl Link {
             shutdown: AtomicBool::new(false),
             fatal: Mutex::new(None),
             unfenced: peer.unfenced.clone(),
+            counters: peer.counters.clone(),
             active: AtomicUsize::new(0),
             epoch: Instant::now(),
         });
@@ -861,6 +939,7 @@ impl Link {
         via.push(ri);
         self.fence_pending(&via)?;
         self.open_rail(ri, dial_timeout)?;
+        self.rails[ri].io.readmissions.fetch_add(1, Ordering::Relaxed);
         let mut g = self.sched.lock().expect("sched lock");
         g.planner.handle_rail_up(ri, Instant::now());
         let done = self.drain_events(&mut g);
@@ -893,6 +972,8 @@ impl Link {
                 }),
                 owner: AtomicU8::new(OWNER_NONE),
                 caller_at: AtomicU64::new(0),
+                busy_at: AtomicU64::new(0),
+                stashed: AtomicBool::new(false),
                 spin: wire::SpinBudget::new(self.ctx.cfg.spin),
                 kick: eventfd()?,
                 kicks: AtomicU64::new(0),
@@ -1053,7 +1134,11 @@ impl Link {
         }
         let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
         c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
-        c.inflight_n.fetch_add(1, Ordering::AcqRel);
+        if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
+            // Idle until now: the stall clock starts here, however long ago a reader last
+            // looked (a parked receiver does not keep `Clock::last` fresh while idle).
+            c.busy_at.store(self.now_us(), Ordering::Release);
+        }
         let hdr = body.encode(req_id);
         let stall = self.ctx.cfg.planner.stall_timeout;
         let t0 = Instant::now();
@@ -1221,14 +1306,15 @@ impl Link {
                     continue;
                 }
             }
-            let readable = poll_in(fd, TICK);
+            // Responses a caller read ahead but left unprocessed are as readable as the socket.
+            let readable = c.stashed.load(Ordering::Acquire) || poll_in(fd, TICK);
             if c.owner.compare_exchange(OWNER_NONE, OWNER_RECEIVER, Ordering::AcqRel, Ordering::Acquire).is_err() {
                 continue;
             }
             let mut rx = c.rx.lock().expect("rx lock");
             // A caller may have read what woke us: only read what is still there (a read with
             // nothing to come would hold the reader from the next waiting caller).
-            let r = if readable && poll_in(fd, Duration::ZERO) {
+            let r = if rx.inb.unread() > 0 || (readable && poll_in(fd, Duration::ZERO)) {
                 // Read while requests are outstanding; hand the reader back when idle so a
                 // waiting caller can drive the next round trip itself.
                 loop {
@@ -1241,6 +1327,7 @@ impl Link {
             } else {
                 self.quiet_checks(c, &mut rx.clock, false)
             };
+            c.stashed.store(rx.inb.unread() > 0, Ordering::Release);
             drop(rx);
             c.owner.store(OWNER_NONE, Ordering::Release);
             match r {
@@ -1265,7 +1352,9 @@ impl Link {
             clock.last = Instant::now();
             return Ok(());
         }
-        let quiet = clock.last.elapsed();
+        // Quiet since the last response, or since the connection last became busy if later.
+        let busy_for = Duration::from_micros(self.now_us().saturating_sub(c.busy_at.load(Ordering::Acquire)));
+        let quiet = clock.last.elapsed().min(busy_for);
         // A local link that lost carrier is dead now; no need to wait for the stall.
         if quiet > LINK_CHECK && clock.last_link_check.elapsed() > LINK_CHECK {
             clock.last_link_check = Instant::now();
@@ -1277,6 +1366,7 @@ impl Link {
         // rail is progress) for `stall_timeout` with requests outstanding.
         let stall = self.ctx.cfg.planner.stall_timeout;
         if quiet > stall && ms_since_data(c.fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
+            self.rails[c.rail].io.stalls.fetch_add(1, Ordering::Relaxed);
             return Err(Stop::Failed(format!("stalled: no data for {stall:?}")));
         }
         Ok(())
@@ -1349,6 +1439,13 @@ impl Link {
         let now = Instant::now();
         let mut g = self.sched.lock().expect("sched lock");
         if ok {
+            let io = &self.rails[c.rail].io;
+            let (bytes, chunks) = match sent.xfer.op {
+                Op::Read => (&io.bytes_read, &io.chunks_read),
+                Op::Write => (&io.bytes_written, &io.chunks_written),
+            };
+            bytes.fetch_add(sent.chunk.piece.len, Ordering::Relaxed);
+            chunks.fetch_add(1, Ordering::Relaxed);
             g.planner.handle_done(sent.chunk.id, now);
         } else {
             sent.xfer.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
@@ -1395,7 +1492,8 @@ impl Link {
             let mut failure = None;
             let mine = |c: &Conn| c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x));
             while x.state() == XferState::InProgress {
-                if poll_only && !poll_in(c.fd, Duration::ZERO) {
+                // Read-ahead may already hold the next responses: they count as arrived.
+                if poll_only && rx.inb.unread() == 0 && !poll_in(c.fd, Duration::ZERO) {
                     break;
                 }
                 if !poll_only && !mine(&c) {
@@ -1423,6 +1521,9 @@ impl Link {
                 c.dead.store(true, Ordering::Release);
                 abort_socket(&rx.s);
             }
+            // Responses read ahead for other transfers are left in the stash: the receiver (kicked
+            // below, as requests are outstanding) must not wait for the socket to get them.
+            c.stashed.store(rx.inb.unread() > 0, Ordering::Release);
             drop(rx);
             c.caller_at.store(self.now_us(), Ordering::Release);
             c.owner.store(OWNER_NONE, Ordering::Release);
@@ -1548,6 +1649,7 @@ impl Link {
             match r {
                 Ok(()) => {
                     self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
+                    self.counters.fenced_connections.fetch_add(ids.len() as u64, Ordering::Relaxed);
                     self.ctx.log(&format!(
                         "peer {}: fenced {} dead connection(s) via rail {ri} in {:?}",
                         self.peer_name,
@@ -1639,6 +1741,7 @@ impl Link {
                 remote_addr: r.remote.to_string(),
                 connections: r.conns.read().expect("rail lock").len(),
                 stats: g.planner.rail_stats(i),
+                io: r.io.snapshot(),
             })
             .collect()
     }

@@ -134,6 +134,11 @@ impl XferShared {
         if self.state() != XferState::InProgress {
             return;
         }
+        let counters = &self.peer.counters;
+        match &result {
+            Ok(()) => counters.transfers_done.fetch_add(1, Ordering::Relaxed),
+            Err(_) => counters.transfers_failed.fetch_add(1, Ordering::Relaxed),
+        };
         match result {
             Ok(()) => self.state.store(XferState::Done as u8, Ordering::Release),
             Err(e) => {

@@ -8,6 +8,11 @@ Subcommands:
   namespace), and with `--baseline` also runs iperf3 and mr-pingpong (baseline.py) and prints
   the ratios. `--testbed --chaos rail-flap` instead runs checked transfers while rails flap
   (chaos.py).
+* `bench run --etcd-endpoints URL --benchmark-group NAME`: the same command on two hosts; etcd
+  picks the target (rank 0) and the initiator (rank 1) and carries the target's address
+  (coord.py, docs/bench.md).
+
+`--metrics-port N` (every mode) serves Prometheus metrics of the process's agents (docs/metrics.md).
 
 `--secret` (every mode) sets the shared secret of the handshake, overriding $MULTIRAIL_SECRET;
 child processes get it through their environment, not their command line.
@@ -76,6 +81,10 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret", default=None,
                    help="shared secret of the handshake (overrides $MULTIRAIL_SECRET; both sides need the "
                         "same one). A command line is visible to other local users: prefer the variable there")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus metrics of this process's agents on http://METRICS_HOST:N/metrics "
+                        "(docs/metrics.md)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port (default 127.0.0.1)")
 
 
 def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
@@ -89,6 +98,8 @@ def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-consistency", action="store_true",
                    help="verify every byte (READ: against the target's pattern; WRITE: target-side)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw throughput against block size, rails stacked, capacity line (pip install 'multirail[plot]')")
     p.add_argument("--latency-row", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -140,12 +151,31 @@ def register(subparsers: Any) -> None:
     c.add_argument("--flap-how", choices=["link", "blackhole"], default=None,
                    help="link (default): the rail's device goes down (carrier lost); blackhole: its "
                         "traffic is silently dropped, carrier intact (only the stall timeout sees it)")
-    for sp in (t, i, l):
+    from multirail.bench.kv import add_parser as _add_kv_parser
+    k = _add_kv_parser(sub, _add_engine_opts, _add_target_opts, DEFAULT_TESTBED)
+    from multirail.bench.coord import add_parser as _add_run_parser
+    r = _add_run_parser(sub, _add_engine_opts, _add_sweep_opts, _add_target_opts)
+    for sp in (t, i, l, k, r):
         sp.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    metrics = None
     try:
+        if getattr(args, "metrics_port", None) is not None and args.bench_command != "run":  # run: per rank
+            from multirail.metrics import serve as _serve_metrics
+            metrics = _serve_metrics(args.metrics_port, args.metrics_host)
+        if getattr(args, "plot", None):
+            from multirail.bench.plot import require_matplotlib
+            require_matplotlib()  # before a long run, not after it
+            if getattr(args, "chaos", None):
+                raise UsageError("--plot draws sweeps and kv runs; a --chaos run has no sweep to draw")
+        if args.bench_command == "kv":
+            from multirail.bench.kv import cmd_kv
+            return cmd_kv(args)
+        if args.bench_command == "run":
+            from multirail.bench.coord import cmd_run
+            return cmd_run(args)
         return {"target": _cmd_target, "initiator": _cmd_initiator, "local": _cmd_local}[args.bench_command](args)
     except UsageError as e:
         print(f"multirail bench: error: {e}", file=sys.stderr)
@@ -165,6 +195,9 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"multirail bench: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
 
 
 # -- validation ---------------------------------------------------------------------------------
@@ -242,7 +275,8 @@ def _run_initiator(args: argparse.Namespace, host: str, port: int,
     eng = _engine_kwargs(args)
     rails = eng["rails"] or [_default_rail(host, port)]
     counters = RailCounters(resolve_rails(rails, capacities_bps), args.op)
-    progress = Progress(enabled=args.json != "-")
+    from multirail.bench.progress import make_progress
+    progress = make_progress(enabled=args.json != "-")  # terminal: updating line; else a line per 10 s
     worker = EngineWorker(op=args.op, target_host=host, target_port=port, target_name=args.target_name,
                           buffer_size=total, fill_target=args.check_consistency and args.op == "READ", **eng)
     try:
@@ -528,6 +562,10 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
     for p in problems:
         print(f"note: {p}", file=sys.stderr)
     failed = [r for r in rows if r.consistency.startswith("FAILED")]
+    if getattr(args, "plot", None):
+        from multirail.bench.plot import plot_sweep
+        plot_sweep(rows, baselines, args.plot, title=f"multirail bench {args.bench_command} {args.op}")
+        print(f"plot: {args.plot}", file=text_out)
     if args.json:
         doc = _clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
                       "ratios": rat, "problems": problems,

@@ -1,0 +1,380 @@
+"""The `bench kv` workload through NIXL's own Python API (UCX backend), in the same run.
+
+Same plan as kv.py: two pools of the same geometry, page ids from shuffled free lists, per
+request one WRITE per layer (`get_xfer_descs` on the layer's Nx3 rows, `initialize_xfer` with a
+`bench:kv_layer {"r","l","n"}` notification, `transfer`), requests done when every layer's handle
+is DONE (`check_xfer_state`, NIXL's completion loop) and, as in multirail's run, the decode
+process answers `bench:kv_done` (NIXL `send_notif`) once it holds every layer's notification;
+only then are the pages recycled. Reported like multirail's kv row: per-request p50/p99 (prefill
+side, plus the decode's own clock), Gbps, descriptors per second (descriptors over the time in
+`get_xfer_descs` + `initialize_xfer` + `transfer`: NIXL needs the descriptor-list conversion,
+multirail reads the numpy rows in place).
+
+Processes: a NIXL decode (`target`) registers its pool and prints its metadata and pool
+address; the prefill (`initiator`) loads it, prints its own metadata, which the parent relays to
+the decode's stdin so that the decode can answer; the decode exits when its stdin closes.
+`UCX_TLS=tcp` unless set (on one host UCX would otherwise use shared memory). With a testbed the
+decode runs in namespace a and the prefill in b, with `UCX_NET_DEVICES` set to each side's rail
+devices; otherwise both on loopback.
+
+Run as `python -m multirail.bench.kv_nixl target|initiator ...` (what `run_nixl_kv` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from multirail.bench import protocol as proto
+
+TARGET_NAME, INIT_NAME = "nixl-kv-decode", "nixl-kv-prefill"
+
+
+def _api() -> Any:
+    from multirail.bench.nixl_latency import _nixl_api
+
+    api = _nixl_api()
+    if api is None:
+        print(json.dumps({"error": "NIXL is not importable"}), flush=True)
+        sys.exit(1)
+    return api
+
+
+def _agent(api: Any, name: str) -> Any:
+    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+
+
+def _target(pool_bytes: int, idle_s: float) -> int:
+    api = _api()
+    agent = _agent(api, TARGET_NAME)
+    buf = np.zeros(pool_bytes, np.uint8)
+    buf.fill(0)
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, pool_bytes, 0, "")], "DRAM"))
+    print(json.dumps({"meta": agent.get_agent_metadata().hex(), "addr": int(buf.ctypes.data)}), flush=True)
+    peer: str | None = None
+    open_: dict[Any, set[int]] = {}
+    pending: list[bytes] = []
+    last = time.monotonic()
+    stdin_open = True
+    while stdin_open and time.monotonic() - last < idle_s:
+        r, _, _ = select.select([sys.stdin], [], [], 0)
+        if r:
+            line = sys.stdin.readline()
+            if not line:
+                stdin_open = False
+                break
+            try:
+                peer = agent.add_remote_agent(bytes.fromhex(json.loads(line)["meta"]))
+            except (ValueError, KeyError):
+                pass
+        for msgs in agent.get_new_notifs().values():
+            for msg in msgs:
+                t_ns = time.monotonic_ns()
+                last = time.monotonic()
+                d = proto.decode(msg)
+                if d is None or d[0] != "kv_layer":
+                    continue
+                rid, n = d[1].get("r"), int(d[1].get("n", 1))
+                seen = open_.setdefault(rid, set())
+                seen.add(int(d[1].get("l", 0)))
+                if len(seen) == n:
+                    del open_[rid]
+                    pending.append(proto.encode("kv_done", {"r": rid, "t_ns": t_ns, "layers": n}))
+        if peer is not None and pending:
+            for m in pending:
+                agent.send_notif(peer, m)
+            pending = []
+        time.sleep(0.0001)
+    return 0
+
+
+def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
+    api = _api()
+    p = json.loads(plan_json)
+    layers, pages, page_bytes, pool_pages = p["layers"], p["pages"], p["page_bytes"], p["pool_pages"]
+    layout, requests, conc, warm, seed = p["layout"], p["requests"], p["concurrency"], p["warmup"], p["seed"]
+    pool_bytes = pool_pages * layers * page_bytes
+    agent = _agent(api, INIT_NAME)
+    buf = np.empty(pool_bytes, np.uint8)
+    buf.fill(0x5A)
+    agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, pool_bytes, 0, "")], "DRAM"))
+    peer = agent.add_remote_agent(bytes.fromhex(meta_hex))
+    print(json.dumps({"meta": agent.get_agent_metadata().hex()}), flush=True)
+
+    rng = np.random.default_rng(seed)
+    free_src = list(rng.permutation(pool_pages))
+    free_dst = list(rng.permutation(pool_pages))
+
+    def offsets(layer_col: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        ids = ids.astype(np.uint64)
+        if layout == "layer":
+            return (layer_col * np.uint64(pool_pages) + ids) * np.uint64(page_bytes)
+        return (ids * np.uint64(layers) + layer_col) * np.uint64(page_bytes)
+
+    lay_col = np.arange(layers, dtype=np.uint64)[:, None]
+
+    def rows(base: int, ids: np.ndarray) -> np.ndarray:
+        out = np.empty((layers, len(ids), 3), dtype=np.uint64)
+        out[:, :, 0] = offsets(lay_col, ids[None, :]) + np.uint64(base)
+        out[:, :, 1] = page_bytes
+        out[:, :, 2] = 0
+        return out
+
+    # The first handle may fail until UCX has connected.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            probe = agent.initialize_xfer("WRITE", agent.get_xfer_descs(np.array([[buf.ctypes.data, 8, 0]], np.uint64), "DRAM"),
+                                          agent.get_xfer_descs(np.array([[remote_addr, 8, 0]], np.uint64), "DRAM"), peer)
+            st = agent.transfer(probe)
+            while st == "PROC":
+                st = agent.check_xfer_state(probe)
+            agent.release_xfer_handle(probe)
+            if st == "DONE":
+                break
+        except Exception:  # noqa: BLE001 - UCX not connected yet
+            pass
+        if time.monotonic() > deadline:
+            print(json.dumps({"error": "NIXL could not connect to the decode side within 30 s"}), flush=True)
+            return 1
+        time.sleep(0.01)
+
+    done_msgs: dict[Any, int] = {}
+    stats = {"prep_s": 0.0, "post_s": 0.0, "build_s": 0.0, "descs": 0, "transfers": 0}
+    lat: list[int] = []
+    dec: list[int] = []
+    rid_next = [0]
+
+    def run(count: int, timed: bool) -> int:
+        slots: list[dict[str, Any] | None] = [None] * conc
+        left = count
+        t_end = 0
+        while left > 0 or any(s is not None for s in slots):
+            busy = False
+            for i in range(conc):
+                s = slots[i]
+                if s is None and left > 0:
+                    left -= 1
+                    rid_next[0] += 1
+                    rid = rid_next[0]
+                    tb = time.perf_counter()
+                    src = np.array([free_src.pop(0) for _ in range(pages)], np.int64)
+                    dst = np.array([free_dst.pop(0) for _ in range(pages)], np.int64)
+                    lr, rr = rows(buf.ctypes.data, src), rows(remote_addr, dst)
+                    notifs = [proto.encode("kv_layer", {"r": rid, "l": lay, "n": layers}) for lay in range(layers)]
+                    build = time.perf_counter() - tb
+                    t0 = time.monotonic_ns()
+                    hs, prep, post = [], 0.0, 0.0
+                    for lay in range(layers):
+                        a = time.perf_counter()
+                        h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lr[lay], "DRAM"),
+                                                  agent.get_xfer_descs(rr[lay], "DRAM"), peer, notifs[lay])
+                        b = time.perf_counter()
+                        if agent.transfer(h) == "ERR":
+                            raise RuntimeError(f"NIXL WRITE failed to post (request {rid}, layer {lay})")
+                        prep += b - a
+                        post += time.perf_counter() - b
+                        hs.append(h)
+                    if timed:
+                        stats["prep_s"] += prep
+                        stats["post_s"] += post
+                        stats["build_s"] += build
+                        stats["descs"] += layers * pages
+                        stats["transfers"] += layers
+                    slots[i] = {"rid": rid, "t0": t0, "hs": hs, "src": src, "dst": dst, "t_done": None}
+                    busy = True
+                    continue
+                if s is None:
+                    continue
+                if s["t_done"] is None:
+                    while s["hs"]:
+                        st = agent.check_xfer_state(s["hs"][0])
+                        if st == "PROC":
+                            break
+                        if st == "ERR":
+                            raise RuntimeError(f"NIXL WRITE failed (request {s['rid']})")
+                        agent.release_xfer_handle(s["hs"].pop(0))
+                        busy = True
+                    if not s["hs"]:
+                        s["t_done"] = time.monotonic_ns()
+                if s["t_done"] is not None and s["rid"] in done_msgs:
+                    if timed:
+                        lat.append(s["t_done"] - s["t0"])
+                        dec.append(done_msgs.pop(s["rid"]) - s["t0"])
+                        t_end = max(t_end, s["t_done"])
+                    free_src.extend(int(x) for x in s["src"])
+                    free_dst.extend(int(x) for x in s["dst"])
+                    slots[i] = None
+                    busy = True
+            for msgs in agent.get_new_notifs().values():
+                for m in msgs:
+                    d = proto.decode(m)
+                    if d and d[0] == "kv_done":
+                        done_msgs[d[1].get("r")] = int(d[1].get("t_ns", 0))
+            if not busy:
+                time.sleep(0.00005)
+        return t_end
+
+    def tx_bytes() -> dict[str, int]:
+        out = {}
+        for dev in p.get("devs", []):
+            try:
+                with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+                    out[dev] = int(f.read())
+            except (OSError, ValueError):
+                pass
+        return out
+
+    if warm:
+        run(warm, False)
+    cpu0, t_start = time.process_time(), time.monotonic_ns()
+    before = tx_bytes()
+    t_end = run(requests, True)
+    after = tx_bytes()
+    wall = max(t_end - t_start, 1) / 1e9
+    rails = [{"name": d, "bytes": after[d] - before[d]} for d in p.get("devs", []) if d in before and d in after]
+    print(json.dumps({"lat_ns": lat, "decode_ns": dec, "wall_s": wall, **stats, "rails": rails,
+                      "cpu_pct": 100.0 * (time.process_time() - cpu0) / wall,
+                      "ucx_tls": os.environ.get("UCX_TLS", "")}), flush=True)
+    return 0
+
+
+def _devs_for(ns: str, addrs: list[str]) -> list[str]:
+    """Interfaces carrying `addrs` inside namespace `ns`."""
+    res = subprocess.run(["ip", "-n", ns, "-j", "addr"], capture_output=True, text=True, timeout=10)
+    by_addr = {a.get("local"): link["ifname"] for link in json.loads(res.stdout or "[]")
+               for a in link.get("addr_info", [])}
+    return [by_addr[a] for a in addrs if a in by_addr]  # rail order, as the rates are
+
+
+def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | None,
+                timeout_s: float = 900.0) -> Any:
+    """Run the NIXL decode and prefill processes on `plan`; return a KvRow."""
+    from multirail.bench.kv import kv_row
+    from multirail.bench.worker import BenchFailure
+
+    env = dict(os.environ)
+    env.setdefault("UCX_TLS", "tcp")
+    env.setdefault("UCX_LOG_LEVEL", "error")
+    env_a, env_b = dict(env), dict(env)
+    prefix_a: list[str] = []
+    prefix_b: list[str] = []
+    where = "loopback"
+    devs_b = ["lo"]
+    if testbed:
+        prefix_a = ["ip", "netns", "exec", testbed["ns_a"]]
+        prefix_b = ["ip", "netns", "exec", testbed["ns_b"]]
+        devs_a, devs_b = _devs_for(testbed["ns_a"], testbed["a"]), _devs_for(testbed["ns_b"], testbed["b"])
+        if devs_a and devs_b and "UCX_NET_DEVICES" not in os.environ:
+            env_a["UCX_NET_DEVICES"], env_b["UCX_NET_DEVICES"] = ",".join(devs_a), ",".join(devs_b)
+        where = f"testbed {','.join(devs_b)}"
+    cmd = [sys.executable, "-m", "multirail.bench.kv_nixl"]
+    errs = [tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")]
+    target = subprocess.Popen(prefix_a + [*cmd, "target", str(plan.pool_bytes), str(timeout_s)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[0], text=True, env=env_a)
+    init = None
+    try:
+        first = _Lines(target, errs[0]).json(60 + plan.pool_bytes / 2e8)
+        if "error" in first:
+            raise BenchFailure(f"NIXL decode: {first['error']}")
+        pj = json.dumps({"layers": plan.layers, "pages": plan.pages, "page_bytes": plan.page_bytes,
+                         "pool_pages": plan.pool_pages, "layout": plan.layout, "requests": plan.requests,
+                         "concurrency": plan.concurrency, "warmup": warmup, "seed": seed, "devs": devs_b})
+        init = subprocess.Popen(prefix_b + [*cmd, "initiator", pj, first["meta"], str(first["addr"])],
+                                stdout=subprocess.PIPE, stderr=errs[1], text=True, env=env_b)
+        lines = _Lines(init, errs[1])
+        meta = lines.json(60 + plan.pool_bytes / 2e8)
+        if "error" in meta:
+            raise BenchFailure(f"NIXL prefill: {meta['error']}")
+        assert target.stdin is not None
+        target.stdin.write(json.dumps({"meta": meta["meta"]}) + "\n")
+        target.stdin.flush()
+        d = lines.json(timeout_s)
+        if "error" in d:
+            raise BenchFailure(f"NIXL prefill: {d['error']}")
+        init.wait(30)
+    finally:
+        for p in (init, target):
+            if p is None:
+                continue
+            if p.stdin:
+                try:
+                    p.stdin.close()
+                except OSError:
+                    pass
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in errs:
+            f.close()
+    row = kv_row(f"nixl-ucx({env['UCX_TLS']}) kv", "kv", plan, d["lat_ns"], d["wall_s"], d["decode_ns"],
+                 transfers=d["transfers"], descs=d["descs"], prep="fresh (get_xfer_descs + initialize_xfer)",
+                 prep_s=d["prep_s"], post_s=d["post_s"], build_s=d["build_s"])
+    row.cpu_pct = d.get("cpu_pct")
+    from multirail.bench.core import RailRow
+    row.rails = [RailRow(name=r["name"], bytes=int(r["bytes"]), gbps=int(r["bytes"]) * 8 / d["wall_s"] / 1e9,
+                         source=f"netdev:{r['name']}") for r in d.get("rails", [])]
+    row.consistency = f"not checked ({where})"
+    return row
+
+
+class _Lines:
+    """Stdout lines of a child, read by a thread (NIXL logs to stdout too, in bursts)."""
+
+    def __init__(self, proc: subprocess.Popen[str], errf: Any) -> None:
+        self.proc, self.errf = proc, errf
+        self.q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.q.put(line)
+        self.q.put(None)
+
+    def json(self, timeout_s: float) -> dict[str, Any]:
+        """The next line that is a JSON object."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return {"error": f"no result within {timeout_s:.0f} s"}
+            try:
+                line = self.q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                self.errf.seek(0)
+                err = self.errf.read().strip()[-500:]
+                return {"error": "exited without a result" + (f": {err}" if err else "")}
+            if line.startswith("{"):
+                try:
+                    return dict(json.loads(line))
+                except ValueError:
+                    continue
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["target"] and len(argv) == 3:
+        return _target(int(argv[1]), float(argv[2]))
+    if argv[:1] == ["initiator"] and len(argv) == 4:
+        return _initiator(argv[1], argv[2], int(argv[3]))
+    print("usage: python -m multirail.bench.kv_nixl target POOL_BYTES IDLE_S | "
+          "initiator PLAN_JSON META_HEX REMOTE_ADDR", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1053 @@
+"""Agent metadata in etcd: publish under a leased key, fetch or wait by name (issue #11).
+
+An agent created with ``{"metadata": "etcd://HOST:PORT[,HOST:PORT...]/PREFIX"}`` publishes its
+metadata (`Agent.get_agent_metadata()`) at ``PREFIX/agents/NAME`` under an etcd lease that a
+daemon thread keeps alive (TTL ``metadata_ttl``, default 10 s): a killed agent's key vanishes
+within the TTL, ``close()`` deletes it at once. ``fetch_remote_metadata(name)`` (no address)
+reads a peer's key; ``wait_for_peer(name, timeout)`` watches for it. The side channel
+(``fetch_remote_metadata(name, ip, port)``) stays the default; etcd only carries the metadata,
+the data-plane handshake still runs between the agents. docs/etcd.md has the design.
+
+Public API (the Agent uses it; so can the NIXL layer or any tool)::
+
+    store = MetadataStore("etcd://127.0.0.1:2379/multirail", ttl=10.0, timeout=5.0)
+    store.publish("decode-0", blob, incarnation=inc, host="10.0.0.1", port=5555)  # leased key
+    rec = store.fetch("decode-0")            # PeerRecord; UnknownPeerError when absent
+    rec = store.wait_for("decode-0", 30.0)   # GET, then a watch; TransferTimeoutError after 30 s
+    store.unpublish("decode-0"); store.close()
+
+Every call is bounded by ``timeout`` (HTTP connect and read timeouts, endpoints tried in turn
+within one deadline) and raises `MetadataStoreError` when etcd is down or unreachable; nothing
+blocks forever. Threads (lease keep-alive, watches) are daemon threads stopped by ``close()``.
+
+Value stored at the key (JSON, so ``etcdctl get`` is readable)::
+
+    {"v": 1, "name": NAME, "incarnation": "<16 hex digits>", "host": H, "port": P,
+     "metadata": "<base64 of the engine's metadata blob>"}
+
+Client: etcd3gw (OpenStack; etcd's grpc-gateway JSON API over HTTP, etcd >= 3.4) for every
+KV, transaction and lease call. Watches read the same gateway's ``/v3/watch`` stream with our
+own reader: etcd3gw's ``Watcher`` has no connect/read timeout and ends silently when etcd
+restarts, which a long-lived watch must notice and resume from the next revision.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+from multirail.errors import (InvalidArgumentError, MetadataError, MetadataStoreError,
+                              TransferTimeoutError, UnknownPeerError)
+
+log = logging.getLogger("multirail.metadata")
+
+DEFAULT_TTL = 10.0
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_PREFIX = "/multirail"
+DEFAULT_PORT = 2379
+ENVELOPE_VERSION = 1
+#: etcd's default request limit is 1.5 MiB; refuse a value that cannot fit rather than fail later.
+MAX_VALUE_BYTES = 1_400_000
+#: gRPC-gateway API path of etcd >= 3.4 (3.3 only had /v3beta). $ETCD3GW_API_PATH overrides.
+API_PATH = os.environ.get("ETCD3GW_API_PATH") or "/v3/"
+#: A long-lived watch is re-created after this long without a byte (a dead connection that
+#: TCP keep-alive has not caught yet); events are never lost: it resumes at the next revision.
+WATCH_IDLE_S = 300.0
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------------------ addresses
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the store is: etcd endpoints (tried in turn), URL scheme and key prefix."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    prefix: str = DEFAULT_PREFIX
+    scheme: str = "http"
+
+    def __str__(self) -> str:
+        hosts = ",".join(_hostport_text(h, p) for h, p in self.endpoints)
+        return f"etcd://{hosts}{self.prefix}"
+
+
+def _hostport_text(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _parse_hostport(text: str, what: str) -> tuple[str, int]:
+    text = text.strip()
+    if not text:
+        raise InvalidArgumentError(f"{what}: empty endpoint")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise InvalidArgumentError(f"{what}: unclosed '[' in {text!r}")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not host:
+        raise InvalidArgumentError(f"{what}: no host in {text!r}")
+    if not port_text:
+        return host, DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidArgumentError(f"{what}: bad port in {text!r}")
+    return host, int(port_text)
+
+
+def parse_url(url: str) -> StoreAddress:
+    """``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` (port default 2379, prefix default
+    ``/multirail``) -> StoreAddress. Raises InvalidArgumentError."""
+    if not isinstance(url, str):
+        raise InvalidArgumentError(f"metadata must be an etcd:// URL string, not {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != "etcd":
+        raise InvalidArgumentError(f"metadata URL must look like etcd://HOST:PORT[,HOST:PORT]/PREFIX, not {url!r}")
+    hosts, slash, prefix = rest.partition("/")
+    endpoints = tuple(_parse_hostport(h, "metadata URL") for h in hosts.split(","))
+    prefix = "/" + prefix.strip("/") if prefix.strip("/") else DEFAULT_PREFIX
+    return StoreAddress(endpoints, prefix, "http")
+
+
+def parse_endpoints(text: str) -> StoreAddress:
+    """nixlbench's ``--etcd-endpoints``: ``http://HOST:PORT[,http://HOST:PORT]`` (the scheme may
+    be left out; all endpoints share one). Raises InvalidArgumentError."""
+    endpoints, schemes = [], set()
+    for item in (x.strip() for x in str(text).split(",")):
+        if not item:
+            continue
+        scheme, sep, rest = item.partition("://")
+        if not sep:
+            scheme, rest = "http", item
+        if scheme not in ("http", "https"):
+            raise InvalidArgumentError(f"etcd endpoint {item!r}: scheme must be http or https")
+        schemes.add(scheme)
+        endpoints.append(_parse_hostport(rest.rstrip("/"), "etcd endpoint"))
+    if not endpoints:
+        raise InvalidArgumentError("no etcd endpoint given")
+    if len(schemes) > 1:
+        raise InvalidArgumentError("etcd endpoints mix http and https")
+    return StoreAddress(tuple(endpoints), DEFAULT_PREFIX, schemes.pop())
+
+
+# ------------------------------------------------------------------------------ the client
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+def _range_end(prefix: bytes) -> bytes:
+    """The end of the key range that holds every key starting with `prefix`."""
+    b = bytearray(prefix)
+    while b and b[-1] == 0xFF:
+        b.pop()
+    if not b:
+        return b"\0"
+    b[-1] += 1
+    return bytes(b)
+
+
+def _deps() -> tuple[Any, Any]:
+    try:
+        import etcd3gw
+        import requests
+    except ImportError as e:  # pragma: no cover - packaging problem
+        raise MetadataStoreError(f"the etcd client is not installed ({e}): pip install etcd3gw") from None
+    return etcd3gw, requests
+
+
+def _session() -> Any:
+    """A requests session whose connections use TCP keep-alive (a silently dead etcd host is
+    noticed in ~25 s even on a long-idle watch)."""
+    _, requests = _deps()
+    from requests.adapters import HTTPAdapter
+    from urllib3.connection import HTTPConnection
+
+    opts = list(HTTPConnection.default_socket_options) + [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, val in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), val))
+
+    class _KeepAlive(HTTPAdapter):
+        def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["socket_options"] = opts
+            super().init_poolmanager(*args, **kwargs)
+
+    s = requests.Session()
+    s.mount("http://", _KeepAlive())
+    s.mount("https://", _KeepAlive())
+    return s
+
+
+class EtcdClient:
+    """Bounded etcd v3 calls through etcd3gw clients, one per endpoint, tried in turn.
+
+    Every call has one deadline (`timeout` unless given): each HTTP request gets what is left
+    of it as its connect and read timeout, so the whole call, failover included, ends within
+    it. Calls are serialised per client (a lock), so one thread's value is never overwritten by
+    an older one still in flight. Any failure is a `MetadataStoreError` naming each endpoint's
+    error."""
+
+    def __init__(self, address: StoreAddress, timeout: float = DEFAULT_TIMEOUT) -> None:
+        etcd3gw, _ = _deps()
+        if not timeout > 0:
+            raise InvalidArgumentError("etcd timeout must be positive")
+        self.address = address
+        self.timeout = float(timeout)
+        self._etcd3gw = etcd3gw
+        self._clients = []
+        for host, port in address.endpoints:
+            c = etcd3gw.client(host=host, port=port, protocol=address.scheme, timeout=self.timeout,
+                               api_path=API_PATH)
+            c.session = _session()
+            self._clients.append(c)
+        self._lock = threading.Lock()
+        self._good = 0  # index of the endpoint that answered last
+
+    def __repr__(self) -> str:
+        return f"EtcdClient({self.address})"
+
+    @property
+    def endpoints_text(self) -> str:
+        return ",".join(_hostport_text(h, p) for h, p in self.address.endpoints)
+
+    def call(self, what: str, fn: Callable[[Any], T], timeout: float | None = None) -> T:
+        """Run `fn(etcd3gw_client)` on the first endpoint that answers within the deadline."""
+        _, requests = _deps()
+        budget = self.timeout if timeout is None else max(0.0, float(timeout))
+        deadline = time.monotonic() + budget
+        if not self._lock.acquire(timeout=budget):
+            raise MetadataStoreError(f"etcd {what}: another request to {self.endpoints_text} held the client "
+                                     f"for {budget:g} s")
+        try:
+            errors: list[str] = []
+            n = len(self._clients)
+            for k in range(n):
+                i = (self._good + k) % n
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                c = self._clients[i]
+                # Connect may use only this endpoint's share, so a blackholed first endpoint
+                # leaves time for the others; the read may use everything left.
+                c.timeout = (max(0.05, left / (n - k)), max(0.05, left))
+                try:
+                    out = fn(c)
+                except (self._etcd3gw.exceptions.Etcd3Exception, requests.RequestException, ValueError,
+                        KeyError, TypeError, OSError) as e:
+                    detail = getattr(e, "detail_text", None) or str(e) or type(e).__name__
+                    errors.append(f"{_hostport_text(c.host, c.port)}: {type(e).__name__}: {detail.strip()[:300]}")
+                    continue
+                self._good = i
+                return out
+            if not errors:
+                errors.append(f"no answer within {budget:g} s")
+            raise MetadataStoreError(f"etcd {what} failed ({'; '.join(errors)})")
+        finally:
+            self._lock.release()
+
+    # -- operations (keys and values are bytes; names are UTF-8) -------------------------
+
+    def get(self, key: bytes, timeout: float | None = None) -> tuple[bytes | None, int, int]:
+        """(value or None, the key's mod revision, the store's revision at the read)."""
+        def op(c: Any) -> tuple[bytes | None, int, int]:
+            r = c.post(c.get_url("/kv/range"), json={"key": _b64(key)})
+            rev = int(r.get("header", {}).get("revision", 0))
+            kvs = r.get("kvs") or []
+            if not kvs:
+                return None, 0, rev
+            return _unb64(kvs[0].get("value", "")), int(kvs[0].get("mod_revision", 0)), rev
+        return self.call("get", op, timeout)
+
+    def get_prefix(self, prefix: bytes, timeout: float | None = None) -> list[tuple[bytes, bytes, int]]:
+        """[(key, value, mod revision)] of every key under `prefix`, sorted by key."""
+        def op(c: Any) -> list[tuple[bytes, bytes, int]]:
+            r = c.post(c.get_url("/kv/range"), json={"key": _b64(prefix), "range_end": _b64(_range_end(prefix))})
+            return [(_unb64(kv["key"]), _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)))
+                    for kv in r.get("kvs") or []]
+        return self.call("get", op, timeout)
+
+    def put(self, key: bytes, value: bytes, lease: int | None, timeout: float | None = None) -> int:
+        """Put; returns the store revision of the write."""
+        def op(c: Any) -> int:
+            body: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+            if lease:
+                body["lease"] = lease
+            return int(c.post(c.get_url("/kv/put"), json=body).get("header", {}).get("revision", 0))
+        return self.call("put", op, timeout)
+
+    def create(self, key: bytes, value: bytes, lease: int | None, timeout: float | None = None) -> bool:
+        """Put only if the key does not exist (one transaction). True when this call created it."""
+        def op(c: Any) -> bool:
+            put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+            if lease:
+                put["lease"] = lease
+            txn = {"compare": [{"key": _b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+                   "success": [{"request_put": put}], "failure": []}
+            return bool(c.transaction(txn).get("succeeded", False))
+        return self.call("create", op, timeout)
+
+    def delete(self, key: bytes, prefix: bool = False, timeout: float | None = None) -> int:
+        """Delete a key (or every key under it with prefix=True); returns how many went."""
+        def op(c: Any) -> int:
+            body = {"key": _b64(key)}
+            if prefix:
+                body["range_end"] = _b64(_range_end(key))
+            return int(c.post(c.get_url("/kv/deleterange"), json=body).get("deleted", 0))
+        return self.call("delete", op, timeout)
+
+    def grant(self, ttl: int, timeout: float | None = None) -> int:
+        return self.call("lease grant", lambda c: int(c.lease(int(ttl)).id), timeout)
+
+    def keepalive(self, lease: int, timeout: float | None = None) -> int:
+        """Refresh a lease; returns its new TTL, or <= 0 when etcd no longer knows it."""
+        return self.call("lease keep-alive", lambda c: int(self._etcd3gw.Lease(lease, client=c).refresh()), timeout)
+
+    def revoke(self, lease: int, timeout: float | None = None) -> None:
+        self.call("lease revoke", lambda c: self._etcd3gw.Lease(lease, client=c).revoke(), timeout)
+
+    def close(self) -> None:
+        for c in self._clients:
+            try:
+                c.session.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+
+
+# ------------------------------------------------------------------------------ watches
+
+class Watch:
+    """A watch on one key or a key prefix, kept up across etcd restarts.
+
+    A daemon thread reads the gateway's ``/v3/watch`` stream (newline-separated JSON) and calls
+    ``on_event(kind, key, value, mod_revision)`` (kind "PUT" or "DELETE") for every event from
+    `start_revision` on. When the stream breaks (etcd restarted, connection lost, nothing for
+    WATCH_IDLE_S) it is re-created from the next revision, endpoints in turn, with backoff
+    (0.1 s doubling to 2 s); no event is lost unless etcd compacted it away, in which case
+    ``on_reset()`` is called (re-read what you need) and the watch continues from there.
+    `stop()` ends it at once (the stream's socket is shut down)."""
+
+    def __init__(self, client: EtcdClient, key: bytes, *, prefix: bool = False, start_revision: int,
+                 on_event: Callable[[str, bytes, bytes, int], None],
+                 on_reset: Callable[[], None] | None = None, idle_timeout: float = WATCH_IDLE_S,
+                 name: str = "multirail-etcd-watch") -> None:
+        self._client, self._key, self._prefix = client, key, prefix
+        self._next = max(1, int(start_revision))
+        self._on_event, self._on_reset = on_event, on_reset
+        self._idle = float(idle_timeout)
+        self._stop = threading.Event()
+        self.connected = threading.Event()  # set while the watch is established
+        self.ever_connected = False
+        self.last_error: str | None = None
+        self._resp: Any = None
+        self._resp_lock = threading.Lock()
+        self._ep = client._good
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def next_revision(self) -> int:
+        return self._next
+
+    def stop(self, join_timeout: float = 2.0) -> None:
+        self._stop.set()
+        with self._resp_lock:
+            _shutdown(self._resp)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(join_timeout)
+
+    def _run(self) -> None:
+        _, requests = _deps()
+        session = _session()
+        backoff = 0.1
+        clients = self._client._clients
+        try:
+            while not self._stop.is_set():
+                c = clients[self._ep % len(clients)]
+                create: dict[str, Any] = {"key": _b64(self._key), "start_revision": self._next}
+                if self._prefix:
+                    create["range_end"] = _b64(_range_end(self._key))
+                try:
+                    resp = session.post(c.get_url("/watch"), json={"create_request": create}, stream=True,
+                                        timeout=(min(self._client.timeout, 5.0), self._idle))
+                    with self._resp_lock:
+                        if self._stop.is_set():
+                            resp.close()
+                            break
+                        self._resp = resp
+                    if resp.status_code != 200:
+                        raise MetadataStoreError(f"watch: HTTP {resp.status_code} {resp.text[:200]}")
+                    for msg in _json_lines(resp):
+                        self._handle(msg)
+                        backoff = 0.1
+                    if not self._stop.is_set():
+                        self.last_error = "watch stream closed by etcd"
+                except (requests.RequestException, MetadataStoreError, ValueError, KeyError, OSError) as e:
+                    if not self._stop.is_set():
+                        self.last_error = f"{_hostport_text(c.host, c.port)}: {type(e).__name__}: {e}"
+                        self._ep += 1  # try the next endpoint
+                finally:
+                    self.connected.clear()
+                    with self._resp_lock:
+                        resp_, self._resp = self._resp, None
+                    if resp_ is not None:
+                        resp_.close()
+                if self._stop.wait(backoff):
+                    break
+                backoff = min(backoff * 2, 2.0)
+        finally:
+            session.close()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        if "error" in msg:
+            err = msg["error"]
+            raise MetadataStoreError(f"watch: {err.get('message', err) if isinstance(err, dict) else err}")
+        res = msg.get("result") or {}
+        if res.get("created"):
+            self.connected.set()
+            self.ever_connected = True
+        compact = int(res.get("compact_revision", 0) or 0)
+        if compact:
+            # The revisions we wanted are gone: the caller re-reads, we resume at `compact`.
+            self._next = max(self._next, compact)
+            if self._on_reset is not None:
+                try:
+                    self._on_reset()
+                except Exception:  # noqa: BLE001 - a callback must not kill the watch
+                    log.exception("watch reset callback failed")
+        if res.get("canceled"):
+            raise MetadataStoreError(f"watch canceled by etcd: {res.get('cancel_reason', 'no reason given')}")
+        for ev in res.get("events") or []:
+            kv = ev.get("kv") or {}
+            mod = int(kv.get("mod_revision", 0))
+            kind = ev.get("type", "PUT")  # the gateway omits the default (PUT)
+            try:
+                self._on_event(kind, _unb64(kv.get("key", "")), _unb64(kv.get("value", "")), mod)
+            except Exception:  # noqa: BLE001 - a callback must not kill the watch
+                log.exception("watch event callback failed")
+            self._next = max(self._next, mod + 1)
+
+
+def _json_lines(resp: Any) -> Iterator[dict[str, Any]]:
+    buf = b""
+    for chunk in resp.iter_content(chunk_size=None):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            if line.strip():
+                yield json.loads(line)
+    if buf.strip():
+        yield json.loads(buf)
+
+
+def _shutdown(resp: Any) -> None:
+    """Wake a thread blocked reading `resp` (shutdown(2) on its socket; close() would not)."""
+    if resp is None:
+        return
+    try:
+        fd = resp.raw._fp.fileno()
+        s = socket.socket(fileno=os.dup(fd))
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        finally:
+            s.close()
+    except Exception:  # noqa: BLE001 - the stream may be gone already
+        pass
+
+
+def wait_for_key(client: EtcdClient, key: bytes, timeout: float) -> tuple[bytes, int]:
+    """(value, mod revision) of `key` once it exists: read, then watched from the revision of
+    that read, so a put in between is not missed. Raises TransferTimeoutError after `timeout`
+    seconds, MetadataStoreError when etcd cannot be reached."""
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    value, mod, rev = client.get(key, timeout=max(0.05, min(client.timeout, deadline - time.monotonic())))
+    if value is not None:
+        return value, mod
+    got: list[tuple[bytes, int]] = []
+    ev = threading.Event()
+
+    def on_event(kind: str, k: bytes, v: bytes, m: int) -> None:
+        if kind == "PUT" and k == key and not got:
+            got.append((v, m))
+            ev.set()
+
+    w = Watch(client, key, start_revision=rev + 1, on_event=on_event,
+              idle_timeout=max(1.0, deadline - time.monotonic() + 1.0), name="multirail-etcd-wait")
+    try:
+        ev.wait(max(0.0, deadline - time.monotonic()))
+    finally:
+        w.stop()
+    if got:
+        return got[0]
+    if not w.ever_connected and w.last_error:
+        raise MetadataStoreError(f"etcd watch on {key.decode(errors='replace')!r} failed: {w.last_error}")
+    raise TransferTimeoutError(f"{key.decode(errors='replace')!r} did not appear in etcd at "
+                               f"{client.endpoints_text} within {timeout:g} s")
+
+
+# ------------------------------------------------------------------------------ leases
+
+class Lease:
+    """One etcd lease, the keys written under it, and the daemon thread that keeps it alive.
+
+    The thread refreshes the lease every TTL/3. When etcd cannot be reached it retries with
+    backoff (0.2 s doubling to min(TTL/3, 2 s)); when the lease is gone (it expired while etcd
+    was unreachable from here, or etcd lost its data) it grants a new one and puts every key
+    again; keys changed while etcd was away are put as soon as it answers. `close()` stops the
+    thread and revokes the lease, so every key under it disappears at once.
+
+    Shared: `acquire_lease` hands every store of this process with the same endpoints and TTL
+    the same lease (one keep-alive for all of them; they die together anyway)."""
+
+    def __init__(self, address: StoreAddress, ttl: float, timeout: float) -> None:
+        if not ttl >= 1:
+            raise InvalidArgumentError("metadata_ttl must be at least 1 s (etcd leases count whole seconds)")
+        self.address = address
+        self.ttl = float(ttl)
+        self.interval = max(0.3, self.ttl / 3.0)
+        # A keep-alive that waits longer than the interval risks the lease: bound it.
+        self.client = EtcdClient(address, min(float(timeout), max(0.5, self.interval)))
+        self._open_timeout = float(timeout)
+        self.lease_id: int | None = None
+        self._keys: dict[bytes, tuple[bytes, int]] = {}  # key -> (value, version)
+        self._dirty: set[bytes] = set()
+        self._doomed: set[bytes] = set()  # keys whose delete failed: retried when etcd answers
+        self._version = 0
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.refs = 0
+        self.pid = os.getpid()
+        self.up = False
+        self.last_error: str | None = None
+        self.grants = 0  # leases granted (1 + re-grants after a loss)
+        self.keepalives = 0
+        self.puts = 0
+        self.failures = 0
+
+    def open(self) -> None:
+        """Grant the lease now (raises MetadataStoreError) and start the keep-alive thread."""
+        self.lease_id = self.client.grant(max(1, round(self.ttl)), timeout=self._open_timeout)
+        self.grants += 1
+        self.up = True
+        self._thread = threading.Thread(target=self._run, name="multirail-etcd-keepalive", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and not self._closing and self.pid == os.getpid()
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def put(self, key: bytes, value: bytes, *, must: bool, timeout: float | None = None) -> bool:
+        """Record `value` for `key` and write it under the lease. must=True: now, or raise
+        MetadataStoreError. must=False: now if etcd is up (errors are left to the keep-alive
+        thread, which writes it as soon as etcd answers); returns whether it was written."""
+        if len(value) > MAX_VALUE_BYTES:
+            raise MetadataStoreError(f"value for {key.decode(errors='replace')!r} is {len(value)} bytes; etcd "
+                                     f"accepts about {MAX_VALUE_BYTES} (register fewer, larger regions)")
+        with self._cv:
+            self._version += 1
+            self._keys[key] = (value, self._version)
+            self._dirty.add(key)
+            up = self.up
+            self._cv.notify_all()
+        if not (must or up):
+            return False
+        try:
+            self._put_one(key, timeout)
+            return True
+        except MetadataStoreError:
+            with self._cv:
+                self.up = False  # later callers do not wait for it; the thread retries
+                self._cv.notify_all()
+            if must:
+                raise
+            return False
+
+    def forget(self, key: bytes, timeout: float | None = None) -> None:
+        """Stop keeping `key` and delete it from etcd. When etcd cannot be reached, raises
+        MetadataStoreError and the keep-alive thread deletes it once etcd answers (the lease
+        may live on for other keys, so the key would not expire by itself)."""
+        with self._cv:
+            self._keys.pop(key, None)
+            self._dirty.discard(key)
+            self._doomed.add(key)
+        self.client.delete(key, timeout=timeout)
+        with self._cv:
+            if key not in self._keys:
+                self._doomed.discard(key)
+
+    def create(self, key: bytes, value: bytes, timeout: float | None = None) -> bool:
+        """Create `key` under the lease only if it does not exist (not re-put after a loss)."""
+        lease = self.lease_id
+        if lease is None:
+            raise MetadataStoreError("no etcd lease (etcd unreachable)")
+        return self.client.create(key, value, lease, timeout=timeout)
+
+    def _put_one(self, key: bytes, timeout: float | None = None) -> None:
+        written: list[int] = []
+
+        def op(c: Any) -> None:
+            # Read under the client lock: the newest value wins, a forgotten key stays gone,
+            # and nothing is ever written without a lease (it would never expire).
+            with self._cv:
+                item = self._keys.get(key)
+                lease = self.lease_id
+            if item is None:
+                return
+            if lease is None:
+                raise MetadataStoreError("no etcd lease (etcd unreachable; re-granted when it answers)")
+            c.post(c.get_url("/kv/put"), json={"key": _b64(key), "value": _b64(item[0]), "lease": lease})
+            written.append(item[1])
+
+        self.client.call("put", op, timeout)
+        if written:
+            self.puts += 1
+            with self._cv:
+                item = self._keys.get(key)
+                if item is not None and item[1] == written[0]:
+                    self._dirty.discard(key)
+
+    # -- keep-alive thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.2
+        due = time.monotonic() + self.interval
+        while True:
+            with self._cv:
+                while not self._closing and time.monotonic() < due and not (self._dirty and self.up):
+                    self._cv.wait(max(0.0, due - time.monotonic()))
+                if self._closing:
+                    return
+                dirty = list(self._dirty)
+            try:
+                if self.lease_id is None:
+                    self._regrant()
+                elif time.monotonic() >= due:
+                    ttl = self.client.keepalive(self.lease_id)
+                    self.keepalives += 1
+                    if ttl <= 0:  # expired while we could not reach etcd, or etcd lost it
+                        log.warning("etcd lease %x is gone; granting a new one and publishing again", self.lease_id)
+                        with self._cv:
+                            self.lease_id = None
+                        self._regrant()
+                    due = time.monotonic() + self.interval
+                for key in dirty:
+                    self._put_one(key)
+                with self._cv:
+                    doomed = list(self._doomed)
+                for key in doomed:
+                    self.client.delete(key)
+                    with self._cv:
+                        if key not in self._keys:
+                            self._doomed.discard(key)
+                if not self.up:
+                    log.info("etcd at %s answers again", self.client.endpoints_text)
+                self.up, backoff = True, 0.2
+            except Exception as e:  # noqa: BLE001 - MetadataStoreError; anything else must not end the thread
+                if not isinstance(e, MetadataStoreError):
+                    log.exception("etcd keep-alive: unexpected error")
+                elif self.up:
+                    log.warning("etcd unreachable, retrying: %s", e)
+                self.up, self.last_error = False, str(e)
+                self.failures += 1
+                due = time.monotonic() + backoff
+                backoff = min(backoff * 2, min(self.interval, 2.0))
+
+    def _regrant(self) -> None:
+        lease = self.client.grant(max(1, round(self.ttl)))
+        with self._cv:
+            self.lease_id = lease
+            self._dirty.update(self._keys)
+            self._doomed.clear()  # they were under the lost lease: etcd deleted them
+        self.grants += 1
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the keep-alive thread and revoke the lease (its keys go at once). Bounded."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        lease, self.lease_id = self.lease_id, None
+        if lease is not None and self.pid == os.getpid():
+            try:
+                self.client.revoke(lease, timeout=timeout)
+            except MetadataStoreError as e:
+                log.info("etcd lease revoke failed (its keys expire within %g s): %s", self.ttl, e)
+        self.client.close()
+
+
+_LEASES: dict[tuple[Any, ...], Lease] = {}
+_LEASES_LOCK = threading.Lock()
+
+
+def acquire_lease(address: StoreAddress, ttl: float, timeout: float, shared: bool = True) -> Lease:
+    """A started lease for `address`: this process's shared one for (endpoints, TTL) when
+    `shared`, else a new one. Pair with `release_lease`. Raises MetadataStoreError."""
+    key = (os.getpid(), address.endpoints, address.scheme, float(ttl))
+    with _LEASES_LOCK:
+        lease = _LEASES.get(key) if shared else None
+        if lease is None or not lease.alive:
+            lease = Lease(address, ttl, timeout)
+            lease.open()
+            if shared:
+                _LEASES[key] = lease
+        lease.refs += 1
+        return lease
+
+
+def release_lease(lease: Lease, timeout: float = 2.0) -> None:
+    with _LEASES_LOCK:
+        lease.refs -= 1
+        if lease.refs > 0:
+            return
+        for k, v in list(_LEASES.items()):
+            if v is lease:
+                del _LEASES[k]
+    lease.close(timeout)
+
+
+# ------------------------------------------------------------------------------ the store
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """One agent's entry in the store."""
+
+    name: str
+    incarnation: int
+    metadata: bytes
+    host: str
+    port: int
+    revision: int  # etcd mod revision of the key when read
+    read_revision: int = 0  # the store's revision at the read (watch from the next one)
+
+    def __repr__(self) -> str:
+        return (f"PeerRecord({self.name!r}, incarnation={self.incarnation:#x}, {len(self.metadata)} bytes, "
+                f"side channel {self.host}:{self.port}, revision {self.revision})")
+
+
+def encode_record(name: str, metadata: bytes, incarnation: int, host: str = "", port: int = 0) -> bytes:
+    return json.dumps({"v": ENVELOPE_VERSION, "name": name, "incarnation": f"{int(incarnation) & (2**64 - 1):016x}",
+                       "host": host, "port": int(port), "metadata": _b64(bytes(metadata))},
+                      separators=(",", ":")).encode()
+
+
+def decode_record(value: bytes, revision: int = 0, where: str = "etcd", read_revision: int = 0) -> PeerRecord:
+    """Parse a stored value; MetadataError when it is not a multirail agent record."""
+    try:
+        d = json.loads(value)
+        if not isinstance(d, dict) or d.get("v") != ENVELOPE_VERSION:
+            raise ValueError(f"unknown record version {d.get('v') if isinstance(d, dict) else d!r}")
+        return PeerRecord(str(d["name"]), int(d["incarnation"], 16), _unb64(d["metadata"]), str(d.get("host", "")),
+                          int(d.get("port", 0)), int(revision), int(read_revision or revision))
+    except (ValueError, KeyError, TypeError) as e:
+        raise MetadataError(f"{where}: not a multirail agent record ({e})") from None
+
+
+class MetadataStore:
+    """Agent metadata in etcd under ``PREFIX/agents/NAME`` (see the module docstring).
+
+    `publish`, `update` and `unpublish` write this process's agents (under a lease shared by
+    every store of the process with the same endpoints and TTL unless ``share_lease=False``);
+    `get`, `fetch`, `wait_for` and `records` read anyone's; `watch` follows every agent key.
+    Thread-safe. Every call is bounded by `timeout` seconds (or its own `timeout=`)."""
+
+    def __init__(self, url: str | StoreAddress, ttl: float = DEFAULT_TTL, timeout: float = DEFAULT_TIMEOUT,
+                 *, share_lease: bool = True) -> None:
+        self.address = url if isinstance(url, StoreAddress) else parse_url(url)
+        if not float(ttl) >= 1:
+            raise InvalidArgumentError("metadata_ttl must be at least 1 s (etcd leases count whole seconds)")
+        self.ttl, self.timeout, self.share_lease = float(ttl), float(timeout), share_lease
+        self.client = EtcdClient(self.address, self.timeout)
+        self._lease: Lease | None = None
+        self._lease_lock = threading.Lock()
+        self._mine: set[bytes] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"MetadataStore({self.address})"
+
+    def __str__(self) -> str:
+        return str(self.address)
+
+    @property
+    def agents_prefix(self) -> bytes:
+        return (self.address.prefix.rstrip("/") + "/agents/").encode()
+
+    def key(self, name: str) -> bytes:
+        if not name:
+            raise InvalidArgumentError("agent name must not be empty")
+        return self.agents_prefix + name.encode()
+
+    def name_of(self, key: bytes) -> str | None:
+        p = self.agents_prefix
+        return key[len(p):].decode(errors="replace") if key.startswith(p) else None
+
+    @property
+    def lease(self) -> Lease | None:
+        return self._lease
+
+    @property
+    def up(self) -> bool:
+        """False while the keep-alive thread cannot reach etcd."""
+        return self._lease.up if self._lease is not None else True
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _ensure_lease(self) -> Lease:
+        with self._lease_lock:
+            if self._closed:
+                raise MetadataStoreError(f"{self} is closed")
+            if self._lease is None:
+                self._lease = acquire_lease(self.address, self.ttl, self.timeout, self.share_lease)
+            return self._lease
+
+    def publish(self, name: str, metadata: bytes, *, incarnation: int, host: str = "", port: int = 0,
+                timeout: float | None = None) -> None:
+        """Write `name`'s record under the lease now; raises MetadataStoreError. The keep-alive
+        thread keeps it (and writes it again after etcd lost it) until `unpublish`/`close`."""
+        key = self.key(name)
+        lease = self._ensure_lease()
+        self._mine.add(key)
+        lease.put(key, encode_record(name, metadata, incarnation, host, port), must=True,
+                  timeout=self.timeout if timeout is None else timeout)
+
+    def update(self, name: str, metadata: bytes, *, incarnation: int, host: str = "", port: int = 0) -> bool:
+        """Like `publish`, but never raises for an unreachable etcd and does not wait for one
+        known to be down: the keep-alive thread writes it when etcd answers. True if written."""
+        key = self.key(name)
+        lease = self._ensure_lease()
+        self._mine.add(key)
+        return lease.put(key, encode_record(name, metadata, incarnation, host, port), must=False)
+
+    def unpublish(self, name: str, timeout: float | None = None) -> None:
+        """Delete `name`'s record now and stop keeping it. Raises MetadataStoreError."""
+        key = self.key(name)
+        self._mine.discard(key)
+        if self._lease is not None:
+            self._lease.forget(key, timeout=timeout)
+        else:
+            self.client.delete(key, timeout=timeout)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get(self, name: str, timeout: float | None = None) -> PeerRecord | None:
+        value, mod, rev = self.client.get(self.key(name), timeout)
+        return None if value is None else decode_record(value, mod, f"{self} agent {name!r}", rev)
+
+    def fetch(self, name: str, timeout: float | None = None) -> PeerRecord:
+        """`name`'s record; UnknownPeerError when no such agent is published."""
+        rec = self.get(name, timeout)
+        if rec is None:
+            raise UnknownPeerError(f"no agent {name!r} in {self} (not started, closed, or its lease expired)")
+        return rec
+
+    def wait_for(self, name: str, timeout: float) -> PeerRecord:
+        """`name`'s record, waiting (an etcd watch) up to `timeout` s for it to appear.
+        TransferTimeoutError when it does not, MetadataStoreError when etcd is unreachable."""
+        try:
+            value, mod = wait_for_key(self.client, self.key(name), timeout)
+        except TransferTimeoutError:
+            raise TransferTimeoutError(f"agent {name!r} did not appear in {self} within {timeout:g} s") from None
+        return decode_record(value, mod, f"{self} agent {name!r}")
+
+    def records(self, timeout: float | None = None) -> list[PeerRecord]:
+        """Every agent record under the prefix (unparseable values are skipped)."""
+        out = []
+        for key, value, mod in self.client.get_prefix(self.agents_prefix, timeout):
+            try:
+                out.append(decode_record(value, mod))
+            except MetadataError:
+                log.info("skipping %r: not a multirail agent record", key)
+        return out
+
+    def revision(self, timeout: float | None = None) -> int:
+        """The store's current revision."""
+        return self.client.get(self.agents_prefix, timeout)[2]
+
+    def watch(self, on_put: Callable[[PeerRecord], None], on_delete: Callable[[str, int], None] | None = None,
+              on_reset: Callable[[], None] | None = None, start_revision: int | None = None) -> Watch:
+        """Follow every agent key from `start_revision` (default: now). Callbacks run on the
+        watch's daemon thread; stop it with `.stop()`."""
+        def on_event(kind: str, key: bytes, value: bytes, mod: int) -> None:
+            name = self.name_of(key)
+            if name is None:
+                return
+            if kind == "DELETE":
+                if on_delete is not None:
+                    on_delete(name, mod)
+                return
+            try:
+                rec = decode_record(value, mod)
+            except MetadataError:
+                return
+            on_put(rec)
+
+        rev = self.revision() + 1 if start_revision is None else start_revision
+        return Watch(self.client, self.agents_prefix, prefix=True, start_revision=rev, on_event=on_event,
+                     on_reset=on_reset, name="multirail-etcd-peers")
+
+    def close(self) -> None:
+        """Delete this store's records (revoking the lease when no other store shares it)."""
+        with self._lease_lock:
+            if self._closed:
+                return
+            self._closed = True
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            budget = min(self.timeout, 2.0)
+            if lease.refs > 1:  # shared: delete our own keys, the others stay
+                for key in list(self._mine):
+                    try:
+                        lease.forget(key, timeout=budget)
+                    except MetadataStoreError as e:
+                        log.info("could not delete %r now (the keep-alive thread retries): %s", key, e)
+            release_lease(lease, budget)
+        self.client.close()
+
+    def __enter__(self) -> "MetadataStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------------ the agent's side
+
+class AgentStore:
+    """What a `multirail.Agent` created with ``{"metadata": URL}`` keeps: its published record
+    and the records of the peers it loaded from the store.
+
+    Peers are watched (one prefix watch, started on the first load) so that a peer whose key
+    now holds another incarnation is marked stale: the Agent then refuses it with
+    StaleMetadataError until its metadata is loaded again. `stale` is the Agent's own dict
+    (name -> (cached incarnation, current incarnation)), updated in place."""
+
+    def __init__(self, url: str, ttl: float, timeout: float, *, name: str, incarnation: int, host: str,
+                 port: int, metadata: bytes, stale: dict[str, tuple[int, int]]) -> None:
+        self.store = MetadataStore(url, ttl, timeout)
+        self.name, self.incarnation, self.host, self.port = name, incarnation, host, port
+        self.stale = stale
+        self.published = False
+        self._loaded: dict[str, PeerRecord] = {}   # peers loaded from the store
+        self._seen: dict[str, tuple[int, int | None]] = {}  # name -> (mod revision, incarnation) from the watch
+        self._lock = threading.Lock()
+        self._watch: Watch | None = None
+        try:
+            self.publish(metadata)
+        except BaseException:
+            self.store.close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"AgentStore({self.name!r} in {self.store})"
+
+    def publish(self, metadata: bytes) -> None:
+        """Write this agent's record now (raises MetadataStoreError)."""
+        self.store.publish(self.name, metadata, incarnation=self.incarnation, host=self.host, port=self.port)
+        self.published = True
+
+    def republish(self, metadata: bytes) -> None:
+        """After a registration change: best effort, never raises for etcd trouble (the
+        keep-alive thread writes it when etcd answers). Nothing while unpublished."""
+        if self.published:
+            try:
+                self.store.update(self.name, metadata, incarnation=self.incarnation, host=self.host, port=self.port)
+            except MetadataStoreError as e:  # e.g. a record too large for etcd
+                log.warning("could not publish %s's metadata: %s", self.name, e)
+
+    def unpublish(self) -> None:
+        self.published = False
+        self.store.unpublish(self.name)
+
+    def load(self, add_remote: Callable[[bytes], str], name: str, wait: float | None) -> str:
+        """Read `name` from the store (waiting up to `wait` s when given), install it with
+        `add_remote`, and watch it from then on. Returns the name."""
+        rec = self.store.fetch(name) if wait is None else self.store.wait_for(name, wait)
+        if rec.name != name:
+            raise MetadataError(f"{self.store}: the record of {name!r} names agent {rec.name!r}")
+        got = add_remote(rec.metadata)
+        with self._lock:
+            self._loaded[got] = rec
+            self.stale.pop(got, None)
+            seen = self._seen.get(got)
+            if seen is not None and seen[0] > rec.revision and seen[1] is not None and seen[1] != rec.incarnation:
+                self.stale[got] = (rec.incarnation, seen[1])  # restarted while we were loading it
+            start = self._watch is None
+        if start:
+            self._start_watch(max(rec.revision, rec.read_revision) + 1)
+        return got
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._loaded.pop(name, None)
+            self.stale.pop(name, None)
+
+    def loaded(self, name: str) -> bool:
+        return name in self._loaded
+
+    def _start_watch(self, start_revision: int) -> None:
+        try:
+            w = self.store.watch(self._on_put, self._on_delete, self._on_reset, start_revision=start_revision)
+        except MetadataStoreError as e:
+            log.warning("cannot watch %s for peer restarts: %s", self.store, e)
+            return
+        with self._lock:
+            if self._watch is None:
+                self._watch, w = w, None
+        if w is not None:
+            w.stop()
+
+    def _on_put(self, rec: PeerRecord) -> None:
+        with self._lock:
+            self._seen[rec.name] = (rec.revision, rec.incarnation)
+            mine = self._loaded.get(rec.name)
+            if mine is not None and rec.revision > mine.revision and rec.incarnation != mine.incarnation:
+                self.stale[rec.name] = (mine.incarnation, rec.incarnation)
+
+    def _on_delete(self, name: str, mod: int) -> None:
+        with self._lock:
+            self._seen[name] = (mod, None)
+
+    def _on_reset(self) -> None:
+        for name in list(self._loaded):
+            try:
+                rec = self.store.get(name)
+            except (MetadataStoreError, MetadataError):
+                continue
+            if rec is not None:
+                self._on_put(rec)
+
+    def status(self) -> dict[str, Any]:
+        lease = self.store.lease
+        return {"url": str(self.store), "published": self.published, "up": self.store.up,
+                "lease_grants": lease.grants if lease else 0, "publishes": lease.puts if lease else 0,
+                "keepalive_failures": lease.failures if lease else 0,
+                "last_error": lease.last_error if lease else None,
+                "stale_peers": sorted(self.stale), "loaded_peers": sorted(self._loaded)}
+
+    def close(self) -> None:
+        with self._lock:
+            w, self._watch = self._watch, None
+        if w is not None:
+            w.stop()
+        self.published = False
+        self.store.close()

@@ -1,0 +1,385 @@
+"""Prometheus metrics (python/multirail/metrics.py): scrapes of real agents during transfers,
+the bench's --metrics-port, and (root + network namespaces) a striped transfer over two
+testbed rails whose byte counters both move, then a rail taken down and readmitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+from conftest import ENV, engine_available, engine_python, netns_unavailable
+from etcd_server import free_port
+
+try:
+    import prometheus_client  # noqa: F401
+    _SKIP = None if engine_available() else "the engine extension is not built"
+except ImportError:
+    _SKIP = "prometheus_client is not installed (pip install prometheus-client; a dependency in pyproject.toml)"
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+MiB = 1 << 20
+
+
+def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """{sample name: [(labels, value)]} of one scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.headers.get("Content-Type", "").startswith("text/plain")
+        text = r.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def value(samples: dict[str, Any], name: str, **labels: str) -> float | None:
+    for lab, v in samples.get(name, []):
+        if all(lab.get(k) == want for k, want in labels.items()):
+            return v
+    return None
+
+
+@pytest.fixture
+def agents() -> Iterator[Callable[..., Any]]:
+    import multirail
+
+    made: list[Any] = []
+
+    def make(name: str, cfg: dict[str, Any] | None = None) -> Any:
+        a = multirail.Agent(name, cfg or {})
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()
+
+
+def _pair(agents: Callable[..., Any], size: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
+    target = agents(f"mt-{uuid.uuid4().hex[:6]}")
+    src = np.arange(size, dtype=np.uint64).view(np.uint8)[:size].copy() if size >= 8 else np.zeros(size, np.uint8)
+    target.register_memory(src)
+    init = agents(f"mi-{uuid.uuid4().hex[:6]}", {"metrics_port": 0})
+    dst = np.zeros(size, dtype=np.uint8)
+    init.register_memory(dst)
+    init.fetch_remote_metadata(target.name, "127.0.0.1", target.port)
+    return target, init, src, dst
+
+
+def test_scrape_during_transfers_shows_counters_moving(agents: Callable[..., Any]) -> None:
+    target, init, src, dst = _pair(agents, 64 * MiB)
+    assert init.metrics_url and init.metrics_url.startswith("http://127.0.0.1:")
+    h = init.initialize_xfer("READ", [dst], [src], target.name)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                init.transfer_sync(h, 30)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    seen: list[tuple[float, float, float]] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len({b for b, _, _ in seen}) < 4:
+            s = scrape(init.metrics_url)
+            b = value(s, "multirail_rail_bytes_total", peer=target.name)
+            if b is not None:
+                seen.append((b, value(s, "multirail_rail_chunks_total", peer=target.name) or 0.0,
+                             value(s, "multirail_peer_transfers_total", peer=target.name, op="read", outcome="done") or 0))
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    bytes_seen = [b for b, _, _ in seen]
+    assert bytes_seen == sorted(bytes_seen), "a counter went backwards"
+    assert len(set(bytes_seen)) >= 4, f"rail bytes did not move between scrapes: {bytes_seen}"
+    assert seen[-1][1] > seen[0][1] and seen[-1][2] > seen[0][2]
+    s = scrape(init.metrics_url)
+    assert value(s, "multirail_rail_up", peer=target.name) == 1
+    assert value(s, "multirail_rail_weight", peer=target.name) == pytest.approx(1.0)
+    assert (value(s, "multirail_rail_rate_bytes_per_second", peer=target.name) or 0) > 0
+    assert value(s, "multirail_registered_bytes", agent=init.name, mem_type="DRAM") == 64 * MiB
+    assert value(s, "multirail_agent_info", agent=init.name, incarnation=f"{init.incarnation:016x}") == 1
+
+
+def test_transfer_outcomes_bytes_by_direction_and_registrations(agents: Callable[..., Any]) -> None:
+    import multirail
+
+    target, init, src, dst = _pair(agents, 4 * MiB)
+    rd = init.initialize_xfer("READ", [dst], [src], target.name)
+    wr = init.initialize_xfer("WRITE", [dst[:MiB]], [src[:MiB]], target.name)
+    for _ in range(3):
+        init.transfer_sync(rd, 20)
+    init.transfer(wr)
+    init.wait(wr, 20)
+    init.transfer(wr)
+    while init.check_xfer_state(wr) == multirail.XferState.IN_PROGRESS:
+        pass
+    assert init.check_xfer_state(wr) == multirail.XferState.DONE  # seen twice, counted once
+    extra = init.register_memory([np.zeros(MiB, np.uint8), np.zeros(2 * MiB, np.uint8)])
+    s = scrape(init.metrics_url)
+    p = target.name
+    assert value(s, "multirail_peer_transfers_total", peer=p, op="read", outcome="done") == 3
+    assert value(s, "multirail_peer_transfers_total", peer=p, op="write", outcome="done") == 2
+    assert value(s, "multirail_peer_transfers_total", peer=p, op="read", outcome="failed") == 0
+    assert value(s, "multirail_peer_transfer_bytes_total", peer=p, direction="read") == 12 * MiB
+    assert value(s, "multirail_peer_transfer_bytes_total", peer=p, direction="write") == 2 * MiB
+    # the engine's own per-rail counters, by direction
+    assert value(s, "multirail_rail_bytes_total", peer=p, direction="read") == 12 * MiB
+    assert value(s, "multirail_rail_bytes_total", peer=p, direction="write") == 2 * MiB
+    assert value(s, "multirail_rail_chunks_total", peer=p, direction="read") >= 3
+    assert value(s, "multirail_rail_readmissions_total", peer=p) == 0
+    assert value(s, "multirail_peer_fenced_connections_total", peer=p) == 0
+    assert value(s, "multirail_registered_bytes", agent=init.name) == 7 * MiB
+    assert value(s, "multirail_registered_regions", agent=init.name) == 3
+    init.deregister_memory(extra)
+    # the peer goes away: the next transfer fails and is counted as failed
+    target.close()
+    with pytest.raises(multirail.MultirailError):
+        init.transfer_sync(rd, 10)
+    s = scrape(init.metrics_url)
+    assert value(s, "multirail_peer_transfers_total", peer=p, op="read", outcome="failed") == 1
+    assert value(s, "multirail_registered_bytes", agent=init.name) == 4 * MiB
+
+
+def test_engine_counters_and_the_event_log_fence_count() -> None:
+    """Rail counters come from the engine (rail_stats, peer_counters); only the inbound fences
+    are counted from the event log, monotonic and without counting a line twice as the
+    engine's event ring moves."""
+    from multirail.metrics import AgentCollector
+
+    class Fake:
+        name, incarnation, host, port = "fake", 1, "127.0.0.1", 1
+        _regs: dict = {}
+        _xstats: dict = {}
+        _stale: dict = {}
+        _store = None
+        _peers = {"p": None}
+
+        def __init__(self) -> None:
+            self.ring: list[str] = []
+
+        def refused_requests(self) -> int:
+            return 0
+
+        def events(self) -> list[str]:
+            return list(self.ring)
+
+        def rail_stats(self, peer: str) -> list[dict[str, Any]]:
+            return [{"name": "r0", "up": True, "rate_gbps": 1.0, "bytes_read": 5, "bytes_written": 7, "readmissions": 0},
+                    {"name": "r1", "up": False, "rate_gbps": 1.0, "stalls": 2, "readmissions": 1}]
+
+        def peer_counters(self, peer: str) -> dict[str, int]:
+            return {"transfers_done": 3, "transfers_failed": 1, "fenced_connections": 2}
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fake = Fake()
+    reg = CollectorRegistry()
+    reg.register(AgentCollector(lambda: [fake]))
+
+    def get(name: str, **labels: str) -> float | None:
+        out: dict[str, Any] = {}
+        for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+            for smp in fam.samples:
+                out.setdefault(smp.name, []).append((dict(smp.labels), smp.value))
+        return value(out, name, **labels)
+
+    assert get("multirail_rail_bytes_total", rail="r0", direction="read") == 5
+    assert get("multirail_rail_bytes_total", rail="r0", direction="write") == 7
+    assert get("multirail_rail_stalls_total", rail="r1") == 2
+    assert get("multirail_rail_readmissions_total", rail="r1") == 1
+    assert get("multirail_peer_fenced_connections_total", peer="p") == 2
+    assert get("multirail_rail_weight", rail="r0") == 1.0 and get("multirail_rail_weight", rail="r1") == 0.0
+    fake.ring = ["[    1.000s] fake: fenced 2 connection(s) of q", "[    2.000s] fake: peer p: rail 1 up again"]
+    assert get("multirail_fenced_connections_total", peer="q") == 2
+    # the ring drops its oldest lines and gains new ones (same timestamp as the last counted one too)
+    fake.ring = fake.ring[1:] + ["[    2.000s] fake: fenced 1 connection(s) of q", "[    3.000s] fake: fenced 3 connection(s) of q"]
+    assert get("multirail_fenced_connections_total", peer="q") == 6, "a line counted twice or missed"
+
+
+def test_metrics_port_in_use_is_a_typed_error(agents: Callable[..., Any]) -> None:
+    import multirail
+
+    a = agents("holder", {"metrics_port": 0})
+    port = int(a.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(multirail.AddressInUseError, match="already in use"):
+        multirail.Agent("clash", {"metrics_port": port})
+    assert not any(x.name == "clash" and not x._closed for x in list(multirail.agent._LIVE))
+    a.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_process_wide_server_reports_every_agent(agents: Callable[..., Any]) -> None:
+    from multirail import metrics
+
+    a, b = agents("pw-a"), agents("pw-b")
+    with metrics.serve(0) as srv:
+        s = scrape(srv.url)
+        names = {lab["agent"] for lab, _ in s["multirail_agent_info"]}
+        assert {"pw-a", "pw-b"} <= names
+        assert "process_cpu_seconds_total" in s
+        a.close()
+        names = {lab["agent"] for lab, _ in scrape(srv.url)["multirail_agent_info"]}
+        assert "pw-a" not in names and "pw-b" in names
+
+
+def test_bench_metrics_port_scraped_during_a_run() -> None:
+    py = engine_python()
+    assert py
+    port = free_port()
+    cmd = [py, "-m", "multirail", "bench", "local", "--op", "READ", "--start-block-size", "16MiB",
+           "--max-block-size", "16MiB", "--num-iter", "300", "--warmup-iter", "2", "--metrics-port", str(port),
+           "--idle-timeout", "60", "--duration", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    seen: list[float] = []
+    try:
+        deadline = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < deadline:
+            try:
+                s = scrape(f"http://127.0.0.1:{port}/metrics")
+            except OSError:
+                time.sleep(0.1)
+                continue
+            b = value(s, "multirail_rail_bytes_total")
+            if b is not None and (not seen or b != seen[-1]):
+                seen.append(b)
+            if len(seen) >= 3:
+                break
+            time.sleep(0.05)
+        out, err = p.communicate(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
+    assert p.returncode == 0, err[-1500:]
+    assert len(seen) >= 3 and seen == sorted(seen), seen
+
+
+# ------------------------------------------------------------------ two testbed rails (root)
+
+# Runs in namespace b: an EngineWorker READing 64 MiB from the target in a loop on a thread,
+# with the process-wide metrics server; answers "scrape" on stdin with one JSON line of
+# {rail: {"bytes", "up", "down", "readmit"}}, "quit" ends it.
+STRIPE_CHILD = r"""
+import json, sys, threading, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+from multirail import metrics
+from multirail.bench.worker import EngineWorker
+host, port, rails = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+srv = metrics.serve(0)
+w = EngineWorker(op="READ", target_host=host, target_port=port, target_name="mr-bench-target",
+                 buffer_size=64 << 20, connections=1, rails=rails, policy="weighted", chunk_size=1 << 20,
+                 timeout=30, fill_target=False, stall_timeout=1.0)
+w.prepare(64 << 20, 1, False)
+stop, errors = threading.Event(), []
+def loop():
+    while not stop.is_set():
+        try:
+            w.run_once()
+        except Exception as e:
+            errors.append(repr(e))
+t = threading.Thread(target=loop, daemon=True)
+t.start()
+want = {"multirail_rail_bytes_total": "bytes", "multirail_rail_up": "up", "multirail_rail_down_total": "down",
+        "multirail_rail_readmissions_total": "readmit"}
+print(json.dumps({"event": "ready"}), flush=True)
+for line in sys.stdin:
+    if line.strip() != "scrape":
+        break
+    out = {}
+    for fam in text_string_to_metric_families(urllib.request.urlopen(srv.url, timeout=10).read().decode()):
+        for s in fam.samples:
+            if s.name in want and s.labels.get("direction", "read") == "read":  # READs: bytes land here
+                out.setdefault(s.labels["rail"], {})[want[s.name]] = s.value
+    print(json.dumps({"event": "scrape", "rails": out, "errors": errors[-3:]}), flush=True)
+stop.set()
+t.join(60)
+w.finish_size()
+w.close()
+srv.close()
+"""
+
+_NETNS = netns_unavailable()
+
+
+@pytest.mark.skipif(_NETNS is not None, reason=_NETNS or "")
+def test_striped_transfer_over_two_testbed_rails_moves_both_rail_counters() -> None:
+    from multirail.bench.target import launch, stop
+    from multirail.testbed import Testbed
+
+    py = engine_python()
+    assert py
+    with Testbed(f"mx{uuid.uuid4().hex[:5]}", rails=2, rate="1gbit") as tb:
+        a, b = tb.addrs("a"), tb.addrs("b")
+        proc, ready, errf = launch(tb.exec_argv("a", [py, "-m", "multirail", "bench", "target", "--listen",
+                                                      f"{a[0]}:0", "--rails", ",".join(a), "--total-buffer-size",
+                                                      "64MiB", "--idle-timeout", "120", "--duration", "300"]),
+                                   env=ENV)
+        child = subprocess.Popen(tb.exec_argv("b", [py, "-c", STRIPE_CHILD, a[0], str(ready["port"]), ",".join(b)]),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=ENV)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert json.loads(child.stdout.readline() or "{}").get("event") == "ready", child.stderr.read()[-1500:] \
+                if child.poll() is not None and child.stderr else "child not ready"
+
+            def sample() -> dict[str, Any]:
+                child.stdin.write("scrape\n")
+                child.stdin.flush()
+                line = child.stdout.readline()
+                assert line, child.stderr.read()[-1500:] if child.stderr else "child died"
+                return json.loads(line)
+
+            def wait_for(cond: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+                deadline = time.monotonic() + timeout
+                while True:
+                    s = sample()
+                    if cond(s["rails"]):
+                        return s
+                    assert time.monotonic() < deadline, f"{what}: last scrape {s}"
+                    time.sleep(0.2)
+
+            first = wait_for(lambda r: len(r) == 2 and all(v.get("bytes", 0) > 0 for v in r.values()), 60,
+                             "both rails carrying bytes")
+            names = sorted(first["rails"])
+            moved = wait_for(lambda r: all(r[n]["bytes"] > first["rails"][n]["bytes"] for n in names), 60,
+                             "both rails' counters moving")
+            assert moved["errors"] == [], moved
+            # rail 1 down (side a's device): counted down, the other rail keeps moving
+            tb.set_link(1, False, side="a")
+            down = wait_for(lambda r: sum(v["up"] == 0 for v in r.values()) == 1, 30, "one rail reported down")
+            dead = next(n for n in names if down["rails"][n]["up"] == 0)
+            live = next(n for n in names if n != dead)
+            assert down["rails"][dead]["down"] >= 1
+            wait_for(lambda r: r[live]["bytes"] > down["rails"][live]["bytes"], 30, "the live rail moving")
+            tb.set_link(1, True, side="a")
+            back = wait_for(lambda r: r[dead]["up"] == 1 and r[dead]["readmit"] >= 1, 60, "the rail readmitted")
+            wait_for(lambda r: r[dead]["bytes"] > back["rails"][dead]["bytes"], 30, "the readmitted rail moving")
+        finally:
+            try:
+                child.communicate("quit\n", timeout=120)
+            except (subprocess.TimeoutExpired, OSError, ValueError):
+                child.kill()
+                child.communicate(timeout=10)
+            stop(proc, grace=15)
+            errf.close()
