@@ -51,3 +51,20 @@ def netns_unavailable() -> str | None:
         return f"`ip netns` is not available: {e}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
     return None if cp.returncode == 0 else f"cannot create network namespaces: {cp.stderr.strip()}"
+
+
+@pytest.fixture
+def agents():
+    """A factory of engine agents (`make(name, cfg)`), all closed at teardown."""
+    import multirail
+
+    made: list = []
+
+    def make(name: str, cfg: dict | None = None):
+        a = multirail.Agent(name, cfg or {})
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        a.close()

@@ -50,22 +50,6 @@ def value(samples: dict[str, Any], name: str, **labels: str) -> float | None:
     return None
 
 
-@pytest.fixture
-def agents() -> Iterator[Callable[..., Any]]:
-    import multirail
-
-    made: list[Any] = []
-
-    def make(name: str, cfg: dict[str, Any] | None = None) -> Any:
-        a = multirail.Agent(name, cfg or {})
-        made.append(a)
-        return a
-
-    yield make
-    for a in made:
-        a.close()
-
-
 def _pair(agents: Callable[..., Any], size: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
     target = agents(f"mt-{uuid.uuid4().hex[:6]}")
     src = np.arange(size, dtype=np.uint64).view(np.uint8)[:size].copy() if size >= 8 else np.zeros(size, np.uint8)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 from multirail.bench import protocol as proto
 from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_S, DEFAULT_SIZES,
                                    DEFAULT_UP_S, MODES)
-from multirail.bench.core import (BenchRow, Progress, RailRow, UsageError, block_sizes,
+from multirail.bench.core import (BenchRow, json_clean, Progress, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
 from multirail.bench.rails import RailCounters, resolve_rails
 from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep
@@ -532,17 +531,6 @@ def ratios(rows: list[BenchRow], baselines: list[BenchRow], progress: str = "ada
     return out
 
 
-def _clean(obj: Any) -> Any:
-    """JSON has no NaN: baselines without latencies get null."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchRow], problems: list[str]) -> int:
     rat = ratios(rows, baselines, getattr(args, "progress", "adaptive"))
     text_out = sys.stderr if args.json == "-" else sys.stdout
@@ -567,7 +555,7 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
         plot_sweep(rows, baselines, args.plot, title=f"multirail bench {args.bench_command} {args.op}")
         print(f"plot: {args.plot}", file=text_out)
     if args.json:
-        doc = _clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
+        doc = json_clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
                       "ratios": rat, "problems": problems,
                       "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items()
                            if k != "func"}})

@@ -233,3 +233,14 @@ class Progress:
             self.stream.write("\r" + " " * self._width + "\r")
             self.stream.flush()
             self._width = 0
+
+
+def json_clean(obj: Any) -> Any:
+    """JSON has no NaN: NaN floats (latencies a baseline does not measure) become null."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [json_clean(v) for v in obj]
+    return obj

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -64,7 +63,7 @@ from typing import Any, Callable
 import numpy as np
 
 from multirail.bench import protocol as proto
-from multirail.bench.core import (RailRow, UsageError, _M1, _M2, _M3, format_rails, format_size,
+from multirail.bench.core import (RailRow, json_clean, UsageError, _M1, _M2, _M3, format_rails, format_size,
                                   pattern, percentile)
 from multirail.bench.kvmodels import ModelSpec, load_model
 from multirail.bench.worker import BenchFailure
@@ -1114,21 +1113,11 @@ def summary(rows: list[KvRow]) -> dict[str, Any]:
     return out
 
 
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     rows: list[KvRow] = doc["rows"]
     if args.child:  # the parent prints, draws and decides
         with open(args.json, "w") as f:
-            json.dump(_clean({"rows": [r.to_json() for r in rows], "problems": doc.get("problems", []),
+            json.dump(json_clean({"rows": [r.to_json() for r in rows], "problems": doc.get("problems", []),
                               "clock": doc.get("clock", {})}), f)
         return 0
     text_out = sys.stderr if args.json == "-" else sys.stdout
@@ -1149,7 +1138,7 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
             "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items() if k != "func"}}
     if "testbed" in doc:
         full["testbed"] = doc["testbed"]
-    full = _clean(full)
+    full = json_clean(full)
     if args.json:
         if args.json == "-":
             json.dump(full, sys.stdout, indent=1)
