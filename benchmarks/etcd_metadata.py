@@ -13,9 +13,12 @@ temporary data dir, and stops it by PID at the end. Then:
 2. **keep-alive CPU**: ``--publishers`` records published with `MetadataStore` (no engines),
    for each mode in ``--modes``: ``own`` (one lease per publisher, as 200 agents on 200 hosts
    would hold: every one refreshes every TTL/3) and ``shared`` (the default inside one
-   process: every store with the same endpoints and TTL shares one lease). After publishing,
-   ``--seconds`` of steady state are measured: this process's CPU (``getrusage``: the
-   keep-alive threads are all it runs) and etcd's (utime+stime from ``/proc/PID/stat``).
+   process: every store with the same endpoints and TTL shares one lease), and for each
+   keep-alive transport in ``--keepalive``: ``grpc`` (etcd's native LeaseKeepAlive stream, one
+   per lease, the default when grpcio is installed) and ``http`` (one gateway request per
+   keep-alive). After publishing, ``--seconds`` of steady state are measured: this process's
+   CPU (``getrusage``: the keep-alive threads are all it runs) and etcd's (utime+stime from
+   ``/proc/PID/stat``).
 
 ``--json FILE`` writes everything. Results and the command that produced them: docs/etcd.md.
 """
@@ -122,9 +125,12 @@ def fetch_latency(url: str, n: int) -> dict[str, Any]:
                              "avg_us": statistics.fmean(side_us)}}
 
 
-def keepalive_cpu(url: str, etcd: Etcd, publishers: int, seconds: float, shared: bool, ttl: float) -> dict[str, Any]:
+def keepalive_cpu(url: str, etcd: Etcd, publishers: int, seconds: float, shared: bool, ttl: float,
+                  transport: str = "grpc") -> dict[str, Any]:
+    from multirail import metadata
     from multirail.metadata import MetadataStore
 
+    metadata.GRPC_KEEPALIVE = transport == "grpc"  # read when a lease is created
     blob = os.urandom(600)  # about one agent with a few regions
     stores = []
     t0 = time.monotonic()
@@ -143,10 +149,16 @@ def keepalive_cpu(url: str, etcd: Etcd, publishers: int, seconds: float, shared:
     client_cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     leases = len({id(s.lease) for s in stores})
     failures = sum(s.lease.failures for s in stores if s.lease)
+    leases_ = list({id(s.lease): s.lease for s in stores if s.lease}.values())
+    via_grpc = sum(x.grpc_keepalives for x in leases_)
+    via_http = sum(x.http_keepalives for x in leases_)
+    grpc_failures = sum(x.grpc_failures for x in leases_)
     for s in stores:
         s.close()
     kas = keepalives1 - keepalives0
-    return {"mode": "shared" if shared else "own", "publishers": publishers, "leases": leases, "ttl_s": ttl,
+    return {"mode": "shared" if shared else "own", "transport": transport,
+            "keepalives_total_grpc": via_grpc, "keepalives_total_http": via_http, "grpc_failures": grpc_failures,
+            "publishers": publishers, "leases": leases, "ttl_s": ttl,
             "publish_all_s": publish_s, "window_s": wall, "keepalives": kas, "keepalives_per_s": kas / wall,
             "client_cpu_pct_of_core": 100 * client_cpu / wall,
             "client_cpu_us_per_keepalive": 1e6 * client_cpu / kas if kas else None,
@@ -160,6 +172,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--ttl", type=float, default=10.0)
     ap.add_argument("--modes", default="own,shared")
+    ap.add_argument("--keepalive", default="grpc,http", help="keep-alive transports to compare (grpc, http)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     out: dict[str, Any] = {"host": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()}}
@@ -179,12 +192,17 @@ def main() -> int:
             out["etcd_idle_cpu_pct_of_core"] = 100 * (etcd.cpu_s() - idle0) / (time.monotonic() - w0)
             print(f"etcd idle: {out['etcd_idle_cpu_pct_of_core']:.2f}% of a core", flush=True)
             out["keepalive"] = []
-            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-                r = keepalive_cpu(url, etcd, args.publishers, args.seconds, mode == "shared", args.ttl)
+            for mode, transport in [(m.strip(), t.strip()) for m in args.modes.split(",") if m.strip()
+                                    for t in args.keepalive.split(",") if t.strip()]:
+                if transport not in ("grpc", "http"):
+                    sys.exit(f"--keepalive: {transport!r} is not grpc or http")
+                r = keepalive_cpu(url, etcd, args.publishers, args.seconds, mode == "shared", args.ttl, transport)
                 out["keepalive"].append(r)
                 per = (f", {r['client_cpu_us_per_keepalive']:.0f} us CPU per keep-alive"
                        if r["client_cpu_us_per_keepalive"] else "")
-                print(f"{r['publishers']} publishers, {r['leases']} lease(s) ({mode}), TTL {r['ttl_s']:g} s: "
+                print(f"{r['publishers']} publishers, {r['leases']} lease(s) ({mode}), keep-alive over {transport} "
+                      f"(all-time: {r['keepalives_total_grpc']} gRPC, {r['keepalives_total_http']} HTTP, "
+                      f"{r['grpc_failures']} gRPC failures), TTL {r['ttl_s']:g} s: "
                       f"{r['keepalives_per_s']:.1f} keep-alives/s; publishers' process {r['client_cpu_pct_of_core']:.2f}% "
                       f"of a core{per}; etcd {r['etcd_cpu_pct_of_core']:.2f}% of a core "
                       f"(over {r['window_s']:.0f} s; {r['keepalive_failures']} failures)", flush=True)

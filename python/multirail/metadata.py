@@ -26,7 +26,11 @@ Value stored at the key (JSON, so ``etcdctl get`` is readable)::
      "metadata": "<base64 of the engine's metadata blob>"}
 
 Client: etcd3gw (OpenStack; etcd's grpc-gateway JSON API over HTTP, etcd >= 3.4) for every
-KV, transaction and lease call. Watches read the same gateway's ``/v3/watch`` stream with our
+KV, transaction and lease call except the periodic keep-alive, which goes over etcd's native
+gRPC ``LeaseKeepAlive`` stream on the same client port (grpcio, no protobuf codegen: the two
+tiny messages are encoded here), one long-lived stream per lease, one small message per
+refresh; any gRPC trouble falls back to the gateway's HTTP keep-alive for that round, and
+without grpcio the gateway is used throughout. Watches read the same gateway's ``/v3/watch`` stream with our
 own reader: etcd3gw's ``Watcher`` has no connect/read timeout and ends silently when etcd
 restarts, which a long-lived watch must notice and resume from the next revision.
 """
@@ -743,7 +747,9 @@ def wait_for_key(client: EtcdClient, key: bytes, timeout: float) -> tuple[bytes,
 class Lease:
     """One etcd lease, the keys written under it, and the daemon thread that keeps it alive.
 
-    The thread refreshes the lease every TTL/3. When etcd cannot be reached it retries with
+    The thread refreshes the lease every TTL/3: on a `GrpcKeepAlive` stream when grpcio is
+    there and the stream works, else (and for GRPC_RETRY_S after a gRPC failure) through the
+    HTTP gateway. When etcd cannot be reached it retries with
     backoff (0.2 s doubling to min(TTL/3, 2 s)); when the lease is gone (it expired while etcd
     was unreachable from here, or etcd lost its data) it grants a new one and puts every key
     again; keys changed while etcd was away are put as soon as it answers. `close()` stops the
