@@ -32,6 +32,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+import multirail.nixl
+from multirail.bench.nixl_latency import nixl_api
+
 TARGET = 0.8  # multirail.nixl / NIXL
 
 
@@ -79,11 +82,11 @@ def setup_native(src: np.ndarray, dst: np.ndarray, n: int, size: int) -> tuple[S
     return step, close
 
 
-def setup_mr_nixl(src: np.ndarray, dst: np.ndarray, n: int, size: int) -> tuple[Step, Callable[[], None]]:
-    from multirail.nixl import nixl_agent, nixl_agent_config
-
-    t = nixl_agent("mnt", nixl_agent_config(backends=["UCX"]))
-    i = nixl_agent("mni", nixl_agent_config(backends=["UCX"]))
+def setup_nixl_api(api, prefix: str, src: np.ndarray, dst: np.ndarray, n: int, size: int) -> tuple[Step, Callable[[], None]]:
+    """Two agents of a module with NIXL's Python API (NIXL itself, or multirail.nixl) and the
+    timed step: get_xfer_descs on both Nx3 arrays, then initialize_xfer, as NIXL scripts do."""
+    t = api.nixl_agent(f"{prefix}t", api.nixl_agent_config(backends=["UCX"]))
+    i = api.nixl_agent(f"{prefix}i", api.nixl_agent_config(backends=["UCX"]))
     t.register_memory(t.get_reg_descs([(src.ctypes.data, src.nbytes, 0, "")], "DRAM"))
     i.register_memory(i.get_reg_descs([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM"))
     i.add_remote_agent(t.get_agent_metadata())
@@ -91,43 +94,18 @@ def setup_mr_nixl(src: np.ndarray, dst: np.ndarray, n: int, size: int) -> tuple[
 
     def step() -> float:
         t0 = time.perf_counter()
-        h = i.initialize_xfer("READ", i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM"), "mnt")
+        h = i.initialize_xfer("READ", i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM"), f"{prefix}t")
         dt = time.perf_counter() - t0
         i.release_xfer_handle(h)
         del h
         return dt
 
     def close() -> None:
-        i.close()
-        t.close()
+        for a in (i, t):
+            if hasattr(a, "close"):  # multirail.nixl stops its engine; NIXL's agents have no close
+                a.close()
 
     return step, close
-
-
-def setup_nixl(src: np.ndarray, dst: np.ndarray, n: int, size: int) -> Optional[tuple[Step, Callable[[], None]]]:
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:  # the PyPI wheel nixl-cu12 installs the module as nixl_cu12
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError:
-            return None
-    t = nixl_agent("nt", nixl_agent_config(backends=["UCX"]))
-    i = nixl_agent("ni", nixl_agent_config(backends=["UCX"]))
-    t.register_memory(t.get_reg_descs([(src.ctypes.data, src.nbytes, 0, "")], "DRAM"))
-    i.register_memory(i.get_reg_descs([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM"))
-    i.add_remote_agent(t.get_agent_metadata())
-    lr, rr = rows(dst.ctypes.data, n, size), rows(src.ctypes.data, n, size)
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        h = i.initialize_xfer("READ", i.get_xfer_descs(lr, "DRAM"), i.get_xfer_descs(rr, "DRAM"), "nt")
-        dt = time.perf_counter() - t0
-        i.release_xfer_handle(h)
-        del h
-        return dt
-
-    return step, lambda: None
 
 
 def main() -> None:
@@ -146,13 +124,13 @@ def main() -> None:
     # Two shared buffers (untouched pages: nothing is transferred), registered by every path.
     src, dst = np.zeros(a.count * a.size, np.uint8), np.zeros(a.count * a.size, np.uint8)
     paths: dict[str, tuple[Step, Callable[[], None]]] = {}
-    nixl = setup_nixl(src, dst, a.count, a.size)
-    if nixl is None:
+    api = nixl_api()
+    if api is None:
         print("NIXL            not importable (pip install nixl-cu12==1.5.1): skipped, no ratio to NIXL")
     else:
-        paths["NIXL"] = nixl
+        paths["NIXL"] = setup_nixl_api(api, "n", src, dst, a.count, a.size)
     paths["native"] = setup_native(src, dst, a.count, a.size)
-    paths["multirail.nixl"] = setup_mr_nixl(src, dst, a.count, a.size)
+    paths["multirail.nixl"] = setup_nixl_api(multirail.nixl, "mn", src, dst, a.count, a.size)
 
     names = list(paths)
     for _ in range(a.warmup):

@@ -7,7 +7,6 @@ move bytes exactly and respect every deadline."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 

@@ -6,14 +6,12 @@ testbed rails whose byte counters both move, then a rail taken down and readmitt
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -216,7 +214,7 @@ def test_metrics_port_in_use_is_a_typed_error(agents: Callable[..., Any]) -> Non
 def test_process_wide_server_reports_every_agent(agents: Callable[..., Any]) -> None:
     from multirail import metrics
 
-    a, b = agents("pw-a"), agents("pw-b")
+    a, _ = agents("pw-a"), agents("pw-b")
     with metrics.serve(0) as srv:
         s = scrape(srv.url)
         names = {lab["agent"] for lab, _ in s["multirail_agent_info"]}

@@ -3,7 +3,6 @@ NIXL-shaped two-peer script (two processes) whose only change from NIXL is the i
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from multirail import nixl
 import multirail.nixl.bindings  # noqa: F401  (nixl.bindings below)
 from multirail.errors import MetadataError, NotRegisteredError, OutOfBoundsError
 
-from conftest import ENV, REPO, engine_available, engine_python  # noqa: E402
+from conftest import ENV, engine_available, engine_python  # noqa: E402
 
 
 ENGINE_PY = engine_python()

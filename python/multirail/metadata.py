@@ -45,7 +45,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from multirail.errors import (InvalidArgumentError, MetadataError, MetadataStoreError,
                               TransferTimeoutError, UnknownPeerError)

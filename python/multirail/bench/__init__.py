@@ -36,7 +36,7 @@ from typing import Any
 from multirail.bench import protocol as proto
 from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_S, DEFAULT_SIZES,
                                    DEFAULT_UP_S, MODES)
-from multirail.bench.core import (BenchRow, json_clean, Progress, RailRow, UsageError, block_sizes,
+from multirail.bench.core import (BenchRow, json_clean, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
 from multirail.bench.rails import RailCounters, resolve_rails
 from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep

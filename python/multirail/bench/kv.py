@@ -276,27 +276,14 @@ def serve(*, host: str, port: int, name: str, pool_bytes: int, connections: int,
           idle_timeout: float, secret: str | None = None, progress: str = "adaptive",
           spin_us: float = 200.0) -> int:
     """The decode side: one registered pool, answers the bench and kv control messages. Prints
-    the same ready line as `bench target`."""
-    import multirail
+    the same ready line as `bench target` (target.run_served)."""
+    from multirail.bench.target import run_served
 
-    cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails, policy=policy,
-                                chunk_size=chunk_size, timeout=timeout, stall_timeout=stall_timeout,
-                                auth_secret=secret, progress=progress, spin_us=spin_us)
-    agent = multirail.Agent(name, cfg)
-    try:
-        buf = np.zeros(pool_bytes, dtype=np.uint8)
-        buf.fill(0)  # fault the pool in now, not inside the first timed request
-        reg = agent.register_memory(buf, access="rw")
-        print(json.dumps({"event": "ready", "agent": agent.name, "host": agent.host, "port": agent.port,
-                          "buffer_size": pool_bytes, "pid": os.getpid()}), flush=True)
-        try:
-            reason = _DecodeLoop(agent, buf, multirail).run(duration, idle_timeout)
-        finally:
-            agent.deregister_memory(reg)
-    finally:
-        agent.close()
-    print(json.dumps({"event": "exit", "reason": reason}), flush=True)
-    return 0 if reason == "stop" else 1
+    engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
+                  timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret, progress=progress,
+                  spin_us=spin_us)
+    return run_served(name, pool_bytes, engine,
+                      lambda agent, buf, mr: _DecodeLoop(agent, buf, mr).run(duration, idle_timeout), prefault=True)
 
 
 class _DecodeLoop:

@@ -41,9 +41,9 @@ TARGET_NAME, INIT_NAME = "nixl-kv-decode", "nixl-kv-prefill"
 
 
 def _api() -> Any:
-    from multirail.bench.nixl_latency import _nixl_api
+    from multirail.bench.nixl_latency import nixl_api
 
-    api = _nixl_api()
+    api = nixl_api()
     if api is None:
         print(json.dumps({"error": "NIXL is not importable"}), flush=True)
         sys.exit(1)

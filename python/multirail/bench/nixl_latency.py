@@ -33,7 +33,7 @@ import numpy as np
 from multirail.bench.core import BenchRow
 
 
-def _nixl_api() -> ModuleType | None:
+def nixl_api() -> ModuleType | None:
     for mod in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
             return importlib.import_module(mod)
@@ -45,8 +45,8 @@ def _nixl_api() -> ModuleType | None:
 def nixl_available(python: str | None = None) -> bool:
     """Whether `python` (default: this interpreter) can import NIXL."""
     if python is None or python == sys.executable:
-        return _nixl_api() is not None
-    code = "import multirail.bench.nixl_latency as m, sys; sys.exit(0 if m._nixl_api() else 1)"
+        return nixl_api() is not None
+    code = "import multirail.bench.nixl_latency as m, sys; sys.exit(0 if m.nixl_api() else 1)"
     return subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0
 
 
@@ -55,7 +55,7 @@ def _agent(api: ModuleType, name: str) -> Any:
 
 
 def _target(size: int, idle_s: float) -> int:
-    api = _nixl_api()
+    api = nixl_api()
     if api is None:
         print(json.dumps({"error": "NIXL is not importable"}), flush=True)
         return 1
@@ -72,7 +72,7 @@ def _target(size: int, idle_s: float) -> int:
 
 
 def _initiator(size: int, iters: int, warmup: int, meta_hex: str, descs_hex: str) -> int:
-    api = _nixl_api()
+    api = nixl_api()
     if api is None:
         print(json.dumps({"error": "NIXL is not importable"}), flush=True)
         return 1

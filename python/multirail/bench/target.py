@@ -17,7 +17,7 @@ import selectors
 import subprocess
 import tempfile
 import time
-from typing import IO, Any, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import numpy as np
 
@@ -29,21 +29,33 @@ def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
           stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
           secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0) -> int:
+    engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
+                  timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
+                  progress=progress, spin_us=spin_us)
+    return run_served(name, buffer_size, engine,
+                      lambda agent, buf, mr: _loop(agent, buf, duration, idle_timeout, corrupt_offset, mr))
+
+
+def run_served(name: str, buffer_size: int, engine: dict[str, Any],
+               loop: Callable[[Any, np.ndarray, Any], str], prefault: bool = False) -> int:
+    """A serving bench process (`bench target`, the kv decode side): an agent with `engine`
+    (AgentConfig fields) and one registered read-write buffer; prints the JSON ready line, runs
+    `loop(agent, buf, multirail)` until it returns its exit reason, then the exit line. Exit 0
+    when the initiator stopped it. `prefault`: touch the buffer first, so no timed transfer pays
+    its page faults."""
     import multirail  # lazy: the tool must import without the extension
 
-    cfg = multirail.AgentConfig(host=host, port=port, connections=connections, rails=rails,
-                                policy=policy, chunk_size=chunk_size, timeout=timeout,
-                                stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
-                                progress=progress, spin_us=spin_us)
-    agent = multirail.Agent(name, cfg)
-    buf = np.zeros(buffer_size, dtype=np.uint8)
+    agent = multirail.Agent(name, multirail.AgentConfig(**engine))
     try:
+        buf = np.zeros(buffer_size, dtype=np.uint8)
+        if prefault:
+            buf.fill(0)
         reg = agent.register_memory(buf, access="rw")
         print(json.dumps({"event": "ready", "agent": agent.name, "host": agent.host,
                           "port": agent.port, "buffer_size": buffer_size, "pid": os.getpid()}),
               flush=True)
         try:
-            reason = _loop(agent, buf, duration, idle_timeout, corrupt_offset, multirail)
+            reason = loop(agent, buf, multirail)
         finally:
             agent.deregister_memory(reg)
     finally:
