@@ -113,7 +113,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -131,6 +131,7 @@ impl PyAgent {
         secret: Option<Vec<u8>>,
         progress: &str,
         spin_us: f64,
+        transport: &str,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -155,6 +156,8 @@ impl PyAgent {
             return Err(PyValueError::new_err("spin_us must be between 0 and 1,000,000"));
         }
         cfg.spin = Duration::from_secs_f64(spin_us / 1e6);
+        cfg.transport = multirail::config::TransportKind::parse(transport)
+            .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp' or 'ucx', not {transport:?}")))?;
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }
@@ -252,6 +255,9 @@ impl PyAgent {
             d.set_item("local_addr", r.local_addr)?;
             d.set_item("remote_addr", r.remote_addr)?;
             d.set_item("connections", r.connections)?;
+            d.set_item("transport", r.transport)?;
+            d.set_item("one_sided", r.caps.one_sided)?;
+            d.set_item("remote_vram", r.caps.remote_vram)?;
             d.set_item("up", r.stats.up)?;
             d.set_item("bytes", r.stats.bytes_done)?;
             d.set_item("chunks", r.stats.chunks_done)?;

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use multirail_proto::PlannerConfig;
 
+pub use crate::transport::TransportKind;
+
 /// One local rail: an interface (or just an address) whose traffic leaves through one NIC.
 #[derive(Debug, Clone)]
 pub struct RailSpec {
@@ -84,6 +86,8 @@ pub struct Config {
     /// Busy-poll budget per wait for `Progress::Adaptive` (callers and serving connections)
     /// and for serving connections under `Progress::Poll`.
     pub spin: Duration,
+    /// What carries the rails (see `transport`).
+    pub transport: TransportKind,
 }
 
 impl Default for Config {
@@ -101,6 +105,7 @@ impl Default for Config {
             conn_window: 16,
             progress: Progress::Adaptive,
             spin: Duration::from_micros(200),
+            transport: TransportKind::Tcp,
         }
     }
 }

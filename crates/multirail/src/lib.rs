@@ -6,10 +6,11 @@
 //!   [`server`]: every remote READ/WRITE is checked against the registry before any memory is
 //!   touched, and bulk bytes move between the socket and registered memory directly.
 //! - [`peer::Peer`] is a remote agent as seen from here: its metadata, and once used, a
-//!   [`peer::Link`]: one connection set per rail, each connection with a sender (pulls chunks
-//!   from the shared planner when it has window room) and a receiver (lands READ data in place,
-//!   reports completions). A failing rail is shut, its chunks are reissued on the others, and it
-//!   is probed and readmitted later.
+//!   [`link::Link`]: the planner that stripes transfers over the rails, failover (a failing
+//!   rail is shut, its chunks are reissued on the others once fenced, and it is probed and
+//!   readmitted later), notifications and completion. What carries the rails is a
+//!   [`transport`]: TCP connections (`transport::tcp`: per connection a sender that pulls
+//!   chunks when it has window room and a receiver that lands READ data in place) or UCX.
 //! - [`xfer`] holds transfer handles and their state.
 //!
 //! Threads, not async: a handful of blocking threads per peer keep the data path short (one
@@ -19,9 +20,11 @@ pub mod agent;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod link;
 pub mod peer;
 pub mod registry;
 pub mod server;
+pub mod transport;
 pub mod wire;
 pub mod xfer;
 

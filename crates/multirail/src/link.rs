@@ -1,0 +1,738 @@
+//! A link: the transport-independent half of the connection to one peer.
+//!
+//! It owns the planner that stripes transfers over the rails (chunk scheduling, weights, tail
+//! balancing), the transfers in flight, failover (a failed rail's chunks are requeued once its
+//! last path stopped and its WRITE paths are fenced on the target), probing and readmission of
+//! down rails, notifications (over the control connection) and completion. What carries the
+//! rails is a [`Transport`] (`transport::tcp`, `transport::ucx`), which pulls chunks from the
+//! link and reports back to it (see `transport/mod.rs` for the contract).
+//!
+//! Lock order: `sched` before nothing else; a transport never calls into the link while holding
+//! a lock the link's callbacks take, and never does I/O under `sched`.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{Role, Status};
+use multirail_proto::{Body, Chunk, ChunkId, Event, Planner, RailInfo, RegionKey, XferId};
+
+use crate::agent::Ctx;
+use crate::error::{Error, Result};
+use crate::peer::{abort_socket, dial_id, link_down, status_error, Peer, PeerCounters, RailIo, RailReport};
+use crate::transport::{tcp::TcpRails, Transport, TransportKind};
+use crate::wire;
+use crate::xfer::{Op, XferShared};
+
+/// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
+const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a busy connection may be quiet before its local link's carrier is checked.
+pub(crate) const LINK_CHECK: Duration = Duration::from_millis(100);
+
+/// One rail of a link, whatever carries it: addresses, counters, failure and readmission state.
+pub(crate) struct RailState {
+    /// The local rail's device and address (None: let the kernel choose).
+    pub local: Option<(String, IpAddr)>,
+    /// The peer's side-channel address on this rail (handshakes, fences, UCX sessions).
+    pub remote: SocketAddr,
+    pub remote_name: String,
+    probing: AtomicBool,
+    /// Serialises readmission (the probe thread and a caller reviving a dead link).
+    readmit: Mutex<()>,
+    /// This rail's counters (shared with the `Peer`, so they outlive the link).
+    pub io: Arc<RailIo>,
+    /// First failure cause since the rail was last opened.
+    failure: Mutex<Option<String>>,
+}
+
+struct Sched {
+    planner: Planner,
+    xfers: HashMap<XferId, Arc<XferShared>>,
+    next_xfer: u64,
+}
+
+/// The live connections to one peer and the planner that stripes over them.
+pub struct Link {
+    pub(crate) peer_name: String,
+    pub(crate) incarnation: u64,
+    pub(crate) ctx: Arc<Ctx>,
+    /// The peer's region keys, by region id (sent with each request on TCP).
+    pub(crate) keys: HashMap<u64, RegionKey>,
+    pub(crate) rails: Vec<RailState>,
+    /// What carries the rails.
+    t: Box<dyn Transport>,
+    sched: Mutex<Sched>,
+    cond: Condvar,
+    control: Mutex<Option<TcpStream>>,
+    notify_tx: Mutex<Option<mpsc::Sender<Arc<XferShared>>>>,
+    shutdown: AtomicBool,
+    /// Set when the peer is known gone for good (restarted: stale metadata).
+    pub(crate) fatal: Mutex<Option<Error>>,
+    /// Shared with the [`Peer`]; see `Peer::unfenced`.
+    unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
+    /// Shared with the [`Peer`].
+    counters: Arc<PeerCounters>,
+    /// Time base of `Conn::caller_at`.
+    epoch: Instant,
+    /// Threads that may touch registered memory through this link right now (senders,
+    /// receivers, callers posting or driving a transfer); `close` waits until none is left.
+    active: AtomicUsize,
+}
+
+/// One thread counted in `Link::active` (see [`Link::enter`]).
+pub(crate) struct Active<'a>(&'a AtomicUsize);
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
+    if !ctx.cfg.rail_map.is_empty() {
+        return ctx.cfg.rail_map.iter().copied().filter(|&(l, r)| l < ctx.rails.len() && r < remote.len()).collect();
+    }
+    let mut pairs = Vec::new();
+    let mut used = vec![false; remote.len()];
+    for (li, l) in ctx.rails.iter().enumerate() {
+        let Some(la) = l.addr else { continue };
+        let found = remote
+            .iter()
+            .enumerate()
+            .find(|(ri, r)| !used[*ri] && r.addr.parse::<IpAddr>().is_ok_and(|ra| same_subnet(la, ra, l.prefix_len)));
+        if let Some((ri, _)) = found {
+            used[ri] = true;
+            pairs.push((li, ri));
+        }
+    }
+    if pairs.is_empty() && !remote.is_empty() {
+        // No shared subnet (loopback default, routed fabric): pair by index.
+        let n = ctx.rails.len().max(1).min(remote.len().max(ctx.rails.len()));
+        for i in 0..n {
+            pairs.push((i % ctx.rails.len().max(1), i % remote.len()));
+        }
+        pairs.dedup();
+    }
+    pairs
+}
+
+fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
+    match (a, b) {
+        (IpAddr::V4(a), IpAddr::V4(b)) if prefix > 0 && prefix <= 32 => {
+            let m = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
+            u32::from(a) & m == u32::from(b) & m
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) if prefix > 0 && prefix <= 128 => {
+            let m = u128::MAX.checked_shl(128 - prefix as u32).unwrap_or(0);
+            u128::from(a) & m == u128::from(b) & m
+        }
+        _ => false,
+    }
+}
+
+impl Link {
+    pub(crate) fn connect(peer: &Arc<Peer>) -> Result<Arc<Link>> {
+        let ctx = peer.ctx.clone();
+        let pairs = rail_pairs(&ctx, &peer.meta.rails);
+        if pairs.is_empty() {
+            return Err(Error::Metadata(format!("peer {:?} publishes no rail this agent can reach", peer.name)));
+        }
+        let mut planner = Planner::new(ctx.cfg.planner.clone());
+        let now = Instant::now();
+        let io = peer.rail_io(pairs.len());
+        let mut rails = Vec::new();
+        for &(li, ri) in &pairs {
+            let l = &ctx.rails[li];
+            let r = &peer.meta.rails[ri];
+            let mut ip: IpAddr = r.addr.parse().map_err(|_| Error::Metadata(format!("bad rail address {:?}", r.addr)))?;
+            if ip.is_unspecified() {
+                ip = peer.addr_hint.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+            }
+            let speeds: Vec<u64> = [l.speed_mbps, r.speed_mbps].into_iter().filter(|s| *s > 0).collect();
+            let hint = speeds.iter().min().map(|m| *m as f64 * 1e6 / 8.0);
+            planner.add_rail(hint, now);
+            rails.push(RailState {
+                local: l.addr.filter(|a| !a.is_unspecified()).map(|a| (l.device.clone(), a)),
+                remote: SocketAddr::new(ip, r.port),
+                remote_name: r.name.clone(),
+                probing: AtomicBool::new(false),
+                readmit: Mutex::new(()),
+                io: io[rails.len()].clone(),
+                failure: Mutex::new(None),
+            });
+        }
+        let t: Box<dyn Transport> = match ctx.cfg.transport {
+            TransportKind::Tcp => Box::new(TcpRails::new(rails.len())),
+            TransportKind::Ucx => {
+                return Err(Error::InvalidArgument("the ucx transport is not built into this engine".into()));
+            }
+        };
+        let link = Arc::new(Link {
+            peer_name: peer.name.clone(),
+            incarnation: peer.meta.incarnation,
+            ctx: ctx.clone(),
+            keys: peer.keys.clone(),
+            rails,
+            t,
+            sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1 }),
+            cond: Condvar::new(),
+            control: Mutex::new(None),
+            notify_tx: Mutex::new(None),
+            shutdown: AtomicBool::new(false),
+            fatal: Mutex::new(None),
+            unfenced: peer.unfenced.clone(),
+            counters: peer.counters.clone(),
+            active: AtomicUsize::new(0),
+            epoch: Instant::now(),
+        });
+        let mut first_err = None;
+        let mut any = false;
+        for ri in 0..link.rails.len() {
+            match link.open_rail(ri, ctx.cfg.timeout) {
+                Ok(()) => any = true,
+                Err(e) => {
+                    if matches!(e, Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_) | Error::Decode { .. }) {
+                        link.close();
+                        return Err(e);
+                    }
+                    let mut g = link.sched.lock().expect("sched lock");
+                    g.planner.handle_rail_down(ri, format!("connect failed: {e}"), Instant::now());
+                    drop(g);
+                    link.start_probe(ri);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if !any {
+            link.close();
+            return Err(first_err.unwrap_or_else(|| Error::PeerLost { peer: peer.name.clone(), reason: "no rail could connect".into() }));
+        }
+        // Connections of an earlier link that died with WRITEs aboard must be fenced before
+        // anything is written through this one.
+        let live: Vec<usize> = (0..link.rails.len()).filter(|&r| link.t.is_up(r)).collect();
+        if let Err(e) = link.fence_pending(&live) {
+            link.close();
+            return Err(e);
+        }
+        // Drain the RailDown events of rails that failed to connect.
+        link.sched.lock().expect("sched lock").planner.poll_event();
+        let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
+        *link.notify_tx.lock().expect("link lock") = Some(tx);
+        let l2 = link.clone();
+        std::thread::Builder::new()
+            .name(format!("mr-notify-{}", peer.name))
+            .spawn(move || {
+                while let Ok(x) = rx.recv() {
+                    let msg = x.notif.lock().expect("xfer lock").clone();
+                    let r = l2.control_request(Body::Notif(msg));
+                    x.finish(r);
+                }
+            })
+            .map_err(|e| Error::io("spawn", e))?;
+        Ok(link)
+    }
+
+    pub(crate) fn usable(&self) -> bool {
+        !self.shutdown.load(Ordering::Acquire) && self.fatal.lock().expect("link lock").is_none()
+    }
+
+    /// True once the link is shutting down: transport threads leave.
+    pub(crate) fn is_shutdown(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+
+    /// The next chunk the planner has for rail `ri`, with its transfer; None when there is
+    /// nothing for the rail now (or its rail window is full: a completion wakes the senders).
+    pub(crate) fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
+        let mut g = self.sched.lock().expect("sched lock");
+        let chunk = g.planner.poll_work(ri, Instant::now())?;
+        match g.xfers.get(&chunk.xfer).cloned() {
+            Some(x) => Some((chunk, x)),
+            None => {
+                // Cannot happen: the planner only hands out chunks of transfers in `xfers`.
+                g.planner.cancel(chunk.xfer);
+                None
+            }
+        }
+    }
+
+    /// For a rail's own sending thread: wait until `room()` and the planner has a chunk for rail
+    /// `ri`, or `stop()`. Polls and sleeps under one lock hold, so no wakeup is lost between.
+    pub(crate) fn wait_chunk(&self, ri: usize, room: impl Fn() -> bool, stop: impl Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)> {
+        let mut g = self.sched.lock().expect("sched lock");
+        loop {
+            if self.is_shutdown() || stop() {
+                return None;
+            }
+            if room() {
+                if let Some(chunk) = g.planner.poll_work(ri, Instant::now()) {
+                    if let Some(x) = g.xfers.get(&chunk.xfer).cloned() {
+                        return Some((chunk, x));
+                    }
+                    g.planner.cancel(chunk.xfer);
+                    continue;
+                }
+            }
+            g = self.cond.wait_timeout(g, Duration::from_millis(100)).expect("sched lock").0;
+        }
+    }
+
+    /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.
+    pub(crate) fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>) {
+        let now = Instant::now();
+        let mut g = self.sched.lock().expect("sched lock");
+        match r {
+            Ok(()) => {
+                let io = &self.rails[ri].io;
+                let (bytes, chunks) = match x.op {
+                    Op::Read => (&io.bytes_read, &io.chunks_read),
+                    Op::Write => (&io.bytes_written, &io.chunks_written),
+                };
+                bytes.fetch_add(len, Ordering::Relaxed);
+                chunks.fetch_add(1, Ordering::Relaxed);
+                g.planner.handle_done(chunk, now);
+            }
+            Err((status, msg)) => {
+                x.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
+                g.planner.handle_failed(chunk, msg, now);
+            }
+        }
+        let done = self.drain_events(&mut g);
+        // Wake the senders only when there is work left; an idle completion (the common case
+        // for small transfers) costs no extra thread wakeups.
+        let more = !g.planner.is_idle();
+        drop(g);
+        self.complete(done);
+        if more {
+            self.cond.notify_all();
+        }
+    }
+
+    /// A path (connection, endpoint) of rail `ri` stopped. `last` runs under the rail's
+    /// readmission lock and says whether it was the rail's last live path (the transport counts);
+    /// then nothing of the rail touches local memory any more, and its chunks can be reissued
+    /// elsewhere once the target has fenced the paths that carried WRITEs (frames still queued in
+    /// the dead path must never land after the reissue).
+    pub(crate) fn path_stopped(self: &Arc<Self>, ri: usize, last: impl FnOnce() -> bool) {
+        let rail = &self.rails[ri];
+        // Under the readmit lock: a rail is never readmitted between its last path stopping and
+        // the planner learning that it is down.
+        let _one = rail.readmit.lock().expect("rail lock");
+        if !last() {
+            return;
+        }
+        let shutting = self.shutdown.load(Ordering::Acquire);
+        let reason = if shutting { "link closed".to_string() } else { "connections lost".to_string() };
+        let reason = rail.failure.lock().expect("rail lock").take().unwrap_or(reason);
+        if !shutting {
+            let ids = self.t.fence_ids(ri);
+            self.unfenced.lock().expect("fence lock").extend(ids);
+            let others: Vec<usize> = (0..self.rails.len()).filter(|&r| r != ri && self.t.is_up(r)).collect();
+            if let Err(e) = self.fence_pending(&others) {
+                if !others.is_empty() {
+                    // Other rails are carrying data, and the target might still apply this
+                    // rail's stale WRITEs over what they write: stop everything. The next link
+                    // fences first.
+                    let why = format!("rail {ri} failed ({reason}) and its connections could not be fenced: {e}");
+                    self.ctx.log(&format!("peer {}: {why}", self.peer_name));
+                    self.close_with(&why);
+                    return;
+                }
+                // No rail left: the transfers fail below, and nothing is written again before a
+                // probe has fenced (see `start_probe`).
+            }
+        }
+        let mut g = self.sched.lock().expect("sched lock");
+        g.planner.handle_rail_down(ri, reason, Instant::now());
+        let done = self.drain_events(&mut g);
+        drop(g);
+        self.complete(done);
+        self.cond.notify_all();
+        if !self.shutdown.load(Ordering::Acquire) {
+            self.start_probe(ri);
+        }
+    }
+
+    /// See [`Transport::drive`].
+    pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        let Some(_active) = self.enter() else { return false };
+        self.t.drive(self, x, deadline, poll_only)
+    }
+
+    /// Count the calling thread as one that may touch registered memory through this link;
+    /// None once the link is shutting down. With `close` (which sets `shutdown`, then waits for
+    /// `active` to reach zero) this is a store-then-load handshake on both sides (SeqCst):
+    /// either `close` sees the count or the thread sees the shutdown.
+    pub(crate) fn enter(&self) -> Option<Active<'_>> {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.shutdown.load(Ordering::SeqCst) {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        Some(Active(&self.active))
+    }
+
+    pub(crate) fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    /// True when no rail of the link has a live connection.
+    fn all_down(&self) -> bool {
+        (0..self.rails.len()).all(|r| !self.t.is_up(r))
+    }
+
+    /// A link whose every rail is down is probed now, from the caller's thread, rather than
+    /// left to the background probe's backoff: a peer that restarted is found out (its new
+    /// incarnation fails the handshake) and reported as stale at once, and one that came back
+    /// is readmitted before the caller's transfer fails for want of a rail. One dial per rail,
+    /// each bounded by `stall_timeout` (at least 200 ms, at most `timeout`).
+    pub(crate) fn revive(self: &Arc<Self>) -> Result<()> {
+        if !self.all_down() {
+            return Ok(());
+        }
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
+        for ri in 0..self.rails.len() {
+            match self.readmit(ri, per_try) {
+                Ok(_) => {}
+                Err(e @ Error::StaleMetadata { .. }) => {
+                    self.ctx.log(&format!("peer {}: {e}", self.peer_name));
+                    *self.fatal.lock().expect("link lock") = Some(e.clone());
+                    return Err(e);
+                }
+                Err(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Reconnect rail `ri` (fencing pending connections first) and readmit it. Ok(false) when
+    /// it was already up. Serialised per rail, so the probe and a reviving caller never open
+    /// a rail twice.
+    fn readmit(self: &Arc<Self>, ri: usize, dial_timeout: Duration) -> Result<bool> {
+        let _one = self.rails[ri].readmit.lock().expect("rail lock");
+        if self.shutdown.load(Ordering::Acquire) {
+            return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
+        }
+        if self.t.is_up(ri) {
+            return Ok(false);
+        }
+        // Fence first: a rail is not readmitted while dead connections are unfenced.
+        let mut via: Vec<usize> = (0..self.rails.len()).filter(|&r| r != ri && self.t.is_up(r)).collect();
+        via.push(ri);
+        self.fence_pending(&via)?;
+        self.open_rail(ri, dial_timeout)?;
+        self.rails[ri].io.readmissions.fetch_add(1, Ordering::Relaxed);
+        let mut g = self.sched.lock().expect("sched lock");
+        g.planner.handle_rail_up(ri, Instant::now());
+        let done = self.drain_events(&mut g);
+        drop(g);
+        self.complete(done);
+        self.cond.notify_all();
+        Ok(true)
+    }
+
+    /// Open rail `ri` through the transport.
+    fn open_rail(self: &Arc<Self>, ri: usize, timeout: Duration) -> Result<()> {
+        self.t.open_rail(self, ri, timeout)
+    }
+
+    pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
+        if !self.usable() {
+            return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
+        }
+        let mut g = self.sched.lock().expect("sched lock");
+        let id = XferId(g.next_xfer);
+        g.next_xfer += 1;
+        x.current.store(id.0, Ordering::Release);
+        g.xfers.insert(id, x.clone());
+        g.planner.submit(id, x.pairs.as_ref().clone(), Instant::now());
+        let done = self.drain_events(&mut g);
+        drop(g);
+        self.complete(done);
+        // Post the first chunks from this thread: saves a wakeup on the latency path. The
+        // transport's own threads are woken only if some rail ran out of room with work left.
+        let Some(_active) = self.enter() else { return Ok(()) };
+        if self.t.post_ready(self, will_drive) {
+            self.cond.notify_all();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn cancel(&self, x: &Arc<XferShared>) {
+        let id = XferId(x.current.load(Ordering::Acquire));
+        let mut g = self.sched.lock().expect("sched lock");
+        g.planner.cancel(id);
+        g.xfers.remove(&id);
+        drop(g);
+        // Wait until no connection still holds a chunk of this transfer.
+        let deadline = Instant::now() + self.ctx.cfg.planner.stall_timeout + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let busy = self.t.holds(x);
+            if !busy {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Planner events -> transfer outcomes (applied by `complete` outside the lock).
+    fn drain_events(&self, g: &mut Sched) -> Vec<(Arc<XferShared>, Result<()>)> {
+        let mut out = Vec::new();
+        while let Some(ev) = g.planner.poll_event() {
+            match ev {
+                Event::XferDone(id) => {
+                    if let Some(x) = g.xfers.remove(&id) {
+                        out.push((x, Ok(())));
+                    }
+                }
+                Event::XferFailed { xfer, reason } => {
+                    if let Some(x) = g.xfers.remove(&xfer) {
+                        out.push((x, Err(Error::PeerLost { peer: self.peer_name.clone(), reason })));
+                    }
+                }
+                Event::RailDown { rail, reason } => {
+                    self.ctx.log(&format!("peer {}: rail {rail} down: {reason}", self.peer_name));
+                }
+                Event::RailUp(rail) => self.ctx.log(&format!("peer {}: rail {rail} up again", self.peer_name)),
+            }
+        }
+        out
+    }
+
+    fn complete(&self, done: Vec<(Arc<XferShared>, Result<()>)>) {
+        for (x, r) in done {
+            let has_notif = r.is_ok() && !x.notif.lock().expect("xfer lock").is_empty();
+            if has_notif {
+                if let Some(tx) = self.notify_tx.lock().expect("link lock").as_ref() {
+                    if tx.send(x.clone()).is_ok() {
+                        continue;
+                    }
+                }
+                x.finish(Err(Error::PeerLost {
+                    peer: self.peer_name.clone(),
+                    reason: "link closed before the notification was sent".into(),
+                }));
+            } else {
+                x.finish(r);
+            }
+        }
+    }
+
+    /// Shut every connection of a rail so all its receivers stop.
+    pub(crate) fn rail_failed(&self, ri: usize, reason: String) {
+        let rail = &self.rails[ri];
+        self.ctx.log(&format!("peer {}: rail {ri} ({}) failed: {reason}", self.peer_name, rail.remote));
+        // Its paths take no new chunks; chunks in flight are requeued when the last path of the
+        // rail has stopped (see `path_stopped`).
+        rail.failure.lock().expect("rail lock").get_or_insert(reason);
+        self.t.shut_rail(ri);
+    }
+
+    /// Reconnect a down rail in the background and readmit it.
+    fn start_probe(self: &Arc<Self>, ri: usize) {
+        if self.rails[ri].probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let l = self.clone();
+        let _ = std::thread::Builder::new().name(format!("mr-probe-{ri}")).spawn(move || {
+            let mut backoff = Duration::from_millis(200);
+            let dev = l.rails[ri].local.as_ref().map(|x| x.0.clone()).filter(|d| !d.is_empty());
+            let dial_timeout = l.ctx.cfg.timeout.min(FENCE_TIMEOUT);
+            while !l.shutdown.load(Ordering::Acquire) {
+                std::thread::sleep(backoff);
+                if l.shutdown.load(Ordering::Acquire) || l.t.is_up(ri) {
+                    break;
+                }
+                if dev.as_deref().and_then(link_down).is_some() {
+                    // The local link is still down: watch it closely (cheap) instead of dialing.
+                    backoff = LINK_CHECK;
+                    continue;
+                }
+                match l.readmit(ri, dial_timeout) {
+                    Ok(_) => break,
+                    Err(e @ Error::StaleMetadata { .. }) => {
+                        l.ctx.log(&format!("peer {}: {e}", l.peer_name));
+                        *l.fatal.lock().expect("link lock") = Some(e);
+                        break;
+                    }
+                    Err(_) => backoff = (backoff * 2).min(Duration::from_secs(2)),
+                }
+            }
+            l.rails[ri].probing.store(false, Ordering::Release);
+        });
+    }
+
+    /// Have the peer fence every connection in `unfenced`, over a fresh connection on the first
+    /// of `via` that works. Ok when there was nothing to fence.
+    fn fence_pending(&self, via: &[usize]) -> Result<()> {
+        let ids: Vec<[u8; 16]> = self.unfenced.lock().expect("fence lock").clone();
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let timeout = self.ctx.cfg.timeout.min(FENCE_TIMEOUT);
+        let mut last = Error::PeerLost { peer: self.peer_name.clone(), reason: "no live rail to send a fence on".into() };
+        for &ri in via {
+            let rail = &self.rails[ri];
+            let t0 = Instant::now();
+            let r = dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, Some((&self.peer_name, self.incarnation)), timeout)
+                .and_then(|(mut s, _)| {
+                    let deadline = Instant::now() + timeout;
+                    let mut tick = |_: bool| if Instant::now() > deadline { Err("fence timed out".to_string()) } else { Ok(()) };
+                    for part in ids.chunks(multirail_proto::codec::MAX_FENCE) {
+                        let r =
+                            wire::send(&mut s, &Body::Fence(part.to_vec()), 0, &mut tick).and_then(|_| wire::read_frame(&mut s, &mut tick));
+                        match r {
+                            Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
+                            Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
+                                return Err(status_error(&self.peer_name, status, msg))
+                            }
+                            Ok((_, other)) => {
+                                return Err(Error::Protocol {
+                                    who: self.peer_name.clone(),
+                                    msg: format!("unexpected {:?} in answer to a fence", other.kind()),
+                                })
+                            }
+                            Err(e) => return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: format!("fence: {e}") }),
+                        }
+                    }
+                    let _ = s.shutdown(Shutdown::Both);
+                    Ok(())
+                });
+            match r {
+                Ok(()) => {
+                    self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
+                    self.counters.fenced_connections.fetch_add(ids.len() as u64, Ordering::Relaxed);
+                    self.ctx.log(&format!(
+                        "peer {}: fenced {} dead connection(s) via rail {ri} in {:?}",
+                        self.peer_name,
+                        ids.len(),
+                        t0.elapsed()
+                    ));
+                    return Ok(());
+                }
+                Err(e @ Error::StaleMetadata { .. }) => {
+                    // The peer restarted: none of the old connections exist any more.
+                    self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
+                    return Err(e);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    /// One request/response on the control connection (notifications), failing over between
+    /// rails: each try gets `stall_timeout` (at least 200 ms) for its answer; a rail that does
+    /// not answer, or whose local link is down, is left for the next one, until the agent's
+    /// `timeout`. A notification whose answer was lost may thus arrive twice (at least once).
+    pub(crate) fn control_request(&self, body: Body) -> Result<()> {
+        let who = self.peer_name.clone();
+        let overall = Instant::now() + self.ctx.cfg.timeout;
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
+        let mut g = self.control.lock().expect("control lock");
+        let mut last: Option<Error> = None;
+        let mut tries = 0usize;
+        while Instant::now() < overall {
+            tries += 1;
+            if g.is_none() {
+                // Rails whose local link is up, those still carrying data first.
+                let up = |r: &RailState| r.local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down).is_none();
+                let mut order: Vec<usize> = (0..self.rails.len()).filter(|&r| up(&self.rails[r])).collect();
+                order.sort_by_key(|&r| !self.t.is_up(r));
+                if order.is_empty() {
+                    order = (0..self.rails.len()).collect();
+                }
+                let ri = order[(tries - 1) % order.len()];
+                let rail = &self.rails[ri];
+                let expect = Some((self.peer_name.as_str(), self.incarnation));
+                match dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, expect, per_try) {
+                    Ok((s, _)) => *g = Some(s),
+                    Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
+                    Err(e) => {
+                        last = Some(e);
+                        continue;
+                    }
+                }
+            }
+            let s = g.as_mut().expect("connected");
+            let deadline = Instant::now() + per_try;
+            let mut tick =
+                |_: bool| if Instant::now() > deadline { Err("no answer on the control connection".to_string()) } else { Ok(()) };
+            let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
+            match r {
+                Ok((_, Body::Resp { status: Status::Ok, .. })) => return Ok(()),
+                Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
+                    *g = None;
+                    return Err(status_error(&who, status, msg));
+                }
+                Ok((_, other)) => {
+                    *g = None;
+                    return Err(Error::Protocol { who, msg: format!("unexpected {:?} on the control connection", other.kind()) });
+                }
+                Err(e) => {
+                    // Dead or silent path: drop this connection (purging what is queued on it)
+                    // and try the next rail.
+                    if let Some(s) = g.take() {
+                        abort_socket(&s);
+                    }
+                    last = Some(Error::PeerLost { peer: who.clone(), reason: format!("control connection: {e}") });
+                }
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::Timeout(format!("control request to {who} not answered within {:?}", self.ctx.cfg.timeout))))
+    }
+
+    pub(crate) fn rail_reports(&self) -> Vec<RailReport> {
+        let g = self.sched.lock().expect("sched lock");
+        self.rails
+            .iter()
+            .enumerate()
+            .map(|(i, r)| RailReport {
+                name: r.remote_name.clone(),
+                local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
+                remote_addr: r.remote.to_string(),
+                connections: self.t.paths(i),
+                transport: self.t.describe(i),
+                caps: self.t.caps(),
+                stats: g.planner.rail_stats(i),
+                io: r.io.snapshot(),
+            })
+            .collect()
+    }
+
+    /// Shut the link down and return once no thread of it touches registered memory any more
+    /// (senders, receivers, callers posting or driving): after this the application may free
+    /// the memory its transfers named. Must not be called from a link thread (they count in
+    /// `active`); those use `close_with`.
+    pub(crate) fn close(&self) {
+        self.close_with("link closed");
+        // Every such thread sees `shutdown` within a tick: sockets are aborted, senders woken.
+        let deadline = Instant::now() + self.ctx.cfg.timeout.max(Duration::from_secs(5));
+        while self.active.load(Ordering::SeqCst) > 0 {
+            if Instant::now() > deadline {
+                self.ctx.log(&format!("peer {}: link threads still running after close", self.peer_name));
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Shut everything down; transfers still pending fail with `reason`.
+    fn close_with(&self, reason: &str) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        self.t.close();
+        if let Some(s) = self.control.lock().expect("control lock").take() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        self.notify_tx.lock().expect("link lock").take();
+        let mut g = self.sched.lock().expect("sched lock");
+        let pending: Vec<Arc<XferShared>> = g.xfers.drain().map(|(_, x)| x).collect();
+        drop(g);
+        for x in pending {
+            x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: reason.into() }));
+        }
+        self.cond.notify_all();
+    }
+}

@@ -1,0 +1,104 @@
+//! The transport seam: what one transport (TCP sockets, UCX) does for the rails of one link.
+//!
+//! A [`Link`] is transport-independent: it owns the planner (chunk scheduling, weights, tail
+//! balancing), the transfers in flight, failover (a rail's chunks requeued once its last path
+//! stopped), the fence -> reissue -> readmit sequence, notifications and completion. A
+//! [`Transport`] moves chunks over the link's rails and reports back through the link:
+//!
+//! | the transport calls | when |
+//! |---|---|
+//! | [`Link::next_chunk`] / [`Link::wait_chunk`] | it has room for one more chunk on a rail |
+//! | [`Link::chunk_done`] | a chunk finished (landed, or refused by the target) |
+//! | [`Link::rail_failed`] | a path of a rail failed (the link then shuts the rail: `shut_rail`) |
+//! | [`Link::path_stopped`] | a path stopped; the last one of a rail runs the rail-down path |
+//! | [`Link::enter`] | before a thread of its own touches registered memory |
+//!
+//! Rules every transport keeps (the conformance tests in `tests/test_transports.py` check them
+//! through the Python API, for each transport):
+//! - A chunk handed out by the link is reported exactly once, through `chunk_done` or by its
+//!   rail's last path stopping (then the planner requeues it).
+//! - When `path_stopped` reports the last path of a rail, nothing of that rail touches local
+//!   memory any more, and `fence_ids` names every path of the rail that carried a WRITE: the
+//!   link has the target fence them before any chunk is reissued.
+//! - After `close` returns no new work starts; threads of the transport leave within a tick of
+//!   seeing `Link::is_shutdown` (the link waits for `enter` counts to drain).
+//! - Nothing blocks without a deadline: a silent peer is a stall after `stall_timeout`.
+//!
+//! docs/transports.md is the guide for writing a new one.
+
+pub(crate) mod tcp;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::Result;
+use crate::link::Link;
+use crate::xfer::XferShared;
+
+/// What a transport can do; reported per rail by `rail_stats()` and used by the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// Can READ/WRITE straight into remote device (GPU) memory (GPUDirect RDMA).
+    pub remote_vram: bool,
+    /// One-sided: the target's CPU does not touch the bytes (RDMA). TCP and UCX's tcp
+    /// transport are two-sided (the target's thread copies).
+    pub one_sided: bool,
+    /// A waiting caller can drive its own completions (`Transport::drive`) instead of being
+    /// woken by a transport thread: the low-latency path.
+    pub caller_driven: bool,
+}
+
+/// The transports a link can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    #[default]
+    Tcp,
+    Ucx,
+}
+
+impl TransportKind {
+    pub fn parse(s: &str) -> Option<TransportKind> {
+        match s {
+            "tcp" => Some(TransportKind::Tcp),
+            "ucx" => Some(TransportKind::Ucx),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
+}
+
+/// The rails of one link over one transport.
+pub(crate) trait Transport: Send + Sync {
+    fn caps(&self) -> Caps;
+    /// Open rail `ri` (its connections or endpoints, and the threads that move its chunks) to
+    /// the link's peer, within `timeout`. On success the rail pulls work from the link.
+    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()>;
+    /// Whether rail `ri` has a live path.
+    fn is_up(&self, ri: usize) -> bool;
+    /// Start what the planner has for every rail from the calling thread (a post saves a
+    /// thread wakeup this way). `will_drive`: the caller waits for its transfer next and drives
+    /// it (see `drive`). Returns true when some rail still has work and no room for it.
+    fn post_ready(&self, link: &Link, will_drive: bool) -> bool;
+    /// Let the waiting caller complete `x` itself, until `deadline`; `poll_only`: only what has
+    /// already arrived. Returns whether `x` is finished. A transport without caller-driven
+    /// completion returns false at once (the caller then waits on the transfer).
+    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool;
+    /// Whether a chunk of `x` is still in a path of this transport (cancel waits for none).
+    fn holds(&self, x: &Arc<XferShared>) -> bool;
+    /// Shut every path of rail `ri` now; each then reports `path_stopped`.
+    fn shut_rail(&self, ri: usize);
+    /// Ids (Hello nonces) of rail `ri`'s paths that carried WRITEs: the target must fence them.
+    fn fence_ids(&self, ri: usize) -> Vec<[u8; 16]>;
+    /// Paths (connections, endpoints) of rail `ri` now.
+    fn paths(&self, ri: usize) -> usize;
+    /// What rail `ri` runs on, for `rail_stats()` ("tcp", "ucx/tcp", "ucx/rc_mlx5").
+    fn describe(&self, ri: usize) -> String;
+    /// Shut everything (the link is closing); threads leave on their own.
+    fn close(&self);
+}

@@ -1,0 +1,687 @@
+//! The TCP transport: per rail, `connections` TCP connections to the peer's rail listener,
+//! each with request/response framing (`wire`, `multirail_proto::codec`).
+//!
+//! Threads per connection: a sender that pulls chunks from the link while it has window room
+//! and writes requests (and WRITE payloads, straight from registered memory), and a receiver
+//! that reads responses in order, lands READ payloads straight in registered memory and
+//! reports completions. The reading half of a connection (`Rx`) belongs to whoever reads: the
+//! receiver, or a caller waiting for one of its transfers (`drive`, caller-driven completion).
+//! A dead connection that carried WRITEs is named by `fence_ids` so the link has the target
+//! fence it (`Body::Fence`) before its chunks are reissued. Socket writes and reads never
+//! happen under a lock of the link.
+
+use std::collections::VecDeque;
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{RemoteOp, Role, Status};
+use multirail_proto::{Body, Chunk, RegionKey};
+
+use super::{Caps, Transport};
+use crate::config::Progress;
+use crate::error::{Error, Result};
+use crate::link::{Link, LINK_CHECK};
+use crate::peer::{abort_socket, dial_id, link_down};
+use crate::wire::{self, poll_in, WireError};
+use crate::xfer::{Op, XferShared, XferState};
+
+/// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
+pub(crate) const TICK: Duration = Duration::from_millis(50);
+
+struct Sent {
+    req_id: u64,
+    chunk: Chunk,
+    xfer: Arc<XferShared>,
+}
+
+/// Who is reading a connection's responses (`Conn::owner`).
+const OWNER_NONE: u8 = 0;
+const OWNER_RECEIVER: u8 = 1;
+const OWNER_CALLER: u8 = 2;
+/// How long the receiver stays away while a caller drives its connection.
+const CALLER_YIELD: Duration = Duration::from_micros(200);
+/// For this long after a caller last drove a connection, the receiver leaves its responses to
+/// callers ("parked"): it watches the socket for hang-up and its kick eventfd only, so a
+/// response does not wake it too (on a busy host that wake-up preempts the very threads of the
+/// round trip: measured, it was the whole 4 KiB p99). An asynchronous post, or a caller that
+/// stops driving with requests still outstanding, kicks it back to reading.
+const CALLER_GRACE: Duration = Duration::from_millis(50);
+
+/// Wait up to `timeout` for `fd` to hang up or fail, or for `kick` to be written (data arriving
+/// on `fd` does not end the wait). Returns (hung up, kicked).
+fn park(fd: std::os::fd::RawFd, kick: std::os::fd::RawFd, timeout: Duration) -> (bool, bool) {
+    let mut p = [libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 }, libc::pollfd { fd: kick, events: libc::POLLIN, revents: 0 }];
+    // SAFETY: two valid pollfds.
+    let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout.as_millis().clamp(1, i32::MAX as u128) as i32) };
+    if r <= 0 {
+        return (false, false);
+    }
+    let hup = p[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0;
+    (hup, p[1].revents & libc::POLLIN != 0)
+}
+
+/// A non-blocking eventfd (a receiver's kick).
+fn eventfd() -> Result<std::os::fd::OwnedFd> {
+    // SAFETY: plain syscall; a valid fd it returns is owned by nobody else.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::io("eventfd", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a fresh descriptor we own.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+}
+
+/// Why a reader stopped.
+enum Stop {
+    /// The link is shutting down.
+    Shutdown,
+    /// The connection failed: the reason.
+    Failed(String),
+    /// (Caller) nothing is outstanding on the connection.
+    Idle,
+    /// (Caller) its deadline passed.
+    CallerTimeout,
+}
+
+/// Stall bookkeeping, shared by whoever reads the connection.
+struct Clock {
+    /// Last response (or idle moment).
+    last: Instant,
+    last_link_check: Instant,
+}
+
+/// The reading half of a connection: owned by the receiver thread or by a waiting caller.
+struct Rx {
+    s: TcpStream,
+    inb: wire::Inbound,
+    clock: Clock,
+}
+
+/// One TCP connection on one rail.
+struct Conn {
+    rail: usize,
+    /// The socket's fd (for poll and TCP_INFO); owned by `rx.s`.
+    fd: std::os::fd::RawFd,
+    rx: Mutex<Rx>,
+    /// OWNER_*: who may lock `rx` and read.
+    owner: AtomicU8,
+    /// When a caller last drove this connection (µs since `Link::epoch`).
+    caller_at: AtomicU64,
+    /// When the connection last went from no request outstanding to one (µs since `Link::epoch`).
+    busy_at: AtomicU64,
+    /// The reader that last let go of `rx` left bytes in its read-ahead (`wire::Inbound`):
+    /// whole responses may be waiting there that no socket readiness will announce.
+    stashed: AtomicBool,
+    /// Callers' busy-poll budget on this connection (`Progress::Adaptive`).
+    spin: wire::SpinBudget,
+    /// Wakes a parked receiver (see `CALLER_GRACE`); `kicks` counts requests to, `parked` says
+    /// whether the receiver sleeps on it (store-then-load on both sides, SeqCst).
+    kick: std::os::fd::OwnedFd,
+    kicks: AtomicU64,
+    parked: AtomicBool,
+    /// The nonce of this connection's `Hello`: the target knows it by this id (for `Fence`).
+    id: [u8; 16],
+    /// Carried a WRITE: must be fenced on the target if it dies.
+    wrote: AtomicBool,
+    writer: Mutex<TcpStream>,
+    inflight: Mutex<VecDeque<Sent>>,
+    inflight_n: AtomicUsize,
+    next_req: AtomicU64,
+    dead: AtomicBool,
+}
+
+impl Conn {
+    /// Have the receiver read responses again (it may be parked, leaving them to callers).
+    fn kick(&self) {
+        self.kicks.fetch_add(1, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            // SAFETY: an 8-byte write to our own eventfd; EAGAIN (counter full) is harmless.
+            unsafe {
+                libc::write(std::os::fd::AsRawFd::as_raw_fd(&self.kick), &one as *const u64 as *const libc::c_void, 8);
+            }
+        }
+    }
+
+    fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+        if let Ok(s) = self.writer.try_lock() {
+            abort_socket(&s);
+        }
+    }
+}
+
+/// Milliseconds since the kernel last received data on `fd` (TCP_INFO), if it can say.
+fn ms_since_data(fd: std::os::fd::RawFd) -> Option<u32> {
+    // SAFETY: `tcp_info` is plain old data; getsockopt writes at most `len` bytes into it.
+    unsafe {
+        let mut info: libc::tcp_info = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let r = libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut info as *mut libc::tcp_info as *mut libc::c_void, &mut len);
+        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info.tcpi_last_data_recv)
+    }
+}
+
+/// The TCP connections of one rail.
+pub(crate) struct TcpRail {
+    conns: RwLock<Vec<Arc<Conn>>>,
+    /// Receivers still running (a rail is up while one is).
+    live: AtomicUsize,
+    /// Handles of the current connections, so a failure can shut all of them at once.
+    fds: Mutex<Vec<TcpStream>>,
+}
+
+/// The rails of one link over TCP.
+pub(crate) struct TcpRails {
+    rails: Vec<Arc<TcpRail>>,
+}
+
+impl TcpRails {
+    pub(crate) fn new(n: usize) -> TcpRails {
+        let rails = (0..n)
+            .map(|_| Arc::new(TcpRail { conns: RwLock::new(Vec::new()), live: AtomicUsize::new(0), fds: Mutex::new(Vec::new()) }))
+            .collect();
+        TcpRails { rails }
+    }
+
+    /// Caller-driven completion: the thread waiting for `x` reads its responses itself, as a
+    /// ping-pong client would, instead of being woken by the receiver thread (one thread
+    /// wakeup per round trip instead of two). Only when `x` has a chunk in flight on a
+    /// connection whose reader is free; returns whether `x` is finished. `poll_only`: read only
+    /// what has already arrived (progress from `check_xfer_state`), never block for more.
+    fn drive_conns(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        for rail in &self.rails {
+            let conns = rail.conns.read().expect("rail lock");
+            let Some(c) = conns.iter().find(|c| {
+                !c.dead.load(Ordering::Acquire)
+                    && c.inflight_n.load(Ordering::Acquire) > 0
+                    && c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x))
+            }) else {
+                continue;
+            };
+            let c = c.clone();
+            drop(conns);
+            if c.owner.compare_exchange(OWNER_NONE, OWNER_CALLER, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return false;
+            }
+            let Ok(mut rx) = c.rx.try_lock() else {
+                c.owner.store(OWNER_NONE, Ordering::Release);
+                return false;
+            };
+            c.caller_at.store(link.now_us(), Ordering::Release);
+            let mut failure = None;
+            let mine = |c: &Conn| c.inflight.lock().expect("conn lock").iter().any(|s| std::ptr::eq(Arc::as_ptr(&s.xfer), x));
+            while x.state() == XferState::InProgress {
+                // Read-ahead may already hold the next responses: they count as arrived.
+                if poll_only && rx.inb.unread() == 0 && !poll_in(c.fd, Duration::ZERO) {
+                    break;
+                }
+                if !poll_only && !mine(&c) {
+                    // The rest of `x` is on other connections: their readers finish it.
+                    break;
+                }
+                if !poll_only && rx.inb.unread() == 0 {
+                    if let Err(e) = spin_for_response(link, &c, &mut rx.clock, deadline) {
+                        if let Stop::Failed(e) = e {
+                            failure = Some(e);
+                        }
+                        break;
+                    }
+                }
+                match read_one(link, &c, &mut rx, Some(deadline)) {
+                    Ok(()) => {}
+                    Err(Stop::Failed(e)) => {
+                        failure = Some(e);
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if failure.is_some() {
+                c.dead.store(true, Ordering::Release);
+                abort_socket(&rx.s);
+            }
+            // Responses read ahead for other transfers are left in the stash: the receiver (kicked
+            // below, as requests are outstanding) must not wait for the socket to get them.
+            c.stashed.store(rx.inb.unread() > 0, Ordering::Release);
+            drop(rx);
+            c.caller_at.store(link.now_us(), Ordering::Release);
+            c.owner.store(OWNER_NONE, Ordering::Release);
+            if c.inflight_n.load(Ordering::Acquire) > 0 {
+                // Responses are still due and this caller is leaving: the receiver reads them.
+                c.kick();
+            }
+            if let Some(e) = failure {
+                // The receiver sees the connection dead and runs the rail-down path.
+                link.rail_failed(c.rail, e);
+            }
+            return x.state() != XferState::InProgress;
+        }
+        false
+    }
+}
+
+impl Transport for TcpRails {
+    fn caps(&self) -> Caps {
+        Caps { remote_vram: false, one_sided: false, caller_driven: true }
+    }
+
+    /// Open the configured number of connections on rail `ri` and start their threads.
+    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
+        let rail = &self.rails[ri];
+        let mut streams = Vec::new();
+        for _ in 0..link.ctx.cfg.connections.max(1) {
+            let expect = Some((link.peer_name.as_str(), link.incarnation));
+            streams.push(dial_id(&link.ctx, link.rails[ri].local.as_ref(), link.rails[ri].remote, Role::Data, expect, timeout)?);
+        }
+        let mut conns = Vec::new();
+        let mut fds = Vec::new();
+        for (s, id) in streams {
+            let reader = s.try_clone().map_err(|e| Error::io("clone socket", e))?;
+            fds.push(s.try_clone().map_err(|e| Error::io("clone socket", e))?);
+            let c = Arc::new(Conn {
+                rail: ri,
+                fd: std::os::fd::AsRawFd::as_raw_fd(&reader),
+                rx: Mutex::new(Rx {
+                    s: reader,
+                    inb: wire::Inbound::new(),
+                    clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
+                }),
+                owner: AtomicU8::new(OWNER_NONE),
+                caller_at: AtomicU64::new(0),
+                busy_at: AtomicU64::new(0),
+                stashed: AtomicBool::new(false),
+                spin: wire::SpinBudget::new(link.ctx.cfg.spin),
+                kick: eventfd()?,
+                kicks: AtomicU64::new(0),
+                parked: AtomicBool::new(false),
+                id,
+                wrote: AtomicBool::new(false),
+                writer: Mutex::new(s),
+                inflight: Mutex::new(VecDeque::new()),
+                inflight_n: AtomicUsize::new(0),
+                next_req: AtomicU64::new(1),
+                dead: AtomicBool::new(false),
+            });
+            rail.live.fetch_add(1, Ordering::AcqRel);
+            let (l1, r1, c1) = (link.clone(), rail.clone(), c.clone());
+            std::thread::Builder::new()
+                .name(format!("mr-recv-{ri}"))
+                .spawn(move || receiver(l1, r1, c1))
+                .map_err(|e| Error::io("spawn", e))?;
+            let (l2, c2) = (link.clone(), c.clone());
+            std::thread::Builder::new().name(format!("mr-send-{ri}")).spawn(move || sender(l2, c2)).map_err(|e| Error::io("spawn", e))?;
+            conns.push(c);
+        }
+        *rail.fds.lock().expect("rail lock") = fds;
+        *rail.conns.write().expect("rail lock") = conns;
+        Ok(())
+    }
+
+    fn is_up(&self, ri: usize) -> bool {
+        self.rails[ri].live.load(Ordering::Acquire) > 0
+    }
+
+    fn post_ready(&self, link: &Link, will_drive: bool) -> bool {
+        let mut need_senders = false;
+        for rail in &self.rails {
+            let conns = rail.conns.read().expect("rail lock").clone();
+            for c in conns {
+                need_senders |= pump(link, &c);
+                if !will_drive && c.inflight_n.load(Ordering::Acquire) > 0 {
+                    c.kick();
+                }
+            }
+        }
+        need_senders
+    }
+
+    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        self.drive_conns(link, x, deadline, poll_only)
+    }
+
+    fn holds(&self, x: &Arc<XferShared>) -> bool {
+        self.rails.iter().any(|r| {
+            r.conns.read().expect("rail lock").iter().any(|c| c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x)))
+        })
+    }
+
+    fn shut_rail(&self, ri: usize) {
+        let rail = &self.rails[ri];
+        for c in rail.conns.read().expect("rail lock").iter() {
+            c.dead.store(true, Ordering::Release);
+        }
+        for s in rail.fds.lock().expect("rail lock").iter() {
+            abort_socket(s);
+        }
+    }
+
+    fn fence_ids(&self, ri: usize) -> Vec<[u8; 16]> {
+        self.rails[ri].conns.read().expect("rail lock").iter().filter(|c| c.wrote.load(Ordering::Acquire)).map(|c| c.id).collect()
+    }
+
+    fn paths(&self, ri: usize) -> usize {
+        self.rails[ri].conns.read().expect("rail lock").len()
+    }
+
+    fn describe(&self, _ri: usize) -> String {
+        "tcp".into()
+    }
+
+    fn close(&self) {
+        for r in &self.rails {
+            for c in r.conns.read().expect("rail lock").iter() {
+                c.kill();
+                c.kick();
+            }
+            for s in r.fds.lock().expect("rail lock").iter() {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+        }
+    }
+}
+
+/// Send chunks on `c` while the planner has work for its rail and the connection has room.
+/// Returns true when it stopped with work possibly left (window full, planner refused).
+fn pump(link: &Link, c: &Arc<Conn>) -> bool {
+    loop {
+        if c.dead.load(Ordering::Acquire) {
+            return false;
+        }
+        if c.inflight_n.load(Ordering::Acquire) >= link.ctx.cfg.conn_window {
+            return true;
+        }
+        // Nothing for this rail now (or its rail window is full): completions wake the senders
+        // when that changes.
+        let Some((chunk, x)) = link.next_chunk(c.rail) else { return false };
+        send_chunk(link, c, chunk, x);
+    }
+}
+
+fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
+    let key = link.keys.get(&chunk.piece.region).copied().unwrap_or(RegionKey([0; 16]));
+    let op = RemoteOp { region: chunk.piece.region, key, offset: chunk.piece.offset, len: chunk.piece.len };
+    let write = x.op == Op::Write;
+    let body = if write { Body::WriteReq(op) } else { Body::ReadReq(op) };
+    let mut w = c.writer.lock().expect("conn lock");
+    if write && !c.wrote.load(Ordering::Relaxed) {
+        // Before the first byte: from now on this connection's death needs a fence.
+        c.wrote.store(true, Ordering::Release);
+    }
+    let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
+    c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
+    if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
+        // Idle until now: the stall clock starts here, however long ago a reader last
+        // looked (a parked receiver does not keep `Clock::last` fresh while idle).
+        c.busy_at.store(link.now_us(), Ordering::Release);
+    }
+    let hdr = body.encode(req_id);
+    let stall = link.ctx.cfg.planner.stall_timeout;
+    let t0 = Instant::now();
+    let mut tick = |_: bool| {
+        if link.is_shutdown() || c.dead.load(Ordering::Acquire) {
+            Err("connection closed".to_string())
+        } else if t0.elapsed() > stall {
+            Err(format!("send stalled for {stall:?}"))
+        } else {
+            Ok(())
+        }
+    };
+    let r = if write {
+        // SAFETY: the pair lies inside a local region registered with this agent (checked
+        // when the handle was made) and held by the transfer (`hold`) until it is released.
+        let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
+        wire::write_full(&mut w, &[&hdr, payload], &mut tick)
+    } else {
+        wire::write_full(&mut w, &[&hdr], &mut tick)
+    };
+    if let Err(e) = r {
+        // Record why (the first cause names the rail's failure), shut the rail's
+        // connections; the receivers notice and run the rail-down path.
+        let was_dead = c.dead.swap(true, Ordering::AcqRel);
+        abort_socket(&w);
+        drop(w);
+        if !was_dead && !link.is_shutdown() {
+            link.rail_failed(c.rail, format!("send failed: {e}"));
+        }
+    }
+}
+
+fn sender(link: Arc<Link>, c: Arc<Conn>) {
+    let Some(_active) = link.enter() else { return };
+    let window = link.ctx.cfg.conn_window;
+    let room = || c.inflight_n.load(Ordering::Acquire) < window;
+    let stop = || c.dead.load(Ordering::Acquire);
+    while let Some((chunk, x)) = link.wait_chunk(c.rail, room, stop) {
+        send_chunk(&link, &c, chunk, x);
+        if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
+            // No caller is reading this connection now (one that leaves with requests
+            // outstanding kicks on its way out): a parked receiver must read this chunk's
+            // response.
+            c.kick();
+        }
+    }
+}
+
+fn receiver(link: Arc<Link>, rail: Arc<TcpRail>, c: Arc<Conn>) {
+    let reason = match link.enter() {
+        Some(_active) => receive_loop(&link, &c),
+        None => None,
+    };
+    c.dead.store(true, Ordering::Release);
+    {
+        // Waits for a caller that is still reading this connection (it sees `dead`).
+        let rx = c.rx.lock().expect("rx lock");
+        if reason.is_some() {
+            abort_socket(&rx.s);
+        } else {
+            let _ = rx.s.shutdown(Shutdown::Both);
+        }
+    }
+    if let Some(reason) = reason {
+        link.rail_failed(c.rail, reason);
+    }
+    link.path_stopped(c.rail, || rail.live.fetch_sub(1, Ordering::AcqRel) == 1);
+}
+
+/// The receiver thread: waits for the socket to become readable without holding the
+/// connection's reader, then reads responses while requests are outstanding. A caller
+/// blocked in `wait` on a transfer of this connection may own the reader instead
+/// (caller-driven completion, see `drive`); the receiver then stays out of its way.
+/// Returns the failure reason, or None on orderly shutdown.
+fn receive_loop(link: &Link, c: &Arc<Conn>) -> Option<String> {
+    let fd = c.fd;
+    let kick_fd = std::os::fd::AsRawFd::as_raw_fd(&c.kick);
+    let mut seen_kicks = 0u64;
+    loop {
+        if link.is_shutdown() {
+            return None;
+        }
+        if c.dead.load(Ordering::Acquire) {
+            return Some("connection shut".into());
+        }
+        if c.owner.load(Ordering::Acquire) == OWNER_CALLER {
+            // A caller is reading; look again shortly (no handoff signal on its path).
+            std::thread::sleep(CALLER_YIELD);
+            continue;
+        }
+        let since_caller = link.now_us().saturating_sub(c.caller_at.load(Ordering::Acquire));
+        if since_caller < CALLER_GRACE.as_micros() as u64 {
+            // Callers are driving this connection round trip after round trip: stay out of
+            // their way until kicked, the socket hangs up (read below, which sees the
+            // failure), or the grace period ends.
+            c.parked.store(true, Ordering::SeqCst);
+            let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks {
+                (false, true)
+            } else {
+                park(fd, kick_fd, CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)))
+            };
+            c.parked.store(false, Ordering::SeqCst);
+            if kicked {
+                seen_kicks = c.kicks.load(Ordering::SeqCst);
+                let mut buf = 0u64;
+                // SAFETY: an 8-byte read from our own non-blocking eventfd (drains it).
+                unsafe {
+                    libc::read(kick_fd, &mut buf as *mut u64 as *mut libc::c_void, 8);
+                }
+            } else if !hup {
+                continue;
+            }
+        }
+        // Responses a caller read ahead but left unprocessed are as readable as the socket.
+        let readable = c.stashed.load(Ordering::Acquire) || poll_in(fd, TICK);
+        if c.owner.compare_exchange(OWNER_NONE, OWNER_RECEIVER, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            continue;
+        }
+        let mut rx = c.rx.lock().expect("rx lock");
+        // A caller may have read what woke us: only read what is still there (a read with
+        // nothing to come would hold the reader from the next waiting caller).
+        let r = if rx.inb.unread() > 0 || (readable && poll_in(fd, Duration::ZERO)) {
+            // Read while requests are outstanding; hand the reader back when idle so a
+            // waiting caller can drive the next round trip itlink.
+            loop {
+                match read_one(link, c, &mut rx, None) {
+                    Ok(()) if c.inflight_n.load(Ordering::Acquire) > 0 => {}
+                    Ok(()) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            }
+        } else {
+            quiet_checks(link, c, &mut rx.clock, false)
+        };
+        c.stashed.store(rx.inb.unread() > 0, Ordering::Release);
+        drop(rx);
+        c.owner.store(OWNER_NONE, Ordering::Release);
+        match r {
+            Ok(()) => {}
+            Err(Stop::Shutdown) => return None,
+            Err(Stop::Failed(e)) => return Some(e),
+            Err(Stop::Idle) | Err(Stop::CallerTimeout) => {}
+        }
+    }
+}
+
+/// Deadline, stall and link checks for a reader with nothing to read right now.
+fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Result<(), Stop> {
+    if link.is_shutdown() {
+        return Err(Stop::Shutdown);
+    }
+    if c.dead.load(Ordering::Acquire) {
+        return Err(Stop::Failed("connection shut".into()));
+    }
+    let busy = started || c.inflight_n.load(Ordering::Acquire) > 0;
+    if !busy {
+        clock.last = Instant::now();
+        return Ok(());
+    }
+    // Quiet since the last response, or since the connection last became busy if later.
+    let busy_for = Duration::from_micros(link.now_us().saturating_sub(c.busy_at.load(Ordering::Acquire)));
+    let quiet = clock.last.elapsed().min(busy_for);
+    // A local link that lost carrier is dead now; no need to wait for the stall.
+    if quiet > LINK_CHECK && clock.last_link_check.elapsed() > LINK_CHECK {
+        clock.last_link_check = Instant::now();
+        if let Some(why) = link.rails[c.rail].local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down) {
+            return Err(Stop::Failed(why));
+        }
+    }
+    // Stalled = no byte received (not merely no whole response: a large chunk on a slow
+    // rail is progress) for `stall_timeout` with requests outstanding.
+    let stall = link.ctx.cfg.planner.stall_timeout;
+    if quiet > stall && ms_since_data(c.fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
+        link.rails[c.rail].io.stalls.fetch_add(1, Ordering::Relaxed);
+        return Err(Stop::Failed(format!("stalled: no data for {stall:?}")));
+    }
+    Ok(())
+}
+
+/// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
+/// reader also stops (between frames only) when nothing is outstanding or time is up.
+fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
+    let Rx { s, inb, clock } = rx;
+    let mut stop: Option<Stop> = None;
+    // Runs every TICK while the socket has nothing to read.
+    let mut tick = |started: bool| -> Result<(), String> {
+        let r = match caller {
+            Some(_) if !started && c.inflight_n.load(Ordering::Acquire) == 0 => Err(Stop::Idle),
+            Some(Some(d)) if !started && Instant::now() >= d => Err(Stop::CallerTimeout),
+            _ => quiet_checks(link, c, clock, started),
+        };
+        r.map_err(|e| {
+            stop = Some(e);
+            String::new()
+        })
+    };
+    // The response answers the oldest request (TCP keeps order). When a READ is already
+    // queued (pipelined bulk), land header and payload with one scatter read; on an idle
+    // connection the read-ahead takes the response whole and the payload lands after.
+    let front = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+    let dst = match front {
+        // SAFETY: registered local memory held by the transfer (see `send_chunk`).
+        Some((p, Op::Read)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
+        _ => None,
+    };
+    let failed = |e: WireError, stop: &mut Option<Stop>| stop.take().unwrap_or_else(|| Stop::Failed(e.to_string()));
+    let (h, body, mut landed) = match inb.read_response_into(s, dst, &mut tick) {
+        Ok(f) => f,
+        Err(e) => return Err(failed(e, &mut stop)),
+    };
+    if front.is_none() {
+        let late = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+        if let (Some((p, Op::Read)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (late, &body) {
+            if *bulk_len == p.len {
+                // SAFETY: as above.
+                let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+                if let Err(e) = inb.read_into(s, dst, &mut tick) {
+                    return Err(failed(e, &mut stop));
+                }
+                landed = true;
+            }
+        }
+    }
+    clock.last = Instant::now();
+    let proto = |m: String| Err(Stop::Failed(m));
+    let (status, bulk_len, msg) = match body {
+        Body::Resp { status, bulk_len, msg } => (status, bulk_len, msg),
+        Body::Error { status, msg } => return proto(format!("peer closed the connection: {status:?}: {msg}")),
+        other => return proto(format!("protocol error: unexpected {:?} on a data connection", other.kind())),
+    };
+    let Some(sent) = c.inflight.lock().expect("conn lock").pop_front() else {
+        return proto("protocol error: response with no request outstanding".into());
+    };
+    if sent.req_id != h.req_id {
+        return proto(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
+    }
+    let ok = status == Status::Ok;
+    if ok && sent.xfer.op == Op::Read && !landed {
+        return proto(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
+    } else if (!ok || sent.xfer.op == Op::Write) && bulk_len != 0 {
+        return proto("protocol error: bulk data on a refused or WRITE response".into());
+    }
+    c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+    let r = if ok { Ok(()) } else { Err((status, msg)) };
+    link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, r);
+    Ok(())
+}
+
+/// Busy-poll `c` for the next response before the read that would sleep in the kernel, as
+/// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`), or until the
+/// caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
+/// the spin ends early when nothing is outstanding on `c`.
+fn spin_for_response(link: &Link, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
+    let cfg = &link.ctx.cfg;
+    let budget = match cfg.progress {
+        Progress::Block => return Ok(()),
+        Progress::Adaptive => c.spin.get(),
+        Progress::Poll => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
+    };
+    let how = wire::spin_readable(c.fd, budget, || {
+        if c.inflight_n.load(Ordering::Acquire) == 0 || deadline.is_some_and(|d| Instant::now() >= d) {
+            return Ok(false);
+        }
+        quiet_checks(link, c, clock, false).map(|_| true)
+    })?;
+    c.spin.record(how);
+    Ok(())
+}
