@@ -7,7 +7,7 @@ CARGO_PROFILE ?= release
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
 APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server
 
-.PHONY: deps setup build demo test test-rust test-py lint fuzz clean
+.PHONY: deps setup build demo test test-rust test-py test-gpu lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -52,6 +52,13 @@ test-rust: $(VPY)
 
 test-py:
 	$(VPY) -m pytest -q tests
+
+## test-gpu: on a machine with a GPU: the CUDA tests (ignored elsewhere) and the gpu-marked Python tests
+test-gpu: $(VPY)
+	MULTIRAIL_CUDA_WHEEL_DIRS="$${MULTIRAIL_CUDA_WHEEL_DIRS:-$$($(VPY) -c 'import site; print(":".join(site.getsitepackages()))')}" \
+	  cargo test -p multirail-gpu -- --ignored
+	# exit status 5 = no test carries the gpu marker yet
+	$(VPY) -m pytest -q -m gpu tests || [ $$? -eq 5 ]
 
 ## lint: formatting and clippy with warnings as errors
 lint:

@@ -1,0 +1,210 @@
+//! The device interface the staged path runs against, and its errors.
+//!
+//! Two implementations: [`crate::Cuda`] (libcudart loaded at run time) and [`crate::StandIn`]
+//! (host memory, copies on a thread per stream at a configurable rate), so that CI runs the
+//! whole staged path and only the CUDA calls are left for a GPU machine.
+//!
+//! The model is CUDA's: copies are queued on a stream and run in order, asynchronously; an
+//! event recorded on a stream completes when everything queued before it has; events are
+//! created once and recorded many times (no allocation on the hot path).
+
+use std::path::PathBuf;
+
+/// An address in device memory (a CUDA device pointer; a host address on the stand-in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// `self + off` (the caller keeps it inside the allocation).
+    pub fn offset(self, off: u64) -> DevicePtr {
+        DevicePtr(self.0 + off)
+    }
+}
+
+/// Page-locked host memory (`cudaMallocHost`): what copy engines DMA to and from, and what the
+/// wire reads and writes. Freed with [`Device::free_pinned`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct PinnedMem {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by whoever holds the value; no thread affinity.
+unsafe impl Send for PinnedMem {}
+// SAFETY: shared access only hands out raw pointers and `&[u8]` under the caller's contracts.
+unsafe impl Sync for PinnedMem {}
+
+impl PinnedMem {
+    /// # Safety
+    /// `ptr` must point to `len` bytes of host memory that stay valid until freed by the device
+    /// that made it.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        PinnedMem { ptr, len }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host address, as a copy source or destination.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// # Safety
+    /// No copy may be writing this memory (its event has completed).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: valid for `len` bytes (constructor contract); no concurrent writer (caller).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// # Safety
+    /// No copy may be reading or writing this memory (its event has completed).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: valid for `len` bytes; exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+/// Direction of an asynchronous copy (`cudaMemcpyKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CopyKind {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+}
+
+/// What an address is, as `cudaPointerGetAttributes` classifies it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    /// Not known to the device: ordinary pageable host memory.
+    Unregistered,
+    /// Page-locked host memory.
+    Host,
+    /// Device memory (of `device`).
+    Device { device: i32 },
+    /// Unified (managed) memory.
+    Managed { device: i32 },
+}
+
+/// A CUDA IPC handle: lets another process on the same host map a device allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+/// How to install the CUDA runtime when it is missing.
+pub const INSTALL_HINT: &str = "install the CUDA runtime with `pip install nvidia-cuda-runtime-cu12` (into the .venv) or the system CUDA toolkit, or set MULTIRAIL_CUDART to a libcudart.so";
+
+/// Errors of the device layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// No libcudart could be loaded from the wheel directories or the system.
+    #[error("CUDA runtime (libcudart) not found; tried: {tried}; {hint}", hint = INSTALL_HINT)]
+    NotFound { tried: String },
+    /// The library named by MULTIRAIL_CUDART cannot be loaded. No other library is tried.
+    #[error("cannot load the libcudart named by MULTIRAIL_CUDART ({}): {reason}; fix the path or unset it", path.display())]
+    ExplicitLoad { path: PathBuf, reason: String },
+    /// The library lacks a function these bindings need: not a libcudart, or too old (< 11).
+    #[error("{} is not a usable libcudart: symbol {symbol} is missing ({reason})", path.display())]
+    MissingSymbol { path: PathBuf, symbol: &'static str, reason: String },
+    /// The runtime loaded but there is no usable GPU (no device, no driver, driver too old).
+    #[error("no usable GPU: {reason} (libcudart {}); VRAM cannot be used on this machine", lib.display())]
+    NoDevice { lib: PathBuf, reason: String },
+    /// A device id beyond `cudaGetDeviceCount`.
+    #[error("GPU {id} does not exist: this machine has {count}")]
+    BadDevice { id: i32, count: i32 },
+    /// A CUDA call failed.
+    #[error("{op} failed: {name} ({code}): {message}")]
+    Cuda { op: &'static str, code: i32, name: String, message: String },
+    /// The stand-in could not allocate host memory for a "device" or pinned allocation.
+    #[error("cannot allocate {len} bytes of host memory for the stand-in device")]
+    HostAlloc { len: usize },
+    /// `free` of an address this device did not allocate.
+    #[error("{addr:#x} was not allocated by this device (or was freed already)")]
+    UnknownPointer { addr: u64 },
+    /// The stand-in's copy thread for a stream is gone (it panicked).
+    #[error("the stand-in copy thread of a stream stopped")]
+    StreamGone,
+    /// The device does not implement this operation.
+    #[error("{op} is not supported by the {device} device")]
+    Unsupported { op: &'static str, device: &'static str },
+}
+
+pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
+
+/// A GPU, as the staged path needs it (module docs). Order of calls: allocate the bounce pool
+/// once ([`Device::alloc_pinned`]), create a stream and one event per buffer, then per chunk
+/// [`Device::copy_async`] + [`Device::record`], and [`Device::query`] or
+/// [`Device::synchronize`] before touching the buffer.
+pub trait Device: Send + Sync {
+    /// An in-order queue of copies.
+    type Stream: Send;
+    /// A marker recorded on a stream; reusable.
+    type Event: Send;
+
+    /// Ordinal of the device (`cudaSetDevice`).
+    fn id(&self) -> i32;
+    /// Human-readable name ("NVIDIA H100 80GB HBM3", "stand-in").
+    fn name(&self) -> String;
+
+    /// Allocates device memory (tests and benchmarks; applications bring their own).
+    fn alloc(&self, len: usize) -> Result<DevicePtr>;
+    /// Frees memory from [`Device::alloc`].
+    ///
+    /// # Safety
+    /// No copy may still use it.
+    unsafe fn free(&self, ptr: DevicePtr) -> Result<()>;
+    /// Allocates page-locked host memory (the bounce pool).
+    fn alloc_pinned(&self, len: usize) -> Result<PinnedMem>;
+    /// Frees memory from [`Device::alloc_pinned`].
+    ///
+    /// # Safety
+    /// No copy may still use it.
+    unsafe fn free_pinned(&self, mem: PinnedMem) -> Result<()>;
+    /// Classifies an address (device, pinned host, managed, or plain host memory).
+    fn pointer_kind(&self, addr: u64) -> Result<MemKind>;
+
+    fn create_stream(&self) -> Result<Self::Stream>;
+    fn create_event(&self) -> Result<Self::Event>;
+    /// Queues a copy of `len` bytes from `src` to `dst` on `stream` and returns at once.
+    ///
+    /// # Safety
+    /// Both ranges must be valid for `len` bytes of the kinds `kind` names, must not overlap,
+    /// and must stay valid and untouched by anything else until an event recorded after the copy
+    /// has completed.
+    unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &Self::Stream) -> Result<()>;
+    /// Records `event` on `stream`: it completes when everything queued before it has.
+    fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
+    /// Has the event completed (an event never recorded counts as complete)?
+    fn query(&self, event: &Self::Event) -> Result<bool>;
+    /// Blocks until the event has completed.
+    fn synchronize(&self, event: &Self::Event) -> Result<()>;
+
+    /// An IPC handle for a device allocation, for another process on this host.
+    fn ipc_handle(&self, _ptr: DevicePtr) -> Result<IpcHandle> {
+        Err(DeviceError::Unsupported { op: "ipc_handle", device: "this" })
+    }
+    /// Maps a peer process's allocation.
+    ///
+    /// # Safety
+    /// The handle must come intact from a live allocation of a peer process.
+    unsafe fn ipc_open(&self, _handle: &IpcHandle) -> Result<DevicePtr> {
+        Err(DeviceError::Unsupported { op: "ipc_open", device: "this" })
+    }
+    /// Unmaps what [`Device::ipc_open`] mapped.
+    ///
+    /// # Safety
+    /// No copy may still use the mapping.
+    unsafe fn ipc_close(&self, _ptr: DevicePtr) -> Result<()> {
+        Err(DeviceError::Unsupported { op: "ipc_close", device: "this" })
+    }
+}

@@ -1,0 +1,298 @@
+//! The executor: runs the staging core against a [`Device`] and a [`Wire`], with a bounce pool
+//! of pinned buffers allocated once.
+//!
+//! One thread per side. The only blocking call on the hot path is the wire's: copies are
+//! queued on the device's stream and run on their own (the GPU's copy engine, or the stand-in's
+//! stream thread) while the thread sends or receives the previous chunk. Completions are
+//! polled without blocking after every wire operation; the thread waits on a copy's event only
+//! when there is nothing to send or receive.
+//!
+//! ```text
+//! sender:   D2H(k+1) ──┐ (stream)        receiver:   recv(k) ──┐ (wire)
+//!           send(k)  ──┘ (this thread)               H2D(k-1) ─┘ (stream)
+//! ```
+
+use std::collections::VecDeque;
+use std::io;
+use std::time::{Duration, Instant};
+
+use crate::device::{CopyKind, Device, DeviceError, DevicePtr, PinnedMem};
+use crate::staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
+use crate::timeline::{Interval, Stage, Timeline};
+use crate::wire::Wire;
+
+/// Errors of a staged transfer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PipelineError {
+    /// A device call failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The staging core refused a call (a bug in this executor).
+    #[error(transparent)]
+    Staging(#[from] StagingError),
+    /// The wire failed while sending or receiving chunk `chunk`.
+    #[error("wire {op} of chunk {chunk:?} failed: {source}")]
+    Wire {
+        op: &'static str,
+        chunk: ChunkId,
+        #[source]
+        source: io::Error,
+    },
+    /// The staging core emitted an action of the other side (a bug in this executor).
+    #[error("{role:?} side got an action it cannot execute: {action:?}")]
+    WrongAction { role: Role, action: Action },
+    /// Nothing in flight, yet chunks are left (a bug in the staging core).
+    #[error("staged transfer stalled with nothing in flight")]
+    Stalled,
+}
+
+/// One measured operation of a transfer (absolute times; see [`timeline`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Op {
+    pub stage: Stage,
+    pub chunk: ChunkId,
+    pub bytes: u64,
+    pub start: Instant,
+    pub end: Instant,
+}
+
+/// What one transfer did.
+#[derive(Debug, Clone)]
+pub struct TransferReport {
+    pub bytes: u64,
+    pub chunks: u64,
+    pub started: Instant,
+    pub elapsed: Duration,
+    /// Wire operations as this thread timed them (exact for sends; a receive includes the wait
+    /// for the sender), and copies as observed: from when the stream could start them to when
+    /// their event was seen complete (an upper bound; the stand-in logs exact copy times).
+    pub ops: Vec<Op>,
+}
+
+/// Builds a [`Timeline`] from absolute-time operations, relative to `epoch`.
+pub fn timeline(epoch: Instant, ops: impl IntoIterator<Item = Op>) -> Timeline {
+    let mut t = Timeline::new();
+    for o in ops {
+        t.record(Interval {
+            stage: o.stage,
+            chunk: o.chunk,
+            bytes: o.bytes,
+            start: o.start.saturating_duration_since(epoch),
+            end: o.end.saturating_duration_since(epoch),
+        });
+    }
+    t
+}
+
+/// One side of a staged rail: device, stream, pinned pool and an event per buffer, all
+/// created once; then any number of transfers.
+pub struct Staged<D: Device> {
+    dev: D,
+    role: Role,
+    stream: D::Stream,
+    events: Vec<D::Event>,
+    pool: Vec<PinnedMem>,
+    pool_cfg: PoolConfig,
+    stager: Stager,
+    next_chunk: u64,
+    /// Copies queued on the stream, oldest first: (piece, buffer, when the stream could start it).
+    copies: VecDeque<(Piece, BufId, Instant)>,
+    /// Wire operations the stager asked for, in order.
+    wire_ops: VecDeque<(Piece, BufId)>,
+}
+
+impl<D: Device> std::fmt::Debug for Staged<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged").field("device", &self.dev.name()).field("role", &self.role).field("pool", &self.pool_cfg).finish()
+    }
+}
+
+impl<D: Device> Staged<D> {
+    /// Allocates the pool (`pool.buffers` pinned buffers of `pool.buffer_size` bytes), one
+    /// stream and one event per buffer.
+    pub fn new(dev: D, role: Role, pool: PoolConfig) -> Result<Self, PipelineError> {
+        let stager = Stager::new(role, pool)?;
+        let size = usize::try_from(pool.buffer_size).map_err(|_| DeviceError::HostAlloc { len: usize::MAX })?;
+        let stream = dev.create_stream()?;
+        let mut bufs = Vec::with_capacity(pool.buffers);
+        let mut events = Vec::with_capacity(pool.buffers);
+        for _ in 0..pool.buffers {
+            match dev.alloc_pinned(size).and_then(|b| Ok((b, dev.create_event()?))) {
+                Ok((b, e)) => {
+                    bufs.push(b);
+                    events.push(e);
+                }
+                Err(e) => {
+                    for b in bufs {
+                        // SAFETY: nothing was queued on these buffers yet.
+                        let _ = unsafe { dev.free_pinned(b) };
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Staged {
+            dev,
+            role,
+            stream,
+            events,
+            pool: bufs,
+            pool_cfg: pool,
+            stager,
+            next_chunk: 0,
+            copies: VecDeque::with_capacity(pool.buffers),
+            wire_ops: VecDeque::with_capacity(pool.buffers),
+        })
+    }
+
+    /// Pinned bytes held by the pool.
+    pub fn pool_bytes(&self) -> u64 {
+        self.pool_cfg.bytes()
+    }
+
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    /// Sends `len` bytes of device memory at `src` over `wire` (D2H → wire), in chunks of the
+    /// pool's buffer size.
+    ///
+    /// # Safety
+    /// `src..src+len` must be device memory of this device that nothing writes during the call.
+    pub unsafe fn send(&mut self, src: DevicePtr, len: u64, wire: &mut dyn Wire) -> Result<TransferReport, PipelineError> {
+        debug_assert_eq!(self.role, Role::Sender);
+        self.transfer(src, len, wire)
+    }
+
+    /// Receives `len` bytes from `wire` into device memory at `dst` (wire → H2D).
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be device memory of this device that nothing else touches during the
+    /// call.
+    pub unsafe fn recv(&mut self, dst: DevicePtr, len: u64, wire: &mut dyn Wire) -> Result<TransferReport, PipelineError> {
+        debug_assert_eq!(self.role, Role::Receiver);
+        self.transfer(dst, len, wire)
+    }
+
+    fn transfer(&mut self, base: DevicePtr, len: u64, wire: &mut dyn Wire) -> Result<TransferReport, PipelineError> {
+        let started = Instant::now();
+        let mut report = TransferReport { bytes: len, chunks: 0, started, elapsed: Duration::ZERO, ops: Vec::new() };
+        let first = self.next_chunk;
+        for p in split(base.0, len, self.pool_cfg.buffer_size, first) {
+            self.stager.submit(p)?;
+            report.chunks += 1;
+        }
+        self.next_chunk += report.chunks;
+        let r = self.run(wire, &mut report.ops);
+        if r.is_err() {
+            self.reset();
+        }
+        r?;
+        report.elapsed = started.elapsed();
+        Ok(report)
+    }
+
+    /// After a failure: wait until no copy touches the pool, and start the stager afresh.
+    fn reset(&mut self) {
+        for e in &self.events {
+            let _ = self.dev.synchronize(e);
+        }
+        self.copies.clear();
+        self.wire_ops.clear();
+        if let Ok(s) = Stager::new(self.role, self.pool_cfg) {
+            self.stager = s;
+        }
+    }
+
+    fn run(&mut self, wire: &mut dyn Wire, ops: &mut Vec<Op>) -> Result<(), PipelineError> {
+        let mut stream_free = Instant::now();
+        loop {
+            // 1. Copies that finished, in stream order.
+            while let Some(&(piece, buf, ready)) = self.copies.front() {
+                if !self.dev.query(&self.events[buf.0])? {
+                    break;
+                }
+                self.copies.pop_front();
+                let end = Instant::now();
+                let stage = if self.role == Role::Sender { Stage::D2H } else { Stage::H2D };
+                ops.push(Op { stage, chunk: piece.chunk, bytes: piece.len, start: ready.max(stream_free), end });
+                stream_free = end;
+                match self.role {
+                    Role::Sender => self.stager.handle_d2h_done(piece.chunk)?,
+                    Role::Receiver => self.stager.handle_h2d_done(piece.chunk)?,
+                }
+            }
+            // 2. What the stager wants started.
+            while let Some(a) = self.stager.poll_action() {
+                self.start(a)?;
+            }
+            // 3. One wire operation (the thread's blocking work), then look at copies again.
+            if let Some((piece, buf)) = self.wire_ops.pop_front() {
+                let n = piece.len as usize;
+                let start = Instant::now();
+                let r = match self.role {
+                    // SAFETY: the buffer's D2H copy has completed (the stager issues a send only
+                    // after d2h_done) and no copy is queued on it until it is released.
+                    Role::Sender => wire.send(&unsafe { self.pool[buf.0].as_slice() }[..n]).map_err(|e| ("send", e)),
+                    // SAFETY: the buffer is free (no copy queued on it) until its H2D is issued,
+                    // which happens only after this receive is reported done.
+                    Role::Receiver => wire.recv(&mut unsafe { self.pool[buf.0].as_mut_slice() }[..n]).map_err(|e| ("recv", e)),
+                };
+                r.map_err(|(op, source)| PipelineError::Wire { op, chunk: piece.chunk, source })?;
+                ops.push(Op { stage: Stage::Wire, chunk: piece.chunk, bytes: piece.len, start, end: Instant::now() });
+                self.stager.handle_wire_done(piece.chunk)?;
+                continue;
+            }
+            // 4. Nothing for the wire: wait for the oldest copy.
+            if let Some(&(_, buf, _)) = self.copies.front() {
+                self.dev.synchronize(&self.events[buf.0])?;
+                continue;
+            }
+            if self.stager.is_idle() {
+                return Ok(());
+            }
+            return Err(PipelineError::Stalled);
+        }
+    }
+
+    fn start(&mut self, a: Action) -> Result<(), PipelineError> {
+        let now = Instant::now();
+        match (self.role, a) {
+            (Role::Sender, Action::StartD2H { piece, buf }) => {
+                let dst = self.pool[buf.0].addr();
+                // SAFETY: the buffer is free (stager) and holds a chunk (len <= buffer size);
+                // the device range is inside the transfer (send's contract).
+                unsafe { self.dev.copy_async(CopyKind::DeviceToHost, dst, piece.offset, piece.len as usize, &self.stream)? };
+                self.dev.record(&self.events[buf.0], &self.stream)?;
+                self.copies.push_back((piece, buf, now));
+            }
+            (Role::Receiver, Action::StartH2D { piece, buf }) => {
+                let src = self.pool[buf.0].addr();
+                // SAFETY: the buffer holds the received chunk and is not touched until its
+                // event completes; the device range is inside the transfer (recv's contract).
+                unsafe { self.dev.copy_async(CopyKind::HostToDevice, piece.offset, src, piece.len as usize, &self.stream)? };
+                self.dev.record(&self.events[buf.0], &self.stream)?;
+                self.copies.push_back((piece, buf, now));
+            }
+            (Role::Sender, Action::StartSend { piece, buf }) | (Role::Receiver, Action::StartRecv { piece, buf }) => {
+                self.wire_ops.push_back((piece, buf));
+            }
+            (_, Action::Release { .. }) => {}
+            (role, action) => return Err(PipelineError::WrongAction { role, action }),
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Drop for Staged<D> {
+    fn drop(&mut self) {
+        for e in &self.events {
+            let _ = self.dev.synchronize(e);
+        }
+        for b in self.pool.drain(..) {
+            // SAFETY: every event is complete, so no copy uses the buffer.
+            let _ = unsafe { self.dev.free_pinned(b) };
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The CUDA half: the same checks as tests/standin.rs, on a real GPU. Ignored in a plain
+//! `cargo test` (no GPU in CI); `make test-gpu` runs them with `-- --ignored`.
+//!
+//! libcudart is found as `Cuda::open` says (MULTIRAIL_CUDART, MULTIRAIL_CUDA_WHEEL_DIRS, the
+//! system); a machine without one fails these tests with the typed error, which is the point of
+//! running them there.
+
+use std::time::Instant;
+
+use multirail_gpu::{mem_pair, CopyKind, Cuda, Device, DevicePtr, MemKind, PoolConfig, Role, Staged};
+
+const MIB: usize = 1 << 20;
+
+fn gpu() -> Cuda {
+    match Cuda::open(0) {
+        Ok(d) => {
+            eprintln!("GPU 0: {} via {}", d.name(), d.runtime().path().display());
+            d
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1] ^ seed).collect()
+}
+
+/// Copies host bytes to a fresh device allocation (through a stream, synchronised).
+fn upload(dev: &Cuda, data: &[u8]) -> DevicePtr {
+    let p = dev.alloc(data.len()).unwrap();
+    let (s, e) = (dev.create_stream().unwrap(), dev.create_event().unwrap());
+    // SAFETY: p has data.len() bytes; data outlives the synchronize below.
+    unsafe { dev.copy_async(CopyKind::HostToDevice, p.0, data.as_ptr() as u64, data.len(), &s) }.unwrap();
+    dev.record(&e, &s).unwrap();
+    dev.synchronize(&e).unwrap();
+    p
+}
+
+fn download(dev: &Cuda, p: DevicePtr, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let (s, e) = (dev.create_stream().unwrap(), dev.create_event().unwrap());
+    // SAFETY: p has len bytes; out outlives the synchronize below.
+    unsafe { dev.copy_async(CopyKind::DeviceToHost, out.as_mut_ptr() as u64, p.0, len, &s) }.unwrap();
+    dev.record(&e, &s).unwrap();
+    dev.synchronize(&e).unwrap();
+    out
+}
+
+#[test]
+#[ignore = "needs a GPU: run with make test-gpu"]
+fn cuda_memory_kinds_and_copies() {
+    let dev = gpu();
+    let data = pattern(3 * MIB + 5, 3);
+    let a = upload(&dev, &data);
+    let b = dev.alloc(data.len()).unwrap();
+    let pinned = dev.alloc_pinned(data.len()).unwrap();
+    assert_eq!(dev.pointer_kind(a.0).unwrap(), MemKind::Device { device: 0 });
+    assert_eq!(dev.pointer_kind(pinned.addr()).unwrap(), MemKind::Host);
+    assert_eq!(dev.pointer_kind(data.as_ptr() as u64).unwrap(), MemKind::Unregistered);
+    let (s, e) = (dev.create_stream().unwrap(), dev.create_event().unwrap());
+    // SAFETY: all ranges are allocations of data.len() bytes, synchronised before use.
+    unsafe {
+        dev.copy_async(CopyKind::DeviceToDevice, b.0, a.0, data.len(), &s).unwrap();
+        dev.copy_async(CopyKind::DeviceToHost, pinned.addr(), b.0, data.len(), &s).unwrap();
+    }
+    dev.record(&e, &s).unwrap();
+    dev.synchronize(&e).unwrap();
+    assert!(dev.query(&e).unwrap());
+    // SAFETY: the copy into it completed.
+    assert!(unsafe { pinned.as_slice() } == &data[..]);
+    let h = dev.ipc_handle(a).unwrap();
+    assert_ne!(h.0, [0u8; 64]);
+    // SAFETY: nothing uses them any more.
+    unsafe {
+        dev.free_pinned(pinned).unwrap();
+        dev.free(a).unwrap();
+        dev.free(b).unwrap();
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with make test-gpu"]
+fn cuda_staged_vram_to_vram_bytes_exact() {
+    let dev = gpu();
+    let pool = PoolConfig { buffers: 4, buffer_size: MIB as u64 };
+    let sizes = [1, 4095, MIB, 3 * MIB + 17, 64 * MIB + 1];
+    let (mut wa, mut wb) = mem_pair(None);
+    let rxdev = dev.clone();
+    let sizes2 = sizes.to_vec();
+    let rx = std::thread::spawn(move || {
+        let mut rx = Staged::new(rxdev.clone(), Role::Receiver, pool).unwrap();
+        sizes2
+            .iter()
+            .map(|&n| {
+                let dst = rxdev.alloc(n).unwrap();
+                // SAFETY: dst is a device allocation of n bytes used by nothing else.
+                unsafe { rx.recv(dst, n as u64, &mut wb) }.unwrap();
+                let out = download(&rxdev, dst, n);
+                // SAFETY: done with it.
+                unsafe { rxdev.free(dst) }.unwrap();
+                out
+            })
+            .collect::<Vec<_>>()
+    });
+    let mut tx = Staged::new(dev.clone(), Role::Sender, pool).unwrap();
+    let mut want = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let data = pattern(n, i as u8);
+        let src = upload(&dev, &data);
+        // SAFETY: src is a device allocation of n bytes.
+        let r = unsafe { tx.send(src, n as u64, &mut wa) }.unwrap();
+        eprintln!("{n} B in {:?}", r.elapsed);
+        // SAFETY: done with it.
+        unsafe { dev.free(src) }.unwrap();
+        want.push(data);
+    }
+    for (w, g) in want.iter().zip(rx.join().unwrap()) {
+        assert!(*w == g, "size {} differs", w.len());
+    }
+}
+
+/// Throughput of the staged path over an unlimited in-memory wire, with the observed
+/// per-stage breakdown (for the bench's numbers; asserts only that bytes arrive).
+#[test]
+#[ignore = "needs a GPU: run with make test-gpu"]
+fn cuda_staged_throughput() {
+    let dev = gpu();
+    let len = 512 * MIB;
+    for (buffers, size) in [(2, MIB), (4, 4 * MIB), (8, 4 * MIB)] {
+        let pool = PoolConfig { buffers, buffer_size: size as u64 };
+        let (mut wa, mut wb) = mem_pair(None);
+        let src = upload(&dev, &pattern(len, 7));
+        let dst = dev.alloc(len).unwrap();
+        let rxdev = dev.clone();
+        let rx = std::thread::spawn(move || {
+            let mut rx = Staged::new(rxdev, Role::Receiver, pool).unwrap();
+            // SAFETY: dst is a device allocation of len bytes used by nothing else.
+            unsafe { rx.recv(dst, len as u64, &mut wb) }.unwrap()
+        });
+        let mut tx = Staged::new(dev.clone(), Role::Sender, pool).unwrap();
+        let t0 = Instant::now();
+        // SAFETY: src is a device allocation of len bytes.
+        let sent = unsafe { tx.send(src, len as u64, &mut wa) }.unwrap();
+        let got = rx.join().unwrap();
+        let secs = t0.elapsed().as_secs_f64();
+        let mut ops = sent.ops.clone();
+        ops.extend(got.ops.iter().filter(|o| o.stage != multirail_gpu::Stage::Wire));
+        let b = multirail_gpu::pipeline::timeline(sent.started, ops).breakdown();
+        eprintln!("pool {buffers} x {size} B: {:.2} GB/s\n{b}", len as f64 / secs / 1e9);
+        assert!(download(&dev, dst, len) == pattern(len, 7));
+        // SAFETY: done with them.
+        unsafe {
+            dev.free(src).unwrap();
+            dev.free(dst).unwrap();
+        }
+    }
+}
