@@ -22,10 +22,11 @@ pub mod error;
 pub mod peer;
 pub mod registry;
 pub mod server;
+pub(crate) mod transport;
 pub mod wire;
 pub mod xfer;
 
 pub use agent::Agent;
-pub use config::{Config, RailSpec};
+pub use config::{Config, RailSpec, TransportKind};
 pub use error::{Error, Result};
 pub use xfer::{Op, XferHandle, XferState};

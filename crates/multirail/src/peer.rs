@@ -685,7 +685,7 @@ pub(crate) fn dial(
 
 /// [`dial`] with its own connect/handshake timeout; also returns the connection's id (the
 /// nonce its `Hello` carried).
-fn dial_id(
+pub(crate) fn dial_id(
     ctx: &Ctx,
     local: Option<&(String, IpAddr)>,
     remote: SocketAddr,
