@@ -28,6 +28,19 @@ pub const MAX_NAME: usize = 255;
 pub const MAX_FENCE: usize = 256;
 /// Longest error message carried in a response.
 pub const MAX_MSG: usize = 512;
+/// Longest UCX worker address (`UcxOpen`, `UcxReady`).
+pub const MAX_UCX_ADDR: usize = 64 * 1024;
+/// Longest packed UCX remote key of one region.
+pub const MAX_UCX_RKEY: usize = 16 * 1024;
+/// Most regions one `UcxReady` lists.
+pub const MAX_UCX_REGIONS: usize = 1 << 16;
+/// Largest `UcxReady` body; regions that do not fit are left out (the initiator asks for them
+/// with `UcxRkeys` when it needs them).
+pub const MAX_UCX_READY: usize = 16 << 20;
+/// Most region ids one `UcxRkeys` asks for.
+pub const MAX_UCX_RKEYS: usize = 4096;
+/// Encoded size of a `UcxRegion` without its rkey bytes: id, base, len, rkey length.
+const UCX_REGION_FIXED: usize = 8 + 8 + 8 + 2;
 
 /// Message kinds. The numeric values are part of the wire format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +66,15 @@ pub enum Kind {
     MetaGet = 30,
     Meta = 31,
     MetaPut = 32,
+    /// Client -> server, first message on a `Role::UcxSession` connection: the rail whose UCX
+    /// context the session uses and the initiator's worker address.
+    UcxOpen = 50,
+    /// Server -> client: the session worker's address and the packed rkeys (from that rail's
+    /// context) of the regions this agent exports. Also the answer to `UcxRkeys` (then with an
+    /// empty address).
+    UcxReady = 51,
+    /// Client -> server: rkeys of regions registered after the session opened.
+    UcxRkeys = 52,
     /// Fatal connection-level error; the sender closes the connection after it.
     Error = 40,
 }
@@ -74,6 +96,9 @@ impl Kind {
             30 => MetaGet,
             31 => Meta,
             32 => MetaPut,
+            50 => UcxOpen,
+            51 => UcxReady,
+            52 => UcxRkeys,
             40 => Error,
             _ => return None,
         })
@@ -94,6 +119,9 @@ impl Kind {
             Resp | Error => 2 + 8 + 2 + MAX_MSG,
             MetaGet => 0,
             Meta | MetaPut => MAX_META,
+            UcxOpen => 2 + 4 + MAX_UCX_ADDR,
+            UcxReady => MAX_UCX_READY,
+            UcxRkeys => 4 + 8 * MAX_UCX_RKEYS,
         }
     }
 }
@@ -219,6 +247,20 @@ pub enum Role {
     Control = 1,
     /// A data connection on one rail.
     Data = 2,
+    /// A UCX session on one rail: `UcxOpen` / `UcxReady`, then the target progresses a worker of
+    /// its own for this session until the connection closes or is fenced.
+    UcxSession = 3,
+}
+
+/// One exported region in `UcxReady`: where it is and its packed UCX rkey (a capability: sent
+/// only over an authenticated session, never in published metadata).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UcxRegion {
+    pub id: u64,
+    pub base: u64,
+    pub len: u64,
+    /// At most [`MAX_UCX_RKEY`] bytes.
+    pub rkey: Vec<u8>,
 }
 
 /// A one-sided request against a remote region.
@@ -271,6 +313,20 @@ pub enum Body {
         status: Status,
         msg: String,
     },
+    UcxOpen {
+        rail: u16,
+        /// At most [`MAX_UCX_ADDR`] bytes.
+        addr: Vec<u8>,
+    },
+    UcxReady {
+        /// At most [`MAX_UCX_ADDR`] bytes; empty in the answer to `UcxRkeys`.
+        addr: Vec<u8>,
+        /// Encoding leaves out regions with an rkey over [`MAX_UCX_RKEY`] and those past
+        /// [`MAX_UCX_REGIONS`] or the [`MAX_UCX_READY`] body bound.
+        regions: Vec<UcxRegion>,
+    },
+    /// Region ids (at most [`MAX_UCX_RKEYS`]).
+    UcxRkeys(Vec<u64>),
 }
 
 impl Body {
@@ -290,6 +346,9 @@ impl Body {
             Body::Meta(_) => Kind::Meta,
             Body::MetaPut(_) => Kind::MetaPut,
             Body::Error { .. } => Kind::Error,
+            Body::UcxOpen { .. } => Kind::UcxOpen,
+            Body::UcxReady { .. } => Kind::UcxReady,
+            Body::UcxRkeys(_) => Kind::UcxRkeys,
         }
     }
 
@@ -337,6 +396,38 @@ impl Body {
                 out.extend_from_slice(&0u64.to_le_bytes());
                 put_str16(&mut out, truncate(msg, MAX_MSG));
             }
+            Body::UcxOpen { rail, addr } => {
+                out.extend_from_slice(&rail.to_le_bytes());
+                put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
+            }
+            Body::UcxReady { addr, regions } => {
+                put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
+                let count_at = out.len();
+                out.extend_from_slice(&0u32.to_le_bytes());
+                let mut n = 0u32;
+                for g in regions {
+                    if g.rkey.len() > MAX_UCX_RKEY || n as usize >= MAX_UCX_REGIONS {
+                        continue;
+                    }
+                    if out.len() - HEADER_LEN + UCX_REGION_FIXED + g.rkey.len() > MAX_UCX_READY {
+                        continue;
+                    }
+                    out.extend_from_slice(&g.id.to_le_bytes());
+                    out.extend_from_slice(&g.base.to_le_bytes());
+                    out.extend_from_slice(&g.len.to_le_bytes());
+                    out.extend_from_slice(&(g.rkey.len() as u16).to_le_bytes());
+                    out.extend_from_slice(&g.rkey);
+                    n += 1;
+                }
+                out[count_at..count_at + 4].copy_from_slice(&n.to_le_bytes());
+            }
+            Body::UcxRkeys(ids) => {
+                let ids = &ids[..ids.len().min(MAX_UCX_RKEYS)];
+                out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
+                for id in ids {
+                    out.extend_from_slice(&id.to_le_bytes());
+                }
+            }
         }
         let body_len = (out.len() - HEADER_LEN) as u32;
         let h = Header { kind: self.kind(), body_len, req_id }.encode();
@@ -359,6 +450,7 @@ impl Body {
                 let role = match r.u8()? {
                     1 => Role::Control,
                     2 => Role::Data,
+                    3 => Role::UcxSession,
                     _ => return Err(DecodeError::Malformed("unknown role")),
                 };
                 let incarnation = r.u64()?;
@@ -406,6 +498,33 @@ impl Body {
                 Body::Fence(ids)
             }
             Kind::MetaGet => Body::MetaGet,
+            Kind::UcxOpen => {
+                let rail = r.u16()?;
+                let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
+                Body::UcxOpen { rail, addr }
+            }
+            Kind::UcxReady => {
+                let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
+                let n = r.count("ucx regions", MAX_UCX_REGIONS, UCX_REGION_FIXED)?;
+                let mut regions = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let (id, base, len) = (r.u64()?, r.u64()?, r.u64()?);
+                    let k = r.u16()? as usize;
+                    if k > MAX_UCX_RKEY {
+                        return Err(DecodeError::TooMany { what: "ucx rkey bytes", n: k as u64, max: MAX_UCX_RKEY as u64 });
+                    }
+                    regions.push(UcxRegion { id, base, len, rkey: r.bytes(k)?.to_vec() });
+                }
+                Body::UcxReady { addr, regions }
+            }
+            Kind::UcxRkeys => {
+                let n = r.count("ucx rkey requests", MAX_UCX_RKEYS, 8)?;
+                let mut ids = Vec::with_capacity(n);
+                for _ in 0..n {
+                    ids.push(r.u64()?);
+                }
+                Body::UcxRkeys(ids)
+            }
             Kind::Resp | Kind::Error => {
                 let status = Status::from_u16(r.u16()?);
                 let bulk_len = r.u64()?;
@@ -423,6 +542,21 @@ impl Body {
         r.finish()?;
         Ok(b)
     }
+}
+
+/// A u32-length-prefixed byte string.
+fn put_blob32(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+/// A u32-length-prefixed byte string of at most `max` bytes (checked before anything is copied).
+fn blob32(r: &mut Reader<'_>, what: &'static str, max: usize) -> Result<Vec<u8>, DecodeError> {
+    let n = r.u32()? as usize;
+    if n > max {
+        return Err(DecodeError::TooMany { what, n: n as u64, max: max as u64 });
+    }
+    Ok(r.bytes(n)?.to_vec())
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -466,6 +600,70 @@ mod tests {
         roundtrip(Body::Meta(vec![1, 2, 3]));
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
+        roundtrip(Body::Hello { role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300] });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![] });
+        roundtrip(Body::UcxReady {
+            addr: vec![],
+            regions: vec![
+                UcxRegion { id: 1, base: 0x7f00_0000_0000, len: 1 << 20, rkey: vec![5; 40] },
+                UcxRegion { id: 9, base: 4096, len: 1, rkey: vec![] },
+            ],
+        });
+        roundtrip(Body::UcxRkeys(vec![]));
+        roundtrip(Body::UcxRkeys(vec![1, u64::MAX]));
+    }
+
+    #[test]
+    fn ucx_bodies_are_bounded() {
+        // Lengths over their bounds are refused before anything is copied.
+        let mut open = 0u16.to_le_bytes().to_vec();
+        open.extend(((MAX_UCX_ADDR + 1) as u32).to_le_bytes());
+        assert!(matches!(Body::decode(Kind::UcxOpen, &open), Err(DecodeError::TooMany { .. })));
+        let mut ready = 0u32.to_le_bytes().to_vec();
+        ready.extend(1u32.to_le_bytes());
+        ready.extend([0u8; 24]);
+        ready.extend(((MAX_UCX_RKEY + 1) as u16).to_le_bytes());
+        ready.resize(ready.len() + MAX_UCX_RKEY + 1, 0);
+        assert!(matches!(Body::decode(Kind::UcxReady, &ready), Err(DecodeError::TooMany { .. })));
+        // A region count that promises more than the body holds.
+        let mut many = 0u32.to_le_bytes().to_vec();
+        many.extend(1000u32.to_le_bytes());
+        many.extend([0u8; 26]);
+        assert!(matches!(Body::decode(Kind::UcxReady, &many), Err(DecodeError::Truncated { .. })));
+        let mut over = 0u32.to_le_bytes().to_vec();
+        over.extend(((MAX_UCX_REGIONS + 1) as u32).to_le_bytes());
+        assert!(matches!(Body::decode(Kind::UcxReady, &over), Err(DecodeError::TooMany { .. })));
+        let mut ids = ((MAX_UCX_RKEYS + 1) as u32).to_le_bytes().to_vec();
+        ids.resize(ids.len() + 8 * (MAX_UCX_RKEYS + 1), 0);
+        assert!(Body::decode(Kind::UcxRkeys, &ids).is_err());
+        // Truncated and trailing bodies.
+        let ok = Body::UcxReady { addr: vec![1; 9], regions: vec![UcxRegion { id: 1, base: 2, len: 3, rkey: vec![4; 5] }] }.encode(0);
+        let body = &ok[HEADER_LEN..];
+        for cut in 0..body.len() {
+            assert!(Body::decode(Kind::UcxReady, &body[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(Body::decode(Kind::UcxReady, &long).is_err());
+        // An unknown role byte.
+        let mut hello = Body::Hello { role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
+        hello[HEADER_LEN + 2] = 4;
+        assert_eq!(Body::decode(Kind::Hello, &hello[HEADER_LEN..]), Err(DecodeError::Malformed("unknown role")));
+    }
+
+    #[test]
+    fn ucx_ready_encoding_stays_within_its_bound() {
+        // Oversized rkeys are left out, never truncated; past the body bound regions are dropped.
+        let big = UcxRegion { id: 1, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY + 1] };
+        let fits = UcxRegion { id: 2, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY] };
+        let regions: Vec<UcxRegion> = std::iter::once(big).chain((0..2000).map(|i| UcxRegion { id: i + 2, ..fits.clone() })).collect();
+        let bytes = Body::UcxReady { addr: vec![0; MAX_UCX_ADDR], regions }.encode(0);
+        assert!(bytes.len() - HEADER_LEN <= MAX_UCX_READY);
+        let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let Body::UcxReady { regions, .. } = Body::decode(h.kind, &bytes[HEADER_LEN..]).unwrap() else { panic!("not UcxReady") };
+        assert!(!regions.is_empty() && regions.len() < 2000);
+        assert!(regions.iter().all(|g| g.rkey.len() == MAX_UCX_RKEY && g.id >= 2));
     }
 
     #[test]
@@ -527,7 +725,7 @@ mod tests {
             x ^= x << 17;
             let n = (x % 80) as usize;
             let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8).collect();
-            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40] {
+            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40, 50, 51, 52] {
                 let _ = Body::decode(Kind::from_u8(k).unwrap(), &bytes);
             }
             if bytes.len() >= HEADER_LEN {

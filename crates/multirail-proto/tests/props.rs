@@ -20,7 +20,7 @@ mod simnet;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use multirail_proto::codec::{RemoteOp, Role, HEADER_LEN};
+use multirail_proto::codec::{RemoteOp, Role, UcxRegion, HEADER_LEN};
 use multirail_proto::planner::{pair_rows, pair_segments};
 use multirail_proto::{
     Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig, Policy, RailInfo, RegionKey, RegionMeta,
@@ -414,8 +414,8 @@ fn remote_op() -> impl Strategy<Value = RemoteOp> {
 
 fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (any::<bool>(), any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(d, incarnation, name, nonce)| {
-            Body::Hello { role: if d { Role::Data } else { Role::Control }, incarnation, name, nonce }
+        (0u8..3, any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(r, incarnation, name, nonce)| {
+            Body::Hello { role: [Role::Control, Role::Data, Role::UcxSession][r as usize], incarnation, name, nonce }
         }),
         (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(|(auth_required, incarnation, nonce, name)| Body::Challenge {
             auth_required,
@@ -438,6 +438,16 @@ fn body() -> impl Strategy<Value = Body> {
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Meta),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::MetaPut),
         (status(), name(512)).prop_map(|(status, msg)| Body::Error { status, msg }),
+        (any::<u16>(), prop::collection::vec(any::<u8>(), 0..300)).prop_map(|(rail, addr)| Body::UcxOpen { rail, addr }),
+        (
+            prop::collection::vec(any::<u8>(), 0..300),
+            prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..100)), 0..5)
+        )
+            .prop_map(|(addr, rs)| Body::UcxReady {
+                addr,
+                regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect()
+            }),
+        prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
     ]
 }
 
@@ -497,6 +507,19 @@ fn write_fuzz_corpus() {
         ("meta", Body::Meta(sample_meta().encode())),
         ("metaput", Body::MetaPut(sample_meta().encode())),
         ("error", Body::Error { status: Status::VersionMismatch, msg: "peer speaks 2".into() }),
+        ("hello_ucx", Body::Hello { role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [6; 16] }),
+        ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170] }),
+        (
+            "ucxready",
+            Body::UcxReady {
+                addr: vec![0x22; 170],
+                regions: vec![
+                    UcxRegion { id: 1, base: 0x7f00_0000_0000, len: MIB, rkey: vec![0x33; 48] },
+                    UcxRegion { id: 2, base: 0x7f00_1000_0000, len: 64 * MIB, rkey: vec![0x44; 48] },
+                ],
+            },
+        ),
+        ("ucxrkeys", Body::UcxRkeys(vec![3, 4])),
     ];
     let metas: Vec<(&str, Vec<u8>)> = vec![
         ("agent", sample_meta().encode()),

@@ -47,6 +47,7 @@ fn to_py(e: Error) -> PyErr {
             _ => "TransferError",
         },
         Error::Closed => "TransferError",
+        Error::Unavailable(_) => "MultirailError",
     };
     Python::with_gil(|py| {
         let made = py.import("multirail.errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((e.to_string(),)));

@@ -355,6 +355,16 @@ impl Worker {
     /// event fd; needs `ContextConfig::wakeup(true)`). Progresses first; `Ok(true)` means "call
     /// progress again". For a passive side that must keep its worker progressed without spinning.
     pub fn wait_for_events(&self, timeout: Duration) -> Result<bool> {
+        self.wait_for_events_or(timeout, &mut [])
+    }
+
+    /// [`Worker::wait_for_events`] that also wakes when one of `extra` (the caller's file
+    /// descriptors: a control socket, an eventfd to kick the waiter) reports one of its
+    /// `events`; their `revents` are set by `poll` (left 0 when the worker had events at once).
+    pub fn wait_for_events_or(&self, timeout: Duration, extra: &mut [libc::pollfd]) -> Result<bool> {
+        for p in extra.iter_mut() {
+            p.revents = 0;
+        }
         let efd = self.inner.efd.ok_or(Error::NoWakeup)?;
         {
             let mut l = self.inner.lock()?;
@@ -371,10 +381,15 @@ impl Worker {
             }
             Status::check(st).map_err(|s| Error::ucx("ucp_worker_arm", s))?;
         }
-        let mut pfd = libc::pollfd { fd: efd, events: libc::POLLIN, revents: 0 };
+        let mut pfds = Vec::with_capacity(1 + extra.len());
+        pfds.push(libc::pollfd { fd: efd, events: libc::POLLIN, revents: 0 });
+        pfds.extend(extra.iter().map(|p| libc::pollfd { revents: 0, ..*p }));
         let ms = c_int::try_from(timeout.as_millis()).unwrap_or(c_int::MAX);
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        // SAFETY: `pfds.len()` valid pollfds (poll on an arbitrary fd touches no memory of ours).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+        for (p, q) in extra.iter_mut().zip(&pfds[1..]) {
+            p.revents = q.revents;
+        }
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -537,6 +552,26 @@ impl Request {
         let worker = self.worker.clone();
         let mut l = worker.lock()?;
         l.progress();
+        if let ReqState::Pending(req, _) = &self.state {
+            if let Some(r) = l.poll_req(*req) {
+                self.finish(&mut l, r);
+            }
+        }
+        drop(l);
+        match self.result() {
+            Some(r) => r.map(|()| true),
+            None => Ok(false),
+        }
+    }
+
+    /// Checks for completion without progressing the worker (for a caller that progresses once
+    /// and then sweeps many requests): `Ok(true)` done, `Ok(false)` still running, `Err` failed.
+    pub fn check(&mut self) -> Result<bool> {
+        if let Some(r) = self.result() {
+            return r.map(|()| true);
+        }
+        let worker = self.worker.clone();
+        let mut l = worker.lock()?;
         if let ReqState::Pending(req, _) = &self.state {
             if let Some(r) = l.poll_req(*req) {
                 self.finish(&mut l, r);

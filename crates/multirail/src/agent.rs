@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 use multirail_proto::codec::{Role, Status, MAX_NAME};
 use multirail_proto::{Access, AgentMeta, Body, MemType, RailInfo};
 
-use crate::config::Config;
+use crate::config::{Config, TransportKind};
 use crate::error::{Error, Result};
 use crate::peer::{dial, resolve_in, status_error, Peer, RailReport};
 use crate::registry::{random_bytes, Region, Registry};
 use crate::server;
+use crate::transport::ucx::UcxAgent;
 use crate::wire::{self, WireError};
 use crate::xfer::{Desc, Op, XferHandle};
 
@@ -74,6 +75,8 @@ pub struct Shared {
     pub fenced: AtomicUsize,
     /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
     pub refused: AtomicUsize,
+    /// UCX state (one context per rail, every region mapped) when `cfg.transport` is Ucx.
+    pub(crate) ucx: Option<Arc<UcxAgent>>,
 }
 
 impl Shared {
@@ -171,6 +174,10 @@ impl Agent {
             }
         }
         let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
+        let ucx = match cfg.transport {
+            TransportKind::Tcp => None,
+            TransportKind::Ucx => Some(Arc::new(UcxAgent::new(&rails, &rails_meta)?)),
+        };
         let ctx = Arc::new(Ctx {
             name: name.to_string(),
             incarnation: u64::from_le_bytes(random_bytes()),
@@ -192,7 +199,15 @@ impl Agent {
             served: Mutex::new(HashMap::new()),
             fenced: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
+            ucx,
         });
+        if let Some(u) = &shared.ucx {
+            shared.ctx.log(&format!("ucx transport: {}", u.describe()));
+            if let Some(w) = u.rdma_warning() {
+                shared.ctx.log(&w);
+                eprintln!("multirail: warning: {w}");
+            }
+        }
         let mut handles = Vec::new();
         for l in listeners {
             let addr = l.local_addr().map_err(|e| Error::io("local_addr", e))?;
@@ -221,11 +236,27 @@ impl Agent {
     }
 
     pub fn register(&self, base: u64, len: u64, dev: u32, mem: MemType, access: Access) -> Result<Arc<Region>> {
-        self.shared.registry.register(base, len, dev, mem, access)
+        let r = self.shared.registry.register(base, len, dev, mem, access)?;
+        if let Some(u) = &self.shared.ucx {
+            // Mapped in every rail's UCX context now, so the data path never registers.
+            if let Err(e) = u.map(&r) {
+                let id = r.id;
+                drop(r);
+                let _ = self.shared.registry.deregister(id, Duration::ZERO);
+                return Err(e);
+            }
+        }
+        Ok(r)
     }
 
     pub fn deregister(&self, id: u64) -> Result<()> {
-        self.shared.registry.deregister(id, Duration::from_secs(2))
+        self.shared.registry.deregister(id, Duration::from_secs(2))?;
+        // The registry let go only once no transfer holds the region, so no local UCX request
+        // uses it any more (and a pending one keeps its own mapping alive until it completes).
+        if let Some(u) = &self.shared.ucx {
+            u.unmap(id);
+        }
+        Ok(())
     }
 
     pub fn metadata(&self) -> AgentMeta {

@@ -5,8 +5,6 @@ use std::time::Duration;
 
 use multirail_proto::PlannerConfig;
 
-pub use crate::transport::TransportKind;
-
 /// One local rail: an interface (or just an address) whose traffic leaves through one NIC.
 #[derive(Debug, Clone)]
 pub struct RailSpec {
@@ -59,6 +57,35 @@ impl Progress {
     }
 }
 
+/// Which data path carries READ/WRITE chunks (`Config::transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// multirail's own TCP connections.
+    #[default]
+    Tcp,
+    /// UCX (one UCP context per rail): RDMA where the loaded UCX and the rail have it, else
+    /// UCX's tcp. Needs a UCX library at run time (`pip install "multirail[ucx]"`,
+    /// `apt-get install libucx0`, or `MULTIRAIL_UCX_LIB`).
+    Ucx,
+}
+
+impl TransportKind {
+    pub fn parse(s: &str) -> Option<TransportKind> {
+        match s {
+            "tcp" => Some(TransportKind::Tcp),
+            "ucx" => Some(TransportKind::Ucx),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Side-channel listen address.
@@ -86,7 +113,7 @@ pub struct Config {
     /// Busy-poll budget per wait for `Progress::Adaptive` (callers and serving connections)
     /// and for serving connections under `Progress::Poll`.
     pub spin: Duration,
-    /// What carries the rails (see `transport`).
+    /// The data path (see [`TransportKind`]).
     pub transport: TransportKind,
 }
 

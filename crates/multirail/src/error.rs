@@ -50,6 +50,10 @@ pub enum Error {
     /// An operating-system error with context.
     #[error("{context}: {msg}")]
     Io { context: String, msg: String, kind: std::io::ErrorKind },
+    /// A transport that was asked for cannot run here (e.g. no UCX library could be loaded);
+    /// the message says how to install it.
+    #[error("transport unavailable: {0}")]
+    Unavailable(String),
     /// The agent is closed.
     #[error("agent is closed")]
     Closed,

@@ -29,6 +29,6 @@ pub mod wire;
 pub mod xfer;
 
 pub use agent::Agent;
-pub use config::{Config, RailSpec};
+pub use config::{Config, RailSpec, TransportKind};
 pub use error::{Error, Result};
 pub use xfer::{Op, XferHandle, XferState};

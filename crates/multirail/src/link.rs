@@ -22,7 +22,8 @@ use multirail_proto::{Body, Chunk, ChunkId, Event, Planner, RailInfo, RegionKey,
 use crate::agent::Ctx;
 use crate::error::{Error, Result};
 use crate::peer::{abort_socket, dial_id, link_down, status_error, Peer, PeerCounters, RailIo, RailReport};
-use crate::transport::{tcp::TcpRails, Transport, TransportKind};
+use crate::config::TransportKind;
+use crate::transport::{tcp::TcpRails, Transport};
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 

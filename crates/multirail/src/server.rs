@@ -140,7 +140,6 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
-    let _ = role;
     let who = format!("{peer_name}@{who}");
     let Ok(sock) = s.try_clone() else {
         let _ = s.shutdown(Shutdown::Both);
@@ -161,6 +160,11 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
     // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
     // registered after that sees the flag here.
     if sh.shutdown.load(Ordering::SeqCst) {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
+    if role == Role::UcxSession {
+        serve_ucx(sh, &mut s, &me, &who);
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
@@ -290,6 +294,33 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         }
     }
     let _ = s.shutdown(Shutdown::Both);
+}
+
+/// A `Role::UcxSession` connection: the session's own UCX worker lives (and is progressed) in
+/// `transport::ucx::serve_session` until the socket hangs up, the agent closes or the session is
+/// fenced. The connection's `apply` lock is held for the worker's whole life: `fence` takes it
+/// after aborting the socket, so a fence returns only once the worker is destroyed, and then no
+/// late PUT of this session can land (the UCX fence).
+fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
+    let Some(ucx) = sh.ucx.as_ref() else {
+        // Read the UcxOpen first (bounded), so the refusal is not lost to a reset.
+        let deadline = Instant::now() + sh.ctx.cfg.timeout;
+        let mut tick = |_: bool| if sh.shutdown.load(Ordering::Acquire) || Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
+        let _ = wire::read_frame(s, &mut tick);
+        refuse(sh, s, who, Status::Unexpected, "this agent does not run the ucx transport".into());
+        return;
+    };
+    let guard = me.apply.lock().expect("apply lock");
+    if me.fenced.load(Ordering::Acquire) {
+        return;
+    }
+    let r = crate::transport::ucx::serve_session(sh, ucx, s, &me.fenced, who);
+    drop(guard);
+    if let Err((status, msg)) = r {
+        if !msg.is_empty() {
+            refuse(sh, s, who, status, msg);
+        }
+    }
 }
 
 /// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name and connection id (the

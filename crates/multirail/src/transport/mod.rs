@@ -27,6 +27,7 @@
 //! docs/transports.md is the guide for writing a new one.
 
 pub(crate) mod tcp;
+pub(crate) mod ucx;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,31 +47,6 @@ pub struct Caps {
     /// A waiting caller can drive its own completions (`Transport::drive`) instead of being
     /// woken by a transport thread: the low-latency path.
     pub caller_driven: bool,
-}
-
-/// The transports a link can run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TransportKind {
-    #[default]
-    Tcp,
-    Ucx,
-}
-
-impl TransportKind {
-    pub fn parse(s: &str) -> Option<TransportKind> {
-        match s {
-            "tcp" => Some(TransportKind::Tcp),
-            "ucx" => Some(TransportKind::Ucx),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            TransportKind::Tcp => "tcp",
-            TransportKind::Ucx => "ucx",
-        }
-    }
 }
 
 /// The rails of one link over one transport.
