@@ -63,6 +63,12 @@ class AgentConfig:
     (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/3 s, deleted by close())
     and fetch peers by name; None (default): side channel only. docs/etcd.md.
     metadata_ttl: lease TTL, seconds: a killed agent's key disappears within it.
+    transport: what carries the rails. "tcp" (default): multirail's own TCP connections;
+    "ucx": UCX one-sided get/put, one UCP context per rail restricted to the rail's device (RDMA
+    when the rail has an RDMA device and the loaded UCX can drive it, else UCX's tcp). Needs a
+    UCX library: `pip install "multirail[ucx]"` (the libucx wheel, tcp only), a system libucp
+    (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB. Both peers must use the same transport.
+    docs/transports.md.
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -81,6 +87,7 @@ class AgentConfig:
     bind_device: bool = True
     progress: str = "adaptive"
     spin_us: float = 200.0
+    transport: str = "tcp"
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -100,6 +107,34 @@ class AgentConfig:
                 raise InvalidArgumentError(f"unknown config keys {bad}; known: {sorted(known - {'extra'})}")
             return cls(**config)
         raise InvalidArgumentError(f"config must be an AgentConfig or a dict, not {type(config).__name__}")
+
+
+def _ucx_wheel_dir() -> str | None:
+    """The lib directory of the libucx wheel (`pip install "multirail[ucx]"`), if installed;
+    found without importing or loading anything."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        lib = os.path.join(d, "lib")
+        if os.path.isdir(lib):
+            return lib
+    return None
+
+
+def _offer_ucx_wheel() -> None:
+    """Offer the libucx wheel's directory to the engine's UCX loader (MULTIRAIL_UCX_WHEEL_DIR,
+    after what the user set; the loader prefers an explicit MULTIRAIL_UCX_LIB and a system UCX
+    with InfiniBand, docs/ucx.md)."""
+    d = _ucx_wheel_dir()
+    old = os.environ.get("MULTIRAIL_UCX_WHEEL_DIR")
+    if d and d not in (old or "").split(":"):
+        os.environ["MULTIRAIL_UCX_WHEEL_DIR"] = f"{old}:{d}" if old else d
 
 
 def _resolve_rails(spec: Any) -> list[tuple]:
@@ -315,11 +350,14 @@ class Agent:
         if not cfg.bind_device:
             rails = [r[:7] + (False,) for r in rails]
         self.config = cfg
-        self._core = _core.Agent(
+        args = (
             name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
-            float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us),
+            float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
         )
+        if cfg.transport == "ucx":
+            _offer_ucx_wheel()
+        self._core = _core.Agent(*args)
         _LIVE.add(self)
         self._regs: dict[int, Any] = {}
         self._closed = False

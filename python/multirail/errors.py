@@ -80,6 +80,11 @@ class TransferError(MultirailError):
     """A transfer failed for a reason not covered above; the message says why."""
 
 
+class TransportUnavailableError(MultirailError, ImportError):
+    """The chosen transport cannot run here (e.g. transport="ucx" without a UCX library); the
+    message says what was tried and how to install it (`pip install "multirail[ucx]"`)."""
+
+
 class MetadataStoreError(MultirailError, ConnectionError):
     """The metadata store (etcd) is unreachable, timed out or refused a request.
 

@@ -47,7 +47,7 @@ fn to_py(e: Error) -> PyErr {
             _ => "TransferError",
         },
         Error::Closed => "TransferError",
-        Error::Unavailable(_) => "MultirailError",
+        Error::Unavailable(_) => "TransportUnavailableError",
     };
     Python::with_gil(|py| {
         let made = py.import("multirail.errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((e.to_string(),)));

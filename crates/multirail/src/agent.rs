@@ -43,6 +43,8 @@ pub struct Ctx {
     /// Set first thing in `Agent::close`: no link is opened after it (a prepared handle that
     /// outlives the agent must not reconnect).
     pub closed: AtomicBool,
+    /// UCX state when `cfg.transport` is Ucx (also in `Shared::ucx`): links open rails with it.
+    pub(crate) ucx: Option<Arc<UcxAgent>>,
 }
 
 impl Ctx {
@@ -187,6 +189,7 @@ impl Agent {
             events: Mutex::new(VecDeque::new()),
             started: Instant::now(),
             closed: AtomicBool::new(false),
+            ucx: ucx.clone(),
         });
         let shared = Arc::new(Shared {
             ctx,

@@ -20,10 +20,10 @@ use multirail_proto::codec::{Role, Status};
 use multirail_proto::{Body, Chunk, ChunkId, Event, Planner, RailInfo, RegionKey, XferId};
 
 use crate::agent::Ctx;
+use crate::config::TransportKind;
 use crate::error::{Error, Result};
 use crate::peer::{abort_socket, dial_id, link_down, status_error, Peer, PeerCounters, RailIo, RailReport};
-use crate::config::TransportKind;
-use crate::transport::{tcp::TcpRails, Transport};
+use crate::transport::{tcp::TcpRails, ucx_rails::UcxRails, Transport};
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 
@@ -38,6 +38,9 @@ pub(crate) struct RailState {
     pub local: Option<(String, IpAddr)>,
     /// The peer's side-channel address on this rail (handshakes, fences, UCX sessions).
     pub remote: SocketAddr,
+    /// This agent's index for the rail (`Ctx::rails`) and the peer's (its `AgentMeta::rails`).
+    pub local_index: usize,
+    pub remote_index: usize,
     pub remote_name: String,
     probing: AtomicBool,
     /// Serialises readmission (the probe thread and a caller reviving a dead link).
@@ -157,6 +160,8 @@ impl Link {
             rails.push(RailState {
                 local: l.addr.filter(|a| !a.is_unspecified()).map(|a| (l.device.clone(), a)),
                 remote: SocketAddr::new(ip, r.port),
+                local_index: li,
+                remote_index: ri,
                 remote_name: r.name.clone(),
                 probing: AtomicBool::new(false),
                 readmit: Mutex::new(()),
@@ -166,9 +171,10 @@ impl Link {
         }
         let t: Box<dyn Transport> = match ctx.cfg.transport {
             TransportKind::Tcp => Box::new(TcpRails::new(rails.len())),
-            TransportKind::Ucx => {
-                return Err(Error::InvalidArgument("the ucx transport is not built into this engine".into()));
-            }
+            TransportKind::Ucx => match &ctx.ucx {
+                Some(u) => Box::new(UcxRails::new(u.clone(), rails.len())),
+                None => return Err(Error::Unavailable("this agent was not started with the ucx transport".into())),
+            },
         };
         let link = Arc::new(Link {
             peer_name: peer.name.clone(),
@@ -351,6 +357,7 @@ impl Link {
         drop(g);
         self.complete(done);
         self.cond.notify_all();
+        self.t.wake();
         if !self.shutdown.load(Ordering::Acquire) {
             self.start_probe(ri);
         }
@@ -431,6 +438,7 @@ impl Link {
         drop(g);
         self.complete(done);
         self.cond.notify_all();
+        self.t.wake();
         Ok(true)
     }
 
@@ -735,5 +743,6 @@ impl Link {
             x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: reason.into() }));
         }
         self.cond.notify_all();
+        self.t.wake();
     }
 }

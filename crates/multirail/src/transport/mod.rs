@@ -28,6 +28,7 @@
 
 pub(crate) mod tcp;
 pub(crate) mod ucx;
+pub(crate) mod ucx_rails;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -75,6 +76,9 @@ pub(crate) trait Transport: Send + Sync {
     fn paths(&self, ri: usize) -> usize;
     /// What rail `ri` runs on, for `rail_stats()` ("tcp", "ucx/tcp", "ucx/rc_mlx5").
     fn describe(&self, ri: usize) -> String;
+    /// Work may be waiting for rails whose threads do not wait on the link's condition (a rail
+    /// went down and its chunks were requeued, a rail came back): look again.
+    fn wake(&self);
     /// Shut everything (the link is closing); threads leave on their own.
     fn close(&self);
 }

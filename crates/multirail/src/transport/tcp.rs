@@ -370,6 +370,10 @@ impl Transport for TcpRails {
         "tcp".into()
     }
 
+    fn wake(&self) {
+        // The senders wait on the link's condition, which the link signals itself.
+    }
+
     fn close(&self) {
         for r in &self.rails {
             for c in r.conns.read().expect("rail lock").iter() {

@@ -430,6 +430,11 @@ impl UcxRail {
         })
     }
 
+    /// Wake a `progress` sleeping on this rail (work may be waiting in the planner).
+    pub fn wake(&self) {
+        self.kick.kick();
+    }
+
     /// The session's Hello nonce: what a `Fence` to the target names to tear the session down.
     pub fn id(&self) -> [u8; 16] {
         self.id

@@ -1,0 +1,245 @@
+//! The `ucx` transport: the rails of one link over UCX, one [`UcxRail`] (a worker of its own, one
+//! endpoint to a per-session worker on the target) per rail.
+//!
+//! Per rail one progress thread posts the planner's chunks (one-sided get/put into the peer's
+//! region through the rkeys its session announced), progresses the worker and reports
+//! completions to the link; a posting caller also posts from its own thread. multirail's planner
+//! does the striping (UCX's own multi-rail splitting is off in every rail's context), so
+//! weighting, tail balancing and failover are the same as over TCP.
+//!
+//! Failure: the endpoint's error callback, a failed request, the session socket hanging up, or
+//! no completion for `stall_timeout` while chunks are outstanding (UCX over tcp does not report
+//! a hung peer) fails the rail. Its thread force-closes the endpoint (after which nothing of
+//! the rail touches local memory) and reports the path stopped; a session that carried a PUT is
+//! named by `fence_ids`, so the link has the target destroy that session's worker (`Fence`)
+//! before any chunk is reissued: a late PUT of the dead rail can no longer land.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{Role, Status};
+use multirail_proto::Chunk;
+
+use super::ucx::{UcxAgent, UcxRail};
+use super::{Caps, Transport};
+use crate::error::{Error, Result};
+use crate::link::Link;
+use crate::peer::dial_id;
+use crate::xfer::{Op, XferShared};
+
+/// Longest an idle progress thread sleeps before it looks at the planner again (it is kicked by
+/// posts, by the link's `wake`, and by the worker's events before that).
+const IDLE_WAIT: Duration = Duration::from_millis(50);
+
+/// One open rail: the UCX rail and the chunks it carries, by token.
+struct Path {
+    rail: UcxRail,
+    inflight: Mutex<HashMap<u64, (Chunk, Arc<XferShared>)>>,
+    next_token: AtomicU64,
+    /// Carried a PUT: its session must be fenced on the target if the rail dies.
+    wrote: AtomicBool,
+    /// Shut (by the link, a failure, or close): the progress thread stops.
+    dead: AtomicBool,
+}
+
+#[derive(Default)]
+struct Slot {
+    path: RwLock<Option<Arc<Path>>>,
+    /// A progress thread runs (the rail is up while one does).
+    live: AtomicBool,
+}
+
+/// The rails of one link over UCX.
+pub(crate) struct UcxRails {
+    agent: Arc<UcxAgent>,
+    rails: Vec<Arc<Slot>>,
+}
+
+impl UcxRails {
+    pub(crate) fn new(agent: Arc<UcxAgent>, n: usize) -> UcxRails {
+        UcxRails { agent, rails: (0..n).map(|_| Arc::new(Slot::default())).collect() }
+    }
+
+    fn path(&self, ri: usize) -> Option<Arc<Path>> {
+        self.rails[ri].path.read().expect("rail lock").clone()
+    }
+}
+
+/// A refusal of one chunk (before or by UCX) that is not a rail failure.
+fn refused(msg: &str) -> Status {
+    if msg.contains("outside") || msg.contains("too large") {
+        Status::OutOfBounds
+    } else if msg.contains("exports no region") {
+        Status::UnknownRegion
+    } else {
+        Status::Internal
+    }
+}
+
+/// Post the planner's chunks for rail `ri` while the rail has window room.
+fn pump(link: &Link, ri: usize, p: &Path) {
+    let window = link.ctx.cfg.conn_window * link.ctx.cfg.connections.max(1);
+    loop {
+        if p.dead.load(Ordering::Acquire) || link.is_shutdown() || p.inflight.lock().expect("path lock").len() >= window {
+            return;
+        }
+        let Some((chunk, x)) = link.next_chunk(ri) else { return };
+        let write = x.op == Op::Write;
+        if write && !p.wrote.load(Ordering::Relaxed) {
+            // Before the first byte: from now on this session's death needs a fence.
+            p.wrote.store(true, Ordering::Release);
+        }
+        let token = p.next_token.fetch_add(1, Ordering::Relaxed);
+        let piece = chunk.piece;
+        p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
+        if let Err(msg) = p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len) {
+            let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
+            if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
+                // Left in the planner's books for this rail: requeued when the rail stops.
+                p.dead.store(true, Ordering::Release);
+                p.rail.wake();
+                link.rail_failed(ri, msg);
+                return;
+            }
+            link.chunk_done(ri, chunk.id, &x, piece.len, Err((refused(&msg), msg)));
+        }
+    }
+}
+
+/// The progress thread of one rail.
+fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
+    let stall = link.ctx.cfg.planner.stall_timeout;
+    let reason = match link.enter() {
+        Some(_active) => {
+            let mut done = Vec::new();
+            let reason = loop {
+                if link.is_shutdown() {
+                    break None;
+                }
+                if p.dead.load(Ordering::Acquire) {
+                    break Some("rail shut".to_string());
+                }
+                pump(&link, ri, &p);
+                if let Err(e) = p.rail.progress(&mut done, IDLE_WAIT, stall) {
+                    break Some(e);
+                }
+                for (token, r) in done.drain(..) {
+                    let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
+                    let r = r.map_err(|m| (refused(&m), m));
+                    link.chunk_done(ri, chunk.id, &x, chunk.piece.len, r);
+                }
+            };
+            // When this returns nothing of the rail touches local memory any more: its chunks
+            // may be reissued (after the fence) and the application may free the memory.
+            p.rail.abort();
+            reason
+        }
+        None => {
+            p.rail.abort();
+            None
+        }
+    };
+    p.dead.store(true, Ordering::Release);
+    if let Some(reason) = reason {
+        if !link.is_shutdown() {
+            link.rail_failed(ri, reason);
+        }
+    }
+    link.path_stopped(ri, || slot.live.swap(false, Ordering::AcqRel));
+}
+
+impl Transport for UcxRails {
+    fn caps(&self) -> Caps {
+        // One-sided when the lanes are RDMA ones (UCX's tcp and shm lanes emulate RMA with the
+        // target's thread). GPU memory over UCX is not offered yet (issue 10).
+        let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
+        let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
+        Caps { remote_vram: false, one_sided, caller_driven: false }
+    }
+
+    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
+        let rs = &link.rails[ri];
+        let expect = Some((link.peer_name.as_str(), link.incarnation));
+        let (s, id) = dial_id(&link.ctx, rs.local.as_ref(), rs.remote, Role::UcxSession, expect, timeout)?;
+        let remote_rail =
+            u16::try_from(rs.remote_index).map_err(|_| Error::Metadata(format!("rail index {} too large", rs.remote_index)))?;
+        let rail = UcxRail::open(&self.agent, rs.local_index, remote_rail, s, id, timeout)?;
+        let p = Arc::new(Path {
+            rail,
+            inflight: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            wrote: AtomicBool::new(false),
+            dead: AtomicBool::new(false),
+        });
+        let slot = self.rails[ri].clone();
+        *slot.path.write().expect("rail lock") = Some(p.clone());
+        slot.live.store(true, Ordering::Release);
+        let l = link.clone();
+        let s2 = slot.clone();
+        let spawned = std::thread::Builder::new().name(format!("mr-ucx-{ri}")).spawn(move || run(l, ri, s2, p));
+        if let Err(e) = spawned {
+            slot.live.store(false, Ordering::Release);
+            return Err(Error::io("spawn", e));
+        }
+        Ok(())
+    }
+
+    fn is_up(&self, ri: usize) -> bool {
+        self.rails[ri].live.load(Ordering::Acquire)
+    }
+
+    fn post_ready(&self, link: &Link, _will_drive: bool) -> bool {
+        for ri in 0..self.rails.len() {
+            if let Some(p) = self.path(ri).filter(|_| self.is_up(ri)) {
+                pump(link, ri, &p);
+            }
+        }
+        // Each rail's progress thread posts the rest as completions make room.
+        false
+    }
+
+    fn drive(&self, _link: &Link, _x: &XferShared, _deadline: Option<Instant>, _poll_only: bool) -> bool {
+        false
+    }
+
+    fn holds(&self, x: &Arc<XferShared>) -> bool {
+        (0..self.rails.len())
+            .filter_map(|ri| self.path(ri))
+            .any(|p| p.inflight.lock().expect("path lock").values().any(|(_, y)| Arc::ptr_eq(x, y)))
+    }
+
+    fn shut_rail(&self, ri: usize) {
+        if let Some(p) = self.path(ri) {
+            p.dead.store(true, Ordering::Release);
+            p.rail.wake();
+        }
+    }
+
+    fn fence_ids(&self, ri: usize) -> Vec<[u8; 16]> {
+        self.path(ri).filter(|p| p.wrote.load(Ordering::Acquire)).map(|p| vec![p.rail.id()]).unwrap_or_default()
+    }
+
+    fn paths(&self, ri: usize) -> usize {
+        usize::from(self.is_up(ri))
+    }
+
+    fn describe(&self, ri: usize) -> String {
+        self.path(ri).map(|p| p.rail.transport_name()).unwrap_or_else(|| "ucx".into())
+    }
+
+    fn wake(&self) {
+        for ri in 0..self.rails.len() {
+            if let Some(p) = self.path(ri) {
+                p.rail.wake();
+            }
+        }
+    }
+
+    fn close(&self) {
+        for ri in 0..self.rails.len() {
+            self.shut_rail(ri);
+        }
+    }
+}
