@@ -67,7 +67,8 @@ class AgentConfig:
     "ucx": UCX one-sided get/put, one UCP context per rail restricted to the rail's device (RDMA
     when the rail has an RDMA device and the loaded UCX can drive it, else UCX's tcp). Needs a
     UCX library: `pip install "multirail[ucx]"` (the libucx wheel, tcp only), a system libucp
-    (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB. Both peers must use the same transport.
+    (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB. The default is $MULTIRAIL_TRANSPORT, else
+    "tcp". A ucx agent also serves tcp peers; a tcp agent refuses ucx sessions, clearly.
     docs/transports.md.
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
@@ -87,7 +88,7 @@ class AgentConfig:
     bind_device: bool = True
     progress: str = "adaptive"
     spin_us: float = 200.0
-    transport: str = "tcp"
+    transport: str = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "tcp"))
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None

@@ -25,13 +25,15 @@ use multirail_proto::Chunk;
 use super::ucx::{UcxAgent, UcxRail};
 use super::{Caps, Transport};
 use crate::error::{Error, Result};
-use crate::link::Link;
-use crate::peer::dial_id;
+use crate::link::{Link, LINK_CHECK};
+use crate::peer::{dial_id, link_down};
 use crate::xfer::{Op, XferShared};
 
 /// Longest an idle progress thread sleeps before it looks at the planner again (it is kicked by
 /// posts, by the link's `wake`, and by the worker's events before that).
 const IDLE_WAIT: Duration = Duration::from_millis(50);
+/// How long a progress wait lasts while chunks are outstanding (the carrier check's period).
+const BUSY_WAIT: Duration = Duration::from_millis(20);
 
 /// One open rail: the UCX rail and the chunks it carries, by token.
 struct Path {
@@ -114,6 +116,8 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
     let reason = match link.enter() {
         Some(_active) => {
             let mut done = Vec::new();
+            let dev = link.rails[ri].local.as_ref().map(|l| l.0.clone()).filter(|d| !d.is_empty());
+            let (mut last_done, mut last_check) = (Instant::now(), Instant::now());
             let reason = loop {
                 if link.is_shutdown() {
                     break None;
@@ -122,8 +126,19 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                     break Some("rail shut".to_string());
                 }
                 pump(&link, ri, &p);
-                if let Err(e) = p.rail.progress(&mut done, IDLE_WAIT, stall) {
+                let wait = if p.inflight.lock().expect("path lock").is_empty() { IDLE_WAIT } else { BUSY_WAIT };
+                if let Err(e) = p.rail.progress(&mut done, wait, stall) {
                     break Some(e);
+                }
+                let now = Instant::now();
+                if !done.is_empty() || p.inflight.lock().expect("path lock").is_empty() {
+                    last_done = now;
+                } else if now - last_done > LINK_CHECK && now - last_check > LINK_CHECK {
+                    // A local link that lost carrier is dead now; no need to wait for the stall.
+                    last_check = now;
+                    if let Some(why) = dev.as_deref().and_then(link_down) {
+                        break Some(why);
+                    }
                 }
                 for (token, r) in done.drain(..) {
                     let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };

@@ -1,0 +1,305 @@
+"""Transport conformance (issue 9): the same behaviour, checked the same way, for every transport
+behind the seam (crates/multirail/src/transport/): "tcp" and "ucx" (UCX's tcp transport here;
+no RDMA NIC on this machine).
+
+What every transport must do (docs/transports.md):
+* READ and WRITE byte-exact for odd sizes, scattered descriptors, large transfers, mixed with
+  notifications, which arrive after the data;
+* refuse bad descriptors before touching memory, keep serving after;
+* report what carries each rail in rail_stats();
+* a peer that vanishes mid-transfer: an error within the timeout, never a hang;
+* close() while transfers are in flight: once it returns, nothing touches the memory;
+* on the emulated testbed: stripe over both rails, and survive a rail dying mid-transfer
+  (link down, silent blackhole) byte-exact, fencing WRITEs so nothing stale lands.
+
+UCX tests skip with the reason when no UCX library can be loaded (`pip install "multirail[ucx]"`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from conftest import engine_available, netns_unavailable
+
+pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+
+MiB = 1 << 20
+STALL_S = 1.0
+
+
+def _ucx_unavailable() -> str | None:
+    if not engine_available():
+        return "engine not built"
+    import multirail
+
+    try:
+        a = multirail.Agent("ucx-probe", {"transport": "ucx"})
+    except multirail.errors.TransportUnavailableError as e:
+        return f"UCX cannot be loaded here: {e}"
+    a.close()
+    return None
+
+
+_UCX_SKIP = _ucx_unavailable()
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=_UCX_SKIP or ""))]
+
+
+def pattern(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]:
+    import multirail
+
+    tr = request.param
+    t = multirail.Agent("target", {"transport": tr})
+    i = multirail.Agent("initiator", {"transport": tr, "timeout": 5.0, "stall_timeout": 1.0})
+    yield t, i, tr
+    i.close()
+    t.close()
+
+
+def connect(t: Any, i: Any) -> None:
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+
+
+@pytest.mark.parametrize("n", [1, 4095, MiB + 7, 64 * MiB])
+def test_read_and_write_byte_exact(pair: Any, n: int) -> None:
+    t, i, _ = pair
+    remote, local = pattern(n, 3), np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    h = i.initialize_xfer("READ", [local], [remote], "target")
+    i.transfer(h)
+    i.wait(h, 30)
+    assert np.array_equal(local, remote)
+    local[:] = pattern(n, 4)
+    w = i.initialize_xfer("WRITE", [local], [remote], "target", b"written")
+    i.transfer(w)
+    i.wait(w, 30)
+    assert np.array_equal(local, remote)
+    assert t.get_new_notifs() == {"initiator": [b"written"]}
+
+
+def test_scattered_descriptors_both_ways(pair: Any) -> None:
+    """512 shuffled 4 KiB pages on each side (a KV-cache layout): every page lands where its
+    descriptor says."""
+    t, i, _ = pair
+    page, n = 4096, 512
+    remote, local = pattern(page * n, 5), np.zeros(page * n, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    rng = np.random.default_rng(7)
+    lp, rp = rng.permutation(n), rng.permutation(n)
+    ldesc = [(local.ctypes.data + int(p) * page, page, 0) for p in lp]
+    rdesc = [(remote.ctypes.data + int(p) * page, page, 0) for p in rp]
+    h = i.initialize_xfer("READ", ldesc, rdesc, "target")
+    i.transfer(h)
+    i.wait(h, 30)
+    lv, rv = local.reshape(n, page), remote.reshape(n, page)
+    assert all(np.array_equal(lv[a], rv[b]) for a, b in zip(lp, rp))
+    local[:] = pattern(page * n, 8)
+    w = i.initialize_xfer("WRITE", ldesc, rdesc, "target")
+    i.transfer(w)
+    i.wait(w, 30)
+    assert all(np.array_equal(lv[a], rv[b]) for a, b in zip(lp, rp))
+
+
+def test_many_transfers_in_flight_at_once(pair: Any) -> None:
+    t, i, _ = pair
+    n, k = 256 << 10, 32
+    remote, local = pattern(n * k, 9), np.zeros(n * k, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    hs = []
+    for j in range(k):
+        h = i.initialize_xfer("READ", [local[j * n:(j + 1) * n]], [remote[j * n:(j + 1) * n]], "target")
+        i.transfer(h)
+        hs.append(h)
+    for h in hs:
+        i.wait(h, 30)
+    assert np.array_equal(local, remote)
+
+
+def test_bad_descriptors_refused_memory_untouched(pair: Any) -> None:
+    import multirail
+
+    t, i, _ = pair
+    remote, local = pattern(MiB, 10), np.zeros(2 * MiB, np.uint8)
+    before = remote.copy()
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    with pytest.raises(multirail.errors.OutOfBoundsError):
+        i.initialize_xfer("WRITE", [local[: MiB + 1]], [(remote.ctypes.data, MiB + 1, 0)], "target")
+    with pytest.raises(multirail.errors.NotRegisteredError):
+        i.initialize_xfer("WRITE", [np.zeros(16, np.uint8)], [(remote.ctypes.data, 16, 0)], "target")
+    assert np.array_equal(remote, before)
+    # still serving
+    h = i.initialize_xfer("READ", [local[:MiB]], [remote], "target")
+    i.transfer(h)
+    i.wait(h, 10)
+    assert np.array_equal(local[:MiB], remote)
+
+
+def test_rail_stats_name_the_transport(pair: Any) -> None:
+    t, i, tr = pair
+    remote, local = pattern(MiB), np.zeros(MiB, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    h = i.initialize_xfer("READ", [local], [remote], "target")
+    i.transfer(h)
+    i.wait(h, 10)
+    stats = i.rail_stats("target")
+    assert stats and all(s["transport"].startswith(tr) for s in stats), stats
+    if tr == "ucx":
+        assert stats[0]["transport"] == "ucx/tcp", stats  # the wheel has no RDMA; lo is not one
+    assert sum(s["bytes_read"] for s in stats) == MiB
+
+
+def test_close_mid_transfer_then_memory_is_left_alone(pair: Any) -> None:
+    """close() with a large READ in flight: the transfer ends in error, and once close() has
+    returned no byte of the destination changes any more."""
+    t, i, _ = pair
+    n = 256 * MiB
+    remote, local = np.full(n, 7, np.uint8), np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    connect(t, i)
+    h = i.initialize_xfer("READ", [local], [remote], "target")
+    i.transfer(h)
+    time.sleep(0.02)
+    i.close()
+    snap = local.copy()
+    time.sleep(0.3)
+    assert np.array_equal(local, snap), "memory changed after close() returned"
+
+
+TARGET_SCRIPT = r"""
+import sys, time, numpy as np, multirail
+n, tr = int(sys.argv[1]), sys.argv[2]
+t = multirail.Agent("target", {"transport": tr})
+buf = np.full(n, 5, np.uint8)
+t.register_memory(buf)
+print(t.port, buf.ctypes.data, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_peer_killed_mid_transfer_fails_within_the_timeout(tr: str) -> None:
+    import multirail
+
+    n = 256 * MiB
+    p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), tr], stdout=subprocess.PIPE, text=True)
+    try:
+        port, addr = map(int, p.stdout.readline().split())
+        with multirail.Agent("initiator", {"transport": tr, "timeout": 3.0, "stall_timeout": 0.5}) as i:
+            dst = np.zeros(n, np.uint8)
+            i.register_memory(dst)
+            i.fetch_remote_metadata("target", "127.0.0.1", port)
+            h = i.initialize_xfer("READ", [dst], [(addr, n, 0)], "target")
+            i.transfer(h)
+            time.sleep(0.05)
+            p.kill()
+            t0 = time.monotonic()
+            with pytest.raises(multirail.errors.MultirailError):
+                i.wait(h, 20)
+            assert time.monotonic() - t0 < 8.0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_ucx_initiator_against_a_tcp_only_target_is_refused_clearly() -> None:
+    if _UCX_SKIP:
+        pytest.skip(_UCX_SKIP)
+    import multirail
+
+    with multirail.Agent("target") as t, multirail.Agent("initiator", {"transport": "ucx", "timeout": 3.0}) as i:
+        remote, local = pattern(MiB), np.zeros(MiB, np.uint8)
+        t.register_memory(remote)
+        i.register_memory(local)
+        connect(t, i)
+        with pytest.raises(multirail.errors.ProtocolError, match="does not run the ucx transport"):
+            h = i.initialize_xfer("READ", [local], [remote], "target")
+            i.transfer(h)
+            i.wait(h, 10)
+
+
+def test_unknown_transport_refused() -> None:
+    import multirail
+
+    with pytest.raises(ValueError, match="transport"):
+        multirail.Agent("x", {"transport": "carrier-pigeon"})
+
+
+# ---------------------------------------------------------------------------- testbed
+
+_NETNS = netns_unavailable()
+
+
+@pytest.fixture
+def testbed(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if _NETNS:
+        pytest.skip(_NETNS)
+    from multirail.testbed import Testbed
+
+    spec = dict(getattr(request, "param", {"rails": 2, "rate": "1gbit"}))
+    tb = Testbed(f"tt{uuid.uuid4().hex[:6]}", **spec)
+    with tb:
+        yield tb
+
+
+def _env(tr: str) -> dict[str, str]:
+    return {**os.environ, "MULTIRAIL_TRANSPORT": tr}
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+@pytest.mark.parametrize("op,how", [("READ", "link"), ("WRITE", "link"), ("WRITE", "blackhole")])
+def test_rail_dies_mid_transfer_completes_byte_exact(testbed: Any, tr: str, op: str, how: str) -> None:
+    """Both rails carry the transfer; rail 1 dies mid-way (link down: carrier lost; blackhole:
+    silently dropped, only the stall timer sees it); the transfer completes byte-exact on rail
+    0, and the rail is readmitted and carries data again."""
+    from multirail.bench.drill import run_drill
+
+    out = run_drill(testbed, {"mode": "failover", "op": op, "size": 128 * MiB, "rail": 1, "how": how,
+                              "stall_timeout": STALL_S}, timeout=120, env=_env(tr))
+    for step in ("baseline", "failover", "one_rail", "after_readmit"):
+        assert out[step]["ok"] and out[step]["corrupt"] is None, (step, out[step])
+    fo = out["failover"]
+    assert fo["bytes_before_down"] > 0
+    assert fo["detect_s"] is not None and fo["detect_s"] <= STALL_S + 2.0, fo["detect_s"]
+    assert fo["rail_stats"][1]["up"] is False and fo["rail_stats"][1]["down_reason"], fo["rail_stats"]
+    assert all(s["transport"].startswith(tr) for s in fo["rail_stats"]), fo["rail_stats"]
+    assert out["one_rail"]["bytes_on_down_rail"] == 0
+    assert out["readmit_s"] is not None and out["readmit_s"] <= 6.0, out["readmit_s"]
+    assert min(out["after_readmit"]["rail_bytes"]) >= 0.3 * out["size"], out["after_readmit"]
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_stale_write_does_not_land_after_the_link_returns(testbed: Any, tr: str) -> None:
+    """A WRITE loses a rail mid-way, the next WRITE overwrites the range, the link comes back:
+    the dead rail's paths were fenced on the target before the reissue (over ucx: the target
+    destroyed that session's worker), so nothing stale lands."""
+    from multirail.bench.drill import run_drill
+
+    out = run_drill(testbed, {"mode": "stale_write", "op": "WRITE", "size": 64 * MiB,
+                              "stall_timeout": STALL_S}, timeout=120, env=_env(tr))
+    assert out["first"]["ok"] and out["first"]["corrupt"] is None, out["first"]
+    assert out["second"]["ok"] and out["second"]["corrupt"] is None, out["second"]
+    assert out["second_reverified"] is None, out["second_reverified"]
+    assert any("fenced" in e for e in out["events"]), out["events"]
