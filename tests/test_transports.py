@@ -303,3 +303,97 @@ def test_stale_write_does_not_land_after_the_link_returns(testbed: Any, tr: str)
     assert out["second"]["ok"] and out["second"]["corrupt"] is None, out["second"]
     assert out["second_reverified"] is None, out["second_reverified"]
     assert any("fenced" in e for e in out["events"]), out["events"]
+
+
+# ---------------------------------------------------------------------------- Faulty<T>
+
+def _faulty_pair(tr: str, faults: str, stall: float = 0.3) -> tuple[Any, Any]:
+    import multirail
+
+    rails = ["127.0.0.1", "127.0.0.1"]
+    t = multirail.Agent("target", {"transport": tr, "rails": rails})
+    i = multirail.Agent("initiator", {"transport": tr, "rails": rails, "faults": faults, "timeout": 5.0,
+                                      "stall_timeout": stall, "chunk_size": 256 << 10})
+    return t, i
+
+
+def _run_until(i: Any, t: Any, seconds: float, n: int = 32 * MiB) -> list[dict[str, Any]]:
+    """READ and WRITE alternately for `seconds`, each checked byte-exact; returns rail_stats
+    snapshots taken after each transfer."""
+    remote, local = pattern(n, 21), np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    i.register_memory(local)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    snaps, k, end = [], 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        k += 1
+        if k % 2:
+            local[:] = 0
+            h = i.initialize_xfer("READ", [local], [remote], "target")
+            i.transfer(h)
+            i.wait(h, 20)
+        else:
+            local[:] = pattern(n, 100 + k)
+            h = i.initialize_xfer("WRITE", [local], [remote], "target")
+            i.transfer(h)
+            i.wait(h, 20)
+        assert np.array_equal(local, remote), f"transfer {k} not byte-exact"
+        snaps.append(i.rail_stats("target"))
+    return snaps
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_faulty_kill_then_readmit(tr: str) -> None:
+    """Rail 1 is killed 300 ms in and refused for 1 s: every transfer completes byte-exact on
+    rail 0 meanwhile, and rail 1 comes back and carries data again."""
+    t, i = _faulty_pair(tr, "1:kill@300ms+1s")
+    try:
+        snaps = _run_until(i, t, 3.0)
+        assert any(not s[1]["up"] and "fault injected" in (s[1]["down_reason"] or "") for s in snaps), snaps[-1]
+        end = snaps[-1]
+        assert end[1]["up"] and end[1]["times_down"] >= 1 and end[1]["readmissions"] >= 1, end
+        assert end[0]["transport"].startswith("faulty(" + tr), end
+        down_at = next(j for j, s in enumerate(snaps) if not s[1]["up"])
+        assert end[1]["bytes"] > snaps[down_at][1]["bytes"], "rail 1 carried nothing after readmission"
+    finally:
+        i.close()
+        t.close()
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_faulty_blackhole_is_found_by_the_planners_stall_rule(tr: str) -> None:
+    """Rail 1 stops reporting anything 300 ms in (its bytes still flow: nothing else can tell):
+    the planner's stall rule declares it down after stall_timeout, its chunks are reissued on
+    rail 0 byte-exact, and it is readmitted once the blackhole ends."""
+    t, i = _faulty_pair(tr, "1:blackhole@300ms+1s", stall=0.3)
+    try:
+        snaps = _run_until(i, t, 3.5)
+        reasons = [s[1]["down_reason"] for s in snaps if s[1]["down_reason"]]
+        assert reasons and all("stalled" in r for r in reasons), reasons
+        end = snaps[-1]
+        assert end[1]["stalls"] >= 1 and end[1]["times_down"] >= 1, end
+        assert end[1]["up"], end
+    finally:
+        i.close()
+        t.close()
+
+
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_faulty_slow_rail_gets_less_weight(tr: str) -> None:
+    """Every completion on rail 1 is reported 20 ms late: the planner measures it slow and moves
+    the bulk of the bytes to rail 0."""
+    t, i = _faulty_pair(tr, "1:slow=20ms@0", stall=2.0)
+    try:
+        end = _run_until(i, t, 2.0)[-1]
+        assert end[0]["bytes"] > 3 * end[1]["bytes"], [(r["bytes"], r["rate_gbps"]) for r in end]
+        assert all(r["up"] for r in end), end
+    finally:
+        i.close()
+        t.close()
+
+
+def test_faulty_schedule_is_validated() -> None:
+    import multirail
+
+    with pytest.raises(ValueError, match="RAIL:KIND@AT"):
+        multirail.Agent("x", {"faults": "1:explode@1s"})

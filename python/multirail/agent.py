@@ -70,6 +70,9 @@ class AgentConfig:
     (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB. The default is $MULTIRAIL_TRANSPORT, else
     "tcp". A ucx agent also serves tcp peers; a tcp agent refuses ucx sessions, clearly.
     docs/transports.md.
+    faults: fault injection for testing failover without a network to break (docs/transports.md):
+    "RAIL:KIND@AT[+DUR]", comma-separated, KIND one of kill, blackhole, slow=DELAY; e.g.
+    "1:kill@200ms+1s" shuts rail 1 200 ms after the link opens and keeps it down for 1 s.
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -89,6 +92,7 @@ class AgentConfig:
     progress: str = "adaptive"
     spin_us: float = 200.0
     transport: str = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "tcp"))
+    faults: str = ""
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -355,6 +359,7 @@ class Agent:
             name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
+            str(cfg.faults or ""),
         )
         if cfg.transport == "ucx":
             _offer_ucx_wheel()

@@ -10,7 +10,8 @@
 //! 5. [`Planner::poll_event`] yields `XferDone` / `XferFailed`.
 //! 6. A rail that errors is reported with [`Planner::handle_rail_down`]: its in-flight chunks go
 //!    back to their transfers' retry queues and are reissued on the surviving rails.
-//!    [`Planner::poll_timeout`] / [`Planner::handle_timeout`] turn a stalled rail into a down one.
+//!    [`Planner::poll_timeout`] / [`Planner::poll_stalled`] decide that a rail stalled (the runtime's
+//!    and the simulator's one stall decision); the driver stops the rail, then `handle_rail_down`.
 //!
 //! Weighted policy ("earliest common finish"): given each up rail's measured rate `r_j` and the
 //! time `b_j` it needs to drain what it already has in flight (its in-flight bytes at `r_j`,
@@ -180,6 +181,8 @@ pub struct RailStats {
     pub chunks_done: u64,
     pub chunks_reissued: u64,
     pub times_down: u64,
+    /// Times declared stalled (`Planner::poll_stalled`).
+    pub stalls: u64,
     pub down_reason: Option<String>,
 }
 
@@ -211,6 +214,9 @@ struct Rail {
     /// Window gain, doubled while the window holds the rail back (see [`Rail::add_sample`]).
     probe: f64,
     last_progress: Instant,
+    /// Declared stalled (`poll_stalled`) and not yet down: no new work, its chunks stay in
+    /// flight until the driver has stopped the rail's paths and calls `handle_rail_down`.
+    failing: bool,
     /// Of the chunks issued while the rail had nothing in flight (so they met no queue), the
     /// (time in flight, length) of the one with the least time beyond its own service time.
     /// The round trip is recomputed from it with the current rate (see [`Rail::rtt`]).
@@ -219,6 +225,8 @@ struct Rail {
     chunks_done: u64,
     chunks_reissued: u64,
     times_down: u64,
+    /// Times declared stalled.
+    stalls: u64,
     down_reason: Option<String>,
 }
 
@@ -495,11 +503,13 @@ impl Planner {
             starved: false,
             probe: 1.0,
             last_progress: now,
+            failing: false,
             idle_trip: None,
             bytes_done: 0,
             chunks_done: 0,
             chunks_reissued: 0,
             times_down: 0,
+            stalls: 0,
             down_reason: None,
         });
         self.rails.len() - 1
@@ -519,6 +529,7 @@ impl Planner {
             chunks_done: r.chunks_done,
             chunks_reissued: r.chunks_reissued,
             times_down: r.times_down,
+            stalls: r.stalls,
             down_reason: r.down_reason.clone(),
         }
     }
@@ -619,7 +630,8 @@ impl Planner {
     /// Hand `rail` its next chunk, or `None` when it has no window room, no eligible work, or
     /// (weighted policy, at the tail) another rail would finish the remaining bytes sooner.
     pub fn poll_work(&mut self, rail: RailId, now: Instant) -> Option<Chunk> {
-        if !self.rails.get(rail)?.up {
+        let r = self.rails.get(rail)?;
+        if !r.up || r.failing {
             return None;
         }
         if self.rails[rail].inflight_bytes >= self.window(rail) {
@@ -785,6 +797,7 @@ impl Planner {
             r.times_down += 1;
         }
         r.up = false;
+        r.failing = false;
         r.down_reason = Some(reason.clone());
         r.inflight_bytes = 0;
         r.inflight_chunks = 0;
@@ -859,25 +872,37 @@ impl Planner {
         self.events.pop_front()
     }
 
-    /// When the driver should call [`Planner::handle_timeout`] next.
+    /// When the driver should call [`Planner::poll_stalled`] next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.rails.iter().filter(|r| r.up && r.inflight_chunks > 0).map(|r| r.last_progress + self.cfg.stall_timeout).min()
+        self.rails.iter().filter(|r| r.up && !r.failing && r.inflight_chunks > 0).map(|r| r.last_progress + self.cfg.stall_timeout).min()
     }
 
-    /// Declare rails with work in flight and no progress for `stall_timeout` down. Returns them;
-    /// the driver must stop their connections (and then nothing on them may touch memory).
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RailId> {
-        let stalled: Vec<RailId> = (0..self.rails.len())
-            .filter(|&i| {
-                let r = &self.rails[i];
-                r.up && r.inflight_chunks > 0 && now.saturating_duration_since(r.last_progress) >= self.cfg.stall_timeout
-            })
-            .collect();
-        for &i in &stalled {
-            let t = self.cfg.stall_timeout;
-            self.handle_rail_down(i, format!("stalled: no progress for {t:?}"), now);
+    /// The driver saw bytes arrive on `rail` (a large chunk is progressing, not yet done): the
+    /// stall clock restarts. Chunk completions restart it too.
+    pub fn handle_progress(&mut self, rail: RailId, now: Instant) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            if r.inflight_chunks > 0 && now > r.last_progress {
+                r.last_progress = now;
+            }
         }
-        stalled
+    }
+
+    /// The one stall decision, for the runtime and the simulator alike: rails with work in
+    /// flight and no progress for `stall_timeout` are declared failing and returned, each once,
+    /// with the reason. A failing rail takes no new work; its chunks stay in flight (their
+    /// memory may still be touched) until the driver has stopped the rail's paths, fenced them
+    /// if they wrote, and called [`Planner::handle_rail_down`], which requeues them.
+    pub fn poll_stalled(&mut self, now: Instant) -> Vec<(RailId, String)> {
+        let t = self.cfg.stall_timeout;
+        let mut out = Vec::new();
+        for (i, r) in self.rails.iter_mut().enumerate() {
+            if r.up && !r.failing && r.inflight_chunks > 0 && now.saturating_duration_since(r.last_progress) >= t {
+                r.failing = true;
+                r.stalls += 1;
+                out.push((i, format!("stalled: no progress for {t:?}")));
+            }
+        }
+        out
     }
 
     fn fail_xfer(&mut self, xfer: XferId, reason: String) {

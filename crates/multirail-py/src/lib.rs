@@ -114,7 +114,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp"))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults=""))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -133,6 +133,7 @@ impl PyAgent {
         progress: &str,
         spin_us: f64,
         transport: &str,
+        faults: &str,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -159,6 +160,7 @@ impl PyAgent {
         cfg.spin = Duration::from_secs_f64(spin_us / 1e6);
         cfg.transport = multirail::config::TransportKind::parse(transport)
             .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp' or 'ucx', not {transport:?}")))?;
+        cfg.faults = multirail::transport::faulty::Fault::parse_list(faults).map_err(PyValueError::new_err)?;
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }

@@ -115,6 +115,8 @@ pub struct Config {
     pub spin: Duration,
     /// The data path (see [`TransportKind`]).
     pub transport: TransportKind,
+    /// Faults to inject on every link (testing failover; see `transport::faulty`). Empty: none.
+    pub faults: Vec<crate::transport::faulty::Fault>,
 }
 
 impl Default for Config {
@@ -133,6 +135,7 @@ impl Default for Config {
             progress: Progress::Adaptive,
             spin: Duration::from_micros(200),
             transport: TransportKind::Tcp,
+            faults: Vec::new(),
         }
     }
 }

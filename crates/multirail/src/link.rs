@@ -23,12 +23,16 @@ use crate::agent::Ctx;
 use crate::config::TransportKind;
 use crate::error::{Error, Result};
 use crate::peer::{abort_socket, dial_id, link_down, status_error, Peer, PeerCounters, RailIo, RailReport};
-use crate::transport::{tcp::TcpRails, ucx_rails::UcxRails, Transport};
+use crate::transport::faulty::Faulty;
+use crate::transport::{tcp::TcpRails, ucx_rails::UcxRails, Transport, Verdict};
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 
 /// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The watchdog's longest and shortest naps (it sleeps until the planner's next stall deadline).
+const WATCH_IDLE: Duration = Duration::from_millis(100);
+const WATCH_MIN: Duration = Duration::from_millis(5);
 /// How long a busy connection may be quiet before its local link's carrier is checked.
 pub(crate) const LINK_CHECK: Duration = Duration::from_millis(100);
 
@@ -169,12 +173,13 @@ impl Link {
                 failure: Mutex::new(None),
             });
         }
-        let t: Box<dyn Transport> = match ctx.cfg.transport {
-            TransportKind::Tcp => Box::new(TcpRails::new(rails.len())),
-            TransportKind::Ucx => match &ctx.ucx {
-                Some(u) => Box::new(UcxRails::new(u.clone(), rails.len())),
-                None => return Err(Error::Unavailable("this agent was not started with the ucx transport".into())),
-            },
+        let faults = ctx.cfg.faults.clone();
+        let t: Box<dyn Transport> = match (ctx.cfg.transport, &ctx.ucx) {
+            (TransportKind::Tcp, _) if faults.is_empty() => Box::new(TcpRails::new(rails.len())),
+            (TransportKind::Tcp, _) => Box::new(Faulty::new(TcpRails::new(rails.len()), faults)),
+            (TransportKind::Ucx, Some(u)) if faults.is_empty() => Box::new(UcxRails::new(u.clone(), rails.len())),
+            (TransportKind::Ucx, Some(u)) => Box::new(Faulty::new(UcxRails::new(u.clone(), rails.len()), faults)),
+            (TransportKind::Ucx, None) => return Err(Error::Unavailable("this agent was not started with the ucx transport".into())),
         };
         let link = Arc::new(Link {
             peer_name: peer.name.clone(),
@@ -238,7 +243,45 @@ impl Link {
                 }
             })
             .map_err(|e| Error::io("spawn", e))?;
+        let l3 = link.clone();
+        std::thread::Builder::new()
+            .name(format!("mr-watch-{}", peer.name))
+            .spawn(move || l3.watchdog())
+            .map_err(|e| Error::io("spawn", e))?;
         Ok(link)
+    }
+
+    /// The stall watchdog: the one place a rail is declared stalled, by the planner's rule
+    /// (`Planner::poll_stalled`: work in flight, no chunk done for `stall_timeout`), the same
+    /// rule the simulator runs. The transport's `quiet_for` (bytes or ACKs received lately)
+    /// counts as progress: a large chunk on a slow rail is not a stall. A stalled rail is shut
+    /// (`rail_failed`); its chunks are requeued once its paths stopped (and were fenced).
+    fn watchdog(self: Arc<Self>) {
+        let stall = self.ctx.cfg.planner.stall_timeout;
+        while !self.is_shutdown() {
+            let next = self.sched.lock().expect("sched lock").planner.poll_timeout();
+            let now = Instant::now();
+            let nap = next.map_or(WATCH_IDLE, |t| t.saturating_duration_since(now)).clamp(WATCH_MIN, WATCH_IDLE);
+            std::thread::sleep(nap);
+            let now = Instant::now();
+            if self.is_shutdown() || self.sched.lock().expect("sched lock").planner.poll_timeout().is_none_or(|t| t > now) {
+                continue;
+            }
+            // Evidence first, outside the lock (socket queries).
+            let quiet: Vec<Option<Duration>> = (0..self.rails.len()).map(|ri| self.t.quiet_for(ri)).collect();
+            let mut g = self.sched.lock().expect("sched lock");
+            for (ri, q) in quiet.iter().enumerate() {
+                if let Some(q) = q.filter(|q| *q < stall) {
+                    g.planner.handle_progress(ri, now.checked_sub(q).unwrap_or(now));
+                }
+            }
+            let stalled = g.planner.poll_stalled(now);
+            drop(g);
+            for (ri, reason) in stalled {
+                self.rails[ri].io.stalls.fetch_add(1, Ordering::Relaxed);
+                self.rail_failed(ri, reason);
+            }
+        }
     }
 
     pub(crate) fn usable(&self) -> bool {
@@ -288,6 +331,11 @@ impl Link {
 
     /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.
     pub(crate) fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>) {
+        match self.t.verdict(ri) {
+            Verdict::Deliver => {}
+            Verdict::Drop => return,
+            Verdict::Delay(d) => std::thread::sleep(d),
+        }
         let now = Instant::now();
         let mut g = self.sched.lock().expect("sched lock");
         match r {
@@ -361,6 +409,11 @@ impl Link {
         if !self.shutdown.load(Ordering::Acquire) {
             self.start_probe(ri);
         }
+    }
+
+    /// Run `f` on the link's transport (fault timers).
+    pub(crate) fn with_transport(&self, f: impl FnOnce(&dyn Transport)) {
+        f(self.t.as_ref())
     }
 
     /// See [`Transport::drive`].

@@ -638,8 +638,11 @@ impl Sim {
                 self.handle(w);
             }
             if self.planner.poll_timeout().is_some_and(|t| t <= self.at()) {
-                for rail in self.planner.handle_timeout(self.at()) {
+                // The runtime's sequence: the planner decides, the driver stops the rail's paths
+                // (here: drops what is in its pipe), then reports it down.
+                for (rail, reason) in self.planner.poll_stalled(self.at()) {
                     self.drop_pipe(rail);
+                    self.planner.handle_rail_down(rail, reason, self.at());
                 }
             }
             self.poll_all();

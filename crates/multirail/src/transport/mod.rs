@@ -22,10 +22,13 @@
 //!   link has the target fence them before any chunk is reissued.
 //! - After `close` returns no new work starts; threads of the transport leave within a tick of
 //!   seeing `Link::is_shutdown` (the link waits for `enter` counts to drain).
-//! - Nothing blocks without a deadline: a silent peer is a stall after `stall_timeout`.
+//! - Nothing blocks without a deadline. Stalls are not the transport's to decide: the link's
+//!   watchdog asks the planner (`Planner::poll_stalled`), with `quiet_for` as evidence, and shuts
+//!   a stalled rail (`shut_rail`); the transport only has to stop promptly when shut.
 //!
 //! docs/transports.md is the guide for writing a new one.
 
+pub mod faulty;
 pub(crate) mod tcp;
 pub(crate) mod ucx;
 pub(crate) mod ucx_rails;
@@ -48,6 +51,16 @@ pub struct Caps {
     /// A waiting caller can drive its own completions (`Transport::drive`) instead of being
     /// woken by a transport thread: the low-latency path.
     pub caller_driven: bool,
+}
+
+/// What the link does with a chunk's completion (`Transport::verdict`; fault injection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    Deliver,
+    /// Never reported: the chunk stays in flight until its rail is declared down.
+    Drop,
+    /// Reported this late.
+    Delay(Duration),
 }
 
 /// The rails of one link over one transport.
@@ -76,6 +89,18 @@ pub(crate) trait Transport: Send + Sync {
     fn paths(&self, ri: usize) -> usize;
     /// What rail `ri` runs on, for `rail_stats()` ("tcp", "ucx/tcp", "ucx/rc_mlx5").
     fn describe(&self, ri: usize) -> String;
+    /// How long rail `ri` has gone without any sign of progress below chunk level (bytes or
+    /// acknowledgements received), if the transport can tell: the planner's stall clock counts
+    /// whole chunks only, and a large chunk on a slow rail is progress. None: no such evidence.
+    fn quiet_for(&self, _ri: usize) -> Option<Duration> {
+        None
+    }
+    /// What to do with a completion on rail `ri` (only `Faulty` says other than Deliver).
+    fn verdict(&self, _ri: usize) -> Verdict {
+        Verdict::Deliver
+    }
+    /// Carry out scheduled faults that are due (only `Faulty`).
+    fn tick_faults(&self, _link: &Link) {}
     /// Work may be waiting for rails whose threads do not wait on the link's condition (a rail
     /// went down and its chunks were requeued, a rail came back): look again.
     fn wake(&self);

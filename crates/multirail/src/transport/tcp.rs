@@ -153,14 +153,16 @@ impl Conn {
     }
 }
 
-/// Milliseconds since the kernel last received data on `fd` (TCP_INFO), if it can say.
-fn ms_since_data(fd: std::os::fd::RawFd) -> Option<u32> {
+/// Milliseconds since the kernel last received anything that shows the path works on `fd`:
+/// data, or an ACK of data sent (a large WRITE chunk on a slow rail is progress) - from
+/// TCP_INFO, if it can say.
+fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
     // SAFETY: `tcp_info` is plain old data; getsockopt writes at most `len` bytes into it.
     unsafe {
         let mut info: libc::tcp_info = std::mem::zeroed();
         let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
         let r = libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut info as *mut libc::tcp_info as *mut libc::c_void, &mut len);
-        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info.tcpi_last_data_recv)
+        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info.tcpi_last_data_recv.min(info.tcpi_last_ack_recv))
     }
 }
 
@@ -370,6 +372,16 @@ impl Transport for TcpRails {
         "tcp".into()
     }
 
+    fn quiet_for(&self, ri: usize) -> Option<Duration> {
+        let conns = self.rails[ri].conns.read().expect("rail lock");
+        conns
+            .iter()
+            .filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0)
+            .filter_map(|c| ms_since_progress(c.fd))
+            .min()
+            .map(|ms| Duration::from_millis(ms as u64))
+    }
+
     fn wake(&self) {
         // The senders wait on the link's condition, which the link signals itself.
     }
@@ -422,13 +434,10 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
         c.busy_at.store(link.now_us(), Ordering::Release);
     }
     let hdr = body.encode(req_id);
-    let stall = link.ctx.cfg.planner.stall_timeout;
-    let t0 = Instant::now();
+    // A send that cannot progress is a stall of the rail: the link's watchdog shuts it.
     let mut tick = |_: bool| {
         if link.is_shutdown() || c.dead.load(Ordering::Acquire) {
             Err("connection closed".to_string())
-        } else if t0.elapsed() > stall {
-            Err(format!("send stalled for {stall:?}"))
         } else {
             Ok(())
         }
@@ -590,13 +599,8 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
             return Err(Stop::Failed(why));
         }
     }
-    // Stalled = no byte received (not merely no whole response: a large chunk on a slow
-    // rail is progress) for `stall_timeout` with requests outstanding.
-    let stall = link.ctx.cfg.planner.stall_timeout;
-    if quiet > stall && ms_since_data(c.fd).is_none_or(|ms| Duration::from_millis(ms as u64) >= stall) {
-        link.rails[c.rail].io.stalls.fetch_add(1, Ordering::Relaxed);
-        return Err(Stop::Failed(format!("stalled: no data for {stall:?}")));
-    }
+    // Stalls are the planner's decision (the link's watchdog, fed by `quiet_for`): a stalled
+    // rail is shut, and this reader then sees its connection dead.
     Ok(())
 }
 

@@ -34,6 +34,8 @@ use crate::xfer::{Op, XferShared};
 const IDLE_WAIT: Duration = Duration::from_millis(50);
 /// How long a progress wait lasts while chunks are outstanding (the carrier check's period).
 const BUSY_WAIT: Duration = Duration::from_millis(20);
+/// The stall clock handed to `UcxRail::progress`: off (a day).
+const NO_STALL: Duration = Duration::from_secs(86_400);
 
 /// One open rail: the UCX rail and the chunks it carries, by token.
 struct Path {
@@ -112,7 +114,8 @@ fn pump(link: &Link, ri: usize, p: &Path) {
 
 /// The progress thread of one rail.
 fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
-    let stall = link.ctx.cfg.planner.stall_timeout;
+    // Stalls are the planner's to decide (the link's watchdog): UCX's own clock stays out.
+    let stall = NO_STALL;
     let reason = match link.enter() {
         Some(_active) => {
             let mut done = Vec::new();
