@@ -165,8 +165,14 @@ def test_rail_stats_name_the_transport(pair: Any) -> None:
     i.wait(h, 10)
     stats = i.rail_stats("target")
     assert stats and all(s["transport"].startswith(tr) for s in stats), stats
+    info = i.transport_info()
+    assert info["transport"] == tr, info
     if tr == "ucx":
         assert stats[0]["transport"] == "ucx/tcp", stats  # the wheel has no RDMA; lo is not one
+        assert info["ucx_version"] and info["ucx_version"].startswith("1."), info
+        assert "lo" in info["ucx_rails"], info
+    else:
+        assert info["ucx_version"] is None, info
     assert sum(s["bytes_read"] for s in stats) == MiB
 
 

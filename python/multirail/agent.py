@@ -694,10 +694,17 @@ class Agent:
 
     # introspection
     def rail_stats(self, peer: str) -> list[dict]:
-        """Per rail to `peer`: name, addresses, connections, up, down_reason, rate_gbps, bytes,
-        chunks, reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
+        """Per rail to `peer`: name, addresses, connections, transport ("tcp", "ucx/tcp",
+        "ucx/rc_mlx5", ...), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
+        reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
         chunks_read/chunks_written, readmissions, stalls."""
         return self._core.rail_stats(peer)
+
+    def transport_info(self) -> dict:
+        """{"transport": "tcp"|"ucx", "ucx_version": e.g. "1.22.0 (wheel /path/libucp.so.0)" or
+        None, "ucx_rails": each rail's UCX device restriction or None}."""
+        kind, version, rails = self._core.transport_info()
+        return {"transport": kind, "ucx_version": version, "ucx_rails": rails}
 
     def peer_counters(self, peer: str) -> dict:
         """transfers_done, transfers_failed (posts to `peer` by outcome) and fenced_connections

@@ -250,6 +250,11 @@ impl PyAgent {
         Ok(self.0.take_notifs().into_iter().map(|(n, b)| (n, PyBytes::new(py, &b))).collect())
     }
 
+    /// (transport, UCX version or None, UCX rail restrictions or None).
+    fn transport_info(&self) -> (String, Option<String>, Option<String>) {
+        self.0.transport_info()
+    }
+
     fn rail_stats<'py>(&self, py: Python<'py>, peer: &str) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for r in self.0.rail_stats(peer).map_err(to_py)? {

@@ -364,6 +364,16 @@ impl Agent {
         std::mem::take(&mut *self.shared.notifs.lock().expect("notif lock"))
     }
 
+    /// The transport this agent runs ("tcp", "ucx") and, for ucx, the loaded UCX (version,
+    /// where it came from) and each rail's device restriction.
+    pub fn transport_info(&self) -> (String, Option<String>, Option<String>) {
+        let kind = self.shared.ctx.cfg.transport.as_str().to_string();
+        match &self.shared.ucx {
+            Some(u) => (kind, Some(u.version()), Some(u.describe())),
+            None => (kind, None, None),
+        }
+    }
+
     pub fn rail_stats(&self, peer: &str) -> Result<Vec<RailReport>> {
         Ok(self.peer(peer)?.rail_stats())
     }
