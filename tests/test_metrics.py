@@ -6,6 +6,8 @@ testbed rails whose byte counters both move, then a rail taken down and readmitt
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import threading
 import time
@@ -141,10 +143,9 @@ def test_transfer_outcomes_bytes_by_direction_and_registrations(agents: Callable
     assert value(s, "multirail_registered_bytes", agent=init.name) == 4 * MiB
 
 
-def test_engine_counters_and_the_event_log_fence_count() -> None:
-    """Rail counters come from the engine (rail_stats, peer_counters); only the inbound fences
-    are counted from the event log, monotonic and without counting a line twice as the
-    engine's event ring moves."""
+def test_engine_counters_initiator_and_serving_side() -> None:
+    """Every counter comes from the engine: the initiator side from rail_stats/peer_counters,
+    the serving side (and the inbound fence count) from served_stats."""
     from multirail.metrics import AgentCollector
 
     class Fake:
@@ -156,13 +157,13 @@ def test_engine_counters_and_the_event_log_fence_count() -> None:
         _peers = {"p": None}
 
         def __init__(self) -> None:
-            self.ring: list[str] = []
+            self.served: list[dict[str, Any]] = []
 
         def refused_requests(self) -> int:
             return 0
 
-        def events(self) -> list[str]:
-            return list(self.ring)
+        def served_stats(self) -> list[dict[str, Any]]:
+            return self.served
 
         def rail_stats(self, peer: str) -> list[dict[str, Any]]:
             return [{"name": "r0", "up": True, "rate_gbps": 1.0, "bytes_read": 5, "bytes_written": 7, "readmissions": 0},
@@ -191,11 +192,144 @@ def test_engine_counters_and_the_event_log_fence_count() -> None:
     assert get("multirail_rail_readmissions_total", rail="r1") == 1
     assert get("multirail_peer_fenced_connections_total", peer="p") == 2
     assert get("multirail_rail_weight", rail="r0") == 1.0 and get("multirail_rail_weight", rail="r1") == 0.0
-    fake.ring = ["[    1.000s] fake: fenced 2 connection(s) of q", "[    2.000s] fake: peer p: rail 1 up again"]
-    assert get("multirail_fenced_connections_total", peer="q") == 2
-    # the ring drops its oldest lines and gains new ones (same timestamp as the last counted one too)
-    fake.ring = fake.ring[1:] + ["[    2.000s] fake: fenced 1 connection(s) of q", "[    3.000s] fake: fenced 3 connection(s) of q"]
-    assert get("multirail_fenced_connections_total", peer="q") == 6, "a line counted twice or missed"
+    assert get("multirail_served_bytes_total") is None and get("multirail_fenced_connections_total") is None
+    row = {"bytes_read": 0, "requests_read": 0, "bytes_written": 0, "requests_written": 0, "refused": 0,
+           "refused_by_status": {}, "connections": 1, "ucx_sessions": 0, "fenced": 0}
+    fake.served = [
+        {**row, "peer": "q", "rail": "side", "rail_index": None, "fenced": 1},
+        {**row, "peer": "q", "rail": "eth0", "rail_index": 0, "bytes_read": 11, "requests_read": 2, "bytes_written": 13,
+         "requests_written": 1, "refused": 3, "refused_by_status": {"BadKey": 2, "ReadOnly": 1}, "fenced": 2},
+        {**row, "peer": "q", "rail": "eth0", "rail_index": 1, "bytes_read": 17, "connections": 4, "ucx_sessions": 4},
+    ]
+    assert get("multirail_served_bytes_total", peer="q", rail="eth0", index="0", direction="read") == 11
+    assert get("multirail_served_bytes_total", peer="q", rail="eth0", index="0", direction="write") == 13
+    assert get("multirail_served_bytes_total", peer="q", rail="eth0", index="1", direction="read") == 17
+    assert get("multirail_served_requests_total", peer="q", index="0", direction="read") == 2
+    assert get("multirail_served_requests_total", peer="q", index="0", direction="write") == 1
+    assert get("multirail_served_refused_total", peer="q", index="0", status="BadKey") == 2
+    assert get("multirail_served_refused_total", peer="q", index="0", status="ReadOnly") == 1
+    assert get("multirail_served_refused_total", peer="q", index="1") is None  # only statuses that occurred
+    assert get("multirail_served_connections_total", peer="q", rail="side", index="side") == 1
+    assert get("multirail_served_connections_total", peer="q", index="1") == 4
+    assert get("multirail_served_ucx_sessions_total", peer="q", index="1") == 4
+    assert get("multirail_fenced_connections_total", peer="q") == 3  # summed over the local rails
+
+
+def _served(samples: dict[str, Any], name: str, **labels: str) -> float:
+    """Sum of `name` over the samples matching `labels` (e.g. over every rail)."""
+    return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == want for k, want in labels.items()))
+
+
+def test_target_serves_metrics_of_what_peers_read_and_wrote(agents: Callable[..., Any]) -> None:
+    """The serving side: a target agent's own /metrics counts what an initiator READ from it and
+    WROTE into it, per peer and local rail, exactly the payload bytes the initiator moved."""
+    rails = ["127.0.0.1", "127.0.0.1"]
+    target = agents(f"st-{uuid.uuid4().hex[:6]}", {"metrics_port": 0, "rails": rails})
+    init = agents(f"si-{uuid.uuid4().hex[:6]}", {"rails": rails})
+    size = 4 * MiB + 12345  # not a multiple of any chunk size
+    src = np.arange(size, dtype=np.uint8)
+    target.register_memory(src)
+    dst = np.zeros(size, np.uint8)
+    init.register_memory(dst)
+    init.fetch_remote_metadata(target.name, "127.0.0.1", target.port)
+    s = scrape(target.metrics_url)
+    assert _served(s, "multirail_served_bytes_total", peer=init.name) == 0
+    rd = init.initialize_xfer("READ", [dst], [src], target.name)
+    wr = init.initialize_xfer("WRITE", [dst[:MiB + 7]], [src[1:MiB + 8]], target.name)
+    for _ in range(3):
+        init.transfer_sync(rd, 20)
+    for _ in range(2):
+        init.transfer_sync(wr, 20)
+    read_b, write_b = 3 * size, 2 * (MiB + 7)
+    # READ bytes are counted once the target's writev returned: poll briefly for the race.
+    deadline = time.monotonic() + 5
+    while True:
+        s = scrape(target.metrics_url)
+        got = _served(s, "multirail_served_bytes_total", peer=init.name, direction="read")
+        if got == read_b or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert got == read_b
+    assert _served(s, "multirail_served_bytes_total", peer=init.name, direction="write") == write_b
+    # the initiator's own view of the same transfers agrees, rail by rail
+    ini = init.rail_stats(target.name)
+    assert sum(r["bytes_read"] for r in ini) == read_b and sum(r["bytes_written"] for r in ini) == write_b
+    by_rail = {lab["index"]: v for lab, v in s["multirail_served_bytes_total"]
+               if lab["peer"] == init.name and lab["direction"] == "read"}
+    assert sorted(v for i, v in by_rail.items() if i != "side") == sorted(r["bytes_read"] for r in ini)
+    assert all(v > 0 for i, v in by_rail.items() if i != "side"), f"a rail served nothing: {by_rail}"
+    assert {lab["rail"] for lab, _ in s["multirail_served_bytes_total"] if lab["index"] != "side"} \
+        == {r[0] for r in target.rails()}
+    reqs = _served(s, "multirail_served_requests_total", peer=init.name, direction="read")
+    assert reqs >= 3 and reqs == sum(r["chunks_read"] for r in ini)
+    assert _served(s, "multirail_served_requests_total", peer=init.name, direction="write") \
+        == sum(r["chunks_written"] for r in ini)
+    for i in ("0", "1"):
+        assert (value(s, "multirail_served_connections_total", peer=init.name, index=i) or 0) >= 1
+    assert _served(s, "multirail_served_refused_total", peer=init.name) == 0
+    # the Python API behind it
+    rows = target.served_stats()
+    assert sum(r["bytes_read"] for r in rows if r["peer"] == init.name) == read_b
+    assert {r["rail_index"] for r in rows if r["peer"] == init.name} >= {0, 1}
+    # the initiator served nothing
+    assert init.served_stats() == [] or all(r["bytes_read"] == r["bytes_written"] == 0 for r in init.served_stats())
+
+
+def test_served_refusals_and_fences_are_counted_per_peer(agents: Callable[..., Any]) -> None:
+    """Bad requests from a raw-protocol client (tests/rawpeer.py): a WRITE into a read-only
+    region and a READ with a wrong key count as refused under the client's name, by status; a
+    bad handshake counts under _unauthenticated; a Fence counts the connection it aborted."""
+    import rawpeer
+
+    target = agents(f"sr-{uuid.uuid4().hex[:6]}", {"metrics_port": 0})
+    ro = np.arange(64 << 10, dtype=np.uint8)
+    target.register_memory(ro, access="ro")
+    r = rawpeer.parse_regions(target.get_agent_metadata())[0]
+    c = rawpeer.connect(target.port, name="raw-peer")
+    other_id = os.urandom(16)
+    c2 = rawpeer.connect(target.port, name="raw-peer", nonce=other_id)
+    try:
+        # WRITE of 4 KiB into the read-only region: refused, payload drained, nothing lands.
+        c.sendall(rawpeer.frame(rawpeer.WRITE_REQ, rawpeer.op_body(r["id"], r["key"], 0, 4096), 1) + b"\xAA" * 4096)
+        k, req, body = rawpeer.read_frame(c)
+        assert (k, req, rawpeer.parse_status(body)[0]) == (rawpeer.RESP, 1, "ReadOnly")
+        # READ with a wrong key: refused.
+        c.sendall(rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(r["id"], bytes(16), 0, 4096), 2))
+        k, req, body = rawpeer.read_frame(c)
+        assert (k, req, rawpeer.parse_status(body)[0]) == (rawpeer.RESP, 2, "BadKey")
+        # a valid READ of 1000 bytes is served (and counted) on the same connection
+        c.sendall(rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 0, 1000), 3))
+        k, req, body = rawpeer.read_frame(c)
+        assert (k, req, rawpeer.parse_status(body)[:2]) == (rawpeer.RESP, 3, ("Ok", 1000))
+        assert rawpeer.recv_exact(c, 1000) == ro[:1000].tobytes()
+        # the peer fences its second connection over the first
+        c.sendall(rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([other_id]), 4))
+        k, req, body = rawpeer.read_frame(c)
+        assert (k, req, rawpeer.parse_status(body)[0]) == (rawpeer.RESP, 4, "Ok")
+    finally:
+        c.close()
+        c2.close()
+    # a connection that never says Hello: refused before any name is proven
+    bad = socket.create_connection(("127.0.0.1", target.port), timeout=5)
+    try:
+        bad.sendall(rawpeer.frame(rawpeer.PING, b""))
+        k, _, body = rawpeer.read_frame(bad)
+        assert k == rawpeer.ERROR
+    finally:
+        bad.close()
+    assert (ro == np.arange(64 << 10, dtype=np.uint8)).all()
+    s = scrape(target.metrics_url)
+    rail = target.rails()[0][0]  # one-rail agent: the side channel is its rail
+    lab = {"peer": "raw-peer", "rail": rail, "index": "0"}
+    assert value(s, "multirail_served_refused_total", **lab, status="ReadOnly") == 1
+    assert value(s, "multirail_served_refused_total", **lab, status="BadKey") == 1
+    assert value(s, "multirail_served_bytes_total", **lab, direction="read") == 1000
+    assert value(s, "multirail_served_bytes_total", **lab, direction="write") == 0
+    assert value(s, "multirail_served_requests_total", **lab, direction="read") == 1
+    assert value(s, "multirail_served_connections_total", **lab) == 2
+    assert value(s, "multirail_fenced_connections_total", peer="raw-peer") == 1
+    assert value(s, "multirail_served_refused_total", peer="_unauthenticated", status="Unexpected") == 1
+    assert value(s, "multirail_refused_requests_total", agent=target.name) == 3
 
 
 def test_metrics_port_in_use_is_a_typed_error(agents: Callable[..., Any]) -> None:

@@ -283,7 +283,7 @@ def test_rail_dies_mid_transfer_completes_byte_exact(testbed: Any, tr: str, op: 
     from multirail.bench.drill import run_drill
 
     out = run_drill(testbed, {"mode": "failover", "op": op, "size": 128 * MiB, "rail": 1, "how": how,
-                              "stall_timeout": STALL_S}, timeout=120, env=_env(tr))
+                              "stall_timeout": STALL_S, "transport": tr}, timeout=120, env=_env(tr))
     for step in ("baseline", "failover", "one_rail", "after_readmit"):
         assert out[step]["ok"] and out[step]["corrupt"] is None, (step, out[step])
     fo = out["failover"]
@@ -304,7 +304,7 @@ def test_stale_write_does_not_land_after_the_link_returns(testbed: Any, tr: str)
     from multirail.bench.drill import run_drill
 
     out = run_drill(testbed, {"mode": "stale_write", "op": "WRITE", "size": 64 * MiB,
-                              "stall_timeout": STALL_S}, timeout=120, env=_env(tr))
+                              "stall_timeout": STALL_S, "transport": tr}, timeout=120, env=_env(tr))
     assert out["first"]["ok"] and out["first"]["corrupt"] is None, out["first"]
     assert out["second"]["ok"] and out["second"]["corrupt"] is None, out["second"]
     assert out["second_reverified"] is None, out["second_reverified"]

@@ -711,6 +711,18 @@ class Agent:
         (our dead connections the peer confirmed fenced)."""
         return self._core.peer_counters(peer)
 
+    def served_stats(self) -> list[dict]:
+        """What this agent served to peers (the target side), one dict per (peer, local rail):
+        peer (the authenticated name; "_other" for names beyond the first 4096,
+        "_unauthenticated" for refusals before a handshake completed), rail (the local rail's
+        name, "side" for the side channel of an agent with rails), rail_index (None for that
+        side channel), bytes_read/requests_read (READs answered: data sent out of our memory),
+        bytes_written/requests_written (WRITEs applied: data landed in our memory), refused and
+        refused_by_status ({"BadKey": n, ...}), connections (accepted), ucx_sessions (UCX
+        sessions among them; their one-sided bytes are not counted) and fenced (connections
+        the peer's Fence aborted)."""
+        return self._core.served_stats()
+
     def rails(self) -> list[tuple[str, str, int]]:
         """(name, address, data port) of each local rail."""
         return self._core.rails()

@@ -1,8 +1,9 @@
 """Prometheus metrics of multirail agents (issue #11).
 
 `AgentCollector` is a custom prometheus_client collector: every scrape reads the engine's
-counters right then (`Agent.rail_stats(peer)`, `refused_requests()`, `events()`) and the
-Python-side tallies (transfers per peer, registered memory). Nothing polls in the background.
+counters right then (initiator side: `Agent.rail_stats(peer)`, `peer_counters(peer)`; serving
+side: `served_stats()`, `refused_requests()`) and the Python-side tallies (transfers per peer,
+registered memory). Nothing polls in the background.
 
 Two ways to serve it:
 
@@ -16,65 +17,13 @@ docs/metrics.md lists every metric and says where each number comes from.
 
 from __future__ import annotations
 
-import re
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 from multirail.errors import AddressInUseError, InvalidArgumentError, MultirailError
 
-__all__ = ["AgentCollector", "MetricsServer", "serve", "serve_agent", "EVENT_PATTERNS"]
-
-# Event lines are "[   12.345s] NAME: MESSAGE" (crates/multirail/src/agent.rs Ctx::log).
-_LINE = re.compile(r"^\[\s*(?P<t>[0-9.]+)s\] ")
-#: The one metric still read from the engine's event log: inbound connections a peer's Fence
-#: aborted here (the serving side has no per-peer counter yet). The engine keeps its last 1000
-#: events; more than that between two scrapes are undercounted (docs/metrics.md). Everything
-#: else comes from the engine's counters (rail_stats, peer_counters).
-EVENT_PATTERNS: dict[str, re.Pattern[str]] = {
-    "fenced_by": re.compile(r": fenced (?P<n>\d+) connection\(s\) of (?P<peer>.+)$"),
-}
-
-
-class _EventTally:
-    """Monotonic counts derived from an agent's event ring, advanced at each scrape."""
-
-    def __init__(self) -> None:
-        self.last_t = -1.0
-        self.at_last: set[str] = set()  # lines already counted with timestamp == last_t
-        self.fenced_by: dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    def advance(self, lines: list[str]) -> None:
-        with self.lock:
-            for line in lines:
-                m = _LINE.match(line)
-                if m is None:
-                    continue
-                t = float(m.group("t"))
-                if t < self.last_t or (t == self.last_t and line in self.at_last):
-                    continue
-                if t > self.last_t:
-                    self.last_t, self.at_last = t, set()
-                self.at_last.add(line)
-                self._count(line)
-
-    def _count(self, line: str) -> None:
-        m = EVENT_PATTERNS["fenced_by"].search(line)
-        if m:
-            self.fenced_by[m.group("peer")] = self.fenced_by.get(m.group("peer"), 0) + int(m.group("n"))
-
-
-_TALLIES: "weakref.WeakKeyDictionary[Any, _EventTally]" = weakref.WeakKeyDictionary()
-_TALLIES_LOCK = threading.Lock()
-
-
-def _tally(agent: Any) -> _EventTally:
-    with _TALLIES_LOCK:
-        t = _TALLIES.get(agent)
-        if t is None:
-            t = _TALLIES[agent] = _EventTally()
-        return t
+__all__ = ["AgentCollector", "MetricsServer", "serve", "serve_agent"]
 
 
 def _live_agents() -> list[Any]:
@@ -107,6 +56,7 @@ class AgentCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         rail = ["agent", "peer", "rail"]
+        served = ["agent", "peer", "rail", "index"]  # index: the local rail's, "side" for the side channel
         fam = {
             "bytes": CounterMetricFamily(
                 "multirail_rail_bytes", "Payload bytes this agent's transfers moved on the rail, by direction "
@@ -142,8 +92,25 @@ class AgentCollector:
                 "multirail_peer_fenced_connections", "Dead connections of this agent that the peer confirmed "
                 "fenced before their WRITEs were reissued", labels=["agent", "peer"]),
             "fenced_by": CounterMetricFamily(
-                "multirail_fenced_connections", "Inbound connections the peer's Fence aborted here (from the event log)",
+                "multirail_fenced_connections", "Inbound connections the peer's Fence aborted here (serving side)",
                 labels=["agent", "peer"]),
+            # serving side: what peers read from / wrote into this agent, per local rail
+            "s_bytes": CounterMetricFamily(
+                "multirail_served_bytes", "Payload bytes this agent served to the peer on the local rail, by direction "
+                "(read: READ data sent out of this agent's memory; write: WRITE data landed in it)",
+                labels=served + ["direction"]),
+            "s_reqs": CounterMetricFamily(
+                "multirail_served_requests", "READ/WRITE requests this agent served to the peer on the local rail, by "
+                "direction", labels=served + ["direction"]),
+            "s_refused": CounterMetricFamily(
+                "multirail_served_refused", "Requests of the peer this agent refused on the local rail, by status "
+                "(peer _unauthenticated: before the handshake completed)", labels=served + ["status"]),
+            "s_conns": CounterMetricFamily(
+                "multirail_served_connections", "Connections from the peer this agent accepted on the local rail "
+                "(handshake completed; UCX sessions included)", labels=served),
+            "s_ucx": CounterMetricFamily(
+                "multirail_served_ucx_sessions", "UCX sessions the peer opened on the local rail (their one-sided "
+                "bytes are not counted here)", labels=served),
             "stale": GaugeMetricFamily(
                 "multirail_peer_stale", "1 while the metadata store holds a newer incarnation of the peer than the "
                 "one loaded (transfers refused until it is fetched again)", labels=["agent", "peer"]),
@@ -169,12 +136,30 @@ class AgentCollector:
                 continue  # closed under us
         yield from fam.values()
 
+    @staticmethod
+    def _served(a: Any, fam: dict[str, Any]) -> None:
+        """The serving side (engine `served_stats()`): one row per (peer, local rail)."""
+        name = a.name
+        fenced: dict[str, int] = {}
+        for r in a.served_stats():
+            idx = r.get("rail_index")
+            lab = [name, str(r["peer"]), str(r["rail"]), "side" if idx is None else str(idx)]
+            for direction, key in (("read", "read"), ("write", "written")):
+                fam["s_bytes"].add_metric(lab + [direction], int(r.get(f"bytes_{key}", 0)))
+                fam["s_reqs"].add_metric(lab + [direction], int(r.get(f"requests_{key}", 0)))
+            for status, n in sorted((r.get("refused_by_status") or {}).items()):
+                fam["s_refused"].add_metric(lab + [str(status)], int(n))
+            fam["s_conns"].add_metric(lab, int(r.get("connections", 0)))
+            fam["s_ucx"].add_metric(lab, int(r.get("ucx_sessions", 0)))
+            fenced[str(r["peer"])] = fenced.get(str(r["peer"]), 0) + int(r.get("fenced", 0))
+        for peer, n in fenced.items():
+            fam["fenced_by"].add_metric([name, peer], n)
+
     def _one(self, a: Any, fam: dict[str, Any]) -> None:
         name = a.name
         fam["agent"].add_metric([name, f"{a.incarnation:016x}", str(a.host), str(a.port)], 1)
         fam["refused"].add_metric([name], a.refused_requests())
-        tally = _tally(a)
-        tally.advance(a.events())
+        self._served(a, fam)
         # registered memory (the Python registration table: one RegDescs per register call)
         by_mem: dict[str, int] = {}
         regions = 0
@@ -193,8 +178,6 @@ class AgentCollector:
             fam["xfers"].add_metric([name, peer, op.lower(), "done"], done)
             fam["xfers"].add_metric([name, peer, op.lower(), "failed"], failed)
             fam["xbytes"].add_metric([name, peer, op.lower()], nbytes)
-        for peer, n in list(tally.fenced_by.items()):
-            fam["fenced_by"].add_metric([name, peer], n)
         stale = dict(a._stale)
         # per rail of each peer (engine counters)
         for peer in list(a._peers):

@@ -294,6 +294,33 @@ impl PyAgent {
         Ok(d)
     }
 
+    /// What this agent served to peers, one dict per (peer, local rail): see
+    /// `Agent::served_stats`. `rail_index` is None for the side channel of an agent with rails.
+    fn served_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for r in self.0.served_stats() {
+            let d = PyDict::new(py);
+            d.set_item("peer", r.peer)?;
+            d.set_item("rail", r.rail)?;
+            d.set_item("rail_index", r.rail_index)?;
+            d.set_item("bytes_read", r.bytes_read)?;
+            d.set_item("requests_read", r.requests_read)?;
+            d.set_item("bytes_written", r.bytes_written)?;
+            d.set_item("requests_written", r.requests_written)?;
+            d.set_item("refused", r.refused)?;
+            let by = PyDict::new(py);
+            for (status, n) in r.refused_by_status {
+                by.set_item(format!("{status:?}"), n)?;
+            }
+            d.set_item("refused_by_status", by)?;
+            d.set_item("connections", r.connections)?;
+            d.set_item("ucx_sessions", r.ucx_sessions)?;
+            d.set_item("fenced", r.fenced)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
     /// (name, address, port) of every local rail's listener.
     fn rails(&self) -> Vec<(String, String, u16)> {
         self.0.shared().rails_meta.iter().map(|r| (r.name.clone(), r.addr.clone(), r.port)).collect()

@@ -77,6 +77,8 @@ pub struct Shared {
     pub fenced: AtomicUsize,
     /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
     pub refused: AtomicUsize,
+    /// Serving-side counters per (peer, local rail): what peers read from and wrote into us.
+    pub served_stats: server::ServedTable,
     /// UCX state (one context per rail, every region mapped) when `cfg.transport` is Ucx.
     pub(crate) ucx: Option<Arc<UcxAgent>>,
 }
@@ -175,6 +177,15 @@ impl Agent {
                 rails.push(LocalRail { device: r.name.clone(), addr: Some(r.addr), prefix_len: r.prefix_len, speed_mbps: r.speed_mbps });
             }
         }
+        // Labels of the listeners' serving counters: the side channel is rail 0 of a one-rail
+        // agent, its own "rail" otherwise.
+        let mut served_rails = Vec::with_capacity(listeners.len());
+        if cfg.rails.is_empty() {
+            served_rails.push(server::ServedRail { name: rails_meta[0].name.clone(), index: Some(0) });
+        } else {
+            served_rails.push(server::ServedRail { name: server::SIDE_RAIL.into(), index: None });
+            served_rails.extend(rails_meta.iter().enumerate().map(|(i, r)| server::ServedRail { name: r.name.clone(), index: Some(i) }));
+        }
         let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
         let ucx = match cfg.transport {
             TransportKind::Tcp => None,
@@ -202,6 +213,7 @@ impl Agent {
             served: Mutex::new(HashMap::new()),
             fenced: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),
+            served_stats: server::ServedTable::new(served_rails, server::MAX_SERVED_PEERS),
             ucx,
         });
         if let Some(u) = &shared.ucx {
@@ -212,13 +224,13 @@ impl Agent {
             }
         }
         let mut handles = Vec::new();
-        for l in listeners {
+        for (i, l) in listeners.into_iter().enumerate() {
             let addr = l.local_addr().map_err(|e| Error::io("local_addr", e))?;
             let handle = l.try_clone().map_err(|e| Error::io("clone listener", e))?;
             let sh = shared.clone();
             let h = std::thread::Builder::new()
                 .name(format!("mr-accept-{}", addr.port()))
-                .spawn(move || server::accept_loop(sh, l))
+                .spawn(move || server::accept_loop(sh, l, i))
                 .map_err(|e| Error::io("spawn", e))?;
             handles.push((addr, handle, h));
         }
@@ -376,6 +388,15 @@ impl Agent {
 
     pub fn rail_stats(&self, peer: &str) -> Result<Vec<RailReport>> {
         Ok(self.peer(peer)?.rail_stats())
+    }
+
+    /// What this agent served to peers, per (authenticated peer, local rail): READ bytes and
+    /// requests (data sent out of our memory), WRITE bytes and requests (data landed in it),
+    /// refusals, connections accepted and fenced. Peers beyond `server::MAX_SERVED_PEERS`
+    /// distinct names are folded into `server::OTHER_PEER`; refusals before authentication
+    /// count under `server::UNAUTHENTICATED_PEER`. Kept for the agent's life.
+    pub fn served_stats(&self) -> Vec<server::ServedReport> {
+        self.shared.served_stats.report()
     }
 
     pub fn events(&self) -> Vec<String> {

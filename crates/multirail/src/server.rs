@@ -12,9 +12,15 @@
 //! can write memory any more. WRITE payloads are applied under the connection's `apply` lock and
 //! only while it is not fenced, so bytes that were still queued in the dead path (and reach this
 //! host after the link returns) never land over data the reissue wrote since.
+//!
+//! Serving-side counters (`ServedTable`): per authenticated peer name and local rail (the
+//! listener that accepted the connection), bytes and requests served by direction, refusals by
+//! status, connections accepted and fenced. A connection looks its `ServedCounters` up once,
+//! after the handshake; the request path only bumps relaxed atomics.
 
+use std::collections::{HashMap, HashSet};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +36,148 @@ use crate::wire::{self, WireError};
 
 const TICK: Duration = Duration::from_millis(50);
 
+/// Distinct peer names `ServedTable` keeps counters for; later names are folded into
+/// [`OTHER_PEER`], so a stream of made-up names cannot grow the table without bound.
+pub const MAX_SERVED_PEERS: usize = 4096;
+/// The peer label of the names beyond [`MAX_SERVED_PEERS`].
+pub const OTHER_PEER: &str = "_other";
+/// The peer label of refusals before a peer authenticated (bad Hello, failed proof).
+pub const UNAUTHENTICATED_PEER: &str = "_unauthenticated";
+/// The rail label of the side channel (`host:port`) when the agent has configured rails.
+pub const SIDE_RAIL: &str = "side";
+/// Number of `Status` codes (refusals are counted per code).
+const N_STATUS: usize = Status::Internal as usize + 1;
+
+/// What one peer got served on one local rail. Relaxed atomics: monotonic counters, read
+/// at scrape time.
+#[derive(Default)]
+pub struct ServedCounters {
+    /// READ payload bytes sent out of our memory, and READ requests answered with data.
+    pub bytes_read: AtomicU64,
+    pub requests_read: AtomicU64,
+    /// WRITE payload bytes landed in our memory, and WRITE requests applied.
+    pub bytes_written: AtomicU64,
+    pub requests_written: AtomicU64,
+    /// Requests refused, by `Status` code.
+    refused: [AtomicU64; N_STATUS],
+    /// Connections accepted (after the handshake), UCX sessions among them.
+    pub connections: AtomicU64,
+    pub ucx_sessions: AtomicU64,
+    /// Connections a `Fence` of the peer aborted.
+    pub fenced: AtomicU64,
+}
+
+impl ServedCounters {
+    pub fn refuse(&self, status: Status) {
+        self.refused[(status as usize).min(N_STATUS - 1)].fetch_add(1, Ordering::Relaxed);
+    }
+    fn refused_by_status(&self) -> Vec<(Status, u64)> {
+        (0..N_STATUS as u16)
+            .filter_map(|c| {
+                let n = self.refused[c as usize].load(Ordering::Relaxed);
+                (n > 0).then(|| (Status::from_u16(c), n))
+            })
+            .collect()
+    }
+}
+
+/// A local rail as the serving counters label it: the listener that accepted a connection.
+#[derive(Debug, Clone)]
+pub struct ServedRail {
+    /// The rail's name (`RailInfo::name`), or [`SIDE_RAIL`] for a separate side channel.
+    pub name: String,
+    /// Index into the agent's rails; None for the side channel of an agent with rails.
+    pub index: Option<usize>,
+}
+
+/// One (peer, rail) row of `Agent::served_stats`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedReport {
+    /// The authenticated peer name, [`OTHER_PEER`] or [`UNAUTHENTICATED_PEER`].
+    pub peer: String,
+    /// The local rail's name ([`SIDE_RAIL`] for the side channel) and index (None: side channel).
+    pub rail: String,
+    pub rail_index: Option<usize>,
+    pub bytes_read: u64,
+    pub requests_read: u64,
+    pub bytes_written: u64,
+    pub requests_written: u64,
+    /// Requests refused in all, and by status (codes with a count only).
+    pub refused: u64,
+    pub refused_by_status: Vec<(Status, u64)>,
+    pub connections: u64,
+    pub ucx_sessions: u64,
+    pub fenced: u64,
+}
+
+#[derive(Default)]
+struct TableInner {
+    by_key: HashMap<(String, usize), Arc<ServedCounters>>,
+    peers: HashSet<String>,
+}
+
+/// Serving-side counters of an agent, by (peer, listener). Consulted under its lock only when a
+/// connection starts (or is refused before authenticating); memory is bounded by
+/// `max_peers` + 2 names times the number of listeners.
+pub struct ServedTable {
+    rails: Vec<ServedRail>,
+    max_peers: usize,
+    inner: Mutex<TableInner>,
+}
+
+impl ServedTable {
+    /// `rails[i]` labels listener `i` (0: the side channel).
+    pub fn new(rails: Vec<ServedRail>, max_peers: usize) -> ServedTable {
+        ServedTable { rails, max_peers, inner: Mutex::new(TableInner::default()) }
+    }
+
+    /// The counters of `peer` on listener `listener`; a new name beyond `max_peers` gets the
+    /// shared [`OTHER_PEER`] counters.
+    pub fn counters(&self, peer: &str, listener: usize) -> Arc<ServedCounters> {
+        let mut g = self.inner.lock().expect("served table lock");
+        let label = if peer == UNAUTHENTICATED_PEER || peer == OTHER_PEER || g.peers.contains(peer) {
+            peer
+        } else if g.peers.len() < self.max_peers {
+            g.peers.insert(peer.to_string());
+            peer
+        } else {
+            OTHER_PEER
+        };
+        g.by_key.entry((label.to_string(), listener)).or_default().clone()
+    }
+
+    /// Every (peer, rail) row, sorted by peer then listener.
+    pub fn report(&self) -> Vec<ServedReport> {
+        let rows: Vec<((String, usize), Arc<ServedCounters>)> =
+            self.inner.lock().expect("served table lock").by_key.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut out: Vec<(usize, ServedReport)> = rows
+            .into_iter()
+            .map(|((peer, l), c)| {
+                let rail = self.rails.get(l).cloned().unwrap_or(ServedRail { name: format!("listener{l}"), index: None });
+                let by_status = c.refused_by_status();
+                let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+                let rep = ServedReport {
+                    peer,
+                    rail: rail.name,
+                    rail_index: rail.index,
+                    bytes_read: ld(&c.bytes_read),
+                    requests_read: ld(&c.requests_read),
+                    bytes_written: ld(&c.bytes_written),
+                    requests_written: ld(&c.requests_written),
+                    refused: by_status.iter().map(|(_, n)| n).sum(),
+                    refused_by_status: by_status,
+                    connections: ld(&c.connections),
+                    ucx_sessions: ld(&c.ucx_sessions),
+                    fenced: ld(&c.fenced),
+                };
+                (l, rep)
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.1.peer, a.0).cmp(&(&b.1.peer, b.0)));
+        out.into_iter().map(|(_, r)| r).collect()
+    }
+}
+
 /// One served connection, as known to `Fence`.
 pub struct Served {
     /// The authenticated peer name; only that peer may fence the connection.
@@ -38,6 +186,8 @@ pub struct Served {
     /// Held while a WRITE payload is being applied to memory.
     apply: Mutex<()>,
     sock: TcpStream,
+    /// The peer's serving counters on the listener that accepted the connection.
+    ctr: Arc<ServedCounters>,
 }
 
 /// Removes a connection from the fence table when its serve loop ends (no memory access after).
@@ -67,6 +217,7 @@ fn fence(sh: &Shared, peer: &str, ids: &[[u8; 16]]) -> usize {
     }
     for c in &victims {
         drop(c.apply.lock().expect("apply lock"));
+        c.ctr.fenced.fetch_add(1, Ordering::Relaxed);
     }
     sh.fenced.fetch_add(victims.len(), Ordering::Relaxed);
     if !victims.is_empty() {
@@ -85,7 +236,9 @@ pub(crate) fn abort_all(sh: &Shared) {
     }
 }
 
-pub fn accept_loop(sh: Arc<Shared>, l: TcpListener) {
+/// Accept connections on listener number `listener` (0: the side channel, then one per rail; the
+/// label of its serving counters).
+pub fn accept_loop(sh: Arc<Shared>, l: TcpListener, listener: usize) {
     loop {
         let r = l.accept();
         if sh.shutdown.load(Ordering::Acquire) {
@@ -106,7 +259,7 @@ pub fn accept_loop(sh: Arc<Shared>, l: TcpListener) {
         sh.open_conns.fetch_add(1, Ordering::AcqRel);
         let sh2 = sh.clone();
         let spawned = std::thread::Builder::new().name("mr-serve".into()).spawn(move || {
-            serve(&sh2, s);
+            serve(&sh2, s, listener);
             sh2.open_conns.fetch_sub(1, Ordering::AcqRel);
         });
         if spawned.is_err() {
@@ -123,20 +276,26 @@ fn decode_status(e: &DecodeError) -> Status {
     }
 }
 
-/// Tell the peer why it is being dropped (best effort) and count the refusal.
-fn refuse(sh: &Shared, s: &mut TcpStream, who: &str, status: Status, msg: String) {
+/// Count a refused request: the agent's total and the peer's counters.
+fn count_refused(sh: &Shared, ctr: &ServedCounters, status: Status) {
     sh.refused.fetch_add(1, Ordering::Relaxed);
+    ctr.refuse(status);
+}
+
+/// Tell the peer why it is being dropped (best effort) and count the refusal.
+fn refuse(sh: &Shared, ctr: &ServedCounters, s: &mut TcpStream, who: &str, status: Status, msg: String) {
+    count_refused(sh, ctr, status);
     sh.ctx.log(&format!("refused {who}: {status:?}: {msg}"));
     let _ = wire::send(s, &Body::Error { status, msg }, 0, &mut |_| Err(String::new()));
 }
 
-fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
+fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let who = s.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(TICK));
     let _ = s.set_write_timeout(Some(TICK));
     let timeout = sh.ctx.cfg.timeout;
-    let Some((role, peer_name, conn_id)) = handshake(sh, &mut s, &who) else {
+    let Some((role, peer_name, conn_id)) = handshake(sh, &mut s, &who, listener) else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
@@ -145,12 +304,18 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
-    let me = Arc::new(Served { peer: peer_name.clone(), fenced: AtomicBool::new(false), apply: Mutex::new(()), sock });
+    // Looked up once per connection: the request path below only bumps its atomics.
+    let ctr = sh.served_stats.counters(&peer_name, listener);
+    ctr.connections.fetch_add(1, Ordering::Relaxed);
+    if role == Role::UcxSession {
+        ctr.ucx_sessions.fetch_add(1, Ordering::Relaxed);
+    }
+    let me = Arc::new(Served { peer: peer_name.clone(), fenced: AtomicBool::new(false), apply: Mutex::new(()), sock, ctr: ctr.clone() });
     {
         let mut g = sh.served.lock().expect("served lock");
         if g.contains_key(&conn_id) {
             drop(g);
-            refuse(sh, &mut s, &who, Status::Unexpected, "connection id already in use".into());
+            refuse(sh, &ctr, &mut s, &who, Status::Unexpected, "connection id already in use".into());
             let _ = s.shutdown(Shutdown::Both);
             return;
         }
@@ -199,12 +364,12 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
         let (h, body) = match inb.read_frame(&mut s, &mut tick) {
             Ok(f) => f,
             Err(WireError::Decode(e)) => {
-                refuse(sh, &mut s, &who, decode_status(&e), e.to_string());
+                refuse(sh, &ctr, &mut s, &who, decode_status(&e), e.to_string());
                 break;
             }
             Err(WireError::GaveUp(m)) => {
                 if !m.is_empty() {
-                    refuse(sh, &mut s, &who, Status::Malformed, m);
+                    refuse(sh, &ctr, &mut s, &who, Status::Malformed, m);
                 }
                 break;
             }
@@ -231,10 +396,15 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
                     // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
                     // `region` holds it registered for the duration of the write.
                     let data = unsafe { std::slice::from_raw_parts(region.ptr(op.offset), op.len as usize) };
-                    wire::write_full(&mut s, &[&hdr, data], &mut op_tick)
+                    let r = wire::write_full(&mut s, &[&hdr, data], &mut op_tick);
+                    if r.is_ok() {
+                        ctr.bytes_read.fetch_add(op.len, Ordering::Relaxed);
+                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+                    }
+                    r
                 }
                 Err((status, msg)) => {
-                    sh.refused.fetch_add(1, Ordering::Relaxed);
+                    count_refused(sh, &ctr, status);
                     wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
                 }
             },
@@ -248,12 +418,16 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
                     let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
                     let r = inb.read_into(&mut s, dst, &mut op_tick);
                     drop(guard);
+                    if r.is_ok() {
+                        ctr.bytes_written.fetch_add(op.len, Ordering::Relaxed);
+                        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+                    }
                     r.and_then(|_| {
                         wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
                     })
                 }
                 Err((status, msg)) => {
-                    sh.refused.fetch_add(1, Ordering::Relaxed);
+                    count_refused(sh, &ctr, status);
                     inb.discard(&mut s, op.len, &mut op_tick)
                         .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
                 }
@@ -285,7 +459,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream) {
                 wire::send(&mut s, &resp, h.req_id, &mut op_tick)
             }
             other => {
-                refuse(sh, &mut s, &who, Status::Unexpected, format!("{:?} is not a request", other.kind()));
+                refuse(sh, &ctr, &mut s, &who, Status::Unexpected, format!("{:?} is not a request", other.kind()));
                 break;
             }
         };
@@ -307,7 +481,7 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
         let deadline = Instant::now() + sh.ctx.cfg.timeout;
         let mut tick = |_: bool| if sh.shutdown.load(Ordering::Acquire) || Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
         let _ = wire::read_frame(s, &mut tick);
-        refuse(sh, s, who, Status::Unexpected, "this agent does not run the ucx transport".into());
+        refuse(sh, &me.ctr, s, who, Status::Unexpected, "this agent does not run the ucx transport".into());
         return;
     };
     let guard = me.apply.lock().expect("apply lock");
@@ -318,14 +492,18 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
     drop(guard);
     if let Err((status, msg)) = r {
         if !msg.is_empty() {
-            refuse(sh, s, who, status, msg);
+            refuse(sh, &me.ctr, s, who, status, msg);
         }
     }
 }
 
 /// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name and connection id (the
 /// nonce of its `Hello`).
-fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String, [u8; 16])> {
+fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Option<(Role, String, [u8; 16])> {
+    // Refusals before the peer proved its name count under UNAUTHENTICATED_PEER.
+    let deny = |s: &mut TcpStream, status: Status, msg: String| {
+        refuse(sh, &sh.served_stats.counters(UNAUTHENTICATED_PEER, listener), s, who, status, msg)
+    };
     let deadline = Instant::now() + sh.ctx.cfg.timeout;
     let mut tick = |_: bool| {
         if sh.shutdown.load(Ordering::Acquire) {
@@ -339,16 +517,16 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String,
     let (role, name, client_nonce) = match wire::read_frame(s, &mut tick) {
         Ok((_, Body::Hello { role, name, nonce, .. })) => (role, name, nonce),
         Ok((_, other)) => {
-            refuse(sh, s, who, Status::Unexpected, format!("expected Hello, got {:?}", other.kind()));
+            deny(s, Status::Unexpected, format!("expected Hello, got {:?}", other.kind()));
             return None;
         }
         Err(WireError::Decode(e)) => {
-            refuse(sh, s, who, decode_status(&e), e.to_string());
+            deny(s, decode_status(&e), e.to_string());
             return None;
         }
         Err(WireError::GaveUp(m)) => {
             if !m.is_empty() {
-                refuse(sh, s, who, Status::Malformed, m);
+                deny(s, Status::Malformed, m);
             }
             return None;
         }
@@ -361,11 +539,11 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String,
     let mac = match wire::read_frame(s, &mut tick) {
         Ok((_, Body::Auth { mac })) => mac,
         Ok((_, other)) => {
-            refuse(sh, s, who, Status::Unexpected, format!("expected Auth, got {:?}", other.kind()));
+            deny(s, Status::Unexpected, format!("expected Auth, got {:?}", other.kind()));
             return None;
         }
         Err(WireError::Decode(e)) => {
-            refuse(sh, s, who, decode_status(&e), e.to_string());
+            deny(s, decode_status(&e), e.to_string());
             return None;
         }
         Err(_) => return None,
@@ -373,7 +551,7 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String,
     let reply = match secret {
         Some(secret) => {
             if !auth::proofs_equal(&mac, &auth::client_proof(secret, &nonce, &client_nonce, &name)) {
-                refuse(sh, s, who, Status::AuthFailed, format!("{name:?} did not prove the shared secret"));
+                deny(s, Status::AuthFailed, format!("{name:?} did not prove the shared secret"));
                 return None;
             }
             auth::server_proof(secret, &client_nonce, &nonce, &sh.ctx.name)
@@ -382,4 +560,61 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str) -> Option<(Role, String,
     };
     wire::send(s, &Body::Welcome { mac: reply }, 0, &mut tick).ok()?;
     Some((role, name, client_nonce))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(max_peers: usize) -> ServedTable {
+        let rails = vec![
+            ServedRail { name: SIDE_RAIL.into(), index: None },
+            ServedRail { name: "eth0".into(), index: Some(0) },
+            ServedRail { name: "eth1".into(), index: Some(1) },
+        ];
+        ServedTable::new(rails, max_peers)
+    }
+
+    #[test]
+    fn peers_beyond_the_cap_fold_into_other() {
+        let t = table(3);
+        for i in 0..3 {
+            t.counters(&format!("p{i}"), 1).bytes_read.fetch_add(10, Ordering::Relaxed);
+        }
+        // A hostile stream of names: every one beyond the cap shares the `_other` counters.
+        for i in 3..10_000 {
+            let c = t.counters(&format!("p{i}"), 1 + i % 2);
+            c.bytes_written.fetch_add(1, Ordering::Relaxed);
+            c.refuse(Status::BadKey);
+        }
+        // Known names keep their own counters, on any rail, after the cap is reached.
+        t.counters("p0", 2).requests_read.fetch_add(1, Ordering::Relaxed);
+        // The pre-authentication label does not take a slot.
+        t.counters(UNAUTHENTICATED_PEER, 0).refuse(Status::AuthFailed);
+        let rep = t.report();
+        let peers: HashSet<&str> = rep.iter().map(|r| r.peer.as_str()).collect();
+        assert_eq!(peers, ["p0", "p1", "p2", OTHER_PEER, UNAUTHENTICATED_PEER].into_iter().collect());
+        assert_eq!(rep.len(), 3 + 2 + 1 + 1, "{rep:?}");
+        let other: Vec<&ServedReport> = rep.iter().filter(|r| r.peer == OTHER_PEER).collect();
+        assert_eq!(other.iter().map(|r| r.bytes_written).sum::<u64>(), 10_000 - 3);
+        assert_eq!(other.iter().map(|r| r.refused).sum::<u64>(), 10_000 - 3);
+        assert!(other.iter().all(|r| r.refused_by_status.iter().all(|(s, _)| *s == Status::BadKey)));
+        let p0: Vec<&ServedReport> = rep.iter().filter(|r| r.peer == "p0").collect();
+        assert_eq!(p0.len(), 2);
+        assert_eq!((p0[0].rail.as_str(), p0[0].rail_index, p0[0].bytes_read), ("eth0", Some(0), 10));
+        assert_eq!((p0[1].rail.as_str(), p0[1].rail_index, p0[1].requests_read), ("eth1", Some(1), 1));
+        let un = rep.iter().find(|r| r.peer == UNAUTHENTICATED_PEER).unwrap();
+        assert_eq!((un.rail.as_str(), un.rail_index), (SIDE_RAIL, None));
+        assert_eq!(un.refused_by_status, vec![(Status::AuthFailed, 1)]);
+    }
+
+    #[test]
+    fn counters_are_shared_per_peer_and_rail() {
+        let t = table(MAX_SERVED_PEERS);
+        let a = t.counters("a", 1);
+        let b = t.counters("a", 1);
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &t.counters("a", 2)));
+        assert!(!Arc::ptr_eq(&a, &t.counters("b", 1)));
+    }
 }

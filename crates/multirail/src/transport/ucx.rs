@@ -293,18 +293,18 @@ struct Op {
     token: u64,
     write: bool,
     req: Request,
+    /// For a PUT: an endpoint flush issued right after it, complete once the PUT is complete
+    /// at the target (remote completion). One per PUT, so each chunk is reported as soon as it
+    /// landed: a flush covering the whole window would report nothing until the window drained.
+    flush: Option<Request>,
 }
 
 struct RailState {
     /// `None` once aborted.
     ep: Option<Endpoint>,
     remote: HashMap<u64, Remote>,
-    /// Posted, not locally complete.
+    /// Posted, not yet complete (a PUT: not yet complete at the target).
     ops: Vec<Op>,
-    /// PUTs locally complete, waiting for a flush.
-    unflushed: Vec<u64>,
-    /// The flush in flight and the PUTs it completes.
-    flush: Option<(Request, Vec<u64>)>,
     /// Tokens of chunks that were outstanding when the rail was aborted (never reported).
     lost: Vec<u64>,
     failed: Option<String>,
@@ -316,7 +316,7 @@ struct RailState {
 
 impl RailState {
     fn outstanding(&self) -> usize {
-        self.ops.len() + self.unflushed.len() + self.flush.as_ref().map_or(0, |f| f.1.len())
+        self.ops.len()
     }
 
     fn fail(&mut self, reason: String) -> String {
@@ -408,8 +408,6 @@ impl UcxRail {
             ep: Some(ep),
             remote: remotes(regions).collect(),
             ops: Vec::new(),
-            unflushed: Vec::new(),
-            flush: None,
             lost: Vec::new(),
             failed: None,
             last_event: Instant::now(),
@@ -493,10 +491,17 @@ impl UcxRail {
             Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(format!("rail is down: {}", st.fail(e.to_string()))),
             Err(e) => return Err(format!("{op} refused: {e}")),
         };
+        let flush = match write {
+            false => None,
+            true => match ep.flush() {
+                Ok(f) => Some(f),
+                Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
+            },
+        };
         if st.outstanding() == 0 {
             st.last_event = Instant::now();
         }
-        st.ops.push(Op { token, write, req });
+        st.ops.push(Op { token, write, req, flush });
         drop(g);
         self.kick.kick();
         Ok(())
@@ -524,7 +529,7 @@ impl UcxRail {
 
     /// Progress the worker; push finished chunks into `done` (token, Ok, or Err(reason) for a
     /// chunk-level refusal). A PUT is done only once a flush issued after it completed (remote
-    /// completion); flushes are batched. Sleeps at most `wait` on the worker's event fd (and
+    /// completion; one flush per PUT). Sleeps at most `wait` on the worker's event fd (and
     /// the session socket and the post kick) when nothing is ready. `Err(reason)`: the rail
     /// failed (endpoint error, a request failed with EndpointFailed, the session socket hung
     /// up, or nothing completed for `stall` while chunks were outstanding: UCX over tcp does not
@@ -592,16 +597,18 @@ impl UcxRail {
         let mut progressed = false;
         let mut i = 0;
         while i < st.ops.len() {
-            match st.ops[i].req.check() {
+            let op = &mut st.ops[i];
+            let r = match op.flush.as_mut() {
+                // The flush completes after the PUT it follows, remotely.
+                Some(f) => f.check().and_then(|done| if done { op.req.check() } else { Ok(false) }),
+                None => op.req.check(),
+            };
+            match r {
                 Ok(false) => i += 1,
                 Ok(true) => {
                     let op = st.ops.swap_remove(i);
                     progressed = true;
-                    if op.write {
-                        st.unflushed.push(op.token);
-                    } else {
-                        done.push((op.token, Ok(())));
-                    }
+                    done.push((op.token, Ok(())));
                 }
                 Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(st.fail(e.to_string())),
                 Err(e) => {
@@ -609,26 +616,6 @@ impl UcxRail {
                     progressed = true;
                     done.push((op.token, Err(format!("{} failed: {e}", if op.write { "WRITE" } else { "READ" }))));
                 }
-            }
-        }
-        for _ in 0..2 {
-            if let Some((req, batch)) = &mut st.flush {
-                match req.check() {
-                    Ok(true) => {
-                        done.extend(batch.drain(..).map(|t| (t, Ok(()))));
-                        st.flush = None;
-                        progressed = true;
-                    }
-                    Ok(false) => break,
-                    Err(e) => return Err(st.fail(format!("flush failed: {e}"))),
-                }
-            }
-            if st.unflushed.is_empty() {
-                break;
-            }
-            match ep.flush() {
-                Ok(req) => st.flush = Some((req, std::mem::take(&mut st.unflushed))),
-                Err(e) => return Err(st.fail(format!("flush refused: {e}"))),
             }
         }
         let now = Instant::now();
@@ -687,10 +674,6 @@ impl UcxRail {
         let mut st = lock(&self.state);
         let mut v = std::mem::take(&mut st.lost);
         v.extend(st.ops.iter().map(|o| o.token));
-        v.extend(st.unflushed.iter().copied());
-        if let Some((_, b)) = &st.flush {
-            v.extend(b.iter().copied());
-        }
         v
     }
 
@@ -732,11 +715,7 @@ impl UcxRail {
         if let Some(ep) = st.ep.take() {
             // Cancels what is outstanding; forced closes complete without the peer.
             let _ = ep.close(CloseMode::Force, Instant::now() + self.timeout.max(Duration::from_secs(1)));
-            let mut lost: Vec<u64> = st.ops.drain(..).map(|o| o.token).collect();
-            lost.append(&mut st.unflushed);
-            if let Some((_, b)) = st.flush.take() {
-                lost.extend(b);
-            }
+            let lost: Vec<u64> = st.ops.drain(..).map(|o| o.token).collect();
             st.lost.extend(lost);
             // Closed by the force close: these requests are complete (cancelled) and drop here.
         }
