@@ -39,10 +39,12 @@ from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_
 from multirail.bench.core import (BenchRow, json_clean, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
 from multirail.bench.rails import RailCounters, resolve_rails
-from multirail.bench.worker import BenchFailure, EngineWorker, run_sweep
+from multirail.bench.worker import (BenchFailure, EngineWorker, format_transport, label_rail_transports,
+                                    run_sweep)
 from multirail.errors import AuthenticationError, MultirailError
 
 LATENCY_SIZE = 4096
+TRANSPORTS = ("tcp", "ucx")  # AgentConfig.transport values the bench offers
 DEFAULT_TESTBED = "mrtb"  # multirail.testbed.DEFAULT_NAME (not imported: keeps `bench` light)
 
 
@@ -75,6 +77,11 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
                    help="how waiting threads wait: busy-poll up to --spin-us then sleep (adaptive, "
                         "default), busy-poll until done (poll), or sleep at once (block)")
     p.add_argument("--spin-us", type=float, default=200.0, help="busy-poll budget, microseconds (default 200)")
+    p.add_argument("--transport", default=os.environ.get("MULTIRAIL_TRANSPORT") or "tcp", choices=list(TRANSPORTS),
+                   help="what carries the rails (default: $MULTIRAIL_TRANSPORT, else tcp): tcp (multirail's own connections) or ucx (UCX "
+                        "one-sided get/put, one UCP context per rail; needs a UCX library: pip install "
+                        "'multirail[ucx]', apt-get install libucx0, or MULTIRAIL_UCX_LIB). Every agent of the run, "
+                        "target processes included, uses it; the output names each rail's transport")
     p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
     p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
     p.add_argument("--secret", default=None,
@@ -221,7 +228,27 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(connections=args.connections, rails=_rails(args.rails), policy=_policy(args.policy),
                 chunk_size=parse_size(args.chunk_size), timeout=args.timeout,
                 stall_timeout=args.stall_timeout, secret=args.secret, progress=args.progress,
-                spin_us=_spin_us(args))
+                spin_us=_spin_us(args), transport=_transport(args))
+
+
+def _transport(args: argparse.Namespace) -> str:
+    t = getattr(args, "transport", "tcp")
+    if t not in TRANSPORTS:  # argparse's choices catch the CLI; this guards programmatic callers
+        raise UsageError(f"invalid --transport {t!r}: expected one of {', '.join(TRANSPORTS)}")
+    return t
+
+
+def check_transport(args: argparse.Namespace) -> None:
+    """Fail fast, in this process, when the chosen transport cannot run here (ucx without a
+    loadable UCX): the engine's TransportUnavailableError, before any child process is started
+    (whose own error would otherwise arrive as the tail of its stderr)."""
+    if _transport(args) != "ucx":
+        return
+    import multirail  # lazy: the tool must import without the extension
+
+    probe = multirail.Agent(f"mr-bench-transport-probe-{os.getpid()}",
+                            {"host": "127.0.0.1", "port": 0, "transport": "ucx"})
+    probe.close()
 
 
 def _spin_us(args: argparse.Namespace) -> float:
@@ -269,7 +296,9 @@ def _cmd_target(args: argparse.Namespace) -> int:
 # -- initiator ----------------------------------------------------------------------------------
 
 def _run_initiator(args: argparse.Namespace, host: str, port: int,
-                   capacities_bps: list[float | None] | None = None) -> tuple[list[BenchRow], list[str]]:
+                   capacities_bps: list[float | None] | None = None
+                   ) -> tuple[list[BenchRow], list[str], dict[str, Any]]:
+    """The sweep against a target; rows, problems and the transport report (worker.transport_report)."""
     sizes, total = _sweep(args)
     eng = _engine_kwargs(args)
     rails = eng["rails"] or [_default_rail(host, port)]
@@ -286,10 +315,12 @@ def _run_initiator(args: argparse.Namespace, host: str, port: int,
             rows += run_sweep(worker, args.op, [LATENCY_SIZE], 1, lat_iter, args.warmup_iter,
                               False, counters, progress)
             rows[-1].worker = "multirail (latency row)"
+        report = worker.transport_report()
     finally:
         progress.clear()
         worker.close()
-    return rows, counters.problems
+    label_rail_transports(rows, report)
+    return rows, counters.problems, report
 
 
 def _default_rail(host: str, port: int) -> str:
@@ -301,8 +332,8 @@ def _default_rail(host: str, port: int) -> str:
 def _cmd_initiator(args: argparse.Namespace) -> int:
     host, port = _hostport(args.connect)
     _sweep(args)  # validate before connecting
-    rows, problems = _run_initiator(args, host, port)
-    return _emit(args, rows, [], problems)
+    rows, problems, report = _run_initiator(args, host, port)
+    return _emit(args, rows, [], problems, report)
 
 
 # -- local --------------------------------------------------------------------------------------
@@ -358,7 +389,7 @@ def _engine_argv(args: argparse.Namespace, rails: str | None, total: int) -> lis
     argv = ["--connections", str(args.connections), "--policy", args.policy, "--chunk-size", args.chunk_size,
             "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
             "--target-name", args.target_name, "--total-buffer-size", str(total),
-            "--progress", args.progress, "--spin-us", str(args.spin_us)]
+            "--progress", args.progress, "--spin-us", str(args.spin_us), "--transport", _transport(args)]
     return argv + (["--rails", rails] if rails else [])
 
 
@@ -393,6 +424,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     _engine_kwargs(args)
     if args.duration <= 0 or args.idle_timeout <= 0 or args.baseline_time < 1:
         raise UsageError("--duration, --idle-timeout and --baseline-time must be positive")
+    check_transport(args)
     if args.testbed:
         tb = _select_testbed_rails(_testbed(args.testbed), args.rails)
         prefix_a, prefix_b = ["ip", "netns", "exec", tb["ns_a"]], ["ip", "netns", "exec", tb["ns_b"]]
@@ -406,17 +438,18 @@ def _cmd_local(args: argparse.Namespace) -> int:
     try:
         port = int(ready["port"])
         if tb:
-            rows, problems = _initiator_subprocess(args, prefix_b, host, port, i_rails, total, tb["rates"])
+            rows, problems, report = _initiator_subprocess(args, prefix_b, host, port, i_rails, total, tb["rates"])
         else:
-            rows, problems = _run_initiator(args, host, port)
+            rows, problems, report = _run_initiator(args, host, port)
     finally:
         _kill(proc)
         errf.close()
+    report["target_transport"] = ready.get("transport")
     baselines: list[BenchRow] = []
     if args.baseline:
         baselines, more = _baselines(args, host, prefix_a, prefix_b)
         problems += more
-    return _emit(args, rows, baselines, problems)
+    return _emit(args, rows, baselines, problems, report)
 
 
 def _cmd_chaos(args: argparse.Namespace) -> int:
@@ -424,12 +457,14 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
     opts = options_from_args(args)
     _engine_kwargs(args)
+    check_transport(args)
     _testbed(args.testbed)  # up and matching its spec, else a clear error
     return cmd_chaos(opts, args.json)
 
 
 def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str, port: int, rails: str,
-                          total: int, rates: list[float | None]) -> tuple[list[BenchRow], list[str]]:
+                          total: int, rates: list[float | None]
+                          ) -> tuple[list[BenchRow], list[str], dict[str, Any]]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
         cmd = prefix + [sys.executable, "-m", "multirail", "bench", "initiator", "--connect", f"{host}:{port}",
@@ -453,7 +488,8 @@ def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str
         for i, rail in enumerate(r.rails):
             if i < len(rates) and rates[i]:
                 rail.capacity_gbps = float(rates[i]) / 1e9  # type: ignore[arg-type]
-    return rows, list(data.get("problems", []))
+    report = data.get("transport") or {"transport": _transport(args), "rails": []}
+    return rows, list(data.get("problems", [])), report
 
 
 def _row_from_json(d: dict[str, Any]) -> BenchRow:
@@ -531,10 +567,13 @@ def ratios(rows: list[BenchRow], baselines: list[BenchRow], progress: str = "ada
     return out
 
 
-def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchRow], problems: list[str]) -> int:
+def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchRow], problems: list[str],
+          transport: dict[str, Any] | None = None) -> int:
     rat = ratios(rows, baselines, getattr(args, "progress", "adaptive"))
     text_out = sys.stderr if args.json == "-" else sys.stdout
+    transport = transport or {"transport": getattr(args, "transport", "tcp"), "rails": []}
     print(format_table(rows), file=text_out)
+    print(format_transport(transport), file=text_out)
     print(f"progress: {getattr(args, 'progress', 'adaptive')} (spin {getattr(args, 'spin_us', 200.0):g} us)",
           file=text_out)
     for b in baselines:
@@ -556,7 +595,7 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
         print(f"plot: {args.plot}", file=text_out)
     if args.json:
         doc = json_clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
-                      "ratios": rat, "problems": problems,
+                      "ratios": rat, "problems": problems, "transport": transport,
                       "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items()
                            if k != "func"}})
         if args.json == "-":

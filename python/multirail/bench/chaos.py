@@ -55,6 +55,7 @@ class ChaosOptions:
     stall_timeout: float = 0.5
     timeout: float = 10.0
     secret: str | None = None              # None: $MULTIRAIL_SECRET as inherited
+    transport: str = "tcp"                 # tcp or ucx, both processes
     sample_s: float = DEFAULT_SAMPLE_S
 
     def lost_after_s(self) -> float:
@@ -115,7 +116,8 @@ def options_from_args(args: argparse.Namespace) -> ChaosOptions:
         up_s=DEFAULT_UP_S if args.flap_up_s is None else args.flap_up_s,
         flap_rails=parse_rail_list(args.flap_rails) if args.flap_rails else None,
         how=args.flap_how or "link", connections=args.connections, policy=args.policy, chunk_size=args.chunk_size,
-        stall_timeout=args.stall_timeout, timeout=args.timeout, secret=args.secret)
+        stall_timeout=args.stall_timeout, timeout=args.timeout, secret=args.secret,
+        transport=getattr(args, "transport", "tcp"))
     check(opts)
     return opts
 
@@ -132,6 +134,8 @@ def check(opts: ChaosOptions) -> None:
                          f"(needs at least --flap-up-s/2 + --flap-down-s = {opts.up_s / 2 + opts.down_s:g} s)")
     if opts.timeout <= 0 or opts.stall_timeout <= 0 or opts.connections < 1:
         raise UsageError("--timeout and --stall-timeout must be positive, --connections at least 1")
+    if opts.transport not in ("tcp", "ucx"):
+        raise UsageError(f"--transport must be tcp or ucx, not {opts.transport!r}")
     parse_size(opts.chunk_size)
 
 
@@ -152,7 +156,7 @@ def run_chaos(tb: Any, opts: ChaosOptions, sampler: Any = None, keep_samples: bo
             "duration_s": opts.duration_s, "flap_rails": rails, "how": opts.how, "down_s": opts.down_s, "up_s": opts.up_s,
             "stall_timeout": opts.stall_timeout, "connections": opts.connections,
             "chunk_size": opts.chunk_size, "policy": opts.policy, "timeout": opts.timeout,
-            "lost_after_s": opts.lost_after_s()}
+            "lost_after_s": opts.lost_after_s(), "transport": opts.transport}
     env = {**os.environ, "MULTIRAIL_SECRET": opts.secret} if opts.secret else None  # off the command line
     sampler = sampler or ProcSampler(opts.sample_s)
     limit = opts.duration_s + 3 * opts.lost_after_s() + 90.0

@@ -245,8 +245,8 @@ def _rank1(args: argparse.Namespace, client: Any, root: bytes) -> int:
 
         metrics = serve(args.metrics_port, args.metrics_host)
     try:
-        rows, problems = B._run_initiator(args, host, port)
+        rows, problems, report = B._run_initiator(args, host, port)
     finally:
         if metrics is not None:
             metrics.close()
-    return B._emit(args, rows, [], problems)
+    return B._emit(args, rows, [], problems, report)

@@ -126,6 +126,7 @@ class RailRow:
     gbps: float
     source: str = ""
     capacity_gbps: float | None = None
+    transport: str | None = None  # engine rails: "tcp", "ucx/tcp", "ucx/rc_mlx5", ...
 
 
 @dataclass
@@ -199,11 +200,12 @@ def format_rails(row: BenchRow) -> list[str]:
                 f"({rail.bytes} B, {rail.source})")
         eng = engine.get(rail.name) or (row.engine_rails[i] if i < len(row.engine_rails) else None)
         if eng is not None:
-            line += f"  engine: {eng.gbps:8.2f} Gbps ({eng.bytes} B)"
+            line += f"  engine: {eng.gbps:8.2f} Gbps ({eng.bytes} B{', ' + eng.transport if eng.transport else ''})"
         out.append(line)
     if not row.rails and row.engine_rails:
         for eng in row.engine_rails:
-            out.append(f"      rail {eng.name:<12} engine: {eng.gbps:8.2f} Gbps ({eng.bytes} B)")
+            out.append(f"      rail {eng.name:<12} engine: {eng.gbps:8.2f} Gbps ({eng.bytes} B"
+                       f"{', ' + eng.transport if eng.transport else ''})")
     caps = [x.capacity_gbps for x in row.rails]
     if row.rails and all(c for c in caps):
         cap_sum = sum(c for c in caps if c)

@@ -75,7 +75,7 @@ class DrillError(RuntimeError):
 @contextlib.contextmanager
 def target_process(tb: Any, buffer_size: int, *, connections: int = 1, chunk_size: str = "1MiB",
                    stall_timeout: float = 0.5, lifetime_s: float = 300.0,
-                   env: dict[str, str] | None = None) -> Iterator[tuple[int, int]]:
+                   env: dict[str, str] | None = None, transport: str = "tcp") -> Iterator[tuple[int, int]]:
     """A `bench target` on every rail of namespace a; yields (port, pid); killed by PID on exit.
     `env` is the target's environment (e.g. with MULTIRAIL_SECRET: secrets stay off argv)."""
     from multirail.bench.target import launch, stop
@@ -85,7 +85,8 @@ def target_process(tb: Any, buffer_size: int, *, connections: int = 1, chunk_siz
                              "--listen", f"{addrs[0]}:0", "--rails", ",".join(addrs),
                              "--total-buffer-size", str(buffer_size), "--connections", str(connections),
                              "--chunk-size", chunk_size, "--stall-timeout", str(stall_timeout),
-                             "--duration", str(lifetime_s), "--idle-timeout", str(lifetime_s)])
+                             "--duration", str(lifetime_s), "--idle-timeout", str(lifetime_s),
+                             "--transport", transport])
     proc, ready, errf = launch(cmd, env=env)
     try:
         yield int(ready["port"]), int(ready.get("pid") or proc.pid)
@@ -113,7 +114,8 @@ def run_drill(tb: Any, spec: dict[str, Any], timeout: float = 120.0, *, env: dic
     with target_process(tb, int(spec["size"]), connections=int(spec.get("connections", 1)),
                         chunk_size=str(spec.get("chunk_size", "1MiB")),
                         stall_timeout=float(spec.get("stall_timeout", 0.5)),
-                        lifetime_s=timeout + 30, env=env) as (port, target_pid):
+                        lifetime_s=timeout + 30, env=env,
+                        transport=str(spec.get("transport") or os.environ.get("MULTIRAIL_TRANSPORT") or "tcp")) as (port, target_pid):
         spec["port"] = port
         cmd = tb.exec_argv("b", [sys.executable, "-m", "multirail.bench.drill", json.dumps(spec)])
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -192,7 +194,8 @@ class Initiator:
             target_port=int(spec["port"]), target_name=spec.get("target_name", "mr-bench-target"),
             buffer_size=self.size, connections=int(spec.get("connections", 1)), rails=list(spec["rails"]),
             policy=str(spec.get("policy", "weighted")), chunk_size=parse_size(str(spec.get("chunk_size", "1MiB"))),
-            timeout=self.timeout, stall_timeout=self.stall_timeout, fill_target=self.op != "WRITE")
+            timeout=self.timeout, stall_timeout=self.stall_timeout, fill_target=self.op != "WRITE",
+            transport=str(spec.get("transport") or os.environ.get("MULTIRAIL_TRANSPORT") or "tcp"))
         self.agent = self.worker.agent
         self.peer = self.worker.peer
         self._expect: np.ndarray | None = None  # the READ region's expected bytes (made once)

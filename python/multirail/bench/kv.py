@@ -274,14 +274,14 @@ def verify_range(buf: np.ndarray, seed: int, src_off: int, dst_off: int, length:
 def serve(*, host: str, port: int, name: str, pool_bytes: int, connections: int, rails: list[str] | None,
           policy: str, chunk_size: int, timeout: float, stall_timeout: float, duration: float,
           idle_timeout: float, secret: str | None = None, progress: str = "adaptive",
-          spin_us: float = 200.0) -> int:
+          spin_us: float = 200.0, transport: str = "tcp") -> int:
     """The decode side: one registered pool, answers the bench and kv control messages. Prints
     the same ready line as `bench target` (target.run_served)."""
     from multirail.bench.target import run_served
 
     engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
                   timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret, progress=progress,
-                  spin_us=spin_us)
+                  spin_us=spin_us, transport=transport)
     return run_served(name, pool_bytes, engine,
                       lambda agent, buf, mr: _DecodeLoop(agent, buf, mr).run(duration, idle_timeout), prefault=True)
 
@@ -533,7 +533,7 @@ class KvInitiator:
     def __init__(self, plan: KvPlan, *, host: str, port: int, target_name: str, connections: int,
                  rails: list[str] | None, policy: str, chunk_size: int, timeout: float, stall_timeout: float,
                  secret: str | None, progress: str, spin_us: float, check: bool, same_clock: bool,
-                 seed: int = DEFAULT_SEED, prep: str = "fresh") -> None:
+                 seed: int = DEFAULT_SEED, prep: str = "fresh", transport: str = "tcp") -> None:
         import multirail
         from multirail.bench.worker import _looks_like_ip, local_addr_towards
 
@@ -543,7 +543,8 @@ class KvInitiator:
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(host, port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails, policy=policy,
                                     chunk_size=chunk_size, timeout=timeout, stall_timeout=stall_timeout,
-                                    auth_secret=secret, progress=progress, spin_us=spin_us)
+                                    auth_secret=secret, progress=progress, spin_us=spin_us, transport=transport)
+        self.transport = transport
         self.agent = multirail.Agent(f"mr-kv-prefill-{os.getpid()}", cfg)
         self.peer = target_name
         self.mail = _Mailbox(self.agent, target_name)
@@ -841,10 +842,13 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                     f" (+{len(bad) - 1} more requests)" if len(bad) > 1 else "")
             rows.append(row)
             init.keepalive()
+        from multirail.bench.worker import label_rail_transports, transport_report
+        report = transport_report(init.agent, init.peer, init.transport)
+        label_rail_transports(rows, report)
     finally:
         progress.clear()
         init.close()
-    return {"rows": rows, "problems": list(counters.problems),
+    return {"rows": rows, "problems": list(counters.problems), "transport": report,
             "clock": {"same_clock": same_clock, "offset_ns": init.clock_offset_ns, "err_us": init.clock_err_ns / 1e3}}
 
 
@@ -937,6 +941,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
             doc["problems"].append(f"decode_lat_* uses an estimated clock offset (error <= "
                                    f"{doc['clock']['err_us']:.0f} us)")
         return _emit(args, plan, doc)
+    from multirail.bench import check_transport
+    check_transport(args)  # before the decode process starts: the engine's own message, at once
     if args.testbed:
         doc = _run_testbed(args, plan)
     else:
@@ -959,8 +965,14 @@ def _kv_argv(args: argparse.Namespace, plan: KvPlan) -> list[str]:
 def _engine_argv(args: argparse.Namespace, rails: str | None) -> list[str]:
     argv = ["--connections", str(args.connections), "--policy", args.policy, "--chunk-size", args.chunk_size,
             "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
-            "--target-name", args.target_name, "--progress", args.progress, "--spin-us", str(args.spin_us)]
+            "--target-name", args.target_name, "--progress", args.progress, "--spin-us", str(args.spin_us),
+            "--transport", eng_transport(args)]
     return argv + (["--rails", rails] if rails else [])
+
+
+def eng_transport(args: argparse.Namespace) -> str:
+    from multirail.bench import _transport
+    return _transport(args)
 
 
 def _start_decode(args: argparse.Namespace, plan: KvPlan, prefix: list[str], listen: str,
@@ -986,6 +998,7 @@ def _run_local(args: argparse.Namespace, plan: KvPlan) -> dict[str, Any]:
     finally:
         stop(proc)
         errf.close()
+    doc["transport"]["target_transport"] = ready.get("transport")
     return doc
 
 
@@ -1020,8 +1033,10 @@ def _run_testbed(args: argparse.Namespace, plan: KvPlan) -> dict[str, Any]:
     caps = [float(r) / 1e9 if r else None for r in tb["rates"]]
     for row in rows:
         row.set_capacity(caps)
+    report = data.get("transport") or {"transport": eng_transport(args), "rails": []}
+    report["target_transport"] = ready.get("transport")
     return {"rows": rows, "problems": list(data.get("problems", [])), "clock": data.get("clock", {}),
-            "testbed": {"name": args.testbed, "ns_a": tb["ns_a"], "ns_b": tb["ns_b"], "a": tb["a"], "b": tb["b"],
+            "transport": report, "testbed": {"name": args.testbed, "ns_a": tb["ns_a"], "ns_b": tb["ns_b"], "a": tb["a"], "b": tb["b"],
                         "rates_bps": tb["rates"]}}
 
 
@@ -1105,10 +1120,13 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     if args.child:  # the parent prints, draws and decides
         with open(args.json, "w") as f:
             json.dump(json_clean({"rows": [r.to_json() for r in rows], "problems": doc.get("problems", []),
-                              "clock": doc.get("clock", {})}), f)
+                              "clock": doc.get("clock", {}), "transport": doc.get("transport")}), f)
         return 0
     text_out = sys.stderr if args.json == "-" else sys.stdout
     print(format_kv_table(rows), file=text_out)
+    from multirail.bench.worker import format_transport
+    transport = doc.get("transport") or {"transport": eng_transport(args), "rails": []}
+    print(format_transport(transport) + " (multirail rows)", file=text_out)
     summ = summary(rows)
     for key in ("contiguous_text", "capacity_text", "descs_text", "nixl_text"):
         if key in summ:
@@ -1121,7 +1139,7 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     consistency = ("FAILED" if failed else "ok") if checked else "not checked"
     full = {"kv": plan.to_json(), "model": plan.model.to_json(), "rows": [r.to_json() for r in rows],
             **{k: v for k, v in summ.items() if not k.endswith("_text")}, "consistency": consistency,
-            "clock": doc.get("clock", {}), "problems": problems,
+            "clock": doc.get("clock", {}), "problems": problems, "transport": transport,
             "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items() if k != "func"}}
     if "testbed" in doc:
         full["testbed"] = doc["testbed"]

@@ -28,10 +28,11 @@ from multirail.bench.core import TARGET_SEED, pattern
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
           stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
-          secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0) -> int:
+          secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0,
+          transport: str = "tcp") -> int:
     engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
                   timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
-                  progress=progress, spin_us=spin_us)
+                  progress=progress, spin_us=spin_us, transport=transport)
     return run_served(name, buffer_size, engine,
                       lambda agent, buf, mr: _loop(agent, buf, duration, idle_timeout, corrupt_offset, mr))
 
@@ -52,7 +53,8 @@ def run_served(name: str, buffer_size: int, engine: dict[str, Any],
             buf.fill(0)
         reg = agent.register_memory(buf, access="rw")
         print(json.dumps({"event": "ready", "agent": agent.name, "host": agent.host,
-                          "port": agent.port, "buffer_size": buffer_size, "pid": os.getpid()}),
+                          "port": agent.port, "buffer_size": buffer_size, "pid": os.getpid(),
+                          "transport": _transport_of(agent)}),
               flush=True)
         try:
             reason = loop(agent, buf, multirail)
@@ -62,6 +64,16 @@ def run_served(name: str, buffer_size: int, engine: dict[str, Any],
         agent.close()
     print(json.dumps({"event": "exit", "reason": reason}), flush=True)
     return 0 if reason == "stop" else 1
+
+
+def _transport_of(agent: Any) -> str | None:
+    """What the serving agent runs: "tcp", or "ucx (UCX 1.22.0 (wheel ...))"."""
+    try:
+        info = agent.transport_info()
+    except Exception:  # noqa: BLE001 - an older engine without transport_info
+        return None
+    kind = info.get("transport")
+    return f"{kind} (UCX {info['ucx_version']})" if info.get("ucx_version") else kind
 
 
 def _corrupt(buf: np.ndarray, offset: int | None, limit: int) -> None:

@@ -119,17 +119,19 @@ class EngineWorker:
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
                  chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 0.5,
-                 secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0) -> None:
+                 secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0,
+                 transport: str = "tcp") -> None:
         import multirail  # lazy: the tool must import without the extension
 
         self.mr = multirail
         self.op = op
+        self.transport = transport
         self.timeout = timeout
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(target_host, target_port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails,
                                     policy=policy, chunk_size=chunk_size, timeout=timeout,
                                     stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
-                                    progress=progress, spin_us=spin_us)
+                                    progress=progress, spin_us=spin_us, transport=transport)
         self.agent = multirail.Agent(f"mr-bench-initiator-{os.getpid()}", cfg)
         self.peer = target_name
         self.buf = np.zeros(buffer_size, dtype=np.uint8)
@@ -234,6 +236,10 @@ class EngineWorker:
             return {}
         return {str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(stats)}
 
+    def transport_report(self) -> dict[str, Any]:
+        """The configured transport, what the engine loaded and each rail's transport string."""
+        return transport_report(self.agent, self.peer, self.transport)
+
     def finish_size(self) -> None:
         if self._handle is not None:
             self.agent.release_xfer_handle(self._handle)
@@ -254,6 +260,48 @@ class EngineWorker:
                 self.agent.deregister_memory(self.reg)
             finally:
                 self.agent.close()
+
+
+def transport_report(agent: Any, peer: str, configured: str) -> dict[str, Any]:
+    """{"transport": the --transport asked for, "engine": what the agent runs ("tcp"/"ucx"),
+    "ucx_version", "rails": [{"name", "transport"}] from `rail_stats(peer)` ("tcp", "ucx/tcp",
+    "ucx/rc_mlx5", ...)}. Read while the link to `peer` is up (before close). Never raises."""
+    out: dict[str, Any] = {"transport": configured, "engine": None, "ucx_version": None, "rails": []}
+    try:
+        info = agent.transport_info()
+        out["engine"], out["ucx_version"] = info.get("transport"), info.get("ucx_version")
+    except Exception:  # noqa: BLE001 - an older engine without transport_info
+        pass
+    try:
+        out["rails"] = [{"name": str(s.get("name", i)), "transport": s.get("transport")}
+                        for i, s in enumerate(agent.rail_stats(peer))]
+    except Exception:  # noqa: BLE001 - no link (yet) to the peer
+        pass
+    return out
+
+
+def label_rail_transports(rows: list[Any], report: dict[str, Any]) -> None:
+    """Name each engine rail row's transport (RailRow.transport) from a transport report."""
+    by_name = {r.get("name"): r.get("transport") for r in report.get("rails", [])}
+    for row in rows:
+        for i, e in enumerate(row.engine_rails):
+            t = by_name.get(e.name)
+            if t is None and i < len(report.get("rails", [])):
+                t = report["rails"][i].get("transport")
+            e.transport = t
+
+
+def format_transport(report: dict[str, Any]) -> str:
+    """One human line: `transport: ucx (UCX 1.13.1 ...); rails: r0=ucx/tcp, r1=ucx/tcp`."""
+    line = f"transport: {report.get('transport')}"
+    if report.get("ucx_version"):
+        line += f" (UCX {report['ucx_version']})"
+    rails = report.get("rails") or []
+    if rails:
+        line += "; rails: " + ", ".join(f"{r.get('name')}={r.get('transport')}" for r in rails)
+    if report.get("target_transport"):
+        line += f"; target: {report['target_transport']}"
+    return line
 
 
 def _looks_like_ip(text: str) -> bool:
