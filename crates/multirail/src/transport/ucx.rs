@@ -813,9 +813,26 @@ fn session_loop(
     }
     sh.ctx.log(&format!("ucx session from {who} on rail {rail} ({})", rc.devices));
     let fd = s.as_raw_fd();
+    let spin = match sh.ctx.cfg.progress {
+        crate::config::Progress::Block => Duration::ZERO,
+        _ => sh.ctx.cfg.spin,
+    };
     let r = loop {
         if stop() {
             break Ok(());
+        }
+        // Serve like a TCP serving connection (`Config::progress`): after activity, keep
+        // progressing the worker for `spin` (software RMA over tcp needs this side's progress, and
+        // a wake-up from the event fd costs tens of microseconds on a busy host), then sleep.
+        if spin > Duration::ZERO {
+            let mut until = Instant::now() + spin;
+            while Instant::now() < until && !stop() {
+                match worker.progress() {
+                    Ok(0) => std::hint::spin_loop(),
+                    Ok(_) => until = Instant::now() + spin,
+                    Err(_) => break,
+                }
+            }
         }
         let mut fds = [libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 }];
         if let Err(e) = worker.wait_for_events_or(SESSION_TICK, &mut fds) {

@@ -24,10 +24,11 @@ use multirail_proto::Chunk;
 
 use super::ucx::{UcxAgent, UcxRail};
 use super::{Caps, Transport};
+use crate::config::Progress;
 use crate::error::{Error, Result};
 use crate::link::{Link, LINK_CHECK};
 use crate::peer::{dial_id, link_down};
-use crate::xfer::{Op, XferShared};
+use crate::xfer::{Op, XferShared, XferState};
 
 /// Longest an idle progress thread sleeps before it looks at the planner again (it is kicked by
 /// posts, by the link's `wake`, and by the worker's events before that).
@@ -112,6 +113,15 @@ fn pump(link: &Link, ri: usize, p: &Path) {
     }
 }
 
+/// Report finished chunks (from `UcxRail::progress`) to the link.
+fn report(link: &Link, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Result<(), String>)>) {
+    for (token, r) in done.drain(..) {
+        let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
+        let r = r.map_err(|m| (refused(&m), m));
+        link.chunk_done(ri, chunk.id, &x, chunk.piece.len, r);
+    }
+}
+
 /// The progress thread of one rail.
 fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
     // Stalls are the planner's to decide (the link's watchdog): UCX's own clock stays out.
@@ -143,11 +153,7 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                         break Some(why);
                     }
                 }
-                for (token, r) in done.drain(..) {
-                    let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
-                    let r = r.map_err(|m| (refused(&m), m));
-                    link.chunk_done(ri, chunk.id, &x, chunk.piece.len, r);
-                }
+                report(&link, ri, &p, &mut done);
             };
             // When this returns nothing of the rail touches local memory any more: its chunks
             // may be reissued (after the fence) and the application may free the memory.
@@ -174,7 +180,7 @@ impl Transport for UcxRails {
         // target's thread). GPU memory over UCX is not offered yet (issue 10).
         let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
-        Caps { remote_vram: false, one_sided, caller_driven: false }
+        Caps { remote_vram: false, one_sided, caller_driven: true }
     }
 
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
@@ -218,8 +224,39 @@ impl Transport for UcxRails {
         false
     }
 
-    fn drive(&self, _link: &Link, _x: &XferShared, _deadline: Option<Instant>, _poll_only: bool) -> bool {
-        false
+    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+        // Caller-driven completion: the waiting thread progresses the rails that hold its chunks
+        // itself (a polled worker answers in microseconds; a wake-up of the progress thread costs
+        // tens on a busy host), for as long as the progress mode allows, then leaves the rest to
+        // the progress threads.
+        let cfg = &link.ctx.cfg;
+        let budget = match (poll_only, cfg.progress) {
+            (true, _) => Duration::ZERO,
+            (false, Progress::Block) => return false,
+            (false, Progress::Adaptive) => cfg.spin,
+            (false, Progress::Poll) => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
+        };
+        let end = Instant::now() + budget;
+        let mine = |p: &Path| p.inflight.lock().expect("path lock").values().any(|(_, y)| std::ptr::eq(Arc::as_ptr(y), x));
+        let mut done = Vec::new();
+        loop {
+            for ri in 0..self.rails.len() {
+                let Some(p) = self.path(ri).filter(|p| !p.dead.load(Ordering::Acquire) && mine(p)) else { continue };
+                if p.rail.progress(&mut done, Duration::ZERO, NO_STALL).is_err() {
+                    // The rail's own thread sees the (sticky) failure and runs the rail-down path.
+                    p.rail.wake();
+                    return false;
+                }
+                report(link, ri, &p, &mut done);
+            }
+            if x.state() != XferState::InProgress {
+                return true;
+            }
+            if Instant::now() >= end || deadline.is_some_and(|d| Instant::now() >= d) {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
     }
 
     fn holds(&self, x: &Arc<XferShared>) -> bool {
