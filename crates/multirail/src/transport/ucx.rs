@@ -17,9 +17,9 @@
 //! checks the rkey and bounds, but rkeys are mapped read-write, so a read-only region is
 //! writable by a peer that holds its rkey (the initiator refuses it only by the metadata).
 //!
-//! The engine wires [`UcxRail`] in behind its transport abstraction; until then only the
-//! target side and the tests use it.
-#![allow(dead_code)]
+//! `transport::ucx_rails` puts [`UcxRail`]s behind the engine's `Transport` trait (one per rail
+//! of a link, a progress thread each); the planner, not this module, requeues what a failed rail
+//! left unfinished (`take_unfinished` serves the tests).
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -134,6 +134,7 @@ impl UcxAgent {
         self.maps.write().unwrap_or_else(PoisonError::into_inner).remove(&region_id);
     }
 
+    #[cfg(test)]
     /// Target-side session workers alive now (a fenced or closed session's worker is gone).
     pub fn sessions(&self) -> usize {
         self.sessions.load(Ordering::SeqCst)
@@ -662,12 +663,14 @@ impl UcxRail {
         })
     }
 
+    #[cfg(test)]
     /// Chunks posted and not yet reported by `progress`.
     pub fn outstanding(&self) -> usize {
         let st = lock(&self.state);
         st.outstanding() + st.lost.len()
     }
 
+    #[cfg(test)]
     /// After a failure and [`UcxRail::abort`]: the tokens of every chunk posted and never
     /// reported (to reissue elsewhere once the session is fenced). Empties the list.
     pub fn take_unfinished(&self) -> Vec<u64> {
