@@ -142,6 +142,21 @@ def _offer_ucx_wheel() -> None:
         os.environ["MULTIRAIL_UCX_WHEEL_DIR"] = f"{old}:{d}" if old else d
 
 
+def _offer_cuda_wheels() -> None:
+    """Offer this interpreter's site-packages to the engine's CUDA runtime loader
+    (MULTIRAIL_CUDA_WHEEL_DIRS: where `pip install nvidia-cuda-runtime-cu12` puts libcudart;
+    crates/multirail-gpu/src/cuda.rs), after what the user set."""
+    import site
+    import sysconfig
+
+    dirs = [sysconfig.get_paths().get("purelib", "")] + list(getattr(site, "getsitepackages", lambda: [])())
+    old = os.environ.get("MULTIRAIL_CUDA_WHEEL_DIRS", "")
+    have = set(old.split(":")) if old else set()
+    new = [d for d in dict.fromkeys(dirs) if d and d not in have]
+    if new:
+        os.environ["MULTIRAIL_CUDA_WHEEL_DIRS"] = ":".join(([old] if old else []) + new)
+
+
 def _resolve_rails(spec: Any) -> list[tuple]:
     """Turn the `rails` setting into (name, addr, prefix, speed_mbps, mtu, numa, rdma, bind) rows."""
     if spec is None:
@@ -419,6 +434,8 @@ class Agent:
             ro_flags = [ro for *_, ro in infos]
         if access == "rw" and any(ro_flags):
             raise InvalidArgumentError("buffer is read-only; register it with access='ro'")
+        if descs.mem_type in ("VRAM", "GPU", "CUDA"):
+            _offer_cuda_wheels()
         ids: list[int] = []
         try:
             for (addr, n, dev) in descs:

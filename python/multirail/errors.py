@@ -85,6 +85,12 @@ class TransportUnavailableError(MultirailError, ImportError):
     message says what was tried and how to install it (`pip install "multirail[ucx]"`)."""
 
 
+class GpuError(MultirailError):
+    """GPU memory cannot be used here: no CUDA runtime or no usable GPU (the message names the
+    cause and how to install), an address CUDA does not know as device memory, or a transfer of
+    GPU memory, which no transport of this build moves yet (issue 10: docs/gpu.md)."""
+
+
 class MetadataStoreError(MultirailError, ConnectionError):
     """The metadata store (etcd) is unreachable, timed out or refused a request.
 

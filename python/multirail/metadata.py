@@ -345,6 +345,15 @@ GRPC_STREAM_S = 300.0
 #: the stream keeps failing), then the stream is tried again.
 GRPC_RETRY_S = 10.0
 GRPC_RETRY_MAX_S = 60.0
+#: A lease is refreshed every TTL/KEEPALIVE_DIVISOR (etcd's own clients use 3). With 2 a
+#: refresh that is lost or slow still leaves half the TTL: each try is bounded by half of what
+#: is left before the lease would expire (see `Lease._budget`), so at least two more tries fit.
+KEEPALIVE_DIVISOR = 2.0
+#: Refreshes go out on wall-clock slots (multiples of the interval since the epoch), so the
+#: keep-alives of every process with the same TTL reach etcd together and it serves them in one
+#: wake-up instead of one each: its CPU per keep-alive roughly halves (docs/etcd.md). The gap
+#: between two refreshes never exceeds the interval. $MULTIRAIL_ETCD_ALIGN=0 turns it off.
+KEEPALIVE_ALIGN = os.environ.get("MULTIRAIL_ETCD_ALIGN", "1").strip().lower() not in ("0", "false", "no", "off")
 _GRPC_METHOD = "/etcdserverpb.Lease/LeaseKeepAlive"
 _U64 = 1 << 64
 
@@ -747,10 +756,13 @@ def wait_for_key(client: EtcdClient, key: bytes, timeout: float) -> tuple[bytes,
 class Lease:
     """One etcd lease, the keys written under it, and the daemon thread that keeps it alive.
 
-    The thread refreshes the lease every TTL/3: on a `GrpcKeepAlive` stream when grpcio is
-    there and the stream works, else (and for GRPC_RETRY_S after a gRPC failure) through the
-    HTTP gateway. When etcd cannot be reached it retries with
-    backoff (0.2 s doubling to min(TTL/3, 2 s)); when the lease is gone (it expired while etcd
+    The thread refreshes the lease every TTL/2 (KEEPALIVE_DIVISOR), on a wall-clock slot
+    (KEEPALIVE_ALIGN): on a `GrpcKeepAlive` stream when grpcio is there and the stream works,
+    else (and for GRPC_RETRY_S after a gRPC failure) through the HTTP gateway. Each try is
+    bounded by half of what is left before the lease would expire (counted from the start of
+    the last refresh that etcd answered), so a lost or slow refresh is retried in time. When
+    etcd cannot be reached it retries with backoff (0.2 s doubling to min(interval, 2 s), never
+    more than a quarter of what is left of the lease); when the lease is gone (it expired while etcd
     was unreachable from here, or etcd lost its data) it grants a new one and puts every key
     again; keys changed while etcd was away are put as soon as it answers. `close()` stops the
     thread and revokes the lease, so every key under it disappears at once.
@@ -764,9 +776,15 @@ class Lease:
             raise InvalidArgumentError("metadata_ttl must be at least 1 s (etcd leases count whole seconds)")
         self.address = address
         self.ttl = float(ttl)
-        self.interval = max(0.3, self.ttl / 3.0)
-        # A keep-alive that waits longer than the interval risks the lease: bound it.
+        self.interval = max(0.3, self.ttl / KEEPALIVE_DIVISOR)
+        self.align = KEEPALIVE_ALIGN
+        # A keep-alive that waits longer than the interval risks the lease: bound it (each try
+        # is bounded further by `_budget`).
         self.client = EtcdClient(address, min(float(timeout), max(0.5, self.interval)))
+        # Time (monotonic) before which etcd cannot have expired the lease: the start of the
+        # last answered grant/refresh plus its TTL. A margin is kept for etcd's 500 ms tick.
+        self.expires_at = 0.0
+        self._margin = min(0.5, self.ttl / 10.0)
         self._open_timeout = float(timeout)
         self.lease_id: int | None = None
         self._keys: dict[bytes, tuple[bytes, int]] = {}  # key -> (value, version)
@@ -799,7 +817,9 @@ class Lease:
 
     def open(self) -> None:
         """Grant the lease now (raises MetadataStoreError) and start the keep-alive thread."""
+        t0 = time.monotonic()
         self.lease_id = self.client.grant(max(1, round(self.ttl)), timeout=self._open_timeout)
+        self.expires_at = t0 + max(1, round(self.ttl))
         self.grants += 1
         self.up = True
         self._thread = threading.Thread(target=self._run, name="multirail-etcd-keepalive", daemon=True)
@@ -883,9 +903,28 @@ class Lease:
 
     # -- keep-alive thread -----------------------------------------------------------------
 
+    def _next_due(self) -> float:
+        """When the next refresh is due (monotonic): one interval from now, or with alignment
+        the next wall-clock multiple of the interval (never later than one interval)."""
+        now = time.monotonic()
+        if not self.align:
+            return now + self.interval
+        w = time.time()
+        return now + ((w // self.interval) + 1) * self.interval - w
+
+    def _budget(self) -> float:
+        """How long one refresh try may take: half of what is left before the lease could
+        expire (so a try lost to a slow round trip leaves time for another), at least 0.25 s,
+        at most the client's timeout. A lease already past its expiry gets the full timeout
+        (etcd will say whether it is gone)."""
+        left = self.expires_at - self._margin - time.monotonic()
+        if left <= 0:
+            return self.client.timeout
+        return min(self.client.timeout, max(0.25, left / 2))
+
     def _run(self) -> None:
         backoff = 0.2
-        due = time.monotonic() + self.interval
+        due = self._next_due()
         while True:
             with self._cv:
                 while not self._closing and time.monotonic() < due and not (self._dirty and self.up):
@@ -897,14 +936,17 @@ class Lease:
                 if self.lease_id is None:
                     self._regrant()
                 elif time.monotonic() >= due:
-                    ttl = self._keepalive(self.lease_id)
+                    t0 = time.monotonic()
+                    ttl = self._keepalive(self.lease_id, self._budget())
                     self.keepalives += 1
-                    if ttl <= 0:  # expired while we could not reach etcd, or etcd lost it
+                    if ttl > 0:
+                        self.expires_at = t0 + ttl
+                    else:  # expired while we could not reach etcd, or etcd lost it
                         log.warning("etcd lease %x is gone; granting a new one and publishing again", self.lease_id)
                         with self._cv:
                             self.lease_id = None
                         self._regrant()
-                    due = time.monotonic() + self.interval
+                    due = self._next_due()
                 for key in dirty:
                     self._put_one(key)
                 with self._cv:
@@ -924,19 +966,24 @@ class Lease:
                     log.warning("etcd unreachable, retrying: %s", e)
                 self.up, self.last_error = False, str(e)
                 self.failures += 1
-                due = time.monotonic() + backoff
+                left = self.expires_at - self._margin - time.monotonic()
+                wait = min(backoff, max(0.05, left / 4)) if left > 0 else backoff
+                due = time.monotonic() + wait
                 backoff = min(backoff * 2, min(self.interval, 2.0))
 
-    def _keepalive(self, lease_id: int) -> int:
-        """One refresh: on the gRPC stream when it works (bounded by half the client's
-        timeout), else through the HTTP gateway (which raises MetadataStoreError when etcd is
-        down). After a gRPC failure the gateway is used for GRPC_RETRY_S (doubling to
-        GRPC_RETRY_MAX_S while it keeps failing), then the stream is tried again."""
+    def _keepalive(self, lease_id: int, budget: float | None = None) -> int:
+        """One refresh within `budget` s (default: the client's timeout): on the gRPC stream
+        when it works (at most half the budget), else through the HTTP gateway with what is
+        left (which raises MetadataStoreError when etcd is down). After a gRPC failure the
+        gateway is used for GRPC_RETRY_S (doubling to GRPC_RETRY_MAX_S while it keeps
+        failing), then the stream is tried again."""
+        budget = self.client.timeout if budget is None else max(0.1, float(budget))
+        deadline = time.monotonic() + budget
         if self._grpc_wanted and time.monotonic() >= self._grpc_retry_at:
             try:
                 if self._grpc is None:
                     self._grpc = GrpcKeepAlive(self.address, self.client._good)
-                ttl = self._grpc.keepalive(lease_id, max(0.25, self.client.timeout / 2))
+                ttl = self._grpc.keepalive(lease_id, max(0.05, budget / 2))
                 self.grpc_keepalives += 1
                 self.keepalive_via = "grpc"
                 self._grpc_backoff = GRPC_RETRY_S
@@ -947,15 +994,17 @@ class Lease:
                 self._grpc_retry_at = time.monotonic() + self._grpc_backoff
                 log.info("%s; HTTP keep-alive for the next %g s", e, self._grpc_backoff)
                 self._grpc_backoff = min(self._grpc_backoff * 2, GRPC_RETRY_MAX_S)
-        ttl = self.client.keepalive(lease_id)
+        ttl = self.client.keepalive(lease_id, timeout=max(0.05, deadline - time.monotonic()))
         self.http_keepalives += 1
         self.keepalive_via = "http"
         return ttl
 
     def _regrant(self) -> None:
+        t0 = time.monotonic()
         lease = self.client.grant(max(1, round(self.ttl)))
         with self._cv:
             self.lease_id = lease
+            self.expires_at = t0 + max(1, round(self.ttl))
             self._dirty.update(self._keys)
             self._doomed.clear()  # they were under the lost lease: etcd deleted them
         self.grants += 1

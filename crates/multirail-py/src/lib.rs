@@ -48,6 +48,7 @@ fn to_py(e: Error) -> PyErr {
         },
         Error::Closed => "TransferError",
         Error::Unavailable(_) => "TransportUnavailableError",
+        Error::Gpu(_) => "GpuError",
     };
     Python::with_gil(|py| {
         let made = py.import("multirail.errors").and_then(|m| m.getattr(class)).and_then(|c| c.call1((e.to_string(),)));

@@ -111,6 +111,20 @@ impl Shared {
 }
 
 /// A multirail agent. Dropping it closes its listeners and links.
+/// GPU memory is registered only when CUDA (loaded at run time) says the range is device (or
+/// managed) memory of a device it sees: otherwise a typed error names the cause (no CUDA runtime
+/// found, no usable GPU, a host address) instead of a crash on first use.
+fn check_device_memory(base: u64, len: u64, dev: u32) -> Result<()> {
+    use multirail_gpu::{Device, MemKind};
+    let id = i32::try_from(dev).map_err(|_| Error::Gpu(format!("device id {dev} out of range")))?;
+    let cuda = multirail_gpu::Cuda::open(id).map_err(|e| Error::Gpu(format!("cannot register {len} bytes on GPU {dev}: {e}")))?;
+    match cuda.pointer_kind(base) {
+        Ok(MemKind::Device { .. } | MemKind::Managed { .. }) => Ok(()),
+        Ok(k) => Err(Error::Gpu(format!("address {base:#x} is not GPU memory (CUDA says {k:?})"))),
+        Err(e) => Err(Error::Gpu(format!("cannot classify address {base:#x}: {e}"))),
+    }
+}
+
 pub struct Agent {
     shared: Arc<Shared>,
     /// Address, a handle on the socket (to shut it down) and accept thread of each listener.
@@ -251,6 +265,9 @@ impl Agent {
     }
 
     pub fn register(&self, base: u64, len: u64, dev: u32, mem: MemType, access: Access) -> Result<Arc<Region>> {
+        if mem == MemType::Vram {
+            check_device_memory(base, len, dev)?;
+        }
         let r = self.shared.registry.register(base, len, dev, mem, access)?;
         if let Some(u) = &self.shared.ucx {
             // Mapped in every rail's UCX context now, so the data path never registers.

@@ -54,6 +54,10 @@ pub enum Error {
     /// the message says how to install it.
     #[error("transport unavailable: {0}")]
     Unavailable(String),
+    /// GPU memory cannot be used here: no usable CUDA (the message names the cause), an address
+    /// that is not device memory, or no transport of this build that moves it.
+    #[error("GPU memory: {0}")]
+    Gpu(String),
     /// The agent is closed.
     #[error("agent is closed")]
     Closed,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
 use multirail_proto::planner::{pair_rows, pair_segments, RailStats};
-use multirail_proto::{AgentMeta, Body, Pair, RegionKey, RegionMeta};
+use multirail_proto::{AgentMeta, Body, MemType, Pair, RegionKey, RegionMeta};
 
 use crate::agent::{Ctx, ResolvedLocal};
 use crate::auth;
@@ -243,6 +243,9 @@ impl Peer {
             |i| {
                 let (addr, len) = local[i].span();
                 let (k, fresh) = llook.find(local_regions, addr, len, |r| (r.base, r.len))?;
+                if fresh && local_regions[k].mem == MemType::Vram {
+                    return None;
+                }
                 if fresh && !hold.iter().any(|h| h.id == local_regions[k].id) {
                     hold.push(local_regions[k].clone());
                 }
@@ -254,7 +257,7 @@ impl Peer {
                 let (k, fresh) = rlook.find(&self.regions, addr, len, |r| (r.base, r.len))?;
                 if fresh {
                     let r = &self.regions[k];
-                    if write && r.access != multirail_proto::Access::ReadWrite {
+                    if (write && r.access != multirail_proto::Access::ReadWrite) || r.mem == MemType::Vram {
                         return None;
                     }
                     region = r.id;
@@ -301,6 +304,14 @@ impl Peer {
                     }
                 }
             }
+        }
+        let vram_remote = remote.iter().any(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
+        if vram_remote || hold.iter().any(|r| r.mem == MemType::Vram) {
+            return Err(Error::Gpu(
+                "no transport of this build moves GPU memory yet (the staging pipeline of issue 10 is not wired in): \
+                 copy to host memory first"
+                    .into(),
+            ));
         }
         let pairs = self.pair(&local, &remote)?;
         self.link()?;

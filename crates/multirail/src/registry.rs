@@ -129,6 +129,11 @@ impl Registry {
         if write && r.access != Access::ReadWrite {
             return Err((Status::ReadOnly, format!("region {} is read-only", op.region)));
         }
+        if r.mem == MemType::Vram {
+            // Never dereference a device pointer as host memory: no transport of this build
+            // stages GPU memory yet (issue 10).
+            return Err((Status::Unexpected, format!("region {} is GPU memory, which this agent cannot serve over tcp yet", op.region)));
+        }
         Ok(r.clone())
     }
 }
@@ -153,6 +158,17 @@ mod tests {
         let op = RemoteOp { region: local.id, key: local.key, offset: 0, len: 1 };
         assert_eq!(reg.check_remote(&op, false).unwrap_err().0, Status::UnknownRegion, "local regions are not exported");
         assert_eq!(reg.exported().len(), 1);
+    }
+
+    #[test]
+    fn gpu_regions_are_never_served_as_host_memory() {
+        let reg = Registry::default();
+        let r = reg.register(1 << 40, 4096, 0, MemType::Vram, Access::ReadWrite).unwrap();
+        let op = RemoteOp { region: r.id, key: r.key, offset: 0, len: 16 };
+        let (status, msg) = reg.check_remote(&op, false).unwrap_err();
+        assert_eq!(status, Status::Unexpected);
+        assert!(msg.contains("GPU memory"), "{msg}");
+        assert!(reg.check_remote(&op, true).is_err());
     }
 
     #[test]
