@@ -280,38 +280,10 @@ def _load_cr() -> Any:
 
 
 def _first_json(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
-    """The first stdout line of `proc` that is a JSON object (NIXL also logs to stdout). Read by
-    a thread: a buffered reader may already hold the line when the pipe has nothing left."""
-    import queue
-    import threading
+    """The first stdout line of `proc` that is a JSON object (NIXL also logs to stdout)."""
+    from multirail.bench.kv_nixl import ChildLines
 
-    q: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            q.put(line)
-        q.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return {"error": f"no result within {timeout_s:.0f} s"}
-        try:
-            line = q.get(timeout=min(left, 0.5))
-        except queue.Empty:
-            continue
-        if line is None:
-            proc.wait(10)
-            err = proc.stderr.read()[-600:] if proc.stderr else ""
-            return {"error": f"exited ({proc.returncode}) without a result: {err.strip()}"}
-        if line.startswith("{"):
-            try:
-                return dict(json.loads(line))
-            except ValueError:
-                continue
+    return ChildLines(proc).json(timeout_s)
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:

@@ -284,7 +284,7 @@ def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | Non
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[0], text=True, env=env_a)
     init = None
     try:
-        first = _Lines(target, errs[0]).json(60 + plan.pool_bytes / 2e8)
+        first = ChildLines(target, errs[0]).json(60 + plan.pool_bytes / 2e8)
         if "error" in first:
             raise BenchFailure(f"NIXL decode: {first['error']}")
         pj = json.dumps({"layers": plan.layers, "pages": plan.pages, "page_bytes": plan.page_bytes,
@@ -292,7 +292,7 @@ def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | Non
                          "concurrency": plan.concurrency, "warmup": warmup, "seed": seed, "devs": devs_b})
         init = subprocess.Popen(prefix_b + [*cmd, "initiator", pj, first["meta"], str(first["addr"])],
                                 stdout=subprocess.PIPE, stderr=errs[1], text=True, env=env_b)
-        lines = _Lines(init, errs[1])
+        lines = ChildLines(init, errs[1])
         meta = lines.json(60 + plan.pool_bytes / 2e8)
         if "error" in meta:
             raise BenchFailure(f"NIXL prefill: {meta['error']}")
@@ -330,10 +330,12 @@ def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | Non
     return row
 
 
-class _Lines:
-    """Stdout lines of a child, read by a thread (NIXL logs to stdout too, in bursts)."""
+class ChildLines:
+    """Stdout lines of a child, read by a thread (NIXL logs to stdout too, in bursts; a buffered
+    reader may already hold a line when the pipe has nothing left). `errf`: the file the child's
+    stderr goes to, or None when it is `proc.stderr` (a pipe)."""
 
-    def __init__(self, proc: subprocess.Popen[str], errf: Any) -> None:
+    def __init__(self, proc: subprocess.Popen[str], errf: Any = None) -> None:
         self.proc, self.errf = proc, errf
         self.q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -356,9 +358,13 @@ class _Lines:
             except queue.Empty:
                 continue
             if line is None:
-                self.errf.seek(0)
-                err = self.errf.read().strip()[-500:]
-                return {"error": "exited without a result" + (f": {err}" if err else "")}
+                if self.errf is not None:
+                    self.errf.seek(0)
+                    err = self.errf.read().strip()[-500:]
+                else:
+                    self.proc.wait(10)
+                    err = self.proc.stderr.read().strip()[-500:] if self.proc.stderr else ""
+                return {"error": f"exited ({self.proc.poll()}) without a result" + (f": {err}" if err else "")}
             if line.startswith("{"):
                 try:
                     return dict(json.loads(line))

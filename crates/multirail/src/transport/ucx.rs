@@ -741,6 +741,24 @@ impl Drop for UcxRail {
     }
 }
 
+/// A `wire` tick for the session's frames: gives up (an empty reason: just close) once `stop()`,
+/// or with `late()`'s reason after `deadline`.
+fn tick_until<'a>(
+    stop: &'a impl Fn() -> bool,
+    deadline: Instant,
+    late: impl Fn() -> String + 'a,
+) -> impl FnMut(bool) -> std::result::Result<(), String> + 'a {
+    move |_| {
+        if stop() {
+            Err(String::new())
+        } else if Instant::now() > deadline {
+            Err(late())
+        } else {
+            Ok(())
+        }
+    }
+}
+
 /// Target side of one `Role::UcxSession` connection (already authenticated and registered in
 /// `Shared::served`; the caller holds the connection's `apply` lock for the whole call). Reads
 /// `UcxOpen`, creates a worker on that rail's context for this session only, answers
@@ -757,16 +775,7 @@ pub(crate) fn serve_session(
 ) -> std::result::Result<(), (Status, String)> {
     let timeout = sh.ctx.cfg.timeout;
     let stop = || sh.shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
-    let deadline = Instant::now() + timeout;
-    let mut tick = |_: bool| {
-        if stop() {
-            Err(String::new())
-        } else if Instant::now() > deadline {
-            Err(format!("no UcxOpen within {timeout:?}"))
-        } else {
-            Ok(())
-        }
-    };
+    let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("no UcxOpen within {timeout:?}"));
     let rail = match wire::read_frame(s, &mut tick) {
         Ok((_, Body::UcxOpen { rail, addr: _ })) => rail as usize,
         Ok((_, other)) => return Err((Status::Unexpected, format!("expected UcxOpen, got {:?}", other.kind()))),
@@ -798,16 +807,7 @@ fn session_loop(
 ) -> std::result::Result<(), (Status, String)> {
     let timeout = sh.ctx.cfg.timeout;
     let stop = || sh.shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
-    let deadline = Instant::now() + timeout;
-    let mut tick = |_: bool| {
-        if stop() {
-            Err(String::new())
-        } else if Instant::now() > deadline {
-            Err(format!("UcxReady not sent within {timeout:?}"))
-        } else {
-            Ok(())
-        }
-    };
+    let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("UcxReady not sent within {timeout:?}"));
     let rc = &agent.rails[rail];
     let addr = worker.address().map_err(|e| (Status::Internal, format!("ucx session worker address: {e}")))?;
     let ready = Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None) };
@@ -849,16 +849,7 @@ fn session_loop(
         if rev & libc::POLLIN == 0 {
             continue;
         }
-        let t0 = Instant::now();
-        let mut op_tick = |_: bool| {
-            if stop() {
-                Err(String::new())
-            } else if t0.elapsed() > timeout {
-                Err(format!("request not completed within {timeout:?}"))
-            } else {
-                Ok(())
-            }
-        };
+        let mut op_tick = tick_until(&stop, Instant::now() + timeout, || format!("request not completed within {timeout:?}"));
         match wire::read_frame(s, &mut op_tick) {
             Ok((h, Body::UcxRkeys(ids))) => {
                 let resp = Body::UcxReady { addr: Vec::new(), regions: agent.ready_regions(rail, Some(&ids)) };
