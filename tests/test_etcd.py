@@ -309,7 +309,7 @@ def test_sigkilled_agent_key_expires_within_ttl(url: str, children: Any) -> None
     child.sigkill()
     t0 = time.monotonic()
     _eventually(lambda: store.get("doomed") is None, ttl + SLACK, "the killed agent's key to expire")
-    # etcd counts a lease from its last keep-alive (up to TTL/3 ago) and expires on its own tick
+    # etcd counts a lease from its last keep-alive (up to TTL/2 ago) and expires on its own tick
     assert time.monotonic() - t0 <= ttl + SLACK
 
 
@@ -519,6 +519,72 @@ def test_grpc_keepalive_failure_falls_back_to_http(url: str, monkeypatch: pytest
         assert len(tries) >= 2 and lease.grpc_failures == len(tries)  # retried, with backoff
         assert len(tries) < lease.keepalives and "injected" in (lease.grpc_error or "")
         assert lease.grants == 1
+    finally:
+        s.close()
+
+
+def test_keepalive_schedule_is_ttl_half_on_wall_clock_slots() -> None:
+    """Refreshes are due every TTL/2 on wall-clock multiples of the interval (so every
+    process's keep-alives reach etcd together), never more than one interval apart; each try
+    may use at most half of what is left of the lease."""
+    from multirail import metadata
+
+    lease = metadata.Lease(metadata.parse_url("etcd://127.0.0.1:1/x"), 10.0, 5.0)
+    try:
+        assert lease.interval == 5.0 and lease.align
+        for _ in range(5):
+            w, now = time.time(), time.monotonic()
+            due = lease._next_due()
+            assert 0 < due - now <= lease.interval + 1e-3
+            slot = w + (due - now)
+            assert abs(slot / lease.interval - round(slot / lease.interval)) < 1e-3, slot
+            time.sleep(0.013)
+        lease.align = False
+        now = time.monotonic()
+        assert abs(lease._next_due() - now - lease.interval) < 0.05
+        lease.expires_at = time.monotonic() + 5.0  # a refresh due now: 5 s left of a 10 s lease
+        assert 2.0 <= lease._budget() <= 2.5  # half of (5 s - 0.5 s margin)
+        lease.expires_at = time.monotonic() + 0.6
+        assert lease._budget() == 0.25  # the floor
+        lease.expires_at = time.monotonic() - 1.0  # past expiry: etcd decides, full timeout
+        assert lease._budget() == lease.client.timeout
+    finally:
+        lease.client.close()
+
+
+@pytest.mark.parametrize("lost", [1, 2])
+def test_lease_survives_lost_renewals(url: str, monkeypatch: pytest.MonkeyPatch, lost: int) -> None:
+    """Renewing every TTL/2 leaves room for retries: `lost` refreshes in a row that hang for
+    their whole budget and then fail (a lost request, a slow round trip) are retried within
+    the rest of the TTL and the key never disappears."""
+    from multirail import metadata
+    from multirail.errors import MetadataStoreError
+
+    real = metadata.Lease._keepalive
+    budgets: list[tuple[float, float]] = []  # (budget, time left before the lease could expire)
+
+    def flaky(self: Any, lease_id: int, budget: float | None = None) -> int:
+        budgets.append((budget or 0.0, self.expires_at - time.monotonic()))
+        if len(budgets) <= lost:
+            time.sleep(budget or 0.0)
+            raise MetadataStoreError("etcd lease keep-alive: injected loss")
+        return real(self, lease_id, budget)
+
+    monkeypatch.setattr(metadata.Lease, "_keepalive", flaky)
+    ttl = 4
+    s = metadata.MetadataStore(url, ttl=ttl, timeout=5.0, share_lease=False)
+    checker = _store(url)
+    try:
+        s.publish("survivor", b"blob", incarnation=9)
+        deadline = time.monotonic() + 3 * ttl
+        while time.monotonic() < deadline:
+            assert checker.get("survivor") is not None, f"the key expired after {lost} lost refresh(es): {budgets}"
+            time.sleep(0.2)
+        lease = s.lease
+        assert lease is not None and lease.grants == 1, "the lease was lost and granted again"
+        assert lease.failures == lost and len(budgets) > lost + 1, budgets
+        for budget, left in budgets:
+            assert budget <= max(0.25, left / 2) + 0.01, budgets  # a try leaves room for the next
     finally:
         s.close()
 

@@ -60,7 +60,7 @@ class AgentConfig:
     scheduler wake-up). docs/benchmarks.md has what each costs and buys.
     spin_us: the busy-poll budget, microseconds.
     metadata: "etcd://HOST:PORT[,HOST:PORT...]/PREFIX" to publish this agent's metadata in etcd
-    (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/3 s, deleted by close())
+    (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/2 s, deleted by close())
     and fetch peers by name; None (default): side channel only. docs/etcd.md.
     metadata_ttl: lease TTL, seconds: a killed agent's key disappears within it.
     transport: what carries the rails. "tcp" (default): multirail's own TCP connections;
