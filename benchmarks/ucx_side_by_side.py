@@ -121,6 +121,13 @@ def _counters(devs: list[str], direction: str) -> list[int]:
     return out
 
 
+
+def _rows(local: Any, remote: list[tuple[int, int, int]]) -> tuple[Any, Any]:
+    """(local, remote) descriptor rows as Nx3 uint64 arrays: the local buffer whole, and `remote`."""
+    import numpy as np
+
+    return np.array([[local.ctypes.data, local.nbytes, 0]], np.uint64), np.array(remote, np.uint64)
+
 class _MrInit:
     def __init__(self, spec: dict[str, Any], size: int, buf: Any, lat: Any) -> None:
         import multirail
@@ -141,9 +148,7 @@ class _MrInit:
         self.rlat = [(raddr, LAT_SIZE, 0)]
 
     def handle(self, op: str, local: Any, remote: list[tuple[int, int, int]]) -> Any:
-        import numpy as np
-        lrows = np.array([[local.ctypes.data, local.nbytes, 0]], np.uint64)
-        rrows = np.array(remote, np.uint64)
+        lrows, rrows = _rows(local, remote)
         return self.agent.initialize_xfer(op, self.agent.get_xfer_descs(lrows), self.agent.get_xfer_descs(rrows),
                                           TARGET_NAME)
 
@@ -174,9 +179,7 @@ class _NixlInit:
         self.rlat = [(raddr, LAT_SIZE, 0)]
 
     def handle(self, op: str, local: Any, remote: list[tuple[int, int, int]]) -> Any:
-        import numpy as np
-        lrows = np.array([[local.ctypes.data, local.nbytes, 0]], np.uint64)
-        rrows = np.array(remote, np.uint64)
+        lrows, rrows = _rows(local, remote)
         deadline = time.monotonic() + 30
         while True:  # the first handle may fail until UCX has connected
             try:

@@ -546,32 +546,25 @@ impl Request {
     /// Progresses the worker once and checks: `Ok(true)` done, `Ok(false)` still running, `Err`
     /// failed (an endpoint failure shows as [`Error::EndpointFailed`]).
     pub fn test(&mut self) -> Result<bool> {
-        if let Some(r) = self.result() {
-            return r.map(|()| true);
-        }
-        let worker = self.worker.clone();
-        let mut l = worker.lock()?;
-        l.progress();
-        if let ReqState::Pending(req, _) = &self.state {
-            if let Some(r) = l.poll_req(*req) {
-                self.finish(&mut l, r);
-            }
-        }
-        drop(l);
-        match self.result() {
-            Some(r) => r.map(|()| true),
-            None => Ok(false),
-        }
+        self.poll(true)
     }
 
     /// Checks for completion without progressing the worker (for a caller that progresses once
     /// and then sweeps many requests): `Ok(true)` done, `Ok(false)` still running, `Err` failed.
     pub fn check(&mut self) -> Result<bool> {
+        self.poll(false)
+    }
+
+    /// `test` (`progress`: the worker is progressed first) and `check` (it is not).
+    fn poll(&mut self, progress: bool) -> Result<bool> {
         if let Some(r) = self.result() {
             return r.map(|()| true);
         }
         let worker = self.worker.clone();
         let mut l = worker.lock()?;
+        if progress {
+            l.progress();
+        }
         if let ReqState::Pending(req, _) = &self.state {
             if let Some(r) = l.poll_req(*req) {
                 self.finish(&mut l, r);
