@@ -49,6 +49,8 @@ test-rust: $(VPY)
 	cargo test -q --workspace --exclude multirail-py
 	# UCX tests are ignored in a plain `cargo test`; here the .venv's libucx wheel is there: run them
 	cargo test -q -p multirail-ucx -- --ignored
+	MULTIRAIL_UCX_WHEEL_DIR="$$($(VPY) -c 'import libucx, os; print(os.path.join(os.path.dirname(libucx.__file__), "lib"))')" \
+		cargo test -q -p multirail -- --ignored ucx
 
 test-py:
 	$(VPY) -m pytest -q tests
