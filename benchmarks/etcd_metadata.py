@@ -35,8 +35,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +46,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(REPO / "tests"))  # etcd_server: the tests' etcd launcher
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -62,31 +55,22 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 class Etcd:
+    """The tests' etcd (tests/etcd_server.py: one member on free loopback ports, stopped by PID),
+    plus its CPU time."""
+
     def __init__(self, data: Path, extra: list[str] | None = None) -> None:
-        exe = shutil.which("etcd")
-        if not exe:
-            sys.exit("etcd is not installed (apt-get install etcd-server)")
-        self.port, peer = _free_port(), _free_port()
-        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
-        self.log = open(data.parent / "etcd.log", "wb")
-        self.proc = subprocess.Popen([exe, "--name", "bench", "--data-dir", str(data), "--listen-client-urls", c,
-                                      "--advertise-client-urls", c, "--listen-peer-urls", p,
-                                      "--initial-advertise-peer-urls", p, "--initial-cluster", f"bench={p}",
-                                      "--logger", "zap", "--log-level", "error", *(extra or [])],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{c}/health", timeout=1) as r:
-                    if json.loads(r.read()).get("health") == "true":
-                        return
-            except (OSError, ValueError):
-                time.sleep(0.1)
-        self.stop()
-        sys.exit("etcd did not become healthy")
+        from etcd_server import ETCD_MISSING, EtcdServer
+
+        if ETCD_MISSING:
+            sys.exit(ETCD_MISSING)
+        try:
+            self.server = EtcdServer(data, name="bench", extra=extra)
+        except RuntimeError as e:
+            sys.exit(str(e))
+        self.port = self.server.client_port
 
     def cpu_s(self) -> float:
-        return _proc_cpu_s(self.proc.pid)
+        return _proc_cpu_s(self.server.pid)
 
     def idle_pct(self, seconds: float) -> float:
         c0, w0 = self.cpu_s(), time.monotonic()
@@ -94,14 +78,7 @@ class Etcd:
         return 100 * (self.cpu_s() - c0) / (time.monotonic() - w0)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
+        self.server.stop()
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -37,7 +37,7 @@ try:
 except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, str(REPO / "python"))
     from multirail.bench.chaos import ChaosOptions, format_summary, parse_rail_list, parse_sizes, run_chaos
-from multirail.bench.core import UsageError, parse_size
+from multirail.bench.core import UsageError, args_config, parse_size
 from multirail.bench.drill import DrillError
 from multirail.bench.procstat import Limits, growth
 from multirail.testbed import Testbed, TestbedError
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print("soak: " + ("OK" if ok else "FAILED: " + " | ".join(problems)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items()},
+            json.dump({"args": args_config(args),
                        "testbed": tb.name, "warmup_s": warmup, "window_s": window, "chaos": doc,
                        "growth": grown, "problems": problems, "ok": ok}, f, indent=1)
     return 0 if ok else 1

@@ -289,20 +289,9 @@ def _first_json(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]
     return ChildLines(proc).json(timeout_s)
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.stdin:
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()  # by PID: the process we started
-        proc.wait(10)
-
-
 def run_worker(tb: Any, worker: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    from multirail.bench.target import stop
+
     """One target + initiator pair for `worker`; the initiator's result (or {"error": ...})."""
     kind, rails = worker["kind"], worker["rails"]
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -349,7 +338,7 @@ def run_worker(tb: Any, worker: dict[str, Any], a: argparse.Namespace) -> dict[s
         res["target_transport_info"] = ready.get("transport_info")
         return res
     finally:
-        _stop(target)
+        stop(target, grace=10)
 
 
 def _med(xs: list[float]) -> float | None:

@@ -1,6 +1,6 @@
 """A real etcd for tests: Debian's etcd-server (/usr/bin/etcd, 3.4) on free loopback ports.
 
-`EtcdServer(tmp_dir)` starts one member (client and peer URLs on 127.0.0.1, its own data dir),
+Also the etcd of `benchmarks/etcd_metadata.py`. `EtcdServer(tmp_dir)` starts one member (client and peer URLs on 127.0.0.1, its own data dir),
 waits for /health, and is stopped by PID (`stop`, `kill`); `restart` starts it again on the
 same ports and data dir. Tests skip with `ETCD_MISSING` as the reason when there is no binary.
 """
@@ -32,8 +32,10 @@ class EtcdServer:
     """`host`/`netns`: listen on that address inside that network namespace (root) instead
     of 127.0.0.1 here; health is then checked from inside the namespace."""
 
-    def __init__(self, data_dir: Path, name: str = "mrtest", host: str = "127.0.0.1", netns: str | None = None) -> None:
+    def __init__(self, data_dir: Path, name: str = "mrtest", host: str = "127.0.0.1", netns: str | None = None,
+                 extra: list[str] | None = None) -> None:
         assert ETCD, ETCD_MISSING
+        self.extra = list(extra or [])  # more etcd flags (benchmarks/etcd_metadata.py --etcd-flag)
         self.data_dir = Path(data_dir)
         self.name = name
         self.host, self.netns = host, netns
@@ -62,7 +64,7 @@ class EtcdServer:
         cmd = self.in_ns([ETCD, "--name", self.name, "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"{self.name}={peer}", "--logger", "zap", "--log-level", "error"])
+               "--initial-cluster", f"{self.name}={peer}", "--logger", "zap", "--log-level", "error", *self.extra])
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

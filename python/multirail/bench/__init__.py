@@ -36,7 +36,7 @@ from typing import Any
 from multirail.bench import protocol as proto
 from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_S, DEFAULT_SIZES,
                                    DEFAULT_UP_S, MODES)
-from multirail.bench.core import (BenchRow, json_clean, RailRow, UsageError, block_sizes,
+from multirail.bench.core import (BenchRow, args_config, write_json, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
 from multirail.bench.rails import RailCounters, resolve_rails
 from multirail.bench.worker import (BenchFailure, EngineWorker, format_transport, label_rail_transports,
@@ -594,16 +594,9 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
         plot_sweep(rows, baselines, args.plot, title=f"multirail bench {args.bench_command} {args.op}")
         print(f"plot: {args.plot}", file=text_out)
     if args.json:
-        doc = json_clean({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
-                      "ratios": rat, "problems": problems, "transport": transport,
-                      "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items()
-                           if k != "func"}})
-        if args.json == "-":
-            json.dump(doc, sys.stdout, indent=1)
-            print()
-        else:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+        write_json({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
+                    "ratios": rat, "problems": problems, "transport": transport, "config": args_config(args)},
+                   args.json)
     if failed:
         print(f"multirail bench: consistency check FAILED for {len(failed)} block size(s): "
               f"{failed[0].consistency}", file=sys.stderr)

@@ -237,6 +237,25 @@ class Progress:
             self._width = 0
 
 
+def args_config(args: Any) -> dict[str, Any]:
+    """The command line's settings for a JSON result: the secret's value never written."""
+    return {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items() if k != "func"}
+
+
+def write_json(doc: Any, dest: str) -> None:
+    """`doc` (NaNs as null) to `dest`: a file, or stdout for "-"."""
+    import json
+    import sys
+
+    doc = json_clean(doc)
+    if dest == "-":
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+    else:
+        with open(dest, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
 def json_clean(obj: Any) -> Any:
     """JSON has no NaN: NaN floats (latencies a baseline does not measure) become null."""
     if isinstance(obj, float) and math.isnan(obj):

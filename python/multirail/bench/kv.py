@@ -63,7 +63,7 @@ from typing import Any, Callable
 import numpy as np
 
 from multirail.bench import protocol as proto
-from multirail.bench.core import (RailRow, json_clean, UsageError, _M1, _M2, _M3, format_rails, format_size,
+from multirail.bench.core import (RailRow, args_config, json_clean, write_json, UsageError, _M1, _M2, _M3, format_rails, format_size,
                                   pattern, percentile)
 from multirail.bench.kvmodels import ModelSpec, load_model
 from multirail.bench.worker import BenchFailure
@@ -1140,17 +1140,12 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     full = {"kv": plan.to_json(), "model": plan.model.to_json(), "rows": [r.to_json() for r in rows],
             **{k: v for k, v in summ.items() if not k.endswith("_text")}, "consistency": consistency,
             "clock": doc.get("clock", {}), "problems": problems, "transport": transport,
-            "config": {k: ("(set)" if k == "secret" and v else v) for k, v in vars(args).items() if k != "func"}}
+            "config": args_config(args)}
     if "testbed" in doc:
         full["testbed"] = doc["testbed"]
     full = json_clean(full)
     if args.json:
-        if args.json == "-":
-            json.dump(full, sys.stdout, indent=1)
-            print()
-        else:
-            with open(args.json, "w") as f:
-                json.dump(full, f, indent=1)
+        write_json(full, args.json)
     if args.plot:
         from multirail.bench.plot import plot_kv
         plot_kv(full, args.plot)

@@ -304,19 +304,11 @@ def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | Non
             raise BenchFailure(f"NIXL prefill: {d['error']}")
         init.wait(30)
     finally:
+        from multirail.bench.target import stop
+
         for p in (init, target):
-            if p is None:
-                continue
-            if p.stdin:
-                try:
-                    p.stdin.close()
-                except OSError:
-                    pass
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            if p is not None:
+                stop(p, grace=10)
         for f in errs:
             f.close()
     row = kv_row(f"nixl-ucx({env['UCX_TLS']}) kv", "kv", plan, d["lat_ns"], d["wall_s"], d["decode_ns"],

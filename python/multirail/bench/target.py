@@ -172,8 +172,13 @@ def launch(cmd: Sequence[str], ready_timeout: float = 30.0,
 
 
 def stop(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
-    """Wait up to `grace` s for the process to exit by itself, then kill it (by PID: exactly the
-    child we started)."""
+    """Close its stdin (children that wait for EOF there then finish), wait up to `grace` s for
+    the process to exit by itself, then kill it (by PID: exactly the child we started)."""
+    if proc.stdin:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
     try:
         proc.wait(timeout=grace) if grace > 0 else None
     except subprocess.TimeoutExpired:
