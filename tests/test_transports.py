@@ -68,7 +68,13 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]:
     t.close()
 
 
-def connect(t: Any, i: Any) -> None:
+def connect(t: Any, i: Any, remote: Any = None, local: Any = None) -> None:
+    """Register `remote` on the target and `local` on the initiator (when given), then fetch
+    the target's metadata."""
+    if remote is not None:
+        t.register_memory(remote)
+    if local is not None:
+        i.register_memory(local)
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
 
 
@@ -76,9 +82,7 @@ def connect(t: Any, i: Any) -> None:
 def test_read_and_write_byte_exact(pair: Any, n: int) -> None:
     t, i, _ = pair
     remote, local = pattern(n, 3), np.zeros(n, np.uint8)
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     h = i.initialize_xfer("READ", [local], [remote], "target")
     i.transfer(h)
     i.wait(h, 30)
@@ -97,9 +101,7 @@ def test_scattered_descriptors_both_ways(pair: Any) -> None:
     t, i, _ = pair
     page, n = 4096, 512
     remote, local = pattern(page * n, 5), np.zeros(page * n, np.uint8)
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     rng = np.random.default_rng(7)
     lp, rp = rng.permutation(n), rng.permutation(n)
     ldesc = [(local.ctypes.data + int(p) * page, page, 0) for p in lp]
@@ -120,9 +122,7 @@ def test_many_transfers_in_flight_at_once(pair: Any) -> None:
     t, i, _ = pair
     n, k = 256 << 10, 32
     remote, local = pattern(n * k, 9), np.zeros(n * k, np.uint8)
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     hs = []
     for j in range(k):
         h = i.initialize_xfer("READ", [local[j * n:(j + 1) * n]], [remote[j * n:(j + 1) * n]], "target")
@@ -139,9 +139,7 @@ def test_bad_descriptors_refused_memory_untouched(pair: Any) -> None:
     t, i, _ = pair
     remote, local = pattern(MiB, 10), np.zeros(2 * MiB, np.uint8)
     before = remote.copy()
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     with pytest.raises(multirail.errors.OutOfBoundsError):
         i.initialize_xfer("WRITE", [local[: MiB + 1]], [(remote.ctypes.data, MiB + 1, 0)], "target")
     with pytest.raises(multirail.errors.NotRegisteredError):
@@ -157,9 +155,7 @@ def test_bad_descriptors_refused_memory_untouched(pair: Any) -> None:
 def test_rail_stats_name_the_transport(pair: Any) -> None:
     t, i, tr = pair
     remote, local = pattern(MiB), np.zeros(MiB, np.uint8)
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     h = i.initialize_xfer("READ", [local], [remote], "target")
     i.transfer(h)
     i.wait(h, 10)
@@ -182,14 +178,14 @@ def test_close_mid_transfer_then_memory_is_left_alone(pair: Any) -> None:
     t, i, _ = pair
     n = 256 * MiB
     remote, local = np.full(n, 7, np.uint8), np.zeros(n, np.uint8)
-    t.register_memory(remote)
-    i.register_memory(local)
-    connect(t, i)
+    connect(t, i, remote, local)
     h = i.initialize_xfer("READ", [local], [remote], "target")
     i.transfer(h)
     time.sleep(0.02)
     i.close()
     snap = local.copy()
+    # close() really came mid-transfer (else this test would prove nothing): not all landed
+    assert not np.array_equal(snap, remote), "the READ finished before close(); make it larger"
     time.sleep(0.3)
     assert np.array_equal(local, snap), "memory changed after close() returned"
 
@@ -237,9 +233,7 @@ def test_ucx_initiator_against_a_tcp_only_target_is_refused_clearly() -> None:
 
     with multirail.Agent("target") as t, multirail.Agent("initiator", {"transport": "ucx", "timeout": 3.0}) as i:
         remote, local = pattern(MiB), np.zeros(MiB, np.uint8)
-        t.register_memory(remote)
-        i.register_memory(local)
-        connect(t, i)
+        connect(t, i, remote, local)
         with pytest.raises(multirail.errors.ProtocolError, match="does not run the ucx transport"):
             h = i.initialize_xfer("READ", [local], [remote], "target")
             i.transfer(h)

@@ -48,9 +48,6 @@ pub struct Caps {
     /// One-sided: the target's CPU does not touch the bytes (RDMA). TCP and UCX's tcp
     /// transport are two-sided (the target's thread copies).
     pub one_sided: bool,
-    /// A waiting caller can drive its own completions (`Transport::drive`) instead of being
-    /// woken by a transport thread: the low-latency path.
-    pub caller_driven: bool,
 }
 
 /// What the link does with a chunk's completion (`Transport::verdict`; fault injection).

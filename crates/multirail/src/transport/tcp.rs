@@ -267,7 +267,7 @@ impl TcpRails {
 
 impl Transport for TcpRails {
     fn caps(&self) -> Caps {
-        Caps { remote_vram: false, one_sided: false, caller_driven: true }
+        Caps { remote_vram: false, one_sided: false }
     }
 
     /// Open the configured number of connections on rail `ri` and start their threads.

@@ -180,7 +180,7 @@ impl Transport for UcxRails {
         // target's thread). GPU memory over UCX is not offered yet (issue 10).
         let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
-        Caps { remote_vram: false, one_sided, caller_driven: true }
+        Caps { remote_vram: false, one_sided }
     }
 
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
