@@ -21,7 +21,6 @@ flap or no completed transfer; after the last flap, a transfer that is not clean
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -271,12 +270,9 @@ def cmd_chaos(opts: ChaosOptions, json_path: str | None) -> int:
     text_out = sys.stderr if json_path == "-" else sys.stdout
     print(format_summary(doc), file=text_out, flush=True)
     if json_path:
-        if json_path == "-":
-            json.dump(doc, sys.stdout, indent=1)
-            print()
-        else:
-            with open(json_path, "w") as f:
-                json.dump(doc, f, indent=1)
+        from multirail.bench.core import write_json
+
+        write_json(doc, json_path)
     if not doc["ok"]:
         print("multirail bench: chaos run FAILED: " + " | ".join(doc["problems"]), file=sys.stderr)
         return 1
