@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import ctypes
 import enum
 import ipaddress
 import os
@@ -73,6 +74,11 @@ class AgentConfig:
     faults: fault injection for testing failover without a network to break (docs/transports.md):
     "RAIL:KIND@AT[+DUR]", comma-separated, KIND one of kill, blackhole, slow=DELAY; e.g.
     "1:kill@200ms+1s" shuts rail 1 200 ms after the link opens and keeps it down for 1 s.
+    gpu: which device registers and stages GPU (VRAM) memory: "cuda" (libcudart loaded at run
+    time) or "standin" (host memory posing as a GPU, copies on threads: CI and tests); default
+    $MULTIRAIL_GPU, else "cuda". docs/gpu.md.
+    staging_buffers, staging_buffer_size: the pinned bounce pool that stages GPU memory over tcp
+    rails, per connection and direction (default 4 x 256 KiB), made once on first use.
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -93,6 +99,9 @@ class AgentConfig:
     spin_us: float = 200.0
     transport: str = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "tcp"))
     faults: str = ""
+    gpu: str | None = None
+    staging_buffers: int = 4
+    staging_buffer_size: int = 256 << 10
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -224,12 +233,13 @@ def _mem_of(obj: Any) -> tuple[int, int, int, str, bool]:
         if dev.type != "cpu":
             raise InvalidArgumentError(f"unsupported tensor device {dev}")
         return obj.data_ptr(), obj.numel() * obj.element_size(), 0, "DRAM", False
-    if hasattr(obj, "__dlpack__") and not isinstance(obj, (bytes, bytearray, memoryview)):
-        try:
-            arr = np.from_dlpack(obj)
-        except Exception as e:  # noqa: BLE001 - report what DLPack said
-            raise InvalidArgumentError(f"cannot import buffer via DLPack: {e}") from e
-        return _mem_of(arr)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:  # CuPy, Numba, multirail.gpu.DeviceBuffer, ...
+        return _mem_of_cai(obj, cai)
+    if type(obj).__name__ == "PyCapsule" or (
+        hasattr(obj, "__dlpack__") and not isinstance(obj, (bytes, bytearray, memoryview))
+    ):
+        return _mem_of_dlpack(obj)
     try:
         mv = memoryview(obj)
     except TypeError:
@@ -241,6 +251,97 @@ def _mem_of(obj: Any) -> tuple[int, int, int, str, bool]:
         raise InvalidArgumentError("buffer must be contiguous")
     arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
     return arr.ctypes.data if arr.size else 0, mv.nbytes, 0, "DRAM", mv.readonly
+
+
+def _contiguous_nbytes(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int, what: str) -> int:
+    """Bytes of a C-contiguous array; anything strided is refused (a region is one range)."""
+    n = itemsize
+    for d in shape:
+        n *= int(d)
+    if strides is not None and n:
+        want = itemsize
+        for d, st in reversed(list(zip(shape, strides))):
+            if int(d) != 1 and int(st) != want:
+                raise InvalidArgumentError(f"{what} must be C-contiguous (strides {tuple(strides)})")
+            want *= int(d)
+    return n
+
+
+def _mem_of_cai(obj: Any, cai: dict) -> tuple[int, int, int, str, bool]:
+    """GPU memory described by `__cuda_array_interface__` (strides in bytes, None = C order)."""
+    try:
+        ptr, ro = cai["data"]
+        itemsize = np.dtype(cai["typestr"]).itemsize
+        shape = tuple(cai["shape"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"bad __cuda_array_interface__: {e}") from e
+    nbytes = _contiguous_nbytes(shape, cai.get("strides"), itemsize, "CUDA array")
+    dev = getattr(getattr(obj, "device", None), "id", None)
+    if dev is None and hasattr(obj, "__dlpack_device__"):
+        dev = obj.__dlpack_device__()[1]
+    return int(ptr or 0), nbytes, int(dev or 0), "VRAM", bool(ro)
+
+
+# DLPack device types (dlpack.h).
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+def _dltensor_of(capsule: Any) -> _DLTensor:
+    """The DLTensor inside a "dltensor" capsule (DLManagedTensor starts with it). The capsule is
+    only read, never consumed: its owner keeps the memory alive while the object lives."""
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    valid = ctypes.pythonapi.PyCapsule_IsValid
+    valid.restype, valid.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+    if not valid(capsule, b"dltensor"):
+        raise InvalidArgumentError("not a DLPack capsule (or one already consumed)")
+    return _DLTensor.from_address(get(capsule, b"dltensor"))
+
+
+def _mem_of_dlpack(obj: Any) -> tuple[int, int, int, str, bool]:
+    """CPU or CUDA memory exported through DLPack (an object with __dlpack__, or a capsule)."""
+    if type(obj).__name__ == "PyCapsule":
+        capsule = obj
+    else:
+        dev_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else _DL_CPU
+        if dev_type == _DL_CPU:
+            try:
+                return _mem_of(np.from_dlpack(obj))
+            except Exception as e:  # noqa: BLE001 - report what DLPack said
+                raise InvalidArgumentError(f"cannot import buffer via DLPack: {e}") from e
+        try:
+            capsule = obj.__dlpack__(stream=None)
+        except TypeError:
+            capsule = obj.__dlpack__()
+    t = _dltensor_of(capsule)
+    dt = t.device.device_type
+    if dt not in (_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED):
+        raise InvalidArgumentError(f"unsupported DLPack device type {dt} (CPU and CUDA are)")
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = None if not t.strides else [t.strides[i] for i in range(t.ndim)]
+    itemsize = (t.dtype.bits * t.dtype.lanes + 7) // 8
+    # DLPack strides count elements; convert to bytes for the check.
+    nbytes = _contiguous_nbytes(shape, None if strides is None else [st * itemsize for st in strides], itemsize, "DLPack tensor")
+    addr = int(t.data or 0) + int(t.byte_offset)
+    if dt in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return addr, nbytes, int(t.device.device_id), "VRAM", False
+    return addr, nbytes, 0, "DRAM", False
 
 
 def _is_rows(data: Any) -> bool:
@@ -374,7 +475,7 @@ class Agent:
             name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
-            str(cfg.faults or ""),
+            str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
         )
         if cfg.transport == "ucx":
             _offer_ucx_wheel()

@@ -20,6 +20,7 @@
 //! Everything but the CUDA calls runs in CI on the stand-in; `make test-gpu` runs the rest on a
 //! GPU machine.
 
+pub mod any;
 pub mod cuda;
 pub mod device;
 pub mod pipeline;
@@ -29,9 +30,10 @@ pub mod standin;
 pub mod timeline;
 pub mod wire;
 
+pub use any::{Gpu, GpuKind, ENV_GPU};
 pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_WHEEL_DIRS};
 pub use device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
-pub use pipeline::{PipelineError, Staged, TransferReport};
+pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 pub use standin::{StandIn, StandInConfig};
 pub use timeline::{Breakdown, Stage, Timeline};

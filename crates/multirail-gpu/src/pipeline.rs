@@ -85,6 +85,15 @@ pub fn timeline(epoch: Instant, ops: impl IntoIterator<Item = Op>) -> Timeline {
     t
 }
 
+/// Running totals of one stage over every transfer of a [`Staged`]: operations, bytes, and
+/// time busy (as [`TransferReport::ops`] measures it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageTotal {
+    pub ops: u64,
+    pub bytes: u64,
+    pub busy: Duration,
+}
+
 /// One side of a staged rail: device, stream, pinned pool and an event per buffer, all
 /// created once; then any number of transfers.
 pub struct Staged<D: Device> {
@@ -100,6 +109,10 @@ pub struct Staged<D: Device> {
     copies: VecDeque<(Piece, BufId, Instant)>,
     /// Wire operations the stager asked for, in order.
     wire_ops: VecDeque<(Piece, BufId)>,
+    /// Per-stage totals, indexed like [`Stage::ALL`].
+    totals: [StageTotal; 3],
+    /// Keep every operation in [`TransferReport::ops`] (off: totals only, no allocation).
+    keep_ops: bool,
 }
 
 impl<D: Device> std::fmt::Debug for Staged<D> {
@@ -143,6 +156,8 @@ impl<D: Device> Staged<D> {
             next_chunk: 0,
             copies: VecDeque::with_capacity(pool.buffers),
             wire_ops: VecDeque::with_capacity(pool.buffers),
+            totals: [StageTotal::default(); 3],
+            keep_ops: true,
         })
     }
 
@@ -153,6 +168,28 @@ impl<D: Device> Staged<D> {
 
     pub fn device(&self) -> &D {
         &self.dev
+    }
+
+    /// Whether transfers list every operation in their report (default on). Off, a transfer
+    /// allocates nothing and only [`Staged::totals`] advance.
+    pub fn keep_ops(&mut self, on: bool) {
+        self.keep_ops = on;
+    }
+
+    /// Per-stage totals since this side was made: `[D2H, Wire, H2D]`.
+    pub fn totals(&self) -> [StageTotal; 3] {
+        self.totals
+    }
+
+    fn note(&mut self, ops: &mut Vec<Op>, op: Op) {
+        let i = Stage::ALL.iter().position(|s| *s == op.stage).unwrap_or(1);
+        let t = &mut self.totals[i];
+        t.ops += 1;
+        t.bytes += op.bytes;
+        t.busy += op.end.saturating_duration_since(op.start);
+        if self.keep_ops {
+            ops.push(op);
+        }
     }
 
     /// Sends `len` bytes of device memory at `src` over `wire` (D2H → wire), in chunks of the
@@ -216,7 +253,7 @@ impl<D: Device> Staged<D> {
                 self.copies.pop_front();
                 let end = Instant::now();
                 let stage = if self.role == Role::Sender { Stage::D2H } else { Stage::H2D };
-                ops.push(Op { stage, chunk: piece.chunk, bytes: piece.len, start: ready.max(stream_free), end });
+                self.note(ops, Op { stage, chunk: piece.chunk, bytes: piece.len, start: ready.max(stream_free), end });
                 stream_free = end;
                 match self.role {
                     Role::Sender => self.stager.handle_d2h_done(piece.chunk)?,
@@ -240,7 +277,7 @@ impl<D: Device> Staged<D> {
                     Role::Receiver => wire.recv(&mut unsafe { self.pool[buf.0].as_mut_slice() }[..n]).map_err(|e| ("recv", e)),
                 };
                 r.map_err(|(op, source)| PipelineError::Wire { op, chunk: piece.chunk, source })?;
-                ops.push(Op { stage: Stage::Wire, chunk: piece.chunk, bytes: piece.len, start, end: Instant::now() });
+                self.note(ops, Op { stage: Stage::Wire, chunk: piece.chunk, bytes: piece.len, start, end: Instant::now() });
                 self.stager.handle_wire_done(piece.chunk)?;
                 continue;
             }

@@ -7,7 +7,7 @@ use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::time::{Duration, Instant};
 
 /// An ordered, reliable byte stream between the two sides of a transfer.
-pub trait Wire: Send {
+pub trait Wire {
     /// Sends all of `buf`. On return the wire no longer needs `buf`.
     fn send(&mut self, buf: &[u8]) -> io::Result<()>;
     /// Fills all of `buf` with the next bytes of the stream.

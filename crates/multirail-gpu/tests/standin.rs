@@ -34,7 +34,7 @@ fn transfer_all(
     rx_dev: &StandIn,
     pool: PoolConfig,
     sizes: &[usize],
-    wires: (Box<dyn Wire>, Box<dyn Wire>),
+    wires: (Box<dyn Wire + Send>, Box<dyn Wire + Send>),
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
     let (mut wa, mut wb) = wires;
     let srcs: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(i, &n)| pattern(n, i as u8)).collect();

@@ -4,6 +4,8 @@
 //! Descriptor lists cross the boundary as contiguous Nx3 uint64 arrays (address of the first
 //! element + row count), so no per-descriptor Python object is created on either side.
 
+mod gpu;
+
 use std::borrow::Cow;
 use std::time::Duration;
 
@@ -115,7 +117,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults=""))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=262144))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -135,6 +137,9 @@ impl PyAgent {
         spin_us: f64,
         transport: &str,
         faults: &str,
+        gpu: Option<&str>,
+        staging_buffers: usize,
+        staging_buffer_size: u64,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -162,6 +167,14 @@ impl PyAgent {
         cfg.transport = multirail::config::TransportKind::parse(transport)
             .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp' or 'ucx', not {transport:?}")))?;
         cfg.faults = multirail::transport::faulty::Fault::parse_list(faults).map_err(PyValueError::new_err)?;
+        cfg.staging.gpu = gpu::kind(gpu)?;
+        if !(2..=64).contains(&staging_buffers) {
+            return Err(PyValueError::new_err("staging_buffers must be between 2 and 64 (2 is what overlap needs)"));
+        }
+        if !(4096..=multirail_proto::codec::MAX_CHUNK).contains(&staging_buffer_size) {
+            return Err(PyValueError::new_err("staging_buffer_size must be between 4 KiB and 64 MiB"));
+        }
+        cfg.staging.pool = multirail_gpu::PoolConfig { buffers: staging_buffers, buffer_size: staging_buffer_size };
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }
@@ -267,6 +280,9 @@ impl PyAgent {
             d.set_item("transport", r.transport)?;
             d.set_item("one_sided", r.caps.one_sided)?;
             d.set_item("remote_vram", r.caps.remote_vram)?;
+            d.set_item("gpu_path", r.caps.gpu.as_str())?;
+            d.set_item("gpu_path_reason", r.gpu_reason)?;
+            d.set_item("staging", gpu::staging_dict(py, &r.io.staging)?)?;
             d.set_item("up", r.stats.up)?;
             d.set_item("bytes", r.stats.bytes_done)?;
             d.set_item("chunks", r.stats.chunks_done)?;
@@ -317,6 +333,7 @@ impl PyAgent {
             d.set_item("connections", r.connections)?;
             d.set_item("ucx_sessions", r.ucx_sessions)?;
             d.set_item("fenced", r.fenced)?;
+            d.set_item("staging", gpu::staging_dict(py, &r.staging)?)?;
             out.append(d)?;
         }
         Ok(out)
@@ -426,6 +443,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyXfer>()?;
     m.add_function(wrap_pyfunction!(serialize_descs, m)?)?;
     m.add_function(wrap_pyfunction!(deserialize_descs, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_alloc, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_free, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_info, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("PROTOCOL_VERSION", multirail_proto::codec::VERSION)?;
     Ok(())

@@ -110,21 +110,29 @@ impl Shared {
     }
 }
 
-/// A multirail agent. Dropping it closes its listeners and links.
-/// GPU memory is registered only when CUDA (loaded at run time) says the range is device (or
-/// managed) memory of a device it sees: otherwise a typed error names the cause (no CUDA runtime
-/// found, no usable GPU, a host address) instead of a crash on first use.
-fn check_device_memory(base: u64, len: u64, dev: u32) -> Result<()> {
+/// GPU memory is registered only when the device (CUDA loaded at run time, or the stand-in)
+/// says the range is device (or managed) memory of that device: otherwise a typed error names
+/// the cause (no CUDA runtime found, no usable GPU, a host address) instead of a crash on first
+/// use.
+fn check_device_memory(kind: multirail_gpu::GpuKind, base: u64, len: u64, dev: u32) -> Result<()> {
     use multirail_gpu::{Device, MemKind};
     let id = i32::try_from(dev).map_err(|_| Error::Gpu(format!("device id {dev} out of range")))?;
-    let cuda = multirail_gpu::Cuda::open(id).map_err(|e| Error::Gpu(format!("cannot register {len} bytes on GPU {dev}: {e}")))?;
-    match cuda.pointer_kind(base) {
-        Ok(MemKind::Device { .. } | MemKind::Managed { .. }) => Ok(()),
-        Ok(k) => Err(Error::Gpu(format!("address {base:#x} is not GPU memory (CUDA says {k:?})"))),
-        Err(e) => Err(Error::Gpu(format!("cannot classify address {base:#x}: {e}"))),
+    let gpu = multirail_gpu::Gpu::open(kind, id).map_err(|e| Error::Gpu(format!("cannot register {len} bytes on GPU {dev}: {e}")))?;
+    let last = base.checked_add(len - 1).ok_or_else(|| Error::InvalidArgument(format!("bad region address {base:#x} + {len}")))?;
+    for addr in [base, last] {
+        match gpu.pointer_kind(addr) {
+            Ok(MemKind::Device { device } | MemKind::Managed { device }) if device == id => {}
+            Ok(MemKind::Device { device } | MemKind::Managed { device }) => {
+                return Err(Error::Gpu(format!("address {addr:#x} is memory of GPU {device}, not of GPU {dev}")))
+            }
+            Ok(k) => return Err(Error::Gpu(format!("address {addr:#x} is not GPU memory ({} says {k:?})", gpu.name()))),
+            Err(e) => return Err(Error::Gpu(format!("cannot classify address {addr:#x}: {e}"))),
+        }
     }
+    Ok(())
 }
 
+/// A multirail agent. Dropping it closes its listeners and links.
 pub struct Agent {
     shared: Arc<Shared>,
     /// Address, a handle on the socket (to shut it down) and accept thread of each listener.
@@ -266,10 +274,15 @@ impl Agent {
 
     pub fn register(&self, base: u64, len: u64, dev: u32, mem: MemType, access: Access) -> Result<Arc<Region>> {
         if mem == MemType::Vram {
-            check_device_memory(base, len, dev)?;
+            if len == 0 {
+                return Err(Error::InvalidArgument("cannot register an empty region".into()));
+            }
+            check_device_memory(self.shared.ctx.cfg.staging.gpu, base, len, dev)?;
         }
         let r = self.shared.registry.register(base, len, dev, mem, access)?;
-        if let Some(u) = &self.shared.ucx {
+        // UCX maps host memory only: device memory handed to a UCX without CUDA support would
+        // be dereferenced as host memory. VRAM goes over the staged TCP path (docs/gpu.md).
+        if let Some(u) = self.shared.ucx.as_ref().filter(|_| mem != MemType::Vram) {
             // Mapped in every rail's UCX context now, so the data path never registers.
             if let Err(e) = u.map(&r) {
                 let id = r.id;
@@ -286,6 +299,7 @@ impl Agent {
         // The registry let go only once no transfer holds the region, so no local UCX request
         // uses it any more (and a pending one keeps its own mapping alive until it completes).
         if let Some(u) = &self.shared.ucx {
+            // A no-op for regions never mapped (VRAM).
             u.unmap(id);
         }
         Ok(())

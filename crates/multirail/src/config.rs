@@ -117,6 +117,9 @@ pub struct Config {
     pub transport: TransportKind,
     /// Faults to inject on every link (testing failover; see `transport::faulty`). Empty: none.
     pub faults: Vec<crate::transport::faulty::Fault>,
+    /// GPU memory: which device kind registers and stages VRAM, and the bounce pools' shape
+    /// (per connection and direction).
+    pub staging: crate::staging::StagingConfig,
 }
 
 impl Default for Config {
@@ -136,6 +139,7 @@ impl Default for Config {
             spin: Duration::from_micros(200),
             transport: TransportKind::Tcp,
             faults: Vec::new(),
+            staging: crate::staging::StagingConfig::default(),
         }
     }
 }

@@ -24,6 +24,7 @@ pub mod link;
 pub mod peer;
 pub mod registry;
 pub mod server;
+pub mod staging;
 pub mod transport;
 pub mod wire;
 pub mod xfer;

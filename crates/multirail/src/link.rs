@@ -98,6 +98,26 @@ impl Drop for Active<'_> {
     }
 }
 
+/// Why a rail moves GPU memory the way it does (`RailReport::gpu_reason`).
+fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config) -> String {
+    use crate::transport::GpuPath;
+    let pool = cfg.staging.pool;
+    match path {
+        GpuPath::Staged => format!(
+            "{} rails carry host memory only: GPU memory is staged through {} x {} KiB pinned buffers per connection and direction ({} device)",
+            cfg.transport.as_str(),
+            pool.buffers,
+            pool.buffer_size >> 10,
+            cfg.staging.gpu.as_str()
+        ),
+        GpuPath::Direct => "the rail's NIC addresses GPU memory (GPUDirect RDMA)".into(),
+        GpuPath::Unavailable => format!(
+            "{} rails map host memory only in this build (no GPUDirect, no staging): transfers naming GPU memory are refused; use transport=tcp",
+            cfg.transport.as_str()
+        ),
+    }
+}
+
 fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
     if !ctx.cfg.rail_map.is_empty() {
         return ctx.cfg.rail_map.iter().copied().filter(|&(l, r)| l < ctx.rails.len() && r < remote.len()).collect();
@@ -758,6 +778,7 @@ impl Link {
                 connections: self.t.paths(i),
                 transport: self.t.describe(i),
                 caps: self.t.caps(),
+                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg),
                 stats: g.planner.rail_stats(i),
                 io: r.io.snapshot(),
             })

@@ -14,7 +14,7 @@ use multirail_proto::{AgentMeta, Body, MemType, Pair, RegionKey, RegionMeta};
 
 use crate::agent::{Ctx, ResolvedLocal};
 use crate::auth;
-use crate::config::Progress;
+use crate::config::{Progress, TransportKind};
 use crate::error::{Error, Result};
 use crate::link::Link;
 use crate::registry::{random_bytes, Region};
@@ -57,6 +57,8 @@ pub struct RailIo {
     pub readmissions: AtomicU64,
     /// Connections of the rail declared stalled (no byte for `stall_timeout`).
     pub stalls: AtomicU64,
+    /// GPU memory staged on this rail (D2H / wire / H2D totals, pinned pool bytes).
+    pub staging: Arc<crate::staging::StageStats>,
 }
 
 /// Counters of a peer as a whole, for metrics.
@@ -78,6 +80,7 @@ pub struct RailIoSnapshot {
     pub chunks_written: u64,
     pub readmissions: u64,
     pub stalls: u64,
+    pub staging: crate::staging::StageReport,
 }
 
 impl RailIo {
@@ -90,6 +93,7 @@ impl RailIo {
             chunks_written: g(&self.chunks_written),
             readmissions: g(&self.readmissions),
             stalls: g(&self.stalls),
+            staging: self.staging.report(),
         }
     }
 }
@@ -306,12 +310,13 @@ impl Peer {
             }
         }
         let vram_remote = remote.iter().any(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
-        if vram_remote || hold.iter().any(|r| r.mem == MemType::Vram) {
-            return Err(Error::Gpu(
-                "no transport of this build moves GPU memory yet (the staging pipeline of issue 10 is not wired in): \
-                 copy to host memory first"
-                    .into(),
-            ));
+        if (vram_remote || hold.iter().any(|r| r.mem == MemType::Vram)) && self.ctx.cfg.transport != TransportKind::Tcp {
+            // UCX maps host memory only here: GPUDirect over UCX is not built (docs/gpu.md).
+            return Err(Error::Gpu(format!(
+                "GPU memory cannot go over {} rails in this build (no GPUDirect path; staging runs on tcp rails): \
+                 use transport=\"tcp\" for GPU memory",
+                self.ctx.cfg.transport.as_str()
+            )));
         }
         let pairs = self.pair(&local, &remote)?;
         self.link()?;
@@ -395,6 +400,8 @@ pub struct RailReport {
     pub transport: String,
     /// What the rail's transport can do.
     pub caps: crate::transport::Caps,
+    /// Why GPU memory takes `caps.gpu` on this rail.
+    pub gpu_reason: String,
     pub stats: RailStats,
     pub io: RailIoSnapshot,
 }

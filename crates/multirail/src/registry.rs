@@ -129,11 +129,6 @@ impl Registry {
         if write && r.access != Access::ReadWrite {
             return Err((Status::ReadOnly, format!("region {} is read-only", op.region)));
         }
-        if r.mem == MemType::Vram {
-            // Never dereference a device pointer as host memory: no transport of this build
-            // stages GPU memory yet (issue 10).
-            return Err((Status::Unexpected, format!("region {} is GPU memory, which this agent cannot serve over tcp yet", op.region)));
-        }
         Ok(r.clone())
     }
 }
@@ -161,14 +156,18 @@ mod tests {
     }
 
     #[test]
-    fn gpu_regions_are_never_served_as_host_memory() {
+    fn gpu_regions_pass_the_same_checks_and_stay_marked_gpu() {
+        // The server stages a GPU region through the device (never a host dereference): the
+        // region it gets back must say so, after the same key and bounds checks as host memory.
         let reg = Registry::default();
-        let r = reg.register(1 << 40, 4096, 0, MemType::Vram, Access::ReadWrite).unwrap();
+        let r = reg.register(1 << 40, 4096, 3, MemType::Vram, Access::ReadWrite).unwrap();
         let op = RemoteOp { region: r.id, key: r.key, offset: 0, len: 16 };
-        let (status, msg) = reg.check_remote(&op, false).unwrap_err();
-        assert_eq!(status, Status::Unexpected);
-        assert!(msg.contains("GPU memory"), "{msg}");
-        assert!(reg.check_remote(&op, true).is_err());
+        let got = reg.check_remote(&op, true).unwrap();
+        assert_eq!((got.mem, got.dev), (MemType::Vram, 3));
+        let oob = RemoteOp { offset: 4090, ..op };
+        assert_eq!(reg.check_remote(&oob, false).unwrap_err().0, Status::OutOfBounds);
+        let bad = RemoteOp { key: RegionKey([0; 16]), ..op };
+        assert_eq!(reg.check_remote(&bad, false).unwrap_err().0, Status::BadKey);
     }
 
     #[test]

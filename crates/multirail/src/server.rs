@@ -25,14 +25,24 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
-use multirail_proto::{AgentMeta, Body, DecodeError};
+use multirail_proto::{AgentMeta, Body, DecodeError, MemType};
 
 use crate::agent::Shared;
 use crate::auth;
 use crate::config::Progress;
 use crate::peer::abort_socket;
 use crate::registry::random_bytes;
+use crate::staging::{SockIn, SockOut, StageError, Stagers};
 use crate::wire::{self, WireError};
+
+/// A staged request that failed mid-payload leaves the stream out of step: the connection
+/// ends (the initiator requeues the chunk), as for a socket error.
+fn staging_failed(e: StageError) -> WireError {
+    match e {
+        StageError::Wire(w) => w,
+        StageError::Device(m) => WireError::GaveUp(format!("GPU staging failed: {m}")),
+    }
+}
 
 const TICK: Duration = Duration::from_millis(50);
 
@@ -65,6 +75,8 @@ pub struct ServedCounters {
     pub ucx_sessions: AtomicU64,
     /// Connections a `Fence` of the peer aborted.
     pub fenced: AtomicU64,
+    /// GPU memory staged to serve this peer on this rail.
+    pub staging: Arc<crate::staging::StageStats>,
 }
 
 impl ServedCounters {
@@ -108,6 +120,7 @@ pub struct ServedReport {
     pub connections: u64,
     pub ucx_sessions: u64,
     pub fenced: u64,
+    pub staging: crate::staging::StageReport,
 }
 
 #[derive(Default)]
@@ -169,6 +182,7 @@ impl ServedTable {
                     connections: ld(&c.connections),
                     ucx_sessions: ld(&c.ucx_sessions),
                     fenced: ld(&c.fenced),
+                    staging: c.staging.report(),
                 };
                 (l, rep)
             })
@@ -334,6 +348,8 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         return;
     }
     let mut inb = wire::Inbound::new();
+    // Bounce pools for GPU regions, made on the first request that needs one.
+    let mut stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
     let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
     let spin = wire::SpinBudget::new(sh.ctx.cfg.spin);
     loop {
@@ -393,10 +409,18 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             Body::ReadReq(op) => match sh.registry.check_remote(&op, false) {
                 Ok(region) => {
                     let hdr = Body::Resp { status: Status::Ok, bulk_len: op.len, msg: String::new() }.encode(h.req_id);
-                    // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
-                    // `region` holds it registered for the duration of the write.
-                    let data = unsafe { std::slice::from_raw_parts(region.ptr(op.offset), op.len as usize) };
-                    let r = wire::write_full(&mut s, &[&hdr, data], &mut op_tick);
+                    let r = if region.mem == MemType::Vram {
+                        wire::write_full(&mut s, &[&hdr], &mut op_tick).and_then(|_| {
+                            let mut out = SockOut::new(&mut s, &mut op_tick);
+                            // SAFETY: as below; the region is GPU memory of `region.dev`.
+                            unsafe { stage.send(region.dev, region.ptr(op.offset) as u64, op.len, &mut out) }.map_err(staging_failed)
+                        })
+                    } else {
+                        // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
+                        // `region` holds it registered for the duration of the write.
+                        let data = unsafe { std::slice::from_raw_parts(region.ptr(op.offset), op.len as usize) };
+                        wire::write_full(&mut s, &[&hdr, data], &mut op_tick)
+                    };
                     if r.is_ok() {
                         ctr.bytes_read.fetch_add(op.len, Ordering::Relaxed);
                         ctr.requests_read.fetch_add(1, Ordering::Relaxed);
@@ -414,9 +438,16 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                     if me.fenced.load(Ordering::Acquire) {
                         break;
                     }
-                    // SAFETY: as above; the region is registered read-write.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
-                    let r = inb.read_into(&mut s, dst, &mut op_tick);
+                    let r = if region.mem == MemType::Vram {
+                        let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
+                        // SAFETY: as above, GPU memory of `region.dev`; every copy into it has
+                        // completed when this returns (so a fence after it finds none running).
+                        unsafe { stage.recv(region.dev, region.ptr(op.offset) as u64, op.len, &mut inp) }.map_err(staging_failed)
+                    } else {
+                        // SAFETY: as above; the region is registered read-write.
+                        let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
+                        inb.read_into(&mut s, dst, &mut op_tick)
+                    };
                     drop(guard);
                     if r.is_ok() {
                         ctr.bytes_written.fetch_add(op.len, Ordering::Relaxed);

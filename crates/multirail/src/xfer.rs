@@ -90,12 +90,16 @@ pub(crate) struct XferShared {
     sleepers: AtomicU64,
     /// Planner id of the current post (0 when none).
     pub current: AtomicU64,
+    /// Local GPU regions among `hold`: (base, end, device). Their chunks are staged.
+    vram: Vec<(u64, u64, u32)>,
 }
 
 impl XferShared {
     pub fn new(op: Op, peer: Arc<Peer>, pairs: Vec<Pair>, notif: Vec<u8>, hold: Vec<Arc<Region>>) -> Arc<XferShared> {
         let total = pairs.iter().map(|p| p.len).sum();
+        let vram = hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
         Arc::new(XferShared {
+            vram,
             op,
             peer,
             pairs: Arc::new(pairs),
@@ -109,6 +113,16 @@ impl XferShared {
             sleepers: AtomicU64::new(0),
             current: AtomicU64::new(0),
         })
+    }
+
+    /// The GPU whose memory holds the local address `addr`, if it is GPU memory (a chunk lies
+    /// inside one region, so its start decides).
+    #[inline]
+    pub fn local_dev(&self, addr: u64) -> Option<u32> {
+        if self.vram.is_empty() {
+            return None;
+        }
+        self.vram.iter().find(|&&(b, e, _)| b <= addr && addr < e).map(|&(_, _, d)| d)
     }
 
     pub fn state(&self) -> XferState {

@@ -48,6 +48,29 @@ pub struct Caps {
     /// One-sided: the target's CPU does not touch the bytes (RDMA). TCP and UCX's tcp
     /// transport are two-sided (the target's thread copies).
     pub one_sided: bool,
+    /// How GPU memory crosses this rail.
+    pub gpu: GpuPath,
+}
+
+/// How a rail moves GPU memory (`rail_stats()["gpu_path"]`, docs/gpu.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuPath {
+    /// Through pinned bounce buffers, pipelined (D2H, wire, H2D).
+    Staged,
+    /// The NIC reads and writes device memory itself (GPUDirect RDMA).
+    Direct,
+    /// Not at all: transfers naming GPU memory are refused with a `GpuError`.
+    Unavailable,
+}
+
+impl GpuPath {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuPath::Staged => "staged",
+            GpuPath::Direct => "direct",
+            GpuPath::Unavailable => "unavailable",
+        }
+    }
 }
 
 /// What the link does with a chunk's completion (`Transport::verdict`; fault injection).

@@ -19,11 +19,12 @@ use std::time::{Duration, Instant};
 use multirail_proto::codec::{RemoteOp, Role, Status};
 use multirail_proto::{Body, Chunk, RegionKey};
 
-use super::{Caps, Transport};
+use super::{Caps, GpuPath, Transport};
 use crate::config::Progress;
 use crate::error::{Error, Result};
 use crate::link::{Link, LINK_CHECK};
 use crate::peer::{abort_socket, dial_id, link_down};
+use crate::staging::{SockIn, SockOut, StageError, Stagers};
 use crate::wire::{self, poll_in, WireError};
 use crate::xfer::{Op, XferShared, XferState};
 
@@ -97,6 +98,8 @@ struct Rx {
     s: TcpStream,
     inb: wire::Inbound,
     clock: Clock,
+    /// Bounce pools for READs landing in GPU memory (made on the first such chunk).
+    stage: Stagers,
 }
 
 /// One TCP connection on one rail.
@@ -126,6 +129,8 @@ struct Conn {
     /// Carried a WRITE: must be fenced on the target if it dies.
     wrote: AtomicBool,
     writer: Mutex<TcpStream>,
+    /// Bounce pools for WRITEs from GPU memory; locked only under `writer`.
+    stage_tx: Mutex<Stagers>,
     inflight: Mutex<VecDeque<Sent>>,
     inflight_n: AtomicUsize,
     next_req: AtomicU64,
@@ -267,7 +272,7 @@ impl TcpRails {
 
 impl Transport for TcpRails {
     fn caps(&self) -> Caps {
-        Caps { remote_vram: false, one_sided: false }
+        Caps { remote_vram: false, one_sided: false, gpu: GpuPath::Staged }
     }
 
     /// Open the configured number of connections on rail `ri` and start their threads.
@@ -290,6 +295,7 @@ impl Transport for TcpRails {
                     s: reader,
                     inb: wire::Inbound::new(),
                     clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
+                    stage: Stagers::new(link.ctx.cfg.staging, link.rails[ri].io.staging.clone()),
                 }),
                 owner: AtomicU8::new(OWNER_NONE),
                 caller_at: AtomicU64::new(0),
@@ -302,6 +308,7 @@ impl Transport for TcpRails {
                 id,
                 wrote: AtomicBool::new(false),
                 writer: Mutex::new(s),
+                stage_tx: Mutex::new(Stagers::new(link.ctx.cfg.staging, link.rails[ri].io.staging.clone())),
                 inflight: Mutex::new(VecDeque::new()),
                 inflight_n: AtomicUsize::new(0),
                 next_req: AtomicU64::new(1),
@@ -426,6 +433,7 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
         // Before the first byte: from now on this connection's death needs a fence.
         c.wrote.store(true, Ordering::Release);
     }
+    let dev = if write { x.local_dev(chunk.piece.local) } else { None };
     let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
     c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
     if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -442,13 +450,19 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
             Ok(())
         }
     };
-    let r = if write {
-        // SAFETY: the pair lies inside a local region registered with this agent (checked
-        // when the handle was made) and held by the transfer (`hold`) until it is released.
-        let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
-        wire::write_full(&mut w, &[&hdr, payload], &mut tick)
-    } else {
-        wire::write_full(&mut w, &[&hdr], &mut tick)
+    let r = match (write, dev) {
+        (true, None) => {
+            // SAFETY: the pair lies inside a local region registered with this agent (checked
+            // when the handle was made) and held by the transfer (`hold`) until it is released.
+            let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
+            wire::write_full(&mut w, &[&hdr, payload], &mut tick).map_err(|e| e.to_string())
+        }
+        (true, Some(dev)) => wire::write_full(&mut w, &[&hdr], &mut tick).map_err(|e| e.to_string()).and_then(|_| {
+            let mut stage = c.stage_tx.lock().expect("conn lock");
+            // SAFETY: GPU memory of `dev` inside a region registered and held as above.
+            unsafe { stage.send(dev, chunk.piece.local, chunk.piece.len, &mut SockOut::new(&mut w, &mut tick)) }.map_err(|e| e.to_string())
+        }),
+        (false, _) => wire::write_full(&mut w, &[&hdr], &mut tick).map_err(|e| e.to_string()),
     };
     if let Err(e) = r {
         // Record why (the first cause names the rail's failure), shut the rail's
@@ -607,7 +621,7 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
 /// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
 /// reader also stops (between frames only) when nothing is outstanding or time is up.
 fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
-    let Rx { s, inb, clock } = rx;
+    let Rx { s, inb, clock, stage } = rx;
     let mut stop: Option<Stop> = None;
     // Runs every TICK while the socket has nothing to read.
     let mut tick = |started: bool| -> Result<(), String> {
@@ -621,13 +635,16 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
             String::new()
         })
     };
-    // The response answers the oldest request (TCP keeps order). When a READ is already
-    // queued (pipelined bulk), land header and payload with one scatter read; on an idle
-    // connection the read-ahead takes the response whole and the payload lands after.
-    let front = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
+    // The response answers the oldest request (TCP keeps order). When a READ into host memory
+    // is already queued (pipelined bulk), land header and payload with one scatter read; on an
+    // idle connection the read-ahead takes the response whole and the payload lands after. A
+    // READ into GPU memory lands through the bounce pool, after the header.
+    let head =
+        |c: &Conn| c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op, f.xfer.local_dev(f.chunk.piece.local)));
+    let front = head(c);
     let dst = match front {
         // SAFETY: registered local memory held by the transfer (see `send_chunk`).
-        Some((p, Op::Read)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
+        Some((p, Op::Read, None)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
         _ => None,
     };
     let failed = |e: WireError, stop: &mut Option<Stop>| stop.take().unwrap_or_else(|| Stop::Failed(e.to_string()));
@@ -635,16 +652,27 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
         Ok(f) => f,
         Err(e) => return Err(failed(e, &mut stop)),
     };
-    if front.is_none() {
-        let late = c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op));
-        if let (Some((p, Op::Read)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (late, &body) {
-            if *bulk_len == p.len {
-                // SAFETY: as above.
-                let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
-                if let Err(e) = inb.read_into(s, dst, &mut tick) {
-                    return Err(failed(e, &mut stop));
+    let next = match front {
+        None => head(c),
+        Some((_, Op::Read, Some(_))) => front,
+        _ => None,
+    };
+    if let (Some((p, Op::Read, dev)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (next, &body) {
+        if *bulk_len == p.len {
+            let r = match dev {
+                None => {
+                    // SAFETY: as above.
+                    let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };
+                    inb.read_into(s, dst, &mut tick).map_err(StageError::Wire)
                 }
-                landed = true;
+                // SAFETY: GPU memory of `dev` inside a region registered and held by the
+                // transfer; every copy into it has completed when this returns.
+                Some(dev) => unsafe { stage.recv(dev, p.local, p.len, &mut SockIn::new(s, inb, &mut tick)) },
+            };
+            match r {
+                Ok(()) => landed = true,
+                Err(StageError::Wire(e)) => return Err(failed(e, &mut stop)),
+                Err(e) => return Err(Stop::Failed(e.to_string())),
             }
         }
     }

@@ -23,7 +23,7 @@ use multirail_proto::codec::{Role, Status};
 use multirail_proto::Chunk;
 
 use super::ucx::{UcxAgent, UcxRail};
-use super::{Caps, Transport};
+use super::{Caps, GpuPath, Transport};
 use crate::config::Progress;
 use crate::error::{Error, Result};
 use crate::link::{Link, LINK_CHECK};
@@ -177,10 +177,11 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
 impl Transport for UcxRails {
     fn caps(&self) -> Caps {
         // One-sided when the lanes are RDMA ones (UCX's tcp and shm lanes emulate RMA with the
-        // target's thread). GPU memory over UCX is not offered yet (issue 10).
+        // target's thread). GPU memory over UCX is not offered: regions are mapped as host
+        // memory, and GPUDirect (UCX built with CUDA, nvidia_peermem or dma-buf) is not built.
         let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
-        Caps { remote_vram: false, one_sided }
+        Caps { remote_vram: false, one_sided, gpu: GpuPath::Unavailable }
     }
 
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {

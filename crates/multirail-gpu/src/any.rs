@@ -1,0 +1,294 @@
+//! One device type for the runtime: CUDA or the stand-in, chosen at run time.
+//!
+//! The runtime registers VRAM and stages it through one of these. Which kind is a per-process
+//! choice (`MULTIRAIL_GPU=cuda|standin`, default `cuda`, or the agent's `gpu` config key): a
+//! process has one view of "its GPUs", as it has with CUDA. Handles are opened once per
+//! (kind, id) and shared, so the agent, the Python allocation helpers and the bench see the same
+//! stand-in allocations.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use crate::cuda::{Cuda, CudaEvent, CudaStream};
+use crate::device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
+use crate::standin::{StandIn, StandInConfig, StandInEvent, StandInStream};
+
+/// Which device implementation a process uses for VRAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum GpuKind {
+    /// libcudart, loaded at run time.
+    #[default]
+    Cuda,
+    /// Host memory posing as device memory, copies on threads (CI, tests).
+    StandIn,
+}
+
+/// Environment variable naming the process's device kind.
+pub const ENV_GPU: &str = "MULTIRAIL_GPU";
+/// Stand-in copy rate in bytes/s for every direction (default: memcpy speed).
+pub const ENV_STANDIN_RATE: &str = "MULTIRAIL_STANDIN_RATE";
+/// Stand-in per-copy latency in microseconds (default 0).
+pub const ENV_STANDIN_LATENCY_US: &str = "MULTIRAIL_STANDIN_LATENCY_US";
+
+impl GpuKind {
+    pub fn parse(s: &str) -> Option<GpuKind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "cuda" => Some(GpuKind::Cuda),
+            "standin" | "stand-in" => Some(GpuKind::StandIn),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GpuKind::Cuda => "cuda",
+            GpuKind::StandIn => "standin",
+        }
+    }
+
+    /// `$MULTIRAIL_GPU`, or CUDA. An unknown value is an error, not a silent default.
+    pub fn from_env() -> std::result::Result<GpuKind, String> {
+        match std::env::var(ENV_GPU) {
+            Ok(v) if !v.trim().is_empty() => GpuKind::parse(&v).ok_or_else(|| format!("{ENV_GPU}={v:?}: expected \"cuda\" or \"standin\"")),
+            _ => Ok(GpuKind::Cuda),
+        }
+    }
+}
+
+/// A device of either kind. Cheap to clone.
+#[derive(Debug, Clone)]
+pub enum Gpu {
+    Cuda(Cuda),
+    StandIn(StandIn),
+}
+
+#[derive(Debug)]
+pub enum GpuStream {
+    Cuda(CudaStream),
+    StandIn(StandInStream),
+}
+
+#[derive(Debug)]
+pub enum GpuEvent {
+    Cuda(CudaEvent),
+    StandIn(StandInEvent),
+}
+
+fn standin_config_from_env() -> StandInConfig {
+    let rate = std::env::var(ENV_STANDIN_RATE).ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|r| *r > 0.0);
+    let latency = std::env::var(ENV_STANDIN_LATENCY_US).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
+    StandInConfig { d2h_rate: rate, h2d_rate: rate, d2d_rate: rate, latency: Duration::from_micros(latency) }
+}
+
+fn opened() -> &'static Mutex<BTreeMap<(GpuKind, i32), Gpu>> {
+    static OPENED: OnceLock<Mutex<BTreeMap<(GpuKind, i32), Gpu>>> = OnceLock::new();
+    OPENED.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+impl Gpu {
+    /// Device `id` of `kind`, opened once per process (failures are not cached: a driver that
+    /// comes up later is found then). The stand-in takes its rates from the environment
+    /// ([`ENV_STANDIN_RATE`], [`ENV_STANDIN_LATENCY_US`]) when first opened.
+    pub fn open(kind: GpuKind, id: i32) -> Result<Gpu> {
+        let mut map = opened().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(g) = map.get(&(kind, id)) {
+            return Ok(g.clone());
+        }
+        let g = match kind {
+            GpuKind::Cuda => Gpu::Cuda(Cuda::open(id)?),
+            GpuKind::StandIn => {
+                if !(0..64).contains(&id) {
+                    return Err(DeviceError::BadDevice { id, count: 64 });
+                }
+                Gpu::StandIn(StandIn::new(id, standin_config_from_env()))
+            }
+        };
+        map.insert((kind, id), g.clone());
+        Ok(g)
+    }
+
+    pub fn kind(&self) -> GpuKind {
+        match self {
+            Gpu::Cuda(_) => GpuKind::Cuda,
+            Gpu::StandIn(_) => GpuKind::StandIn,
+        }
+    }
+
+    /// The stand-in, when this is one (tests read its counters).
+    pub fn as_standin(&self) -> Option<&StandIn> {
+        match self {
+            Gpu::StandIn(s) => Some(s),
+            Gpu::Cuda(_) => None,
+        }
+    }
+}
+
+fn mismatch() -> DeviceError {
+    DeviceError::Unsupported { op: "a stream or event of another device kind", device: "this" }
+}
+
+impl Device for Gpu {
+    type Stream = GpuStream;
+    type Event = GpuEvent;
+
+    fn id(&self) -> i32 {
+        match self {
+            Gpu::Cuda(d) => d.id(),
+            Gpu::StandIn(d) => d.id(),
+        }
+    }
+    fn name(&self) -> String {
+        match self {
+            Gpu::Cuda(d) => d.name(),
+            Gpu::StandIn(d) => d.name(),
+        }
+    }
+    fn alloc(&self, len: usize) -> Result<DevicePtr> {
+        match self {
+            Gpu::Cuda(d) => d.alloc(len),
+            Gpu::StandIn(d) => d.alloc(len),
+        }
+    }
+    unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.free(ptr),
+                Gpu::StandIn(d) => d.free(ptr),
+            }
+        }
+    }
+    fn alloc_pinned(&self, len: usize) -> Result<PinnedMem> {
+        match self {
+            Gpu::Cuda(d) => d.alloc_pinned(len),
+            Gpu::StandIn(d) => d.alloc_pinned(len),
+        }
+    }
+    unsafe fn free_pinned(&self, mem: PinnedMem) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.free_pinned(mem),
+                Gpu::StandIn(d) => d.free_pinned(mem),
+            }
+        }
+    }
+    fn pointer_kind(&self, addr: u64) -> Result<MemKind> {
+        match self {
+            Gpu::Cuda(d) => d.pointer_kind(addr),
+            Gpu::StandIn(d) => d.pointer_kind(addr),
+        }
+    }
+    fn create_stream(&self) -> Result<GpuStream> {
+        Ok(match self {
+            Gpu::Cuda(d) => GpuStream::Cuda(d.create_stream()?),
+            Gpu::StandIn(d) => GpuStream::StandIn(d.create_stream()?),
+        })
+    }
+    fn create_event(&self) -> Result<GpuEvent> {
+        Ok(match self {
+            Gpu::Cuda(d) => GpuEvent::Cuda(d.create_event()?),
+            Gpu::StandIn(d) => GpuEvent::StandIn(d.create_event()?),
+        })
+    }
+    unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &GpuStream) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match (self, stream) {
+                (Gpu::Cuda(d), GpuStream::Cuda(s)) => d.copy_async(kind, dst, src, len, s),
+                (Gpu::StandIn(d), GpuStream::StandIn(s)) => d.copy_async(kind, dst, src, len, s),
+                _ => Err(mismatch()),
+            }
+        }
+    }
+    fn record(&self, event: &GpuEvent, stream: &GpuStream) -> Result<()> {
+        match (self, event, stream) {
+            (Gpu::Cuda(d), GpuEvent::Cuda(e), GpuStream::Cuda(s)) => d.record(e, s),
+            (Gpu::StandIn(d), GpuEvent::StandIn(e), GpuStream::StandIn(s)) => d.record(e, s),
+            _ => Err(mismatch()),
+        }
+    }
+    fn query(&self, event: &GpuEvent) -> Result<bool> {
+        match (self, event) {
+            (Gpu::Cuda(d), GpuEvent::Cuda(e)) => d.query(e),
+            (Gpu::StandIn(d), GpuEvent::StandIn(e)) => d.query(e),
+            _ => Err(mismatch()),
+        }
+    }
+    fn synchronize(&self, event: &GpuEvent) -> Result<()> {
+        match (self, event) {
+            (Gpu::Cuda(d), GpuEvent::Cuda(e)) => d.synchronize(e),
+            (Gpu::StandIn(d), GpuEvent::StandIn(e)) => d.synchronize(e),
+            _ => Err(mismatch()),
+        }
+    }
+    fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {
+        match self {
+            Gpu::Cuda(d) => d.ipc_handle(ptr),
+            Gpu::StandIn(d) => d.ipc_handle(ptr),
+        }
+    }
+    unsafe fn ipc_open(&self, handle: &IpcHandle) -> Result<DevicePtr> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.ipc_open(handle),
+                Gpu::StandIn(d) => d.ipc_open(handle),
+            }
+        }
+    }
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.ipc_close(ptr),
+                Gpu::StandIn(d) => d.ipc_close(ptr),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_parse_and_standins_are_shared_per_process() {
+        assert_eq!(GpuKind::parse("standin"), Some(GpuKind::StandIn));
+        assert_eq!(GpuKind::parse(" CUDA "), Some(GpuKind::Cuda));
+        assert_eq!(GpuKind::parse("rocm"), None);
+        let a = Gpu::open(GpuKind::StandIn, 7).unwrap();
+        let b = Gpu::open(GpuKind::StandIn, 7).unwrap();
+        let p = a.alloc(4096).unwrap();
+        // The same device: b knows a's allocation.
+        assert_eq!(b.pointer_kind(p.0).unwrap(), MemKind::Device { device: 7 });
+        assert!(matches!(Gpu::open(GpuKind::StandIn, 64), Err(DeviceError::BadDevice { .. })));
+        // SAFETY: nothing uses it.
+        unsafe { b.free(p).unwrap() };
+    }
+
+    #[test]
+    fn staged_path_runs_on_the_enum() {
+        let g = Gpu::open(GpuKind::StandIn, 8).unwrap();
+        let src = g.alloc(100_000).unwrap();
+        let dst = g.alloc(100_000).unwrap();
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        // SAFETY: stand-in device memory is host memory of 100_000 bytes.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), src.0 as *mut u8, data.len()) };
+        let pool = crate::PoolConfig { buffers: 3, buffer_size: 16 << 10 };
+        let (mut a, mut b) = crate::mem_pair(None);
+        let mut tx = crate::Staged::new(g.clone(), crate::Role::Sender, pool).unwrap();
+        let mut rx = crate::Staged::new(g.clone(), crate::Role::Receiver, pool).unwrap();
+        let t = std::thread::spawn(move || {
+            // SAFETY: src is a live 100_000-byte allocation nobody writes.
+            unsafe { tx.send(src, 100_000, &mut a) }.unwrap();
+        });
+        // SAFETY: dst is a live 100_000-byte allocation nobody else touches.
+        unsafe { rx.recv(dst, 100_000, &mut b) }.unwrap();
+        t.join().unwrap();
+        // SAFETY: host memory, all copies complete.
+        let got = unsafe { std::slice::from_raw_parts(dst.0 as *const u8, 100_000) };
+        assert_eq!(got, &data[..]);
+    }
+}

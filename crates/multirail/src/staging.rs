@@ -1,0 +1,237 @@
+//! GPU memory on byte-stream rails (issue 10): every connection that carries VRAM stages it
+//! through its own bounded pool of pinned bounce buffers, with `multirail-gpu`'s pipelined
+//! executor (D2H of piece k+1, the wire for piece k and the H2D of piece k-1 at once).
+//!
+//! A connection makes its pools on the first VRAM chunk, one per (device, direction), and keeps
+//! them until it closes: no pinning and no allocation per transfer. The totals of every
+//! connection on a rail (initiator side) or served connection (target side) add up in one
+//! [`StageStats`], which `rail_stats()` / `served_stats()` and the bench report.
+
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use multirail_gpu::{DevicePtr, Gpu, GpuKind, PipelineError, PoolConfig, Role, StageTotal, Staged, Wire};
+
+use crate::wire::{self, Inbound, WireError};
+
+/// Which device kind and pool shape a process stages with (`Config::gpu`, `Config::staging`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingConfig {
+    pub gpu: GpuKind,
+    pub pool: PoolConfig,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        // 4 x 256 KiB per connection and direction: a 1 MiB planner chunk is 4 pieces, so the
+        // stages overlap inside each chunk; the pool is 1 MiB of pinned memory.
+        StagingConfig { gpu: GpuKind::Cuda, pool: PoolConfig { buffers: 4, buffer_size: 256 << 10 } }
+    }
+}
+
+/// Stage totals of a rail (or of a served peer and rail), all connections together.
+#[derive(Debug, Default)]
+pub struct StageStats {
+    /// [D2H, wire, H2D]: operations, bytes, nanoseconds busy.
+    ops: [AtomicU64; 3],
+    bytes: [AtomicU64; 3],
+    busy_ns: [AtomicU64; 3],
+    /// Chunks staged (each one planner chunk or served request).
+    pub chunks: AtomicU64,
+    /// Pinned bytes held by the pools of live connections.
+    pub pool_bytes: AtomicU64,
+    /// Pools ever made (each is `buffers x buffer_size` of pinned memory).
+    pub pools: AtomicU64,
+}
+
+/// A copy of [`StageStats`] for reporting.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageReport {
+    pub ops: [u64; 3],
+    pub bytes: [u64; 3],
+    pub busy_ns: [u64; 3],
+    pub chunks: u64,
+    pub pool_bytes: u64,
+    pub pools: u64,
+}
+
+/// Stage names in the order of the arrays above.
+pub const STAGES: [&str; 3] = ["d2h", "wire", "h2d"];
+
+impl StageStats {
+    fn add(&self, before: &[StageTotal; 3], after: &[StageTotal; 3]) {
+        for i in 0..3 {
+            self.ops[i].fetch_add(after[i].ops - before[i].ops, Ordering::Relaxed);
+            self.bytes[i].fetch_add(after[i].bytes - before[i].bytes, Ordering::Relaxed);
+            let ns = after[i].busy.saturating_sub(before[i].busy).as_nanos() as u64;
+            self.busy_ns[i].fetch_add(ns, Ordering::Relaxed);
+        }
+        self.chunks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn report(&self) -> StageReport {
+        let get = |a: &[AtomicU64; 3]| [0, 1, 2].map(|i| a[i].load(Ordering::Relaxed));
+        StageReport {
+            ops: get(&self.ops),
+            bytes: get(&self.bytes),
+            busy_ns: get(&self.busy_ns),
+            chunks: self.chunks.load(Ordering::Relaxed),
+            pool_bytes: self.pool_bytes.load(Ordering::Relaxed),
+            pools: self.pools.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Why a staged chunk failed.
+#[derive(Debug)]
+pub enum StageError {
+    /// The socket failed (or the tick gave up): the rail's usual failure path.
+    Wire(WireError),
+    /// The device failed: opening it, allocating the pool, a copy.
+    Device(String),
+}
+
+impl std::fmt::Display for StageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StageError::Wire(e) => write!(f, "{e}"),
+            StageError::Device(m) => write!(f, "GPU staging failed: {m}"),
+        }
+    }
+}
+
+type Tick<'a> = &'a mut dyn FnMut(bool) -> Result<(), String>;
+
+/// The sending half of a connection as a staging wire.
+pub struct SockOut<'a> {
+    pub s: &'a mut TcpStream,
+    pub tick: Tick<'a>,
+    err: Option<WireError>,
+}
+
+impl<'a> SockOut<'a> {
+    pub fn new(s: &'a mut TcpStream, tick: Tick<'a>) -> Self {
+        SockOut { s, tick, err: None }
+    }
+}
+
+impl Wire for SockOut<'_> {
+    fn send(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        wire::write_full(self.s, &[buf], self.tick).map_err(|e| {
+            let m = e.to_string();
+            self.err = Some(e);
+            std::io::Error::other(m)
+        })
+    }
+    fn recv(&mut self, _buf: &mut [u8]) -> std::io::Result<()> {
+        Err(std::io::Error::other("the sending half of a connection cannot receive"))
+    }
+}
+
+/// The receiving half of a connection (with its read-ahead) as a staging wire.
+pub struct SockIn<'a> {
+    pub s: &'a mut TcpStream,
+    pub inb: &'a mut Inbound,
+    pub tick: Tick<'a>,
+    err: Option<WireError>,
+}
+
+impl<'a> SockIn<'a> {
+    pub fn new(s: &'a mut TcpStream, inb: &'a mut Inbound, tick: Tick<'a>) -> Self {
+        SockIn { s, inb, tick, err: None }
+    }
+}
+
+impl Wire for SockIn<'_> {
+    fn send(&mut self, _buf: &[u8]) -> std::io::Result<()> {
+        Err(std::io::Error::other("the receiving half of a connection cannot send"))
+    }
+    fn recv(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inb.read_into(self.s, buf, self.tick).map_err(|e| {
+            let m = e.to_string();
+            self.err = Some(e);
+            std::io::Error::other(m)
+        })
+    }
+}
+
+/// The staging pools of one connection (module docs).
+pub struct Stagers {
+    cfg: StagingConfig,
+    stats: Arc<StageStats>,
+    /// (device, role) → that direction's pool on that device.
+    sides: Vec<(u32, Role, Staged<Gpu>)>,
+}
+
+impl std::fmt::Debug for Stagers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stagers").field("cfg", &self.cfg).field("pools", &self.sides.len()).finish()
+    }
+}
+
+impl Stagers {
+    pub fn new(cfg: StagingConfig, stats: Arc<StageStats>) -> Stagers {
+        Stagers { cfg, stats, sides: Vec::new() }
+    }
+
+    fn side(&mut self, dev: u32, role: Role) -> Result<&mut Staged<Gpu>, StageError> {
+        if let Some(i) = self.sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
+            return Ok(&mut self.sides[i].2);
+        }
+        let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
+        let gpu = Gpu::open(self.cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
+        let mut st = Staged::new(gpu, role, self.cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
+        st.keep_ops(false);
+        self.stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
+        self.stats.pools.fetch_add(1, Ordering::Relaxed);
+        self.sides.push((dev, role, st));
+        Ok(&mut self.sides.last_mut().expect("just pushed").2)
+    }
+
+    /// Sends `len` bytes of device `dev`'s memory at `src` (D2H → wire).
+    ///
+    /// # Safety
+    /// `src..src+len` is device memory of `dev`, registered and held for the call.
+    pub unsafe fn send(&mut self, dev: u32, src: u64, len: u64, out: &mut SockOut<'_>) -> Result<(), StageError> {
+        let stats = self.stats.clone();
+        let st = self.side(dev, Role::Sender)?;
+        let before = st.totals();
+        // SAFETY: the caller's contract.
+        let r = unsafe { st.send(DevicePtr(src), len, out) };
+        stats.add(&before, &st.totals());
+        finish(r, &mut out.err)
+    }
+
+    /// Receives `len` bytes into device `dev`'s memory at `dst` (wire → H2D). On return every
+    /// copy into `dst` has completed, whether it succeeded or not.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
+    /// for the call.
+    pub unsafe fn recv(&mut self, dev: u32, dst: u64, len: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
+        let stats = self.stats.clone();
+        let st = self.side(dev, Role::Receiver)?;
+        let before = st.totals();
+        // SAFETY: the caller's contract.
+        let r = unsafe { st.recv(DevicePtr(dst), len, inp) };
+        stats.add(&before, &st.totals());
+        finish(r, &mut inp.err)
+    }
+}
+
+fn finish<T>(r: Result<T, PipelineError>, wire_err: &mut Option<WireError>) -> Result<(), StageError> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(PipelineError::Wire { .. }) if wire_err.is_some() => Err(StageError::Wire(wire_err.take().expect("checked"))),
+        Err(e) => Err(StageError::Device(e.to_string())),
+    }
+}
+
+impl Drop for Stagers {
+    fn drop(&mut self) {
+        let held: u64 = self.sides.iter().map(|(_, _, s)| s.pool_bytes()).sum();
+        self.stats.pool_bytes.fetch_sub(held, Ordering::Relaxed);
+        // Each `Staged` waits for its copies and frees its pool when dropped.
+    }
+}

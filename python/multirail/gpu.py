@@ -1,0 +1,106 @@
+"""Device memory without a framework: what the bench and the tests register as VRAM.
+
+`DeviceBuffer(nbytes)` allocates GPU memory through the same device layer the engine stages
+with: CUDA (libcudart loaded at run time) or the stand-in (host memory posing as a GPU, for CI).
+It exposes `__cuda_array_interface__`, so `Agent.register_memory(buf)` takes it as VRAM exactly
+like a CuPy array or a torch CUDA tensor.
+
+    from multirail.gpu import DeviceBuffer
+    buf = DeviceBuffer(64 << 20, device=0)          # kind: $MULTIRAIL_GPU, else "cuda"
+    buf.copy_from_host(np.arange(64 << 20, dtype=np.uint8))
+    reg = agent.register_memory(buf)                # mem type VRAM
+    host = buf.to_host()                            # a numpy copy, for checking
+
+The kind ("cuda" or "standin") must match the agent's `gpu` setting: a stand-in buffer is not
+GPU memory to CUDA, and the other way round. Errors are `multirail.errors.GpuError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from multirail import _core
+from multirail.agent import _offer_cuda_wheels
+from multirail.errors import InvalidArgumentError
+
+
+def info(device: int = 0, kind: str | None = None) -> dict:
+    """{"kind", "device", "name"} of a device (stand-in: plus its allocation counters)."""
+    _offer_cuda_wheels()
+    return dict(_core.gpu_info(device, kind))
+
+
+class DeviceBuffer:
+    """`nbytes` of device memory on `device`, freed by `free()` (or when collected)."""
+
+    def __init__(self, nbytes: int, device: int = 0, kind: str | None = None):
+        if int(nbytes) <= 0:
+            raise InvalidArgumentError("nbytes must be positive")
+        _offer_cuda_wheels()
+        self.nbytes = int(nbytes)
+        self.device = int(device)
+        self.kind = kind
+        self.addr = _core.gpu_alloc(self.nbytes, self.device, kind)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        self._live()
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.addr, False), "version": 3, "strides": None}
+
+    def _live(self) -> None:
+        if not self.addr:
+            raise InvalidArgumentError("device buffer already freed")
+
+    def _host(self, arr: Any, offset: int, writable: bool) -> np.ndarray:
+        a = np.asarray(arr)
+        if not a.flags.c_contiguous or (writable and not a.flags.writeable):
+            raise InvalidArgumentError("host array must be C-contiguous" + (" and writable" if writable else ""))
+        if offset < 0 or offset + a.nbytes > self.nbytes:
+            raise InvalidArgumentError(f"{a.nbytes} bytes at offset {offset} do not fit in {self.nbytes}")
+        return a
+
+    def copy_from_host(self, arr: Any, offset: int = 0) -> None:
+        """Copies a host array into the buffer at `offset` (synchronous)."""
+        self._live()
+        a = self._host(arr, offset, False)
+        if a.nbytes:
+            _core.gpu_copy(self.addr + offset, a.ctypes.data, a.nbytes, "h2d", self.device, self.kind)
+
+    def copy_to_host(self, out: np.ndarray, offset: int = 0) -> np.ndarray:
+        """Copies `out.nbytes` bytes at `offset` into `out` (synchronous); returns `out`."""
+        self._live()
+        a = self._host(out, offset, True)
+        if a.nbytes:
+            _core.gpu_copy(a.ctypes.data, self.addr + offset, a.nbytes, "d2h", self.device, self.kind)
+        return out
+
+    def to_host(self) -> np.ndarray:
+        """The whole buffer as a new uint8 numpy array."""
+        return self.copy_to_host(np.empty(self.nbytes, dtype=np.uint8))
+
+    def free(self) -> None:
+        """Frees the memory. Deregister it from agents first (the agent refuses to deregister
+        memory a transfer still holds)."""
+        if self.addr:
+            addr, self.addr = self.addr, 0
+            _core.gpu_free(addr, self.device, self.kind)
+
+    def __enter__(self) -> "DeviceBuffer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to report to
+            pass
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer({self.nbytes} bytes on {self.kind or 'default'} GPU {self.device} at {self.addr:#x})"
