@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from multirail import agent
 
         return getattr(agent, name)
+    if name == "gpu":  # multirail.gpu.DeviceBuffer, without importing the engine up front
+        import importlib
+
+        return importlib.import_module("multirail.gpu")
     raise AttributeError(f"module 'multirail' has no attribute {name!r}")
 
 
