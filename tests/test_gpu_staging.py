@@ -9,7 +9,11 @@ scattered pages; striped over several rails, surviving a rail dying mid-transfer
 once per connection (no pinning per transfer) and bounded; rail_stats/served_stats saying which
 path and what each stage did; every registration form (`__cuda_array_interface__`, DLPack
 capsules, raw rows) recognised, and misuse refused with a GpuError; close() mid-transfer leaves
-the device memory alone.
+the device memory alone. Same host, two processes: CUDA IPC (the stand-in maps the peer's
+memfd-backed "device memory" as CUDA maps an IPC handle), with fallback to staging.
+
+Agents in one process stage even with IPC on: like CUDA, the stand-in refuses to open a handle
+of its own process, so the in-process tests below exercise the staged path.
 """
 
 from __future__ import annotations
@@ -366,3 +370,133 @@ def test_ucx_rails_refuse_gpu_memory_clearly() -> None:
     finally:
         i.close()
         t.close()
+
+
+# ------------------------------------------------------------------ CUDA IPC (same host)
+
+_IPC_TARGET = r"""
+import hashlib, json, sys
+import numpy as np
+import multirail
+from multirail.gpu import DeviceBuffer
+n, off, ipc, access = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+t = multirail.Agent("target", {"gpu": "standin", "gpu_ipc": ipc})
+block = DeviceBuffer(off + n + 4096, kind="standin")  # the region is an offset inside a block
+block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
+t.register_memory([(block.addr + off, n, 0)], "VRAM", access=access)
+print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "digest":
+        out = np.empty(n, np.uint8)
+        block.copy_to_host(out, off)
+        print(hashlib.sha256(out.tobytes()).hexdigest(), flush=True)
+    elif cmd == "notifs":
+        print(json.dumps({k: [m.decode() for m in v] for k, v in t.get_new_notifs().items()}), flush=True)
+    else:
+        break
+t.close()
+"""
+
+
+class _Target:
+    """A target agent in another process (CUDA IPC maps only other processes' memory), with
+    `n` bytes of stand-in GPU memory at offset `off` inside a larger allocation."""
+
+    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw"):
+        import json
+        import subprocess
+        import sys
+
+        self.n = n
+        self.p = subprocess.Popen([sys.executable, "-c", _IPC_TARGET, str(n), str(off), "1" if ipc else "0", access],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._line()
+        info = json.loads(line)
+        self.port, self.addr = info["port"], info["addr"]
+
+    def _line(self) -> str:
+        import select
+
+        r, _, _ = select.select([self.p.stdout], [], [], 30)
+        assert r, "target process did not answer within 30 s"
+        line = self.p.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"target process exited ({self.p.poll()})"
+        return line
+
+    def ask(self, cmd: str) -> str:
+        self.p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
+        self.p.stdin.flush()  # type: ignore[union-attr]
+        return self._line().strip()
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()  # type: ignore[union-attr]
+            self.p.wait(timeout=10)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
+
+
+def _sha(a: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("lk", ["V", "D"])
+def test_ipc_between_processes_moves_no_byte_over_the_rails(lk: str) -> None:
+    """Same host, two processes: READ and WRITE against the peer's GPU region (an offset inside
+    a larger allocation) are device copies into its IPC mapping (D2D from local GPU memory,
+    H2D/D2H from host memory): byte-exact, notification after the data, nothing on the rails."""
+    n = 3 * MiB + 1
+    tgt = _Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+    try:
+        local = buf(lk, np.zeros(n, np.uint8))
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        run(i, "READ", [local], rd)
+        assert _sha(host(local)) == tgt.ask("digest")
+        new = pattern(n, 77)
+        if lk == "V":
+            local.copy_from_host(new)
+        else:
+            local[:] = new
+        h = i.initialize_xfer("WRITE", [local], rd, "target", b"kv-ready")
+        i.transfer(h)
+        i.wait(h, 30)
+        i.release_xfer_handle(h)
+        assert tgt.ask("digest") == _sha(new)
+        assert '"initiator": ["kv-ready"]' in tgt.ask("notifs")
+        pc = i.peer_counters("target")
+        assert pc["ipc_transfers"] == 2 and pc["ipc_bytes"] == 2 * n and pc["ipc_regions_mapped"] == 1, pc
+        assert pc["ipc_fallback_reason"] == "", pc
+        assert all(r["bytes"] == 0 for r in i.rail_stats("target")), i.rail_stats("target")
+    finally:
+        i.close()
+        tgt.close()
+
+
+@pytest.mark.parametrize("ipc,access,why", [(False, "rw", "gpu_ipc=False"), (True, "ro", "read-only")])
+def test_ipc_refused_by_the_target_falls_back_to_staging(ipc: bool, access: str, why: str) -> None:
+    """A target with IPC off, or a read-only region (an IPC mapping is writable): the transfer
+    is staged over the rails instead, byte-exact, and the reason is reported."""
+    n = MiB + 3
+    tgt = _Target(n, ipc=ipc, access=access)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+    try:
+        local = buf("V", np.zeros(n, np.uint8))
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        run(i, "READ", [local], i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM"))
+        assert _sha(host(local)) == tgt.ask("digest")
+        pc = i.peer_counters("target")
+        assert pc["ipc_transfers"] == 0 and why in pc["ipc_fallback_reason"], pc
+        st = i.rail_stats("target")[0]
+        assert st["bytes"] == n and st["staging"]["h2d"]["bytes"] == n, st
+    finally:
+        i.close()
+        tgt.close()

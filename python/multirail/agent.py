@@ -79,6 +79,11 @@ class AgentConfig:
     $MULTIRAIL_GPU, else "cuda". docs/gpu.md.
     staging_buffers, staging_buffer_size: the pinned bounce pool that stages GPU memory over tcp
     rails, per connection and direction (default 4 x 256 KiB), made once on first use.
+    gpu_ipc: CUDA IPC between agents on one host (default True): a transfer whose remote side
+    is the peer's GPU memory becomes one device copy into the peer's allocation, mapped with its
+    IPC handle (which exposes the whole allocation holding the region to that authenticated
+    peer: docs/SECURITY.md); a target with False hands out no handles. Falls back to staging
+    over the rails, with the reason in `peer_counters()["ipc_fallback_reason"]`.
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -102,6 +107,7 @@ class AgentConfig:
     gpu: str | None = None
     staging_buffers: int = 4
     staging_buffer_size: int = 256 << 10
+    gpu_ipc: bool = True
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -476,6 +482,7 @@ class Agent:
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
+            bool(cfg.gpu_ipc),
         )
         if cfg.transport == "ucx":
             _offer_ucx_wheel()

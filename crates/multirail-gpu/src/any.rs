@@ -78,7 +78,7 @@ pub enum GpuEvent {
 fn standin_config_from_env() -> StandInConfig {
     let rate = std::env::var(ENV_STANDIN_RATE).ok().and_then(|v| v.trim().parse::<f64>().ok()).filter(|r| *r > 0.0);
     let latency = std::env::var(ENV_STANDIN_LATENCY_US).ok().and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(0);
-    StandInConfig { d2h_rate: rate, h2d_rate: rate, d2d_rate: rate, latency: Duration::from_micros(latency) }
+    StandInConfig { d2h_rate: rate, h2d_rate: rate, d2d_rate: rate, latency: Duration::from_micros(latency), ipc_same_process: false }
 }
 
 fn opened() -> &'static Mutex<BTreeMap<(GpuKind, i32), Gpu>> {
@@ -221,6 +221,12 @@ impl Device for Gpu {
             (Gpu::Cuda(d), GpuEvent::Cuda(e)) => d.synchronize(e),
             (Gpu::StandIn(d), GpuEvent::StandIn(e)) => d.synchronize(e),
             _ => Err(mismatch()),
+        }
+    }
+    fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        match self {
+            Gpu::Cuda(d) => d.alloc_range(ptr),
+            Gpu::StandIn(d) => d.alloc_range(ptr),
         }
     }
     fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {

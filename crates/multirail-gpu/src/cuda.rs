@@ -50,6 +50,25 @@ const IPC_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// Bytes reserved for `cudaDeviceProp` (about 1 KiB in CUDA 12 and 13; `name` comes first).
 const DEVICE_PROP_BYTES: usize = 8192;
 
+/// `cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr ptr)`.
+type AddressRange = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> c_int;
+
+/// The driver API's `cuMemGetAddressRange_v2` (libcuda.so.1, present wherever a driver is):
+/// the runtime API has no call that finds an allocation's base. Loaded once; None when absent.
+fn address_range() -> Option<AddressRange> {
+    static F: std::sync::OnceLock<Option<(Library, AddressRange)>> = std::sync::OnceLock::new();
+    F.get_or_init(|| {
+        // SAFETY: loading the CUDA driver library runs its initialisers, which are benign (no
+        // driver work happens before the first call).
+        let lib = unsafe { Library::new("libcuda.so.1") }.ok()?;
+        // SAFETY: the prototype of cuMemGetAddressRange_v2 in cuda.h.
+        let f: AddressRange = unsafe { *lib.get::<AddressRange>(b"cuMemGetAddressRange_v2\0").ok()? };
+        Some((lib, f))
+    })
+    .as_ref()
+    .map(|(_, f)| *f)
+}
+
 /// `cudaPointerAttributes` (CUDA 11 and later).
 #[repr(C)]
 struct PointerAttributes {
@@ -456,6 +475,24 @@ impl Device for Cuda {
     fn synchronize(&self, event: &CudaEvent) -> Result<()> {
         // SAFETY: live event.
         self.rt.check("cudaEventSynchronize", unsafe { (self.api().event_synchronize)(event.raw) })
+    }
+
+    fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        self.current()?;
+        let f = address_range().ok_or(DeviceError::Unsupported { op: "cuMemGetAddressRange (no libcuda.so.1)", device: "CUDA" })?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: valid out-pointers; the driver checks `ptr` (the runtime made the primary
+        // context current on this thread in `current`).
+        let rc = unsafe { f(&mut base, &mut size, ptr.0) };
+        if rc != 0 {
+            return Err(DeviceError::Cuda {
+                op: "cuMemGetAddressRange",
+                code: rc,
+                name: format!("CUresult {rc}"),
+                message: "not an address of device memory".into(),
+            });
+        }
+        Ok((DevicePtr(base), size))
     }
 
     fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {

@@ -189,7 +189,14 @@ pub trait Device: Send + Sync {
     /// Blocks until the event has completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
 
-    /// An IPC handle for a device allocation, for another process on this host.
+    /// The allocation that contains `ptr`: its base and length (`cuMemGetAddressRange`). An IPC
+    /// handle maps a whole allocation, so a tensor inside a larger block (PyTorch's caching
+    /// allocator) is found at `ptr - base` in the peer's mapping.
+    fn alloc_range(&self, _ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        Err(DeviceError::Unsupported { op: "alloc_range", device: "this" })
+    }
+    /// An IPC handle for the device allocation whose base is `ptr`, for another process on
+    /// this host.
     fn ipc_handle(&self, _ptr: DevicePtr) -> Result<IpcHandle> {
         Err(DeviceError::Unsupported { op: "ipc_handle", device: "this" })
     }

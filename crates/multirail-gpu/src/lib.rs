@@ -30,7 +30,7 @@ pub mod standin;
 pub mod timeline;
 pub mod wire;
 
-pub use any::{Gpu, GpuKind, ENV_GPU};
+pub use any::{Gpu, GpuEvent, GpuKind, GpuStream, ENV_GPU};
 pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_WHEEL_DIRS};
 pub use device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
 pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};

@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::device::{CopyKind, Device, DeviceError, DevicePtr, MemKind, PinnedMem, Result};
+use crate::device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
 
 /// Copy rates (bytes/s, `None` = as fast as memcpy) and a per-copy latency.
 #[derive(Debug, Clone, Copy, Default)]
@@ -24,12 +24,15 @@ pub struct StandInConfig {
     pub d2d_rate: Option<f64>,
     /// Time before each copy starts moving bytes (launch overhead).
     pub latency: Duration,
+    /// Let `ipc_open` map handles of this same process. CUDA refuses that, and so does the
+    /// stand-in by default, so that agents in one process stage as they would on a GPU.
+    pub ipc_same_process: bool,
 }
 
 impl StandInConfig {
     /// Every kind of copy at `rate` bytes/s.
     pub fn uniform(rate: f64) -> Self {
-        StandInConfig { d2h_rate: Some(rate), h2d_rate: Some(rate), d2d_rate: Some(rate), latency: Duration::ZERO }
+        StandInConfig { d2h_rate: Some(rate), h2d_rate: Some(rate), d2d_rate: Some(rate), latency: Duration::ZERO, ipc_same_process: false }
     }
 
     fn rate(&self, kind: CopyKind) -> Option<f64> {
@@ -62,6 +65,9 @@ struct Inner {
     cfg: StandInConfig,
     /// base address → (length, kind), for free and pointer_kind.
     allocs: Mutex<BTreeMap<u64, (usize, AllocKind)>>,
+    /// Device allocations (and IPC mappings): base → the memfd behind them (-1: a mapping
+    /// opened from a peer's handle, whose fd was closed after mmap).
+    memfds: Mutex<BTreeMap<u64, i32>>,
     device_allocs: AtomicU64,
     pinned_allocs: AtomicU64,
     log: Arc<Mutex<Vec<CopyRecord>>>,
@@ -90,6 +96,7 @@ impl StandIn {
                 id,
                 cfg,
                 allocs: Mutex::new(BTreeMap::new()),
+                memfds: Mutex::new(BTreeMap::new()),
                 device_allocs: AtomicU64::new(0),
                 pinned_allocs: AtomicU64::new(0),
                 log: Arc::new(Mutex::new(Vec::new())),
@@ -118,9 +125,17 @@ impl StandIn {
     }
 
     fn alloc_raw(&self, len: usize, kind: AllocKind) -> Result<u64> {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), ALIGN).map_err(|_| DeviceError::HostAlloc { len })?;
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        let p = if kind == AllocKind::Device {
+            // Device memory is a shared memfd mapping, so that another process can map it from
+            // an IPC handle, as CUDA IPC lets it (`ipc_handle`).
+            let (p, fd) = memfd_map(len).ok_or(DeviceError::HostAlloc { len })?;
+            lock(&self.inner.memfds).insert(p, fd);
+            p as *mut u8
+        } else {
+            let layout = std::alloc::Layout::from_size_align(len.max(1), ALIGN).map_err(|_| DeviceError::HostAlloc { len })?;
+            // SAFETY: the layout has a non-zero size.
+            unsafe { std::alloc::alloc_zeroed(layout) }
+        };
         if p.is_null() {
             return Err(DeviceError::HostAlloc { len });
         }
@@ -135,12 +150,64 @@ impl StandIn {
         match allocs.get(&addr) {
             Some(&(len, k)) if k == kind => {
                 allocs.remove(&addr);
-                // SAFETY: allocated by alloc_raw with this size and alignment, removed from the
-                // table, so freed once.
-                unsafe { std::alloc::dealloc(addr as *mut u8, std::alloc::Layout::from_size_align_unchecked(len, ALIGN)) };
+                if kind == AllocKind::Device {
+                    let fd = lock(&self.inner.memfds).remove(&addr).unwrap_or(-1);
+                    // SAFETY: mapped by memfd_map (or ipc_open) with this length; removed from
+                    // the table, so unmapped once.
+                    unsafe { unmap(addr, len, fd) };
+                } else {
+                    // SAFETY: allocated by alloc_raw with this size and alignment, removed from
+                    // the table, so freed once.
+                    unsafe { std::alloc::dealloc(addr as *mut u8, std::alloc::Layout::from_size_align_unchecked(len, ALIGN)) };
+                }
                 Ok(())
             }
             _ => Err(DeviceError::UnknownPointer { addr }),
+        }
+    }
+
+    fn containing(&self, addr: u64) -> Option<(u64, usize, AllocKind)> {
+        let allocs = lock(&self.inner.allocs);
+        match allocs.range(..=addr).next_back() {
+            Some((&base, &(len, kind))) if addr < base + len as u64 => Some((base, len, kind)),
+            _ => None,
+        }
+    }
+}
+
+/// Magic of a stand-in IPC handle: `MRSI`, pid, memfd, length (the rest zero).
+const IPC_MAGIC: &[u8; 4] = b"MRSI";
+
+/// A zeroed shared mapping of `len` bytes backed by a new memfd: (address, fd).
+fn memfd_map(len: usize) -> Option<(u64, i32)> {
+    let len = len.max(1);
+    // SAFETY: plain syscalls; every failure path closes what was opened.
+    unsafe {
+        let fd = libc::memfd_create(c"multirail-standin".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        if libc::ftruncate(fd, len as libc::off_t) != 0 {
+            libc::close(fd);
+            return None;
+        }
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0);
+        if p == libc::MAP_FAILED {
+            libc::close(fd);
+            return None;
+        }
+        Some((p as u64, fd))
+    }
+}
+
+/// # Safety
+/// `addr..addr+len` is a mapping made by `memfd_map` or `ipc_open` that nothing uses any more.
+unsafe fn unmap(addr: u64, len: usize, fd: i32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        libc::munmap(addr as *mut libc::c_void, len.max(1));
+        if fd >= 0 {
+            libc::close(fd);
         }
     }
 }
@@ -252,14 +319,83 @@ impl Device for StandIn {
     }
 
     fn pointer_kind(&self, addr: u64) -> Result<MemKind> {
-        let allocs = lock(&self.inner.allocs);
-        Ok(match allocs.range(..=addr).next_back() {
-            Some((&base, &(len, kind))) if addr < base + len as u64 => match kind {
-                AllocKind::Device => MemKind::Device { device: self.inner.id },
-                AllocKind::Pinned => MemKind::Host,
-            },
-            _ => MemKind::Unregistered,
+        Ok(match self.containing(addr) {
+            Some((_, _, AllocKind::Device)) => MemKind::Device { device: self.inner.id },
+            Some((_, _, AllocKind::Pinned)) => MemKind::Host,
+            None => MemKind::Unregistered,
         })
+    }
+
+    fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
+        match self.containing(ptr.0) {
+            Some((base, len, AllocKind::Device)) => Ok((DevicePtr(base), len)),
+            _ => Err(DeviceError::UnknownPointer { addr: ptr.0 }),
+        }
+    }
+
+    /// A handle naming this process and the allocation's memfd: another process (of the same
+    /// user) maps it through `/proc/PID/fd/FD`, the stand-in's CUDA IPC. Like CUDA, handles of
+    /// the opening process itself are refused (unless `ipc_same_process`).
+    fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {
+        let (base, len) = self.alloc_range(ptr)?;
+        if base != ptr {
+            return Err(DeviceError::Unsupported { op: "ipc_handle of an interior pointer", device: "stand-in" });
+        }
+        let fd = *lock(&self.inner.memfds).get(&base.0).ok_or(DeviceError::UnknownPointer { addr: ptr.0 })?;
+        if fd < 0 {
+            return Err(DeviceError::Unsupported { op: "ipc_handle of an IPC mapping", device: "stand-in" });
+        }
+        let mut h = [0u8; 64];
+        h[..4].copy_from_slice(IPC_MAGIC);
+        h[4..8].copy_from_slice(&std::process::id().to_le_bytes());
+        h[8..12].copy_from_slice(&fd.to_le_bytes());
+        h[12..20].copy_from_slice(&(len as u64).to_le_bytes());
+        Ok(IpcHandle(h))
+    }
+
+    unsafe fn ipc_open(&self, handle: &IpcHandle) -> Result<DevicePtr> {
+        let h = &handle.0;
+        let bad = |why: &str| DeviceError::Cuda { op: "ipc_open", code: 0, name: "standinInvalidHandle".into(), message: why.into() };
+        if &h[..4] != IPC_MAGIC {
+            return Err(bad("not a stand-in IPC handle"));
+        }
+        let pid = u32::from_le_bytes(h[4..8].try_into().expect("4 bytes"));
+        let fd = i32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+        let len = u64::from_le_bytes(h[12..20].try_into().expect("8 bytes"));
+        let len = usize::try_from(len).map_err(|_| bad("length out of range"))?;
+        if pid == std::process::id() && !self.inner.cfg.ipc_same_process {
+            return Err(bad("a handle of this same process (CUDA IPC maps only other processes' memory)"));
+        }
+        let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
+        // SAFETY: plain syscalls; the fd opened here is closed once mapped (the mapping stays).
+        let p = unsafe {
+            let f = libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+            if f < 0 {
+                return Err(bad(&format!("cannot open {}: {}", path.to_string_lossy(), std::io::Error::last_os_error())));
+            }
+            let mut st: libc::stat = std::mem::zeroed();
+            let size_ok = libc::fstat(f, &mut st) == 0 && st.st_size as u64 >= len as u64;
+            let p = if size_ok {
+                libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f, 0)
+            } else {
+                libc::MAP_FAILED
+            };
+            libc::close(f);
+            if p == libc::MAP_FAILED {
+                return Err(bad("the allocation is gone or smaller than the handle says"));
+            }
+            p as u64
+        };
+        lock(&self.inner.allocs).insert(p, (len.max(1), AllocKind::Device));
+        lock(&self.inner.memfds).insert(p, -1);
+        Ok(DevicePtr(p))
+    }
+
+    unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        if lock(&self.inner.memfds).get(&ptr.0) != Some(&-1) {
+            return Err(DeviceError::UnknownPointer { addr: ptr.0 });
+        }
+        self.free_raw(ptr.0, AllocKind::Device)
     }
 
     fn create_stream(&self) -> Result<StandInStream> {
@@ -329,7 +465,32 @@ mod tests {
             dev.free_pinned(h).unwrap();
         }
         assert_eq!((dev.device_allocs(), dev.pinned_allocs(), dev.live_allocs()), (1, 1, 0));
-        assert!(matches!(dev.ipc_handle(d), Err(DeviceError::Unsupported { .. })));
+    }
+
+    #[test]
+    fn ipc_maps_the_same_memory() {
+        let plain = StandIn::new(0, StandInConfig::default());
+        let p = plain.alloc(4096).unwrap();
+        let own = plain.ipc_handle(p).unwrap();
+        assert!(unsafe { plain.ipc_open(&own) }.is_err(), "CUDA refuses handles of its own process");
+        unsafe { plain.free(p).unwrap() };
+        let dev = StandIn::new(0, StandInConfig { ipc_same_process: true, ..StandInConfig::default() });
+        let d = dev.alloc(10_000).unwrap();
+        assert_eq!(dev.alloc_range(d.offset(5000)).unwrap(), (d, 10_000));
+        assert!(matches!(dev.ipc_handle(d.offset(1)), Err(DeviceError::Unsupported { .. })));
+        let h = dev.ipc_handle(d).unwrap();
+        let m = unsafe { dev.ipc_open(&h).unwrap() };
+        assert_ne!(m, d);
+        assert_eq!(dev.pointer_kind(m.0 + 9999).unwrap(), MemKind::Device { device: 0 });
+        unsafe { *(d.0 as *mut u8).add(1234) = 77 };
+        assert_eq!(unsafe { *(m.0 as *const u8).add(1234) }, 77, "one memory, two mappings");
+        assert!(matches!(unsafe { dev.ipc_close(d) }, Err(DeviceError::UnknownPointer { .. })));
+        unsafe { dev.ipc_close(m).unwrap() };
+        unsafe { dev.free(d).unwrap() };
+        assert_eq!(dev.live_allocs(), 0);
+        let mut forged = h;
+        forged.0[0] = b'X';
+        assert!(unsafe { dev.ipc_open(&forged) }.is_err());
     }
 
     #[test]

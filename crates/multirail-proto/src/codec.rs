@@ -39,6 +39,10 @@ pub const MAX_UCX_REGIONS: usize = 1 << 16;
 pub const MAX_UCX_READY: usize = 16 << 20;
 /// Most region ids one `UcxRkeys` asks for.
 pub const MAX_UCX_RKEYS: usize = 4096;
+/// Most regions one `IpcReq` names (and one `IpcHandles` answers).
+pub const MAX_IPC_REGIONS: usize = 1024;
+/// Encoded size of one `IpcEntry`: region, device, handle, offset, allocation length.
+const IPC_ENTRY: usize = 8 + 4 + 64 + 8 + 8;
 /// Encoded size of a `UcxRegion` without its rkey bytes: id, base, len, rkey length.
 const UCX_REGION_FIXED: usize = 8 + 8 + 8 + 2;
 
@@ -75,6 +79,11 @@ pub enum Kind {
     UcxReady = 51,
     /// Client -> server: rkeys of regions registered after the session opened.
     UcxRkeys = 52,
+    /// Client -> server (control connection): CUDA IPC handles of these exported GPU regions,
+    /// from a peer on the same host (its host id). Answered with `IpcHandles`, or a refusal.
+    IpcReq = 53,
+    /// Server -> client: one handle per requested region (a capability: authenticated only).
+    IpcHandles = 54,
     /// Fatal connection-level error; the sender closes the connection after it.
     Error = 40,
 }
@@ -99,6 +108,8 @@ impl Kind {
             50 => UcxOpen,
             51 => UcxReady,
             52 => UcxRkeys,
+            53 => IpcReq,
+            54 => IpcHandles,
             40 => Error,
             _ => return None,
         })
@@ -122,6 +133,8 @@ impl Kind {
             UcxOpen => 2 + 4 + MAX_UCX_ADDR,
             UcxReady => MAX_UCX_READY,
             UcxRkeys => 4 + 8 * MAX_UCX_RKEYS,
+            IpcReq => 16 + 2 + (8 + 16) * MAX_IPC_REGIONS,
+            IpcHandles => 2 + IPC_ENTRY * MAX_IPC_REGIONS,
         }
     }
 }
@@ -263,6 +276,17 @@ pub struct UcxRegion {
     pub rkey: Vec<u8>,
 }
 
+/// One GPU region's CUDA IPC handle in `IpcHandles`: the handle maps the whole allocation
+/// that contains the region, which starts `offset` bytes into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcEntry {
+    pub region: u64,
+    pub device: u32,
+    pub handle: [u8; 64],
+    pub offset: u64,
+    pub alloc_len: u64,
+}
+
 /// A one-sided request against a remote region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteOp {
@@ -327,6 +351,14 @@ pub enum Body {
     },
     /// Region ids (at most [`MAX_UCX_RKEYS`]).
     UcxRkeys(Vec<u64>),
+    /// The requester's host id and the regions (id, key) it wants to map; at most
+    /// [`MAX_IPC_REGIONS`].
+    IpcReq {
+        host: [u8; 16],
+        regions: Vec<(u64, RegionKey)>,
+    },
+    /// At most [`MAX_IPC_REGIONS`].
+    IpcHandles(Vec<IpcEntry>),
 }
 
 impl Body {
@@ -349,6 +381,8 @@ impl Body {
             Body::UcxOpen { .. } => Kind::UcxOpen,
             Body::UcxReady { .. } => Kind::UcxReady,
             Body::UcxRkeys(_) => Kind::UcxRkeys,
+            Body::IpcReq { .. } => Kind::IpcReq,
+            Body::IpcHandles(_) => Kind::IpcHandles,
         }
     }
 
@@ -426,6 +460,26 @@ impl Body {
                 out.extend_from_slice(&(ids.len() as u32).to_le_bytes());
                 for id in ids {
                     out.extend_from_slice(&id.to_le_bytes());
+                }
+            }
+            Body::IpcReq { host, regions } => {
+                out.extend_from_slice(host);
+                let regions = &regions[..regions.len().min(MAX_IPC_REGIONS)];
+                out.extend_from_slice(&(regions.len() as u16).to_le_bytes());
+                for (id, key) in regions {
+                    out.extend_from_slice(&id.to_le_bytes());
+                    out.extend_from_slice(&key.0);
+                }
+            }
+            Body::IpcHandles(es) => {
+                let es = &es[..es.len().min(MAX_IPC_REGIONS)];
+                out.extend_from_slice(&(es.len() as u16).to_le_bytes());
+                for e in es {
+                    out.extend_from_slice(&e.region.to_le_bytes());
+                    out.extend_from_slice(&e.device.to_le_bytes());
+                    out.extend_from_slice(&e.handle);
+                    out.extend_from_slice(&e.offset.to_le_bytes());
+                    out.extend_from_slice(&e.alloc_len.to_le_bytes());
                 }
             }
         }
@@ -525,6 +579,29 @@ impl Body {
                 }
                 Body::UcxRkeys(ids)
             }
+            Kind::IpcReq => {
+                let host = r.array()?;
+                let n = r.u16()? as usize;
+                if n > MAX_IPC_REGIONS {
+                    return Err(DecodeError::TooMany { what: "ipc regions", n: n as u64, max: MAX_IPC_REGIONS as u64 });
+                }
+                let mut regions = Vec::with_capacity(n.min(r.remaining() / 24));
+                for _ in 0..n {
+                    regions.push((r.u64()?, RegionKey(r.array()?)));
+                }
+                Body::IpcReq { host, regions }
+            }
+            Kind::IpcHandles => {
+                let n = r.u16()? as usize;
+                if n > MAX_IPC_REGIONS {
+                    return Err(DecodeError::TooMany { what: "ipc handles", n: n as u64, max: MAX_IPC_REGIONS as u64 });
+                }
+                let mut es = Vec::with_capacity(n.min(r.remaining() / IPC_ENTRY));
+                for _ in 0..n {
+                    es.push(IpcEntry { region: r.u64()?, device: r.u32()?, handle: r.array()?, offset: r.u64()?, alloc_len: r.u64()? });
+                }
+                Body::IpcHandles(es)
+            }
             Kind::Resp | Kind::Error => {
                 let status = Status::from_u16(r.u16()?);
                 let bulk_len = r.u64()?;
@@ -598,6 +675,9 @@ mod tests {
         roundtrip(Body::Resp { status: Status::BadKey, bulk_len: 0, msg: "bad key".into() });
         roundtrip(Body::MetaGet);
         roundtrip(Body::Meta(vec![1, 2, 3]));
+        roundtrip(Body::IpcReq { host: [5; 16], regions: vec![(1, RegionKey([6; 16])), (9, RegionKey([7; 16]))] });
+        roundtrip(Body::IpcHandles(vec![IpcEntry { region: 3, device: 1, handle: [8; 64], offset: 4096, alloc_len: 1 << 21 }]));
+        roundtrip(Body::IpcHandles(vec![]));
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
         roundtrip(Body::Hello { role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });

@@ -20,7 +20,7 @@ mod simnet;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use multirail_proto::codec::{RemoteOp, Role, UcxRegion, HEADER_LEN};
+use multirail_proto::codec::{IpcEntry, RemoteOp, Role, UcxRegion, HEADER_LEN};
 use multirail_proto::planner::{pair_rows, pair_segments};
 use multirail_proto::{
     Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig, Policy, RailInfo, RegionKey, RegionMeta,
@@ -448,6 +448,20 @@ fn body() -> impl Strategy<Value = Body> {
                 regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect()
             }),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
+        (any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
+            .prop_map(|(host, rs)| Body::IpcReq { host, regions: rs.into_iter().map(|(i, k)| (i, RegionKey(k))).collect() }),
+        prop::collection::vec((any::<u64>(), any::<u32>(), prop::collection::vec(any::<u8>(), 64), any::<u64>(), any::<u64>()), 0..5)
+            .prop_map(|es| Body::IpcHandles(
+                es.into_iter()
+                    .map(|(region, device, h, offset, alloc_len)| IpcEntry {
+                        region,
+                        device,
+                        handle: h.try_into().expect("64 bytes"),
+                        offset,
+                        alloc_len
+                    })
+                    .collect()
+            )),
     ]
 }
 
@@ -520,6 +534,8 @@ fn write_fuzz_corpus() {
             },
         ),
         ("ucxrkeys", Body::UcxRkeys(vec![3, 4])),
+        ("ipcreq", Body::IpcReq { host: [0x42; 16], regions: vec![(1, RegionKey([0x55; 16])), (2, RegionKey([0x66; 16]))] }),
+        ("ipchandles", Body::IpcHandles(vec![IpcEntry { region: 1, device: 0, handle: [0x77; 64], offset: 1 << 20, alloc_len: 2 << 20 }])),
     ];
     let metas: Vec<(&str, Vec<u8>)> = vec![
         ("agent", sample_meta().encode()),

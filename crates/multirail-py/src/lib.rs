@@ -117,7 +117,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=262144))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=262144, gpu_ipc=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -140,6 +140,7 @@ impl PyAgent {
         gpu: Option<&str>,
         staging_buffers: usize,
         staging_buffer_size: u64,
+        gpu_ipc: bool,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -175,6 +176,7 @@ impl PyAgent {
             return Err(PyValueError::new_err("staging_buffer_size must be between 4 KiB and 64 MiB"));
         }
         cfg.staging.pool = multirail_gpu::PoolConfig { buffers: staging_buffers, buffer_size: staging_buffer_size };
+        cfg.staging.ipc = gpu_ipc;
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }
@@ -308,6 +310,11 @@ impl PyAgent {
         d.set_item("transfers_done", c.transfers_done.load(std::sync::atomic::Ordering::Relaxed))?;
         d.set_item("transfers_failed", c.transfers_failed.load(std::sync::atomic::Ordering::Relaxed))?;
         d.set_item("fenced_connections", c.fenced_connections.load(std::sync::atomic::Ordering::Relaxed))?;
+        let ipc = self.0.peer(peer).map_err(to_py)?.ipc_info();
+        d.set_item("ipc_transfers", ipc.transfers)?;
+        d.set_item("ipc_bytes", ipc.bytes)?;
+        d.set_item("ipc_regions_mapped", ipc.regions_mapped)?;
+        d.set_item("ipc_fallback_reason", ipc.fallback_reason)?;
         Ok(d)
     }
 

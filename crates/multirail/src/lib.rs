@@ -20,6 +20,7 @@ pub mod agent;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod ipc;
 pub mod link;
 pub mod peer;
 pub mod registry;

@@ -17,7 +17,7 @@ use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
-use multirail_proto::{Body, Chunk, ChunkId, Event, Planner, RailInfo, RegionKey, XferId};
+use multirail_proto::{Body, Chunk, ChunkId, Event, Kind, Planner, RailInfo, RegionKey, XferId};
 
 use crate::agent::Ctx;
 use crate::config::TransportKind;
@@ -710,6 +710,12 @@ impl Link {
     /// not answer, or whose local link is down, is left for the next one, until the agent's
     /// `timeout`. A notification whose answer was lost may thus arrive twice (at least once).
     pub(crate) fn control_request(&self, body: Body) -> Result<()> {
+        self.control_call(body, Kind::Resp).map(|_| ())
+    }
+
+    /// Send `body` on the control connection and return the answer, which must be a `Resp`
+    /// with status Ok or a frame of kind `answer` (a refusal is returned as its error).
+    pub(crate) fn control_call(&self, body: Body, answer: Kind) -> Result<Body> {
         let who = self.peer_name.clone();
         let overall = Instant::now() + self.ctx.cfg.timeout;
         let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
@@ -744,7 +750,8 @@ impl Link {
                 |_: bool| if Instant::now() > deadline { Err("no answer on the control connection".to_string()) } else { Ok(()) };
             let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
             match r {
-                Ok((_, Body::Resp { status: Status::Ok, .. })) => return Ok(()),
+                Ok((_, b @ Body::Resp { status: Status::Ok, .. })) if answer == Kind::Resp => return Ok(b),
+                Ok((_, b)) if answer != Kind::Resp && b.kind() == answer => return Ok(b),
                 Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
                     *g = None;
                     return Err(status_error(&who, status, msg));

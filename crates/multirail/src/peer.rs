@@ -42,6 +42,8 @@ pub struct Peer {
     io: Mutex<Vec<Arc<RailIo>>>,
     /// Counters of the peer as a whole.
     pub counters: Arc<PeerCounters>,
+    /// CUDA IPC mappings of the peer's GPU regions, and the copy worker (same host only).
+    pub(crate) ipc: crate::ipc::IpcPeer,
 }
 
 /// What went over one rail to a peer, for metrics; kept across links (reconnections).
@@ -114,6 +116,7 @@ impl Peer {
             unfenced: Arc::new(Mutex::new(Vec::new())),
             io: Mutex::new(Vec::new()),
             counters: Arc::new(PeerCounters::default()),
+            ipc: crate::ipc::IpcPeer::default(),
         }
     }
 
@@ -180,6 +183,9 @@ impl Peer {
     /// Post `x`. `will_drive`: the caller waits for it next (`post_wait`) and reads its own
     /// responses; otherwise a parked receiver is kicked to read them.
     pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
+        if x.ipc.is_some() {
+            return self.ipc.submit(x);
+        }
         let link = self.link()?;
         link.submit(x, will_drive)
     }
@@ -191,6 +197,9 @@ impl Peer {
     }
 
     pub(crate) fn cancel(&self, x: &Arc<XferShared>) {
+        if x.ipc.is_some() {
+            return self.ipc.cancel(x);
+        }
         if let Some(l) = self.link.lock().expect("peer lock").as_ref() {
             l.cancel(x);
         }
@@ -213,9 +222,15 @@ impl Peer {
     }
 
     pub fn close(&self) {
+        self.ipc.close();
         if let Some(l) = self.link.lock().expect("peer lock").take() {
             l.close();
         }
+    }
+
+    /// What CUDA IPC did for transfers to this peer.
+    pub fn ipc_info(&self) -> crate::ipc::IpcReport {
+        self.ipc.report()
     }
 
     /// Create a transfer handle: resolve, validate and pair all descriptors now, so posting is
@@ -274,7 +289,7 @@ impl Peer {
         };
         // Connect now, so unreachable peers fail here rather than on the first post.
         self.link()?;
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold)))
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None)))
     }
 
     /// `prepare` one check at a time, each over all rows, pairing without merging: the
@@ -319,8 +334,18 @@ impl Peer {
             )));
         }
         let pairs = self.pair(&local, &remote)?;
-        self.link()?;
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold)))
+        let link = self.link()?;
+        // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.
+        let all_remote_vram = !remote.is_empty()
+            && remote.iter().all(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
+        let ipc = if all_remote_vram && self.ctx.cfg.staging.ipc {
+            let vram: Vec<(u64, u64)> = hold.iter().filter(|r| r.mem == MemType::Vram).map(|r| (r.base, r.base + r.len)).collect();
+            let local_dev = |a: u64| vram.iter().find(|&&(b, e)| b <= a && a < e).map(|_| 0u32);
+            self.ipc.plan(&link, &self.keys, op, &pairs, local_dev)
+        } else {
+            None
+        };
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, ipc)))
     }
 }
 

@@ -463,6 +463,10 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                         .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
                 }
             },
+            Body::IpcReq { host, regions } => {
+                let answer = crate::ipc::answer(sh, host, &regions);
+                wire::send(&mut s, &answer, h.req_id, &mut op_tick)
+            }
             Body::Notif(msg) => {
                 sh.notifs.lock().expect("notif lock").push((peer_name.clone(), msg));
                 wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)

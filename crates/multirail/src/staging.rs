@@ -20,13 +20,16 @@ use crate::wire::{self, Inbound, WireError};
 pub struct StagingConfig {
     pub gpu: GpuKind,
     pub pool: PoolConfig,
+    /// Hand out (as a target) and use (as an initiator) CUDA IPC handles between agents on one
+    /// host (crate::ipc).
+    pub ipc: bool,
 }
 
 impl Default for StagingConfig {
     fn default() -> Self {
         // 4 x 256 KiB per connection and direction: a 1 MiB planner chunk is 4 pieces, so the
         // stages overlap inside each chunk; the pool is 1 MiB of pinned memory.
-        StagingConfig { gpu: GpuKind::Cuda, pool: PoolConfig { buffers: 4, buffer_size: 256 << 10 } }
+        StagingConfig { gpu: GpuKind::Cuda, pool: PoolConfig { buffers: 4, buffer_size: 256 << 10 }, ipc: true }
     }
 }
 

@@ -92,14 +92,25 @@ pub(crate) struct XferShared {
     pub current: AtomicU64,
     /// Local GPU regions among `hold`: (base, end, device). Their chunks are staged.
     vram: Vec<(u64, u64, u32)>,
+    /// Set when the transfer goes by CUDA IPC (same host, remote GPU memory): device copies
+    /// instead of the rails (crate::ipc).
+    pub(crate) ipc: Option<crate::ipc::IpcPlan>,
 }
 
 impl XferShared {
-    pub fn new(op: Op, peer: Arc<Peer>, pairs: Vec<Pair>, notif: Vec<u8>, hold: Vec<Arc<Region>>) -> Arc<XferShared> {
+    pub fn new(
+        op: Op,
+        peer: Arc<Peer>,
+        pairs: Vec<Pair>,
+        notif: Vec<u8>,
+        hold: Vec<Arc<Region>>,
+        ipc: Option<crate::ipc::IpcPlan>,
+    ) -> Arc<XferShared> {
         let total = pairs.iter().map(|p| p.len).sum();
         let vram = hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
         Arc::new(XferShared {
             vram,
+            ipc,
             op,
             peer,
             pairs: Arc::new(pairs),
