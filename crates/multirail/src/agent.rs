@@ -280,9 +280,10 @@ impl Agent {
             check_device_memory(self.shared.ctx.cfg.staging.gpu, base, len, dev)?;
         }
         let r = self.shared.registry.register(base, len, dev, mem, access)?;
-        // UCX maps host memory only: device memory handed to a UCX without CUDA support would
-        // be dereferenced as host memory. VRAM goes over the staged TCP path (docs/gpu.md).
-        if let Some(u) = self.shared.ucx.as_ref().filter(|_| mem != MemType::Vram) {
+        // Device memory handed to a UCX without CUDA support would be dereferenced as host
+        // memory: VRAM is mapped only when the rails can take it directly (docs/gpu.md).
+        // UCX maps GPU memory only with GPUDirect RDMA on every rail (`UcxAgent::gpu_direct`).
+        if let Some(u) = self.shared.ucx.as_ref().filter(|u| mem != MemType::Vram || u.gpu_direct().is_ok()) {
             // Mapped in every rail's UCX context now, so the data path never registers.
             if let Err(e) = u.map(&r) {
                 let id = r.id;

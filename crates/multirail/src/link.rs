@@ -99,7 +99,7 @@ impl Drop for Active<'_> {
 }
 
 /// Why a rail moves GPU memory the way it does (`RailReport::gpu_reason`).
-fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config) -> String {
+fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config, detail: Option<String>) -> String {
     use crate::transport::GpuPath;
     let pool = cfg.staging.pool;
     match path {
@@ -112,8 +112,9 @@ fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config) -> S
         ),
         GpuPath::Direct => "the rail's NIC addresses GPU memory (GPUDirect RDMA)".into(),
         GpuPath::Unavailable => format!(
-            "{} rails map host memory only in this build (no GPUDirect, no staging): transfers naming GPU memory are refused; use transport=tcp",
-            cfg.transport.as_str()
+            "{} rails cannot move GPU memory here ({}; they do not stage): transfers naming GPU memory are refused; use transport=tcp",
+            cfg.transport.as_str(),
+            detail.as_deref().unwrap_or("no GPUDirect RDMA")
         ),
     }
 }
@@ -773,6 +774,11 @@ impl Link {
         Err(last.unwrap_or_else(|| Error::Timeout(format!("control request to {who} not answered within {:?}", self.ctx.cfg.timeout))))
     }
 
+    /// What the transport can do (GPU path included).
+    pub(crate) fn caps(&self) -> crate::transport::Caps {
+        self.t.caps()
+    }
+
     pub(crate) fn rail_reports(&self) -> Vec<RailReport> {
         let g = self.sched.lock().expect("sched lock");
         self.rails
@@ -785,7 +791,7 @@ impl Link {
                 connections: self.t.paths(i),
                 transport: self.t.describe(i),
                 caps: self.t.caps(),
-                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg),
+                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail()),
                 stats: g.planner.rail_stats(i),
                 io: r.io.snapshot(),
             })

@@ -325,13 +325,17 @@ impl Peer {
             }
         }
         let vram_remote = remote.iter().any(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
-        if (vram_remote || hold.iter().any(|r| r.mem == MemType::Vram)) && self.ctx.cfg.transport != TransportKind::Tcp {
-            // UCX maps host memory only here: GPUDirect over UCX is not built (docs/gpu.md).
-            return Err(Error::Gpu(format!(
-                "GPU memory cannot go over {} rails in this build (no GPUDirect path; staging runs on tcp rails): \
-                 use transport=\"tcp\" for GPU memory",
-                self.ctx.cfg.transport.as_str()
-            )));
+        let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
+        if gpu && self.ctx.cfg.transport != TransportKind::Tcp {
+            // tcp stages; ucx takes GPU memory only directly (GPUDirect RDMA on every rail).
+            let direct = self.link()?.caps().gpu == crate::transport::GpuPath::Direct;
+            if !direct {
+                let why = self.link()?.rail_reports().first().map(|r| r.gpu_reason.clone()).unwrap_or_default();
+                return Err(Error::Gpu(format!(
+                    "GPU memory cannot go over {} rails here: {why} (use transport=\"tcp\" for GPU memory)",
+                    self.ctx.cfg.transport.as_str()
+                )));
+            }
         }
         let pairs = self.pair(&local, &remote)?;
         let link = self.link()?;

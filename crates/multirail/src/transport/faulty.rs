@@ -130,6 +130,10 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.caps()
     }
 
+    fn gpu_detail(&self) -> Option<String> {
+        self.inner.gpu_detail()
+    }
+
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
         if self.active(ri).any(|(_, f)| f.kind == FaultKind::Kill) {
             return Err(Error::PeerLost { peer: link.peer_name.clone(), reason: "fault injected: rail killed".into() });

@@ -86,6 +86,11 @@ pub(crate) enum Verdict {
 /// The rails of one link over one transport.
 pub(crate) trait Transport: Send + Sync {
     fn caps(&self) -> Caps;
+    /// Why GPU memory takes the path `caps().gpu` says, beyond what the path implies (for
+    /// `rail_stats()`'s `gpu_path_reason`).
+    fn gpu_detail(&self) -> Option<String> {
+        None
+    }
     /// Open rail `ri` (its connections or endpoints, and the threads that move its chunks) to
     /// the link's peer, within `timeout`. On success the rail pulls work from the link.
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()>;

@@ -88,6 +88,8 @@ pub(crate) struct UcxAgent {
     maps: Arc<Maps>,
     /// Target-side session workers alive now.
     sessions: std::sync::atomic::AtomicUsize,
+    /// Whether GPU memory can go over these rails directly (GPUDirect RDMA), or why not.
+    gpu_direct: std::result::Result<(), String>,
 }
 
 impl UcxAgent {
@@ -101,7 +103,15 @@ impl UcxAgent {
                 .map_err(|e| Error::Unavailable(format!("UCX context for rail {i} ({devices}) with {}: {e}", ucx.info())))?;
             ctxs.push(RailCtx { ctx, devices });
         }
-        Ok(UcxAgent { ucx, rails: ctxs, maps: Arc::new(RwLock::new(HashMap::new())), sessions: Default::default() })
+        let infos: Vec<(String, &str)> = ctxs.iter().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
+        let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/sys/module"));
+        Ok(UcxAgent { ucx, rails: ctxs, maps: Arc::new(RwLock::new(HashMap::new())), sessions: Default::default(), gpu_direct })
+    }
+
+    /// Ok when every rail can move GPU memory directly (module docs of `gpu_direct_check`),
+    /// else why not.
+    pub fn gpu_direct(&self) -> std::result::Result<(), &str> {
+        self.gpu_direct.as_ref().map(|_| ()).map_err(String::as_str)
     }
 
     /// Map a newly registered region in every rail context (and pack its rkey when exported).
@@ -190,6 +200,33 @@ fn rail_config(i: usize, r: &LocalRail, rdma_dev: &str) -> (ContextConfig, Strin
         // An unspecified address (0.0.0.0): no single device to restrict to.
         None => (cfg.tls("tcp"), "NET_DEVICES=all TLS=tcp".into()),
     }
+}
+
+/// GPUDirect RDMA over every rail needs three things; the first one missing is the reason:
+/// 1. a UCX with CUDA support that found a GPU driver (its contexts list a `cuda` transport);
+/// 2. rails on RDMA devices (a rail over UCX's tcp copies through host memory);
+/// 3. the kernel's GPUDirect RDMA support: `nvidia_peermem` (or the older `nv_peer_mem`) loaded.
+///    (dma-buf registration, the other way, is not detected by this build.)
+///
+/// When it holds, GPU regions are `ucp_mem_map`ped like host ones (UCX detects the memory type)
+/// and GPU transfers go over the ucx rails as they are ("direct"). Not verified on hardware here.
+/// `rails`: each rail context's `ucp_context_print_info` and its device restriction.
+fn gpu_direct_check(rails: &[(String, &str)], sys_module: &std::path::Path) -> std::result::Result<(), String> {
+    for (i, (info, devices)) in rails.iter().enumerate() {
+        if !info.contains("cuda") {
+            return Err(format!("the loaded UCX has no CUDA transport on rail {i} (UCX built without CUDA, or no GPU driver)"));
+        }
+        if devices.contains("TLS=tcp") {
+            return Err(format!("rail {i} runs on UCX's tcp ({devices}): GPUDirect needs an RDMA device"));
+        }
+    }
+    if rails.is_empty() {
+        return Err("no rails".into());
+    }
+    if !["nvidia_peermem", "nv_peer_mem"].iter().any(|m| sys_module.join(m).exists()) {
+        return Err("GPUDirect RDMA kernel support is missing: nvidia_peermem is not loaded (`modprobe nvidia_peermem`)".into());
+    }
+    Ok(())
 }
 
 /// The network interface of a tcp rail: its name when that is an interface, else the interface
@@ -879,6 +916,25 @@ mod tests {
     use std::net::SocketAddr;
 
     const T: Duration = Duration::from_secs(5);
+
+    /// Runs without UCX: the decision from what the contexts report and /sys/module.
+    #[test]
+    fn gpu_direct_needs_cuda_rdma_and_peermem() {
+        let dir = std::env::temp_dir().join(format!("mr-sysmod-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cuda = "# memory types: host, cuda\n#  md 3 : component cuda_cpy".to_string();
+        let rdma = "NET_DEVICES=mlx5_0:1";
+        let no_cuda = gpu_direct_check(&[("# md 0 : tcp".into(), rdma)], &dir).unwrap_err();
+        assert!(no_cuda.contains("no CUDA transport"), "{no_cuda}");
+        let tcp = gpu_direct_check(&[(cuda.clone(), rdma), (cuda.clone(), "NET_DEVICES=eth1 TLS=tcp")], &dir).unwrap_err();
+        assert!(tcp.contains("rail 1 runs on UCX's tcp"), "{tcp}");
+        let no_peermem = gpu_direct_check(&[(cuda.clone(), rdma)], &dir).unwrap_err();
+        assert!(no_peermem.contains("nvidia_peermem"), "{no_peermem}");
+        std::fs::create_dir_all(dir.join("nvidia_peermem")).unwrap();
+        assert_eq!(gpu_direct_check(&[(cuda.clone(), rdma), (cuda, "NET_DEVICES=mlx5_1:1")], &dir), Ok(()));
+        assert!(gpu_direct_check(&[], &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn agent(name: &str, transport: TransportKind) -> Agent {
         let cfg = Config { transport, timeout: T, ..Config::default() };

@@ -177,11 +177,12 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
 impl Transport for UcxRails {
     fn caps(&self) -> Caps {
         // One-sided when the lanes are RDMA ones (UCX's tcp and shm lanes emulate RMA with the
-        // target's thread). GPU memory over UCX is not offered: regions are mapped as host
-        // memory, and GPUDirect (UCX built with CUDA, nvidia_peermem or dma-buf) is not built.
+        // target's thread). GPU memory goes directly only with GPUDirect RDMA on every rail
+        // (`UcxAgent::gpu_direct`); otherwise it is refused (ucx rails cannot stage).
         let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
-        Caps { remote_vram: false, one_sided, gpu: GpuPath::Unavailable }
+        let direct = one_sided && self.agent.gpu_direct().is_ok();
+        Caps { remote_vram: direct, one_sided, gpu: if direct { GpuPath::Direct } else { GpuPath::Unavailable } }
     }
 
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
@@ -279,6 +280,10 @@ impl Transport for UcxRails {
 
     fn paths(&self, ri: usize) -> usize {
         usize::from(self.is_up(ri))
+    }
+
+    fn gpu_detail(&self) -> Option<String> {
+        self.agent.gpu_direct().err().map(str::to_string)
     }
 
     fn describe(&self, ri: usize) -> String {
