@@ -822,7 +822,11 @@ class Agent:
         """Per rail to `peer`: name, addresses, connections, transport ("tcp", "ucx/tcp",
         "ucx/rc_mlx5", ...), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
         reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
-        chunks_read/chunks_written, readmissions, stalls."""
+        chunks_read/chunks_written, readmissions, stalls. GPU memory (docs/gpu.md): gpu_path
+        ("staged" on tcp, "direct" with GPUDirect RDMA on ucx, else "unavailable"),
+        gpu_path_reason, and staging: {"d2h"|"wire"|"h2d": {"ops", "bytes", "busy_s"}, "chunks",
+        "pool_bytes", "pools"} for what this side staged (D2H of WRITEs from local GPU memory,
+        H2D of READs into it). Transfers by CUDA IPC use no rail: see peer_counters()."""
         return self._core.rail_stats(peer)
 
     def transport_info(self) -> dict:
@@ -832,8 +836,10 @@ class Agent:
         return {"transport": kind, "ucx_version": version, "ucx_rails": rails}
 
     def peer_counters(self, peer: str) -> dict:
-        """transfers_done, transfers_failed (posts to `peer` by outcome) and fenced_connections
-        (our dead connections the peer confirmed fenced)."""
+        """transfers_done, transfers_failed (posts to `peer` by outcome), fenced_connections
+        (our dead connections the peer confirmed fenced), and CUDA IPC (same host, docs/gpu.md):
+        ipc_transfers, ipc_bytes, ipc_regions_mapped, ipc_fallback_reason (why the last transfer
+        that could have used IPC was staged instead; empty when none was)."""
         return self._core.peer_counters(peer)
 
     def served_stats(self) -> list[dict]:
@@ -844,8 +850,9 @@ class Agent:
         side channel), bytes_read/requests_read (READs answered: data sent out of our memory),
         bytes_written/requests_written (WRITEs applied: data landed in our memory), refused and
         refused_by_status ({"BadKey": n, ...}), connections (accepted), ucx_sessions (UCX
-        sessions among them; their one-sided bytes are not counted) and fenced (connections
-        the peer's Fence aborted)."""
+        sessions among them; their one-sided bytes are not counted), fenced (connections
+        the peer's Fence aborted) and staging (as in rail_stats: D2H serving READs of our GPU
+        memory, H2D landing WRITEs into it)."""
         return self._core.served_stats()
 
     def rails(self) -> list[tuple[str, str, int]]:
