@@ -237,7 +237,7 @@ def test_plot_without_matplotlib_is_a_usage_error(monkeypatch: pytest.MonkeyPatc
     (["--model", "llama-3.1-70b", "--isl", "0"], "--isl must be at least 1"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--tp", "3"], "does not divide"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--requests", "0"], "--requests"),
-    (["--model", "llama-3.1-70b", "--isl", "128", "--initiator-seg-type", "VRAM"], "not moved"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--initiator-seg-type", "HBM"], "invalid choice: 'HBM'"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--total-buffer-size", "1GiB"], "does not apply"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"],
      "exclude each other"),

@@ -779,6 +779,11 @@ impl Link {
         self.t.caps()
     }
 
+    /// The transport's word on why GPU memory takes (or cannot take) its path.
+    pub(crate) fn gpu_detail(&self) -> Option<String> {
+        self.t.gpu_detail()
+    }
+
     pub(crate) fn rail_reports(&self) -> Vec<RailReport> {
         let g = self.sched.lock().expect("sched lock");
         self.rails

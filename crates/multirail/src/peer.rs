@@ -328,11 +328,11 @@ impl Peer {
         let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
         if gpu && self.ctx.cfg.transport != TransportKind::Tcp {
             // tcp stages; ucx takes GPU memory only directly (GPUDirect RDMA on every rail).
-            let direct = self.link()?.caps().gpu == crate::transport::GpuPath::Direct;
-            if !direct {
-                let why = self.link()?.rail_reports().first().map(|r| r.gpu_reason.clone()).unwrap_or_default();
+            let link = self.link()?;
+            if link.caps().gpu != crate::transport::GpuPath::Direct {
+                let why = link.gpu_detail().unwrap_or_else(|| "no GPUDirect RDMA".into());
                 return Err(Error::Gpu(format!(
-                    "GPU memory cannot go over {} rails here: {why} (use transport=\"tcp\" for GPU memory)",
+                    "GPU memory cannot go over {} rails here: {why}; they do not stage GPU memory: use transport=\"tcp\"",
                     self.ctx.cfg.transport.as_str()
                 )));
             }

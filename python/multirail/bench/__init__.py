@@ -17,6 +17,12 @@ Subcommands:
 `--secret` (every mode) sets the shared secret of the handshake, overriding $MULTIRAIL_SECRET;
 child processes get it through their environment, not their command line.
 
+`--initiator-seg-type DRAM|VRAM --target-seg-type DRAM|VRAM` (every mode, nixlbench's names):
+VRAM buffers are multirail.gpu.DeviceBuffers on `--device-id` of kind `--gpu cuda|standin`, the
+target's allocated in the target process; tcp rails stage them through pinned buffers and each
+row then carries the D2H / wire / H2D breakdown (staging.py). ucx rails take VRAM only with
+GPUDirect RDMA (else the engine's GpuError says what is missing).
+
 The sweep doubles the block size from `--start-block-size` to `--max-block-size`; each
 transfer moves `--batch-size` blocks (one descriptor each) through one prepared handle that
 is reused for every iteration. Rail byte counters are read around each timed loop (rails.py).
@@ -38,9 +44,10 @@ from multirail.bench.chaos import (CHAOS_ONLY, DEFAULT_DOWN_S, DEFAULT_DURATION_
                                    DEFAULT_UP_S, MODES)
 from multirail.bench.core import (BenchRow, args_config, write_json, RailRow, UsageError, block_sizes,
                                   format_size, format_table, parse_size)
+from multirail.bench.mem import add_mem_opts, check_gpu, check_mem_opts, gpu_ipc_setting, uses_vram
 from multirail.bench.rails import RailCounters, resolve_rails
-from multirail.bench.worker import (BenchFailure, EngineWorker, format_transport, label_rail_transports,
-                                    run_sweep)
+from multirail.bench.worker import (BenchFailure, EngineWorker, format_memory, format_transport,
+                                    label_rail_transports, run_sweep)
 from multirail.errors import AuthenticationError, MultirailError
 
 LATENCY_SIZE = 4096
@@ -91,6 +98,7 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics of this process's agents on http://METRICS_HOST:N/metrics "
                         "(docs/metrics.md)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address of --metrics-port (default 127.0.0.1)")
+    add_mem_opts(p)
 
 
 def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
@@ -225,10 +233,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--timeout and --stall-timeout must be positive")
     if args.secret is not None and not args.secret:
         raise UsageError("--secret must not be empty")
+    transport = _transport(args)
     return dict(connections=args.connections, rails=_rails(args.rails), policy=_policy(args.policy),
                 chunk_size=parse_size(args.chunk_size), timeout=args.timeout,
                 stall_timeout=args.stall_timeout, secret=args.secret, progress=args.progress,
-                spin_us=_spin_us(args), transport=_transport(args))
+                spin_us=_spin_us(args), transport=transport, gpu=check_mem_opts(args, transport),
+                gpu_ipc=gpu_ipc_setting(args))
 
 
 def _transport(args: argparse.Namespace) -> str:
@@ -290,7 +300,8 @@ def _cmd_target(args: argparse.Namespace) -> int:
         raise UsageError("--duration and --idle-timeout must be positive")
     return serve(host=host, port=port, name=args.target_name, buffer_size=size,
                  duration=args.duration, idle_timeout=args.idle_timeout,
-                 corrupt_offset=args.corrupt_offset, **_engine_kwargs(args))
+                 corrupt_offset=args.corrupt_offset, seg_type=args.target_seg_type, device=args.device_id,
+                 **_engine_kwargs(args))
 
 
 # -- initiator ----------------------------------------------------------------------------------
@@ -306,7 +317,9 @@ def _run_initiator(args: argparse.Namespace, host: str, port: int,
     from multirail.bench.progress import make_progress
     progress = make_progress(enabled=args.json != "-")  # terminal: updating line; else a line per 10 s
     worker = EngineWorker(op=args.op, target_host=host, target_port=port, target_name=args.target_name,
-                          buffer_size=total, fill_target=args.check_consistency and args.op == "READ", **eng)
+                          buffer_size=total, fill_target=args.check_consistency and args.op == "READ",
+                          seg_type=args.initiator_seg_type, target_seg_type=args.target_seg_type,
+                          device=args.device_id, **eng)
     try:
         rows = run_sweep(worker, args.op, sizes, args.batch_size, args.num_iter, args.warmup_iter,
                          args.check_consistency, counters, progress, keepalive=worker.keepalive)
@@ -390,7 +403,16 @@ def _engine_argv(args: argparse.Namespace, rails: str | None, total: int) -> lis
             "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
             "--target-name", args.target_name, "--total-buffer-size", str(total),
             "--progress", args.progress, "--spin-us", str(args.spin_us), "--transport", _transport(args)]
-    return argv + (["--rails", rails] if rails else [])
+    return argv + mem_argv(args) + (["--rails", rails] if rails else [])
+
+
+def mem_argv(args: argparse.Namespace) -> list[str]:
+    """The memory options for a child bench process (both seg types: each side reads its own)."""
+    argv = ["--initiator-seg-type", args.initiator_seg_type, "--target-seg-type", args.target_seg_type,
+            "--device-id", str(args.device_id)]
+    gpu = check_mem_opts(args, _transport(args))
+    argv += ["--gpu", gpu] if gpu else []
+    return argv + (["--gpu-ipc", args.gpu_ipc] if getattr(args, "gpu_ipc", None) else [])
 
 
 def _start_target(args: argparse.Namespace, prefix: list[str], listen: str, rails: str | None,
@@ -425,6 +447,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     if args.duration <= 0 or args.idle_timeout <= 0 or args.baseline_time < 1:
         raise UsageError("--duration, --idle-timeout and --baseline-time must be positive")
     check_transport(args)
+    check_gpu(args)
     if args.testbed:
         tb = _select_testbed_rails(_testbed(args.testbed), args.rails)
         prefix_a, prefix_b = ["ip", "netns", "exec", tb["ns_a"]], ["ip", "netns", "exec", tb["ns_b"]]
@@ -457,6 +480,8 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
     opts = options_from_args(args)
     _engine_kwargs(args)
+    if uses_vram(args):
+        raise UsageError("--chaos runs move DRAM only: drop --initiator-seg-type/--target-seg-type VRAM")
     check_transport(args)
     _testbed(args.testbed)  # up and matching its spec, else a clear error
     return cmd_chaos(opts, args.json)
@@ -489,6 +514,8 @@ def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str
             if i < len(rates) and rates[i]:
                 rail.capacity_gbps = float(rates[i]) / 1e9  # type: ignore[arg-type]
     report = data.get("transport") or {"transport": _transport(args), "rails": []}
+    if data.get("memory"):
+        report["memory"] = data["memory"]
     return rows, list(data.get("problems", [])), report
 
 
@@ -496,7 +523,7 @@ def _row_from_json(d: dict[str, Any]) -> BenchRow:
     d = dict(d)
     d["rails"] = [RailRow(**x) for x in d.get("rails", [])]
     d["engine_rails"] = [RailRow(**x) for x in d.get("engine_rails", [])]
-    return BenchRow(**d)
+    return BenchRow(**{k: v for k, v in d.items() if k in BenchRow.__dataclass_fields__})
 
 
 def _baselines(args: argparse.Namespace, host: str, prefix_a: list[str],
@@ -571,9 +598,14 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
           transport: dict[str, Any] | None = None) -> int:
     rat = ratios(rows, baselines, getattr(args, "progress", "adaptive"))
     text_out = sys.stderr if args.json == "-" else sys.stdout
-    transport = transport or {"transport": getattr(args, "transport", "tcp"), "rails": []}
+    transport = dict(transport or {"transport": getattr(args, "transport", "tcp"), "rails": []})
+    memory = transport.pop("memory", None)
     print(format_table(rows), file=text_out)
     print(format_transport(transport), file=text_out)
+    print(format_memory(memory, transport), file=text_out)
+    notes = {r.staging["target_note"] for r in rows if r.staging and r.staging.get("target_note")}
+    for note in sorted(notes):
+        problems = problems + [f"target staging not measured ({note}): the breakdown shows the initiator's stages only"]
     print(f"progress: {getattr(args, 'progress', 'adaptive')} (spin {getattr(args, 'spin_us', 200.0):g} us)",
           file=text_out)
     for b in baselines:
@@ -595,7 +627,8 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
         print(f"plot: {args.plot}", file=text_out)
     if args.json:
         write_json({"rows": [r.to_json() for r in rows], "baselines": [b.to_json() for b in baselines],
-                    "ratios": rat, "problems": problems, "transport": transport, "config": args_config(args)},
+                    "ratios": rat, "problems": problems, "transport": transport, "memory": memory,
+                    "config": args_config(args)},
                    args.json)
     if failed:
         print(f"multirail bench: consistency check FAILED for {len(failed)} block size(s): "

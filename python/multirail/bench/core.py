@@ -14,6 +14,8 @@ from typing import Any, Sequence, TextIO
 
 import numpy as np
 
+from multirail.bench.staging import format_breakdown
+
 
 class UsageError(ValueError):
     """A bad command-line value (exit code 2)."""
@@ -151,6 +153,7 @@ class BenchRow:
     rails: list[RailRow] = field(default_factory=list)
     engine_rails: list[RailRow] = field(default_factory=list)
     cpu_pct: float | None = None  # CPU time / wall time of the measuring thread (%), where known
+    staging: dict[str, Any] | None = None  # runs with VRAM: per-stage breakdown (bench/staging.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,6 +189,7 @@ def format_table(rows: Sequence[BenchRow]) -> str:
             f"{r.gb_per_s:>8.3f} {r.gbps:>8.2f} {r.lat_avg_us:>10.1f} {r.lat_p50_us:>10.1f} "
             f"{r.lat_p99_us:>10.1f}  {r.consistency}")
         lines.extend(format_rails(r))
+        lines.extend(format_breakdown(r.staging))
     return "\n".join(lines)
 
 

@@ -41,6 +41,11 @@ The workload (docs/bench-kv.md has the whole story):
   pages, handles prepared once per slot and layer and reposted with a new notification, as
   engines with prepped descriptor lists do).
 
+Memory: `--initiator-seg-type` (the prefill pool) and `--target-seg-type` (the decode pool),
+DRAM or VRAM (mem.BenchMem on `--device-id`, `--gpu cuda|standin`); with VRAM each row carries
+the D2H / wire / H2D staging breakdown of its timed phase (staging.py; the decode side's stages
+through `bench:stats`) and the NIXL run is skipped.
+
 Modes, like the rest of bench: `bench kv` (local: a decode process on 127.0.0.1),
 `bench kv --testbed [NAME]` (decode in namespace a, prefill in b), and two hosts:
 `bench kv --listen HOST:PORT` (decode) with `bench kv --connect HOST:PORT` (prefill), both given
@@ -63,9 +68,12 @@ from typing import Any, Callable
 import numpy as np
 
 from multirail.bench import protocol as proto
+from multirail.bench import staging
 from multirail.bench.core import (RailRow, args_config, json_clean, write_json, UsageError, _M1, _M2, _M3, format_rails, format_size,
                                   pattern, percentile)
 from multirail.bench.kvmodels import ModelSpec, load_model
+from multirail.bench.mem import BenchMem, ipc_config, uses_vram
+from multirail.bench.staging import format_breakdown
 from multirail.bench.worker import BenchFailure
 
 # Control messages of the kv session (JSON bodies, protocol.py's `bench:` prefix):
@@ -236,13 +244,19 @@ def fill_pattern(buf: np.ndarray, seed: int, chunk: int = 64 << 20) -> None:
         buf[off:off + n] = pattern(seed, off, n)
 
 
-def verify_pages(plan: KvPlan, buf: np.ndarray, seed: int, src: np.ndarray, dst: np.ndarray,
+def verify_pages(plan: KvPlan, buf: np.ndarray | BenchMem, seed: int, src: np.ndarray, dst: np.ndarray,
                  zero_after: bool = True) -> tuple[int, int | None]:
     """Check that every layer's decode pages `dst` hold the prefill pages `src` (whose content is
     pattern(seed, prefill offset)); zero them afterwards so stale data cannot pass a later check.
+    `buf`: the pool (numpy, or a BenchMem: VRAM pages are copied out one by one).
     Returns (bad pages, decode offset of the first bad byte or None)."""
     pb = plan.page_bytes
-    pages2d = buf[:plan.pool_bytes].reshape(-1, pb)
+    mem = buf if isinstance(buf, BenchMem) else None
+    host = mem.host if mem is not None else buf
+    if host is None:
+        assert mem is not None
+        return _verify_pages_device(plan, mem, seed, src, dst, zero_after)
+    pages2d = host[:plan.pool_bytes].reshape(-1, pb)
     bad, first = 0, None
     for layer in range(plan.layers):
         so, do = plan.offsets(layer, src), plan.offsets(layer, dst)
@@ -260,12 +274,37 @@ def verify_pages(plan: KvPlan, buf: np.ndarray, seed: int, src: np.ndarray, dst:
     return bad, first
 
 
-def verify_range(buf: np.ndarray, seed: int, src_off: int, dst_off: int, length: int,
+def _verify_pages_device(plan: Any, mem: BenchMem, seed: int, src: np.ndarray, dst: np.ndarray,
+                         zero_after: bool) -> tuple[int, int | None]:
+    pb = plan.page_bytes
+    zeros = np.zeros(pb, dtype=np.uint8)
+    bad, first = 0, None
+    for layer in range(plan.layers):
+        so, do = plan.offsets(layer, src), plan.offsets(layer, dst)
+        got = np.stack([mem.read(int(o), pb) for o in do]) if len(do) else np.zeros((0, pb), np.uint8)
+        differ = got != page_patterns(seed, so, pb)
+        rows = np.flatnonzero(differ.any(axis=1))
+        if rows.size:
+            bad += int(rows.size)
+            if first is None:
+                r = int(rows[0])
+                first = int(do[r]) + int(np.argmax(differ[r]))
+        if zero_after:
+            for o in do:
+                mem.write(int(o), zeros)
+    return bad, first
+
+
+def verify_range(buf: np.ndarray | BenchMem, seed: int, src_off: int, dst_off: int, length: int,
                  zero_after: bool = True) -> tuple[int, int | None]:
-    differ = buf[dst_off:dst_off + length] != pattern(seed, src_off, length)
+    got = buf.read(dst_off, length) if isinstance(buf, BenchMem) else buf[dst_off:dst_off + length]
+    differ = got != pattern(seed, src_off, length)
     n = int(np.count_nonzero(differ))
     if zero_after:
-        buf[dst_off:dst_off + length] = 0
+        if isinstance(buf, BenchMem):
+            buf.zero(dst_off, length)
+        else:
+            buf[dst_off:dst_off + length] = 0
     return n, (dst_off + int(np.argmax(differ)) if n else None)
 
 
@@ -274,20 +313,22 @@ def verify_range(buf: np.ndarray, seed: int, src_off: int, dst_off: int, length:
 def serve(*, host: str, port: int, name: str, pool_bytes: int, connections: int, rails: list[str] | None,
           policy: str, chunk_size: int, timeout: float, stall_timeout: float, duration: float,
           idle_timeout: float, secret: str | None = None, progress: str = "adaptive",
-          spin_us: float = 200.0, transport: str = "tcp") -> int:
-    """The decode side: one registered pool, answers the bench and kv control messages. Prints
-    the same ready line as `bench target` (target.run_served)."""
+          spin_us: float = 200.0, transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM",
+          device: int = 0, gpu_ipc: bool | None = None) -> int:
+    """The decode side: one registered pool (DRAM, or VRAM on GPU `device`), answers the bench
+    and kv control messages. Prints the same ready line as `bench target` (target.run_served)."""
     from multirail.bench.target import run_served
 
     engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
                   timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret, progress=progress,
-                  spin_us=spin_us, transport=transport)
+                  spin_us=spin_us, transport=transport, gpu=gpu, **ipc_config(gpu_ipc))
     return run_served(name, pool_bytes, engine,
-                      lambda agent, buf, mr: _DecodeLoop(agent, buf, mr).run(duration, idle_timeout), prefault=True)
+                      lambda agent, buf, mr: _DecodeLoop(agent, buf, mr).run(duration, idle_timeout), prefault=True,
+                      seg_type=seg_type, device=device)
 
 
 class _DecodeLoop:
-    def __init__(self, agent: Any, buf: np.ndarray, mr: Any) -> None:
+    def __init__(self, agent: Any, buf: BenchMem, mr: Any) -> None:
         self.agent, self.buf, self.mr = agent, buf, mr
         self.plan: KvPlan | None = None
         self.geom: dict[str, Any] = {}
@@ -321,7 +362,7 @@ class _DecodeLoop:
                         self.fast = True
                         reply = self._kv(kind, body, t_ns)
                     else:
-                        reply = _handle(kind, body, self.buf, None)
+                        reply = _handle(kind, body, self.buf, None, self.agent, peer)
                     if reply is not None:
                         self.outbox.append((peer, reply))
             pending = []
@@ -357,7 +398,7 @@ class _DecodeLoop:
         if kind == KV_BEGIN:
             self.geom = body
             self.done.clear()
-            return proto.encode(KV_READY, {"pool_bytes": len(self.buf)})
+            return proto.encode(KV_READY, {"pool_bytes": len(self.buf), "mem": self.buf.mem_type})
         return None
 
     def _verify(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -436,6 +477,7 @@ class KvRow:
     latencies_us: list[float] = field(default_factory=list)
     decode_latencies_us: list[float] = field(default_factory=list)
     cpu_pct: float | None = None
+    staging: dict[str, Any] | None = None  # runs with VRAM: per-stage breakdown (bench/staging.py)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -533,32 +575,41 @@ class KvInitiator:
     def __init__(self, plan: KvPlan, *, host: str, port: int, target_name: str, connections: int,
                  rails: list[str] | None, policy: str, chunk_size: int, timeout: float, stall_timeout: float,
                  secret: str | None, progress: str, spin_us: float, check: bool, same_clock: bool,
-                 seed: int = DEFAULT_SEED, prep: str = "fresh", transport: str = "tcp") -> None:
+                 seed: int = DEFAULT_SEED, prep: str = "fresh", transport: str = "tcp", gpu: str | None = None,
+                 seg_type: str = "DRAM", target_seg_type: str = "DRAM", device: int = 0,
+                 gpu_ipc: bool | None = None) -> None:
         import multirail
         from multirail.bench.worker import _looks_like_ip, local_addr_towards
 
         self.mr, self.plan, self.check, self.prep = multirail, plan, check, prep
         self.timeout, self.seed = timeout, seed
+        self.gpu = gpu
         self.corrupt_next = False  # set for the timed kv phase by --corrupt-mapping
         local = rails[0] if rails and _looks_like_ip(rails[0]) else local_addr_towards(host, port)
         cfg = multirail.AgentConfig(host=local, port=0, connections=connections, rails=rails, policy=policy,
                                     chunk_size=chunk_size, timeout=timeout, stall_timeout=stall_timeout,
-                                    auth_secret=secret, progress=progress, spin_us=spin_us, transport=transport)
+                                    auth_secret=secret, progress=progress, spin_us=spin_us, transport=transport,
+                                    gpu=gpu, **ipc_config(gpu_ipc))
         self.transport = transport
         self.agent = multirail.Agent(f"mr-kv-prefill-{os.getpid()}", cfg)
         self.peer = target_name
         self.mail = _Mailbox(self.agent, target_name)
         self.stopped = False
-        self.buf = np.empty(plan.pool_bytes, dtype=np.uint8)
+        self.mem: BenchMem | None = None
         self.reg = None
         self._rid = 0
         self._rid_lock = threading.Lock()
+        self._stats_seq = 0
+        self.target_stats_note: str | None = None
+        self.remote_mem, self.target_gpu = "DRAM", None
         try:
+            self.mem = BenchMem(plan.pool_bytes, seg_type, device, gpu)
+            self.buf = self.mem.host  # DRAM: the numpy pool (None for VRAM)
             if check:
-                fill_pattern(self.buf, seed)
+                self.mem.fill_pattern(seed)
             else:
-                self.buf.fill(0x5A)  # fault the pool in (and not all zeros)
-            self.reg = self.agent.register_memory(self.buf, access="local")
+                self.mem.fill_byte(0x5A)  # fault the pool in (and not all zeros)
+            self.reg = self.mem.register(self.agent, access="local")
             self.agent.fetch_remote_metadata(target_name, host, port)
             deadline = time.monotonic() + timeout
             while not self.agent.check_remote_metadata(target_name):
@@ -571,6 +622,11 @@ class KvInitiator:
             info = self.mail.take(proto.INFO, None, max(timeout, 30.0), pump=True)
             self.remote_addr, self.remote_len = int(info["addr"]), int(info["len"])
             self.remote_dev = int(info.get("dev", 0))
+            self.remote_mem, self.target_gpu = str(info.get("mem") or "DRAM"), info.get("gpu")
+            if self.remote_mem != target_seg_type:
+                raise BenchFailure(f"the decode side's pool is {self.remote_mem} but --target-seg-type is "
+                                   f"{target_seg_type}: start it (bench kv --listen) with --target-seg-type "
+                                   f"{target_seg_type}")
             if self.remote_len < plan.pool_bytes:
                 raise BenchFailure(
                     f"the decode side's pool is {format_size(self.remote_len)}, this workload needs "
@@ -669,10 +725,17 @@ class KvInitiator:
         if progress is not None:
             progress.advance(1, label)
 
+    def _descs(self, local: np.ndarray, remote: np.ndarray) -> tuple[Any, Any]:
+        """Rows as descriptor lists of each side's mem type (DRAM rows pass as they are)."""
+        assert self.mem is not None
+        return (self.mem.descs(self.agent, local),
+                self.agent.get_xfer_descs(remote, "VRAM") if self.remote_mem == "VRAM" else remote)
+
     def _slot_kv(self, slot: int, todo: list[int], lock: threading.Lock, ph: _Phase, progress: Any,
                  label: str) -> None:
         plan, agent, peer = self.plan, self.agent, self.peer
-        base_src, base_dst = int(self.buf.ctypes.data), self.remote_addr
+        assert self.mem is not None
+        base_src, base_dst = self.mem.addr, self.remote_addr
         kept: tuple[np.ndarray, np.ndarray] | None = None  # --prep reuse: this slot's pages
         handles: list[Any] = []
         try:
@@ -684,7 +747,7 @@ class KvInitiator:
                     src, dst = kept
                 else:
                     src, dst = self.src_pool.alloc(plan.pages), self.dst_pool.alloc(plan.pages)
-                    lrows = plan.rows(base_src, src)
+                    lrows = plan.rows(base_src, src, self.mem.device)
                     rrows = plan.rows(base_dst, dst, self.remote_dev)
                     with lock:
                         corrupt, self.corrupt_next = self.corrupt_next and plan.pages >= 2, False
@@ -705,7 +768,8 @@ class KvInitiator:
                 else:
                     for lay in range(plan.layers):
                         a = time.perf_counter()
-                        h = agent.initialize_xfer("WRITE", lrows[lay], rrows[lay], peer, notif=notifs[lay])
+                        h = agent.initialize_xfer("WRITE", *self._descs(lrows[lay], rrows[lay]), peer,
+                                                  notif=notifs[lay])
                         b = time.perf_counter()
                         agent.transfer(h)
                         c = time.perf_counter()
@@ -749,9 +813,10 @@ class KvInitiator:
         plan, agent, peer = self.plan, self.agent, self.peer
         size = plan.request_bytes
         off = slot * size
-        local = np.array([[int(self.buf.ctypes.data) + off, size, 0]], dtype=np.uint64)
+        assert self.mem is not None
+        local = np.array([[self.mem.addr + off, size, self.mem.device]], dtype=np.uint64)
         remote = np.array([[self.remote_addr + off, size, self.remote_dev]], dtype=np.uint64)
-        h = agent.initialize_xfer("WRITE", local, remote, peer)  # the ceiling: prepared once
+        h = agent.initialize_xfer("WRITE", *self._descs(local, remote), peer)  # the ceiling: prepared once
         try:
             while self._take(todo, lock):
                 rid = self.next_rid()
@@ -778,6 +843,44 @@ class KvInitiator:
     def keepalive(self) -> None:
         self.agent.send_notif(self.peer, proto.encode(proto.KEEPALIVE))
 
+    @property
+    def measure_staging(self) -> bool:
+        return self.mem is not None and "VRAM" in (self.mem.mem_type, self.remote_mem)
+
+    def staging_snapshot(self) -> dict[str, Any] | None:
+        """Staging totals of both sides (between phases: the mailbox is pumped here), or None
+        when no side is VRAM."""
+        if not self.measure_staging:
+            return None
+        from multirail.bench.worker import STATS_TIMEOUT_S, ask_target_staging, peer_counters
+
+        try:
+            init = staging.total(self.agent.rail_stats(self.peer))
+        except self.mr.MultirailError:
+            init = staging.empty()
+        ipc = staging.ipc_counters(peer_counters(self.agent, self.peer))
+        tgt = None
+        if self.target_stats_note is None:
+            self._stats_seq += 1
+            tgt, self.target_stats_note = ask_target_staging(
+                self.agent, self.peer, self._stats_seq,
+                lambda i: self.mail.take(proto.STATS, i, STATS_TIMEOUT_S, pump=True))
+        return {"initiator": init, "ipc": ipc, "target": tgt}
+
+    def staging_breakdown(self, before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[str, Any]:
+        from multirail.bench.worker import stage_breakdown
+
+        assert self.mem is not None
+        return stage_breakdown(before, after, wall_s, self.target_stats_note,
+                               {"initiator": self.mem.mem_type, "target": self.remote_mem})
+
+    def memory_report(self) -> dict[str, Any]:
+        from multirail.bench.worker import memory_report, peer_counters
+
+        assert self.mem is not None
+        return memory_report(self.mem, self.remote_mem, self.target_gpu, self.gpu,
+                             peer_counters(self.agent, self.peer))
+
     def close(self) -> None:
         try:
             if not self.stopped:
@@ -791,6 +894,8 @@ class KvInitiator:
                     self.agent.deregister_memory(self.reg)
             finally:
                 self.agent.close()
+                if self.mem is not None:
+                    self.mem.free()
 
 
 def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
@@ -809,7 +914,8 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
     total = 2 * (warm + plan.requests)
     progress = make_progress(enabled=True, total=total, desc="bench kv")
     init = KvInitiator(plan, host=host, port=port, target_name=args.target_name, check=args.check_consistency,
-                       same_clock=same_clock, seed=args.seed, prep=args.prep, **eng)
+                       same_clock=same_clock, seed=args.seed, prep=args.prep, seg_type=args.initiator_seg_type,
+                       target_seg_type=args.target_seg_type, device=args.device_id, **eng)
     rows: list[KvRow] = []
     try:
         for workload in ("contiguous", "kv"):
@@ -818,12 +924,14 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                 warm_bad = init.run_phase(workload, warm, progress, f"{workload} warmup").bad
             init.keepalive()
             init.corrupt_next = workload == "kv" and args.corrupt_mapping
+            st_before = init.staging_snapshot()
             before, eng_before = counters.snapshot(), init.engine_rails()
             cpu0, t_start = time.process_time(), time.monotonic_ns()
             ph = init.run_phase(workload, plan.requests, progress, workload)
             wall = max(ph.t_end - t_start, 1) / 1e9
             cpu = time.process_time() - cpu0
             after, eng_after = counters.snapshot(), init.engine_rails()
+            st_after = init.staging_snapshot()
             extra: dict[str, Any] = dict(transfers=ph.transfers)
             if workload == "kv":
                 extra.update(descs=ph.descs, prep=args.prep, prep_s=ph.prep_s, post_s=ph.post_s, build_s=ph.build_s,
@@ -831,6 +939,8 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
             row = kv_row(f"multirail {workload}", workload, plan, ph.lat_ns, wall,
                          ph.decode_ns, **extra)
             row.cpu_pct = 100.0 * cpu / wall
+            if st_before is not None and st_after is not None:
+                row.staging = init.staging_breakdown(st_before, st_after, wall)
             row.rails = counters.delta(before, after, wall)
             row.engine_rails = [RailRow(name=k, bytes=max(0, v - eng_before.get(k, 0)),
                                         gbps=max(0, v - eng_before.get(k, 0)) * 8 / wall / 1e9, source="engine")
@@ -844,6 +954,7 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
             init.keepalive()
         from multirail.bench.worker import label_rail_transports, transport_report
         report = transport_report(init.agent, init.peer, init.transport)
+        report["memory"] = init.memory_report()
         label_rail_transports(rows, report)
     finally:
         progress.clear()
@@ -874,8 +985,6 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
     w.add_argument("--prep", default="fresh", choices=list(PREP_MODES),
                    help="fresh: initialize_xfer per request and layer (default); reuse: each slot keeps its pages, "
                         "handles prepared once per slot and layer and reposted")
-    w.add_argument("--initiator-seg-type", default="DRAM", type=str.upper, help="DRAM (VRAM: not moved yet)")
-    w.add_argument("--target-seg-type", default="DRAM", type=str.upper, help="DRAM (VRAM: not moved yet)")
     w.add_argument("--check-consistency", action="store_true",
                    help="the decode side verifies every page of every request (timings then include it)")
     w.add_argument("--no-nixl", action="store_true", help="skip the NIXL run even when NIXL is installed")
@@ -896,12 +1005,6 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
 
 
 def plan_from_args(args: argparse.Namespace) -> KvPlan:
-    for side, v in (("--initiator-seg-type", args.initiator_seg_type), ("--target-seg-type", args.target_seg_type)):
-        if v == "VRAM":
-            raise UsageError(f"{side} VRAM: GPU memory is registered but not moved by any transport yet "
-                             "(docs/ARCHITECTURE.md); use DRAM")
-        if v != "DRAM":
-            raise UsageError(f"{side} must be DRAM or VRAM, not {v!r}")
     if args.warmup_requests < 0:
         raise UsageError("--warmup-requests must be >= 0")
     if args.total_buffer_size:
@@ -928,7 +1031,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
     if args.listen:
         host, port = _hostport(args.listen)
         return serve(host=host, port=port, name=args.target_name, pool_bytes=plan.pool_bytes,
-                     duration=args.duration, idle_timeout=args.idle_timeout, **eng)
+                     duration=args.duration, idle_timeout=args.idle_timeout, seg_type=args.target_seg_type,
+                     device=args.device_id, **eng)
     out = sys.stderr if args.json == "-" else sys.stdout
     if not args.child:
         for line in plan.describe():
@@ -943,6 +1047,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
         return _emit(args, plan, doc)
     from multirail.bench import check_transport
     check_transport(args)  # before the decode process starts: the engine's own message, at once
+    from multirail.bench.mem import check_gpu
+    check_gpu(args)
     if args.testbed:
         doc = _run_testbed(args, plan)
     else:
@@ -967,7 +1073,8 @@ def _engine_argv(args: argparse.Namespace, rails: str | None) -> list[str]:
             "--timeout", str(args.timeout), "--stall-timeout", str(args.stall_timeout),
             "--target-name", args.target_name, "--progress", args.progress, "--spin-us", str(args.spin_us),
             "--transport", eng_transport(args)]
-    return argv + (["--rails", rails] if rails else [])
+    from multirail.bench import mem_argv
+    return argv + mem_argv(args) + (["--rails", rails] if rails else [])
 
 
 def eng_transport(args: argparse.Namespace) -> str:
@@ -1035,6 +1142,8 @@ def _run_testbed(args: argparse.Namespace, plan: KvPlan) -> dict[str, Any]:
         row.set_capacity(caps)
     report = data.get("transport") or {"transport": eng_transport(args), "rails": []}
     report["target_transport"] = ready.get("transport")
+    if data.get("memory") and "memory" not in report:
+        report["memory"] = data["memory"]
     return {"rows": rows, "problems": list(data.get("problems", [])), "clock": data.get("clock", {}),
             "transport": report, "testbed": {"name": args.testbed, "ns_a": tb["ns_a"], "ns_b": tb["ns_b"], "a": tb["a"], "b": tb["b"],
                         "rates_bps": tb["rates"]}}
@@ -1049,6 +1158,9 @@ def _row_from_json(d: dict[str, Any]) -> KvRow:
 
 def _nixl(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> None:
     if args.no_nixl:
+        return
+    if uses_vram(args):
+        doc["problems"].append("NIXL kv run skipped: the bench runs NIXL on DRAM only")
         return
     from multirail.bench.kv_nixl import run_nixl_kv
     from multirail.bench.nixl_latency import nixl_available
@@ -1083,6 +1195,7 @@ def format_kv_table(rows: list[KvRow]) -> str:
         lines.append(f"{r.worker:<24} {r.requests:>5} {r.gbps:7.3f} {r.lat_p50_us / 1e3:9.2f} "
                      f"{r.lat_p99_us / 1e3:9.2f} {dec} {_fmt_rate(r.descs_per_s):>8} {cap}  {r.consistency}")
         lines.extend(format_rails(r))  # type: ignore[arg-type]
+        lines.extend(format_breakdown(r.staging))
     return "\n".join(lines)
 
 
@@ -1124,14 +1237,18 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
         return 0
     text_out = sys.stderr if args.json == "-" else sys.stdout
     print(format_kv_table(rows), file=text_out)
-    from multirail.bench.worker import format_transport
-    transport = doc.get("transport") or {"transport": eng_transport(args), "rails": []}
+    from multirail.bench.worker import format_memory, format_transport
+    transport = dict(doc.get("transport") or {"transport": eng_transport(args), "rails": []})
+    memory = transport.pop("memory", None)
     print(format_transport(transport) + " (multirail rows)", file=text_out)
+    print(format_memory(memory, transport), file=text_out)
     summ = summary(rows)
     for key in ("contiguous_text", "capacity_text", "descs_text", "nixl_text"):
         if key in summ:
             print(summ[key], file=text_out)
-    problems = doc.get("problems", [])
+    problems = list(doc.get("problems", []))
+    for note in sorted({r.staging["target_note"] for r in rows if r.staging and r.staging.get("target_note")}):
+        problems.append(f"decode-side staging not measured ({note}): the breakdown shows the prefill side's stages only")
     for p in problems:
         print(f"note: {p}", file=sys.stderr)
     failed = [r for r in rows if r.consistency.startswith("FAILED")]
@@ -1139,7 +1256,7 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     consistency = ("FAILED" if failed else "ok") if checked else "not checked"
     full = {"kv": plan.to_json(), "model": plan.model.to_json(), "rows": [r.to_json() for r in rows],
             **{k: v for k, v in summ.items() if not k.endswith("_text")}, "consistency": consistency,
-            "clock": doc.get("clock", {}), "problems": problems, "transport": transport,
+            "clock": doc.get("clock", {}), "problems": problems, "transport": transport, "memory": memory,
             "config": args_config(args)}
     if "testbed" in doc:
         full["testbed"] = doc["testbed"]

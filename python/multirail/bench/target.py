@@ -7,6 +7,11 @@ It exits on `bench:stop`, after `--idle-timeout` seconds without a control messa
 
 `--corrupt-offset K` (hidden, for tests) flips byte K of the buffer after the pattern fill
 (READ) or before a verification (WRITE), so the consistency check can be shown to fail.
+
+`--target-seg-type VRAM` makes the buffer GPU memory (mem.BenchMem: a multirail.gpu.DeviceBuffer
+on `--device-id` of kind `--gpu`), allocated here in the target process; the ready line and
+`bench:info` then say "mem": "VRAM" and name the GPU, and `bench:stats` returns what this agent
+staged for the asking initiator (served_stats, summed over rails).
 """
 
 from __future__ import annotations
@@ -22,46 +27,55 @@ from typing import IO, Any, Callable, Sequence
 import numpy as np
 
 from multirail.bench import protocol as proto
+from multirail.bench import staging
 from multirail.bench.core import TARGET_SEED, pattern
+from multirail.bench.mem import BenchMem, ipc_config
 
 
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
           stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
           secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0,
-          transport: str = "tcp") -> int:
+          transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM", device: int = 0,
+          gpu_ipc: bool | None = None) -> int:
     engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,
                   timeout=timeout, stall_timeout=stall_timeout, auth_secret=secret,  # None: $MULTIRAIL_SECRET
-                  progress=progress, spin_us=spin_us, transport=transport)
+                  progress=progress, spin_us=spin_us, transport=transport, gpu=gpu, **ipc_config(gpu_ipc))
     return run_served(name, buffer_size, engine,
-                      lambda agent, buf, mr: _loop(agent, buf, duration, idle_timeout, corrupt_offset, mr))
+                      lambda agent, buf, mr: _loop(agent, buf, duration, idle_timeout, corrupt_offset, mr),
+                      seg_type=seg_type, device=device)
 
 
 def run_served(name: str, buffer_size: int, engine: dict[str, Any],
-               loop: Callable[[Any, np.ndarray, Any], str], prefault: bool = False) -> int:
+               loop: Callable[[Any, BenchMem, Any], str], prefault: bool = False,
+               seg_type: str = "DRAM", device: int = 0) -> int:
     """A serving bench process (`bench target`, the kv decode side): an agent with `engine`
-    (AgentConfig fields) and one registered read-write buffer; prints the JSON ready line, runs
-    `loop(agent, buf, multirail)` until it returns its exit reason, then the exit line. Exit 0
-    when the initiator stopped it. `prefault`: touch the buffer first, so no timed transfer pays
-    its page faults."""
+    (AgentConfig fields) and one registered read-write buffer (`seg_type` DRAM, or VRAM on GPU
+    `device` of kind engine["gpu"]); prints the JSON ready line, runs `loop(agent, mem,
+    multirail)` until it returns its exit reason, then the exit line. Exit 0 when the initiator
+    stopped it. `prefault`: touch the buffer first, so no timed transfer pays its page faults."""
     import multirail  # lazy: the tool must import without the extension
 
     agent = multirail.Agent(name, multirail.AgentConfig(**engine))
+    mem: BenchMem | None = None
     try:
-        buf = np.zeros(buffer_size, dtype=np.uint8)
+        mem = BenchMem(buffer_size, seg_type, device, engine.get("gpu"))
         if prefault:
-            buf.fill(0)
-        reg = agent.register_memory(buf, access="rw")
+            mem.zero()
+        reg = mem.register(agent, access="rw")
         print(json.dumps({"event": "ready", "agent": agent.name, "host": agent.host,
                           "port": agent.port, "buffer_size": buffer_size, "pid": os.getpid(),
-                          "transport": _transport_of(agent)}),
+                          "transport": _transport_of(agent), "seg_type": mem.mem_type,
+                          "gpu": mem.gpu}),
               flush=True)
         try:
-            reason = loop(agent, buf, multirail)
+            reason = loop(agent, mem, multirail)
         finally:
             agent.deregister_memory(reg)
     finally:
         agent.close()
+        if mem is not None:
+            mem.free()
     print(json.dumps({"event": "exit", "reason": reason}), flush=True)
     return 0 if reason == "stop" else 1
 
@@ -76,12 +90,12 @@ def _transport_of(agent: Any) -> str | None:
     return f"{kind} (UCX {info['ucx_version']})" if info.get("ucx_version") else kind
 
 
-def _corrupt(buf: np.ndarray, offset: int | None, limit: int) -> None:
+def _corrupt(buf: BenchMem, offset: int | None, limit: int) -> None:
     if offset is not None and 0 <= offset < min(limit, len(buf)):
-        buf[offset] ^= 0xFF
+        buf.flip(offset)
 
 
-def _loop(agent: Any, buf: np.ndarray, duration: float, idle_timeout: float,
+def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
           corrupt_offset: int | None, mr: Any) -> str:
     start = last = time.monotonic()
     outbox: list[tuple[str, bytes]] = []
@@ -100,7 +114,7 @@ def _loop(agent: Any, buf: np.ndarray, duration: float, idle_timeout: float,
                 kind, body = decoded
                 if kind == proto.STOP:
                     return "stop"
-                reply = _handle(kind, body, buf, corrupt_offset)
+                reply = _handle(kind, body, buf, corrupt_offset, agent, peer)
                 if reply is not None:
                     outbox.append((peer, reply))
         pending = []
@@ -113,12 +127,16 @@ def _loop(agent: Any, buf: np.ndarray, duration: float, idle_timeout: float,
         time.sleep(0.002)
 
 
-def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: int | None) -> bytes | None:
+def _handle(kind: str, body: dict[str, Any], buf: BenchMem, corrupt_offset: int | None,
+            agent: Any = None, peer: str | None = None) -> bytes | None:
     if kind == proto.HELLO:
         if body.get("fill"):
-            buf[:] = pattern(TARGET_SEED, 0, len(buf))
+            buf.fill_pattern(TARGET_SEED)
             _corrupt(buf, corrupt_offset, len(buf))
-        return proto.encode(proto.INFO, {"addr": int(buf.ctypes.data), "len": len(buf), "dev": 0})
+        return proto.encode(proto.INFO, {"addr": buf.addr, "len": len(buf), "dev": buf.device,
+                                         "mem": buf.mem_type, "gpu": buf.gpu})
+    if kind == proto.STATS:
+        return proto.encode(proto.STATS, {"i": body.get("i"), **served_staging(agent, peer)})
     if kind == proto.VERIFY:
         try:
             seed, off, length = int(body["seed"]), int(body["offset"]), int(body["length"])
@@ -127,11 +145,25 @@ def _handle(kind: str, body: dict[str, Any], buf: np.ndarray, corrupt_offset: in
         if off < 0 or length < 0 or off + length > len(buf):
             return proto.encode(proto.VERIFIED, {"ok": False, "first_bad": None, "error": "out of range"})
         _corrupt(buf, corrupt_offset, off + length)
-        differ = buf[off:off + length] != pattern(seed, off, length)
+        differ = buf.read(off, length) != pattern(seed, off, length)
         n_bad = int(np.count_nonzero(differ))
         return proto.encode(proto.VERIFIED, {"ok": n_bad == 0, "first_bad": off + int(np.argmax(differ)) if n_bad else None,
                                              "bad_bytes": n_bad, "seed": seed, "offset": off, "length": length})
     return None  # keepalive and unknown kinds only reset the idle timer
+
+
+def served_staging(agent: Any, peer: str | None) -> dict[str, Any]:
+    """{"staging": what this agent staged for `peer` (served_stats rows of that peer, summed
+    over rails), "rows": how many} or {"error": why not}."""
+    if agent is None:
+        return {"error": "no agent"}
+    try:
+        rows = [r for r in agent.served_stats() if r.get("peer") == peer]
+    except Exception as e:  # noqa: BLE001 - an engine without served_stats: the initiator says so
+        return {"error": f"served_stats failed: {type(e).__name__}: {e}"}
+    if rows and not any(isinstance(r.get("staging"), dict) for r in rows):
+        return {"error": "this target's engine reports no staging totals"}
+    return {"staging": staging.total(rows), "rows": len(rows)}
 
 
 
