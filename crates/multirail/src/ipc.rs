@@ -143,13 +143,14 @@ pub(crate) struct IpcPeer {
 impl IpcPeer {
     /// A plan for a transfer of `pairs` (local address, remote region, offset, len) when every
     /// remote region maps over IPC; None (reason recorded) to stage it over the rails.
+    /// `local_is_gpu`: whether a local address is GPU memory (D2D) or host memory (H2D/D2H).
     pub fn plan(
         &self,
         link: &Link,
         keys: &HashMap<u64, RegionKey>,
         op: Op,
         pairs: &[multirail_proto::Pair],
-        local_dev: impl Fn(u64) -> Option<u32>,
+        local_is_gpu: impl Fn(u64) -> bool,
     ) -> Option<IpcPlan> {
         let mut want: Vec<u64> = pairs.iter().map(|p| p.region).collect();
         want.sort_unstable();
@@ -167,7 +168,7 @@ impl IpcPeer {
                 return None; // resolved against the peer's metadata already; defensive
             }
             let remote = m.at + p.offset;
-            let on_gpu = local_dev(p.local).is_some();
+            let on_gpu = local_is_gpu(p.local);
             copies.push(match (op, on_gpu) {
                 (Op::Read, true) => (CopyKind::DeviceToDevice, p.local, remote, p.len),
                 (Op::Read, false) => (CopyKind::DeviceToHost, p.local, remote, p.len),
@@ -221,7 +222,7 @@ impl IpcPeer {
                 // on the authenticated control connection); a bad one is refused by the device.
                 let base =
                     unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
-                let len = keys_len(e.alloc_len, e.offset)?;
+                let len = region_room(e.alloc_len, e.offset)?;
                 Ok(Mapped { gpu, base, at: base.0 + e.offset, len })
             })();
             if let Err(why) = &m {
@@ -266,7 +267,11 @@ impl IpcPeer {
         let w = self.worker.lock().expect("ipc lock").take();
         if let Some(w) = w {
             drop(w.tx);
-            let _ = w.thread.join();
+            // The worker itself may drop the last reference to the peer (through a finished
+            // transfer): it is between copies then, and must not wait for itself.
+            if w.thread.thread().id() != std::thread::current().id() {
+                let _ = w.thread.join();
+            }
         }
         for (_, m) in self.maps.lock().expect("ipc lock").drain() {
             if let Ok(m) = m {
@@ -286,7 +291,13 @@ impl IpcPeer {
     }
 }
 
-fn keys_len(alloc_len: u64, offset: u64) -> std::result::Result<u64, String> {
+impl Drop for IpcPeer {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn region_room(alloc_len: u64, offset: u64) -> std::result::Result<u64, String> {
     alloc_len.checked_sub(offset).filter(|n| *n > 0).ok_or_else(|| "the region's offset lies outside its allocation".to_string())
 }
 
