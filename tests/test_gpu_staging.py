@@ -500,3 +500,33 @@ def test_ipc_refused_by_the_target_falls_back_to_staging(ipc: bool, access: str,
     finally:
         i.close()
         tgt.close()
+
+
+def test_ipc_release_and_close_leave_memory_alone() -> None:
+    """A large IPC READ released right after posting, then close(): once each returns, the
+    copy worker writes nothing more into the local buffer (release waits for a copy under way
+    or cancels a queued one)."""
+    n = 128 * MiB
+    tgt = _Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 10.0})
+    try:
+        local = np.zeros(n, np.uint8)
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        for _ in range(3):
+            h = i.initialize_xfer("READ", [local], rd, "target")
+            i.transfer(h)
+            i.release_xfer_handle(h)
+            snap = local.copy()
+            time.sleep(0.2)
+            assert np.array_equal(snap, local), "memory changed after release_xfer_handle returned"
+        h = i.initialize_xfer("READ", [local], rd, "target")
+        i.transfer(h)
+        i.close()
+        snap = local.copy()
+        time.sleep(0.2)
+        assert np.array_equal(snap, local), "memory changed after close returned"
+    finally:
+        i.close()
+        tgt.close()
