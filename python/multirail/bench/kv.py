@@ -253,45 +253,36 @@ def verify_pages(plan: KvPlan, buf: np.ndarray | BenchMem, seed: int, src: np.nd
     pb = plan.page_bytes
     mem = buf if isinstance(buf, BenchMem) else None
     host = mem.host if mem is not None else buf
-    if host is None:
+    if host is None:  # VRAM: pages copied out (and zeroed) one by one
         assert mem is not None
-        return _verify_pages_device(plan, mem, seed, src, dst, zero_after)
-    pages2d = host[:plan.pool_bytes].reshape(-1, pb)
-    bad, first = 0, None
-    for layer in range(plan.layers):
-        so, do = plan.offsets(layer, src), plan.offsets(layer, dst)
-        idx = (do // np.uint64(pb)).astype(np.int64)
-        got = pages2d[idx]
-        differ = got != page_patterns(seed, so, pb)
-        rows = np.flatnonzero(differ.any(axis=1))
-        if rows.size:
-            bad += int(rows.size)
-            if first is None:
-                r = int(rows[0])
-                first = int(do[r]) + int(np.argmax(differ[r]))
-        if zero_after:
-            pages2d[idx] = 0
-    return bad, first
+        zeros = np.zeros(pb, dtype=np.uint8)
 
+        def read(do: np.ndarray) -> np.ndarray:
+            return np.stack([mem.read(int(o), pb) for o in do]) if len(do) else np.zeros((0, pb), np.uint8)
 
-def _verify_pages_device(plan: Any, mem: BenchMem, seed: int, src: np.ndarray, dst: np.ndarray,
-                         zero_after: bool) -> tuple[int, int | None]:
-    pb = plan.page_bytes
-    zeros = np.zeros(pb, dtype=np.uint8)
-    bad, first = 0, None
-    for layer in range(plan.layers):
-        so, do = plan.offsets(layer, src), plan.offsets(layer, dst)
-        got = np.stack([mem.read(int(o), pb) for o in do]) if len(do) else np.zeros((0, pb), np.uint8)
-        differ = got != page_patterns(seed, so, pb)
-        rows = np.flatnonzero(differ.any(axis=1))
-        if rows.size:
-            bad += int(rows.size)
-            if first is None:
-                r = int(rows[0])
-                first = int(do[r]) + int(np.argmax(differ[r]))
-        if zero_after:
+        def zero(do: np.ndarray) -> None:
             for o in do:
                 mem.write(int(o), zeros)
+    else:
+        pages2d = host[:plan.pool_bytes].reshape(-1, pb)
+
+        def read(do: np.ndarray) -> np.ndarray:
+            return pages2d[(do // np.uint64(pb)).astype(np.int64)]
+
+        def zero(do: np.ndarray) -> None:
+            pages2d[(do // np.uint64(pb)).astype(np.int64)] = 0
+    bad, first = 0, None
+    for layer in range(plan.layers):
+        so, do = plan.offsets(layer, src), plan.offsets(layer, dst)
+        differ = read(do) != page_patterns(seed, so, pb)
+        rows = np.flatnonzero(differ.any(axis=1))
+        if rows.size:
+            bad += int(rows.size)
+            if first is None:
+                r = int(rows[0])
+                first = int(do[r]) + int(np.argmax(differ[r]))
+        if zero_after:
+            zero(do)
     return bad, first
 
 
@@ -852,13 +843,9 @@ class KvInitiator:
         when no side is VRAM."""
         if not self.measure_staging:
             return None
-        from multirail.bench.worker import STATS_TIMEOUT_S, ask_target_staging, peer_counters
+        from multirail.bench.worker import STATS_TIMEOUT_S, ask_target_staging
 
-        try:
-            init = staging.total(self.agent.rail_stats(self.peer))
-        except self.mr.MultirailError:
-            init = staging.empty()
-        ipc = staging.ipc_counters(peer_counters(self.agent, self.peer))
+        init, ipc = staging.initiator_side(self.agent, self.peer)
         tgt = None
         if self.target_stats_note is None:
             self._stats_seq += 1

@@ -64,6 +64,20 @@ def side(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> dict[s
     return out
 
 
+def initiator_side(agent: Any, peer: str) -> tuple[dict[str, Any], dict[str, int] | None]:
+    """The initiator's own staging totals to `peer` (rail_stats, summed over rails; empty when
+    there is no link) and its CUDA IPC counts (peer_counters; None for an engine without)."""
+    try:
+        init = total(agent.rail_stats(peer))
+    except Exception:  # noqa: BLE001 - MultirailError: no link to the peer yet
+        init = empty()
+    try:
+        counters = dict(agent.peer_counters(peer))
+    except Exception:  # noqa: BLE001 - an engine without peer_counters, or no link
+        counters = None
+    return init, ipc_counters(counters)
+
+
 def ipc_counters(counters: dict[str, Any] | None) -> dict[str, int] | None:
     """{"transfers", "bytes"} of CUDA IPC from `peer_counters()`; None for an engine without."""
     if not counters or "ipc_transfers" not in counters:

@@ -297,12 +297,8 @@ class EngineWorker:
         target's for this initiator (bench:stats), or None when no side is VRAM."""
         if not self.measure_staging:
             return None
-        try:
-            init = staging.total(self.agent.rail_stats(self.peer))
-        except self.mr.MultirailError:
-            init = staging.empty()
-        return {"initiator": init, "ipc": staging.ipc_counters(peer_counters(self.agent, self.peer)),
-                "target": self._target_staging()}
+        init, ipc = staging.initiator_side(self.agent, self.peer)
+        return {"initiator": init, "ipc": ipc, "target": self._target_staging()}
 
     def _target_staging(self) -> dict[str, Any] | None:
         """The target's totals once they include every transfer done so far. A served READ of
