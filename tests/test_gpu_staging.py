@@ -345,28 +345,36 @@ def test_device_kind_must_match_the_agents() -> None:
             a.register_memory(b)
 
 
-def test_ucx_rails_refuse_gpu_memory_clearly() -> None:
+def test_ucx_agents_stage_gpu_memory_over_the_same_rails() -> None:
+    """ucx rails take GPU memory directly only with GPUDirect RDMA (not here: this UCX has no
+    CUDA transport). Then a ucx agent stages it over the same rails through a tcp link of its
+    own, while host memory keeps going over UCX; rail_stats says so and why."""
     try:
-        t = multirail.Agent("target", {"transport": "ucx", "gpu": SI})
+        t = multirail.Agent("target", {"transport": "ucx", "gpu": SI, "gpu_ipc": False})
     except errors.TransportUnavailableError as e:
         pytest.skip(f"UCX cannot be loaded here: {e}")
-    i = multirail.Agent("initiator", {"transport": "ucx", "gpu": SI})
+    i = multirail.Agent("initiator", {"transport": "ucx", "gpu": SI, "timeout": 5.0})
     try:
-        remote, local = buf("V", pattern(MiB, 11)), np.zeros(MiB, np.uint8)
-        t.register_memory(remote)
-        i.register_memory(local)
+        n = 4 * MiB + 9
+        remote, local = buf("V", pattern(n, 11)), buf("V", np.zeros(n, np.uint8))
+        hostmem, hlocal = pattern(MiB, 12), np.zeros(MiB, np.uint8)
+        for m in (remote, hostmem):
+            t.register_memory(m)
+        for m in (local, hlocal):
+            i.register_memory(m)
         i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-        with pytest.raises(errors.GpuError, match='transport="tcp"'):
-            i.initialize_xfer("READ", [local], [remote], "target")
-        with pytest.raises(errors.GpuError, match='transport="tcp"'):
-            i.initialize_xfer("WRITE", [local], [remote], "target")
-        hostmem = pattern(MiB, 12)
-        t.register_memory(hostmem)
-        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-        run(i, "READ", [local], [hostmem])  # host memory still goes over ucx
-        assert np.array_equal(local, hostmem)
+        run(i, "READ", [hlocal], [hostmem])  # host memory over ucx
+        assert np.array_equal(hlocal, hostmem)
+        run(i, "READ", [local], [remote])
+        assert np.array_equal(host(local), pattern(n, 11))
+        local.copy_from_host(pattern(n, 13))
+        run(i, "WRITE", [local], [remote])
+        assert np.array_equal(host(remote), pattern(n, 13))
         st = i.rail_stats("target")[0]
-        assert st["gpu_path"] == "unavailable" and "refused" in st["gpu_path_reason"], st
+        assert st["transport"].startswith("ucx"), st
+        assert st["gpu_path"] == "staged", st
+        assert "cannot take GPU memory directly" in st["gpu_path_reason"] and "no CUDA transport" in st["gpu_path_reason"], st
+        assert st["staging"]["h2d"]["bytes"] == n and st["staging"]["d2h"]["bytes"] == n, st
     finally:
         i.close()
         t.close()

@@ -823,7 +823,8 @@ class Agent:
         "ucx/rc_mlx5", ...), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
         reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
         chunks_read/chunks_written, readmissions, stalls. GPU memory (docs/gpu.md): gpu_path
-        ("staged" on tcp, "direct" with GPUDirect RDMA on ucx, else "unavailable"),
+        ("direct" on ucx rails with GPUDirect RDMA, else "staged": through pinned buffers,
+        over tcp connections of the same rails),
         gpu_path_reason, and staging: {"d2h"|"wire"|"h2d": {"ops", "bytes", "busy_s"}, "chunks",
         "pool_bytes", "pools"} for what this side staged (D2H of WRITEs from local GPU memory,
         H2D of READs into it). Transfers by CUDA IPC use no rail: see peer_counters()."""

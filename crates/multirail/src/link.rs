@@ -104,18 +104,25 @@ fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config, deta
     let pool = cfg.staging.pool;
     match path {
         GpuPath::Staged => format!(
-            "{} rails carry host memory only: GPU memory is staged through {} x {} KiB pinned buffers per connection and direction ({} device)",
-            cfg.transport.as_str(),
+            "{}GPU memory is staged through {} x {} KiB pinned buffers per connection and direction ({} device){}",
+            match cfg.transport {
+                crate::config::TransportKind::Tcp => "tcp rails carry host memory only: ".to_string(),
+                other => format!(
+                    "{} rails cannot take GPU memory directly ({}): ",
+                    other.as_str(),
+                    detail.as_deref().unwrap_or("no GPUDirect RDMA")
+                ),
+            },
             pool.buffers,
             pool.buffer_size >> 10,
-            cfg.staging.gpu.as_str()
+            cfg.staging.gpu.as_str(),
+            if cfg.transport == crate::config::TransportKind::Tcp {
+                ""
+            } else {
+                ", over the same rails through multirail's tcp connections"
+            }
         ),
         GpuPath::Direct => "the rail's NIC addresses GPU memory (GPUDirect RDMA)".into(),
-        GpuPath::Unavailable => format!(
-            "{} rails cannot move GPU memory here ({}; they do not stage): transfers naming GPU memory are refused; use transport=tcp",
-            cfg.transport.as_str(),
-            detail.as_deref().unwrap_or("no GPUDirect RDMA")
-        ),
     }
 }
 
@@ -162,7 +169,9 @@ fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
 }
 
 impl Link {
-    pub(crate) fn connect(peer: &Arc<Peer>) -> Result<Arc<Link>> {
+    /// A link to `peer` over `kind`: the agent's transport, or tcp for the GPU memory a ucx
+    /// agent cannot move directly (`Peer::gpu_link`).
+    pub(crate) fn connect_with(peer: &Arc<Peer>, kind: TransportKind) -> Result<Arc<Link>> {
         let ctx = peer.ctx.clone();
         let pairs = rail_pairs(&ctx, &peer.meta.rails);
         if pairs.is_empty() {
@@ -195,7 +204,7 @@ impl Link {
             });
         }
         let faults = ctx.cfg.faults.clone();
-        let t: Box<dyn Transport> = match (ctx.cfg.transport, &ctx.ucx) {
+        let t: Box<dyn Transport> = match (kind, &ctx.ucx) {
             (TransportKind::Tcp, _) if faults.is_empty() => Box::new(TcpRails::new(rails.len())),
             (TransportKind::Tcp, _) => Box::new(Faulty::new(TcpRails::new(rails.len()), faults)),
             (TransportKind::Ucx, Some(u)) if faults.is_empty() => Box::new(UcxRails::new(u.clone(), rails.len())),
@@ -777,11 +786,6 @@ impl Link {
     /// What the transport can do (GPU path included).
     pub(crate) fn caps(&self) -> crate::transport::Caps {
         self.t.caps()
-    }
-
-    /// The transport's word on why GPU memory takes (or cannot take) its path.
-    pub(crate) fn gpu_detail(&self) -> Option<String> {
-        self.t.gpu_detail()
     }
 
     pub(crate) fn rail_reports(&self) -> Vec<RailReport> {

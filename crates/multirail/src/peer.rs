@@ -35,6 +35,9 @@ pub struct Peer {
     pub(crate) addr_hint: Option<IpAddr>,
     pub(crate) ctx: Arc<Ctx>,
     link: Mutex<Option<Arc<Link>>>,
+    /// A tcp link for GPU memory when the agent's transport cannot take it directly (ucx
+    /// without GPUDirect RDMA): staged over the same rails. Opened on first use.
+    gpu_link: Mutex<Option<Arc<Link>>>,
     /// Ids of dead connections that carried WRITEs and that the peer has not yet confirmed
     /// fenced. Kept across links: no WRITE goes to the peer again before they are fenced.
     pub(crate) unfenced: Arc<Mutex<Vec<[u8; 16]>>>,
@@ -113,6 +116,7 @@ impl Peer {
             addr_hint,
             ctx,
             link: Mutex::new(None),
+            gpu_link: Mutex::new(None),
             unfenced: Arc::new(Mutex::new(Vec::new())),
             io: Mutex::new(Vec::new()),
             counters: Arc::new(PeerCounters::default()),
@@ -144,7 +148,24 @@ impl Peer {
 
     /// The live link, connecting first if needed.
     pub fn link(self: &Arc<Self>) -> Result<Arc<Link>> {
-        let mut g = self.link.lock().expect("peer lock");
+        self.open_link(&self.link, self.ctx.cfg.transport)
+    }
+
+    /// The tcp link that stages GPU memory for an agent whose transport cannot take it.
+    pub(crate) fn gpu_link(self: &Arc<Self>) -> Result<Arc<Link>> {
+        self.open_link(&self.gpu_link, TransportKind::Tcp)
+    }
+
+    fn slot(&self, x: &XferShared) -> &Mutex<Option<Arc<Link>>> {
+        if x.via_gpu_link {
+            &self.gpu_link
+        } else {
+            &self.link
+        }
+    }
+
+    fn open_link(self: &Arc<Self>, slot: &Mutex<Option<Arc<Link>>>, kind: TransportKind) -> Result<Arc<Link>> {
+        let mut g = slot.lock().expect("peer lock");
         // Checked under the lock that `close` takes: a link is never opened after the agent's
         // close has passed this peer.
         if self.ctx.closed.load(Ordering::SeqCst) {
@@ -162,7 +183,7 @@ impl Peer {
             }
             l.close();
         }
-        let l = Link::connect(self)?;
+        let l = Link::connect_with(self, kind)?;
         *g = Some(l.clone());
         Ok(l)
     }
@@ -186,13 +207,13 @@ impl Peer {
         if x.ipc.is_some() {
             return self.ipc.submit(x);
         }
-        let link = self.link()?;
+        let link = if x.via_gpu_link { self.gpu_link()? } else { self.link()? };
         link.submit(x, will_drive)
     }
 
     /// See [`Link::drive`]; false when there is no link.
     pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
-        let link = self.link.lock().expect("peer lock").clone();
+        let link = self.slot(x).lock().expect("peer lock").clone();
         link.is_some_and(|l| l.drive(x, deadline, poll_only))
     }
 
@@ -200,7 +221,7 @@ impl Peer {
         if x.ipc.is_some() {
             return self.ipc.cancel(x);
         }
-        if let Some(l) = self.link.lock().expect("peer lock").as_ref() {
+        if let Some(l) = self.slot(x).lock().expect("peer lock").as_ref() {
             l.cancel(x);
         }
     }
@@ -223,8 +244,10 @@ impl Peer {
 
     pub fn close(&self) {
         self.ipc.close();
-        if let Some(l) = self.link.lock().expect("peer lock").take() {
-            l.close();
+        for slot in [&self.link, &self.gpu_link] {
+            if let Some(l) = slot.lock().expect("peer lock").take() {
+                l.close();
+            }
         }
     }
 
@@ -289,7 +312,7 @@ impl Peer {
         };
         // Connect now, so unreachable peers fail here rather than on the first post.
         self.link()?;
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None)))
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false)))
     }
 
     /// `prepare` one check at a time, each over all rows, pairing without merging: the
@@ -325,20 +348,13 @@ impl Peer {
             }
         }
         let vram_remote = remote.iter().any(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
+        // GPU memory: tcp stages it; another transport takes it directly (GPUDirect RDMA) or
+        // hands it to a tcp link over the same rails, which stages it.
         let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
-        if gpu && self.ctx.cfg.transport != TransportKind::Tcp {
-            // tcp stages; ucx takes GPU memory only directly (GPUDirect RDMA on every rail).
-            let link = self.link()?;
-            if link.caps().gpu != crate::transport::GpuPath::Direct {
-                let why = link.gpu_detail().unwrap_or_else(|| "no GPUDirect RDMA".into());
-                return Err(Error::Gpu(format!(
-                    "GPU memory cannot go over {} rails here: {why}; they do not stage GPU memory: use transport=\"tcp\"",
-                    self.ctx.cfg.transport.as_str()
-                )));
-            }
-        }
+        let via_gpu_link =
+            gpu && self.ctx.cfg.transport != TransportKind::Tcp && self.link()?.caps().gpu != crate::transport::GpuPath::Direct;
         let pairs = self.pair(&local, &remote)?;
-        let link = self.link()?;
+        let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.
         let all_remote_vram = !remote.is_empty()
             && remote.iter().all(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
@@ -349,7 +365,7 @@ impl Peer {
         } else {
             None
         };
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, ipc)))
+        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, ipc, via_gpu_link)))
     }
 }
 

@@ -95,6 +95,8 @@ pub(crate) struct XferShared {
     /// Set when the transfer goes by CUDA IPC (same host, remote GPU memory): device copies
     /// instead of the rails (crate::ipc).
     pub(crate) ipc: Option<crate::ipc::IpcPlan>,
+    /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
+    pub(crate) via_gpu_link: bool,
 }
 
 impl XferShared {
@@ -105,12 +107,14 @@ impl XferShared {
         notif: Vec<u8>,
         hold: Vec<Arc<Region>>,
         ipc: Option<crate::ipc::IpcPlan>,
+        via_gpu_link: bool,
     ) -> Arc<XferShared> {
         let total = pairs.iter().map(|p| p.len).sum();
         let vram = hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
         Arc::new(XferShared {
             vram,
             ipc,
+            via_gpu_link,
             op,
             peer,
             pairs: Arc::new(pairs),

@@ -59,8 +59,6 @@ pub enum GpuPath {
     Staged,
     /// The NIC reads and writes device memory itself (GPUDirect RDMA).
     Direct,
-    /// Not at all: transfers naming GPU memory are refused with a `GpuError`.
-    Unavailable,
 }
 
 impl GpuPath {
@@ -68,7 +66,6 @@ impl GpuPath {
         match self {
             GpuPath::Staged => "staged",
             GpuPath::Direct => "direct",
-            GpuPath::Unavailable => "unavailable",
         }
     }
 }

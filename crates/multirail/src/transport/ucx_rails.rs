@@ -178,11 +178,13 @@ impl Transport for UcxRails {
     fn caps(&self) -> Caps {
         // One-sided when the lanes are RDMA ones (UCX's tcp and shm lanes emulate RMA with the
         // target's thread). GPU memory goes directly only with GPUDirect RDMA on every rail
-        // (`UcxAgent::gpu_direct`); otherwise it is refused (ucx rails cannot stage).
+        // (`UcxAgent::gpu_direct`).
         let rdma = |t: &str| ["rc", "dc", "ud", "ib"].iter().any(|p| t.split(['/', '+']).any(|l| l.starts_with(p)));
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
+        // Without GPUDirect, GPU memory goes over the same rails staged, through a tcp link the
+        // peer opens for it (`Peer::gpu_link`).
         let direct = one_sided && self.agent.gpu_direct().is_ok();
-        Caps { remote_vram: direct, one_sided, gpu: if direct { GpuPath::Direct } else { GpuPath::Unavailable } }
+        Caps { remote_vram: direct, one_sided, gpu: if direct { GpuPath::Direct } else { GpuPath::Staged } }
     }
 
     fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
