@@ -474,3 +474,40 @@ def test_polled_multi_piece_writes_complete() -> None:
         t.close()
         utils.free_passthru(a)
         utils.free_passthru(b)
+
+
+@needs_engine
+def test_vram_moves_through_the_nixl_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NIXL script's GPU memory ("VRAM" lists; here the stand-in device, as CUDA memory would
+    be on a GPU machine): registered, READ and WRITE byte-exact, notifications after the data;
+    host memory that is not GPU memory is refused as VRAM with the cause."""
+    monkeypatch.setenv("MULTIRAIL_GPU", "standin")
+    from multirail.gpu import DeviceBuffer
+
+    n = 3 * (1 << 20) + 7
+    t = nixl.nixl_agent("vram-target", nixl.nixl_agent_config())
+    i = nixl.nixl_agent("vram-init", nixl.nixl_agent_config())
+    try:
+        assert "VRAM_SEG" in i.get_plugin_mem_types("UCX")
+        src, dst = DeviceBuffer(n, kind="standin"), DeviceBuffer(n, kind="standin")
+        data = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+        src.copy_from_host(data)
+        t.register_memory([(src.addr, n, 0, "")], "VRAM")
+        i.register_memory([(dst.addr, n, 0, "")], "VRAM")
+        i.add_remote_agent(t.get_agent_metadata())
+        ld, rd = i.get_xfer_descs([(dst.addr, n, 0)], "VRAM"), i.get_xfer_descs([(src.addr, n, 0)], "VRAM")
+        h = i.initialize_xfer("READ", ld, rd, "vram-target", b"read")
+        _wait_done(i, h)
+        assert np.array_equal(dst.to_host(), data)
+        i.release_xfer_handle(h)
+        dst.copy_from_host(data[::-1].copy())
+        h = i.initialize_xfer("WRITE", ld, rd, "vram-target", b"written")
+        _wait_done(i, h)
+        assert np.array_equal(src.to_host(), data[::-1])
+        i.release_xfer_handle(h)
+        host = np.zeros(4096, np.uint8)
+        with pytest.raises(nixl.bindings.nixlBackendError, match="not GPU memory"):
+            i.register_memory([(host.ctypes.data, 4096, 0, "")], "VRAM")
+    finally:
+        i.close()
+        t.close()

@@ -102,12 +102,13 @@ NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
 
 NIXL_INIT_AGENT = ""
 DEFAULT_COMM_PORT = 8888
-# multirail has no GPU device API (prep_mem_view): no transport can address VRAM yet.
+# multirail has no GPU device-side API (prep_mem_view: GPU kernels posting transfers); VRAM
+# itself registers and moves like DRAM (docs/gpu.md).
 HAVE_UCX_GPU_DEVICE_API = False
 
 # Plugins: names NIXL scripts ask for that mean "the multirail engine".
 _PLUGINS = ("UCX", "MULTIRAIL")
-_PLUGIN_MEMS = ["DRAM_SEG"]
+_PLUGIN_MEMS = ["DRAM_SEG", "VRAM_SEG"]
 
 # --------------------------------------------------------------------------------- exceptions
 
@@ -185,6 +186,7 @@ _ERROR_MAP: tuple[tuple[type, type], ...] = (
     (_mr.TransferTimeoutError, nixlBackendError),
     (_mr.AddressInUseError, nixlBackendError),
     (_mr.TransferError, nixlBackendError),
+    (_mr.GpuError, nixlBackendError),  # as NIXL's backend failing to register GPU memory
 ) + (((_mr.MetadataStoreError, nixlBackendError),) if hasattr(_mr, "MetadataStoreError") else ())
 _COMBINED: dict[tuple[type, type], type] = {}
 
@@ -1089,7 +1091,7 @@ class nixlAgent:
         rows = descs.rows
         if not len(rows):
             return nixl_status_t.NIXL_SUCCESS
-        reg = _engine_call(self._engine.register_memory, np.ascontiguousarray(rows), mem_type="DRAM")
+        reg = _engine_call(self._engine.register_memory, np.ascontiguousarray(rows), mem_type=_MEM_STR[descs.getType()])
         with self._lock:
             keys = [(int(descs.getType()), int(a), int(n), int(d)) for a, n, d in rows]
             for k, rid in zip(keys, reg.region_ids):
@@ -1100,11 +1102,11 @@ class nixlAgent:
         return nixl_status_t.NIXL_SUCCESS
 
     def _check_mem(self, mem: nixl_mem_t, what: str) -> None:
-        if mem == nixl_mem_t.DRAM_SEG:
+        # GPU memory goes through the engine like host memory: staged over the rails, by CUDA IPC
+        # on one host, or directly with GPUDirect RDMA (docs/gpu.md). CUDA (or the stand-in,
+        # $MULTIRAIL_GPU=standin) says at registration whether it really is GPU memory.
+        if mem in (nixl_mem_t.DRAM_SEG, nixl_mem_t.VRAM_SEG):
             return
-        if mem == nixl_mem_t.VRAM_SEG:
-            raise _err(nixlBackendError, f"cannot {what} VRAM: multirail has no transport that can address GPU "
-                       "memory (DRAM only)")
         raise _err(nixlNotFoundError, f"no backend supports {mem.name} memory (storage backends are not "
                    "supported by multirail)")
 
@@ -1398,7 +1400,7 @@ class nixlAgent:
 
     def _twin_register(self, keys: list[tuple]) -> None:
         for k in keys:
-            self._twin_regs.setdefault(k, []).append(self._twin._core.register(k[1], k[2], k[3], "DRAM", "rw"))
+            self._twin_regs.setdefault(k, []).append(self._twin._core.register(k[1], k[2], k[3], _MEM_STR[nixl_mem_t(k[0])], "rw"))
         self._twin_dirty = bool(keys) or self._twin_dirty
 
     def _peer(self, agent_name: str) -> tuple[str, bool]:
@@ -1463,8 +1465,8 @@ class nixlAgent:
         if local_descs._n != remote_descs._n:
             raise _err(nixlInvalidParamError, f"{local_descs._n} local and {remote_descs._n} remote descriptors")
         for d in (local_descs, remote_descs):
-            if d._type != nixl_mem_t.DRAM_SEG:
-                raise _err(nixlNotFoundError, f"no registered {d._type.name} memory: multirail moves DRAM only")
+            if d._type not in (nixl_mem_t.DRAM_SEG, nixl_mem_t.VRAM_SEG):
+                raise _err(nixlNotFoundError, f"no registered {d._type.name} memory: multirail moves DRAM and VRAM")
         peer, _ = self._peer(remote_agent)
         return self._create(op, local_descs.rows, remote_descs.rows, peer, notif_msg)
 
