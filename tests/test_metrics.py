@@ -499,3 +499,35 @@ def test_striped_transfer_over_two_testbed_rails_moves_both_rail_counters() -> N
                 child.communicate(timeout=10)
             stop(proc, grace=15)
             errf.close()
+
+
+def test_gpu_staging_metrics_on_both_sides(agents: Callable[..., Any]) -> None:
+    """GPU memory (stand-in device) staged on both sides: the initiator's per-rail staged bytes
+    and the target's served staged bytes match what moved, by stage, and the pinned pool shows."""
+    from multirail.gpu import DeviceBuffer
+
+    target = agents(f"gt-{uuid.uuid4().hex[:6]}", {"metrics_port": 0, "gpu": "standin"})
+    init = agents(f"gi-{uuid.uuid4().hex[:6]}", {"metrics_port": 0, "gpu": "standin"})
+    n = 2 * MiB + 3
+    src, dst = DeviceBuffer(n, kind="standin"), DeviceBuffer(n, kind="standin")
+    target.register_memory(src)
+    init.register_memory(dst)
+    init.fetch_remote_metadata(target.name, "127.0.0.1", target.port)
+    init.transfer_sync(init.initialize_xfer("READ", [dst], [src], target.name), 20)
+    init.transfer_sync(init.initialize_xfer("WRITE", [dst], [src], target.name), 20)
+    s = scrape(init.metrics_url)
+    assert value(s, "multirail_rail_staged_bytes_total", peer=target.name, stage="h2d") == n
+    assert value(s, "multirail_rail_staged_bytes_total", peer=target.name, stage="d2h") == n
+    assert value(s, "multirail_rail_staged_bytes_total", peer=target.name, stage="wire") == 2 * n
+    assert (value(s, "multirail_rail_staging_busy_seconds_total", peer=target.name, stage="h2d") or 0) > 0
+    assert value(s, "multirail_rail_staging_pool_bytes", peer=target.name) == 2 * 4 * (256 << 10)
+    assert value(s, "multirail_peer_ipc_bytes_total", peer=target.name) == 0  # one process: staged
+    deadline = time.monotonic() + 5
+    while True:  # a served READ's totals land just after its last byte is sent
+        t = scrape(target.metrics_url)
+        got = _served(t, "multirail_served_staged_bytes_total", peer=init.name, stage="d2h")
+        if got == n or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert got == n
+    assert _served(t, "multirail_served_staged_bytes_total", peer=init.name, stage="h2d") == n

@@ -111,6 +111,23 @@ class AgentCollector:
             "s_ucx": CounterMetricFamily(
                 "multirail_served_ucx_sessions", "UCX sessions the peer opened on the local rail (their one-sided "
                 "bytes are not counted here)", labels=served),
+            # GPU memory (docs/gpu.md): staging per rail (initiator side) and per served rail
+            "stage_bytes": CounterMetricFamily(
+                "multirail_rail_staged_bytes", "GPU memory this agent staged on the rail, by stage (d2h: copied out "
+                "of its GPU memory to send; h2d: received into it; wire: bounce buffers sent or received)",
+                labels=rail + ["stage"]),
+            "stage_busy": CounterMetricFamily(
+                "multirail_rail_staging_busy_seconds", "Time the rail's staging pipelines spent in each stage (all "
+                "connections added up)", labels=rail + ["stage"]),
+            "stage_pool": GaugeMetricFamily(
+                "multirail_rail_staging_pool_bytes", "Pinned bounce memory held by the rail's connections",
+                labels=rail),
+            "s_stage_bytes": CounterMetricFamily(
+                "multirail_served_staged_bytes", "GPU memory this agent staged serving the peer on the local rail, "
+                "by stage (d2h: READs of its GPU memory; h2d: WRITEs landed in it)", labels=served + ["stage"]),
+            "ipc_bytes": CounterMetricFamily(
+                "multirail_peer_ipc_bytes", "Bytes moved to or from the peer's GPU memory by CUDA IPC (same host: "
+                "device copies, no rail)", labels=["agent", "peer"]),
             "stale": GaugeMetricFamily(
                 "multirail_peer_stale", "1 while the metadata store holds a newer incarnation of the peer than the "
                 "one loaded (transfers refused until it is fetched again)", labels=["agent", "peer"]),
@@ -151,6 +168,8 @@ class AgentCollector:
                 fam["s_refused"].add_metric(lab + [str(status)], int(n))
             fam["s_conns"].add_metric(lab, int(r.get("connections", 0)))
             fam["s_ucx"].add_metric(lab, int(r.get("ucx_sessions", 0)))
+            for stage, st in _stages(r):
+                fam["s_stage_bytes"].add_metric(lab + [stage], int(st.get("bytes", 0)))
             fenced[str(r["peer"])] = fenced.get(str(r["peer"]), 0) + int(r.get("fenced", 0))
         for peer, n in fenced.items():
             fam["fenced_by"].add_metric([name, peer], n)
@@ -184,7 +203,9 @@ class AgentCollector:
             fam["stale"].add_metric([name, peer], 1 if peer in stale else 0)
             try:
                 stats = a.rail_stats(peer)
-                fam["fences"].add_metric([name, peer], int(a.peer_counters(peer)["fenced_connections"]))
+                pc = a.peer_counters(peer)
+                fam["fences"].add_metric([name, peer], int(pc["fenced_connections"]))
+                fam["ipc_bytes"].add_metric([name, peer], int(pc.get("ipc_bytes", 0)))
             except MultirailError:
                 continue  # forgotten, or no link yet
             total_up = sum(float(s.get("rate_gbps", 0.0)) for s in stats if s.get("up"))
@@ -204,11 +225,21 @@ class AgentCollector:
                 fam["weight"].add_metric(lab, (float(s.get("rate_gbps", 0.0)) / total_up) if up and total_up > 0 else 0.0)
                 fam["conns"].add_metric(lab, int(s.get("connections", 0)))
                 fam["info"].add_metric(lab + [str(i), str(s.get("local_addr", "")), str(s.get("remote_addr", ""))], 1)
+                for stage, st in _stages(s):
+                    fam["stage_bytes"].add_metric(lab + [stage], int(st.get("bytes", 0)))
+                    fam["stage_busy"].add_metric(lab + [stage], float(st.get("busy_s", 0.0)))
+                fam["stage_pool"].add_metric(lab, int((s.get("staging") or {}).get("pool_bytes", 0)))
         st = a._store
         if st is not None:
             status = st.status()
             fam["store_up"].add_metric([name], 1 if status["up"] else 0)
             fam["grants"].add_metric([name], status["lease_grants"])
+
+
+def _stages(row: dict) -> list[tuple[str, dict]]:
+    """(stage, {"ops","bytes","busy_s"}) of a rail_stats/served_stats row's staging totals."""
+    st = row.get("staging") or {}
+    return [(k, st[k]) for k in ("d2h", "wire", "h2d") if isinstance(st.get(k), dict)]
 
 
 class MetricsServer:
