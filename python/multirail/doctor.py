@@ -644,7 +644,8 @@ def check_gpudirect(ctx: Context) -> list[CheckResult]:
             return [_r("gpudirect", Status.OK, None, f"{m} is loaded: the NIC can read and write GPU memory (GPUDirect RDMA)")]
     return [_r("gpudirect", Status.WARN, None,
                "nvidia is loaded but nvidia_peermem is not (/proc/modules, /sys/module/nvidia_peermem): "
-               "GPU memory is staged through host memory (3.5-4.9 Gbps seen without GPUDirect)",
+               "GPU memory cannot go NIC-direct: multirail stages it through pinned host buffers (pipelined, "
+               "docs/gpu.md); engines that stage naively reach 3.5-4.9 Gbps on 100G rails",
                "modprobe nvidia_peermem  # fails on unified-memory platforms (DGX Spark): there, use pinned host memory")]
 
 
