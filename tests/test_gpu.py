@@ -10,8 +10,6 @@ WRITE, byte-exact.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
@@ -118,3 +116,39 @@ def test_torch_cuda_tensors_move_vram_to_vram() -> None:
         a.wait(h, 60)
         torch.cuda.synchronize()
         assert torch.equal(dst, src)
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_between_processes_inside_a_larger_allocation() -> None:
+    """Two processes on one GPU host: the READ and WRITE are CUDA IPC device copies into the
+    peer's allocation (the region an offset inside it), byte-exact, no byte on the rails."""
+    why = _cuda_unavailable()
+    if why:
+        pytest.skip(why)
+    import hashlib
+
+    from gpu_peer import Target
+    from multirail.gpu import DeviceBuffer
+
+    n = 32 * (1 << 20) + 5
+    tgt = Target(n, kind="cuda")
+    i = multirail.Agent("initiator", {"gpu": "cuda"})
+    try:
+        local = DeviceBuffer(n, kind="cuda")
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        for op in ("READ", "WRITE"):
+            if op == "WRITE":
+                local.copy_from_host(np.random.default_rng(9).integers(0, 256, n, dtype=np.uint8))
+            h = i.initialize_xfer(op, [local], rd, "target")
+            i.transfer(h)
+            i.wait(h, 60)
+            i.release_xfer_handle(h)
+            assert hashlib.sha256(local.to_host().tobytes()).hexdigest() == tgt.ask("digest"), op
+        pc = i.peer_counters("target")
+        assert pc["ipc_transfers"] == 2, pc
+        assert all(r["bytes"] == 0 for r in i.rail_stats("target")), i.rail_stats("target")
+    finally:
+        i.close()
+        tgt.close()

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import engine_available
+from gpu_peer import Target as _Target
 
 pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
 
@@ -381,71 +382,6 @@ def test_ucx_agents_stage_gpu_memory_over_the_same_rails() -> None:
 
 
 # ------------------------------------------------------------------ CUDA IPC (same host)
-
-_IPC_TARGET = r"""
-import hashlib, json, sys
-import numpy as np
-import multirail
-from multirail.gpu import DeviceBuffer
-n, off, ipc, access = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
-t = multirail.Agent("target", {"gpu": "standin", "gpu_ipc": ipc})
-block = DeviceBuffer(off + n + 4096, kind="standin")  # the region is an offset inside a block
-block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
-t.register_memory([(block.addr + off, n, 0)], "VRAM", access=access)
-print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
-for line in sys.stdin:
-    cmd = line.strip()
-    if cmd == "digest":
-        out = np.empty(n, np.uint8)
-        block.copy_to_host(out, off)
-        print(hashlib.sha256(out.tobytes()).hexdigest(), flush=True)
-    elif cmd == "notifs":
-        print(json.dumps({k: [m.decode() for m in v] for k, v in t.get_new_notifs().items()}), flush=True)
-    else:
-        break
-t.close()
-"""
-
-
-class _Target:
-    """A target agent in another process (CUDA IPC maps only other processes' memory), with
-    `n` bytes of stand-in GPU memory at offset `off` inside a larger allocation."""
-
-    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw"):
-        import json
-        import subprocess
-        import sys
-
-        self.n = n
-        self.p = subprocess.Popen([sys.executable, "-c", _IPC_TARGET, str(n), str(off), "1" if ipc else "0", access],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self._line()
-        info = json.loads(line)
-        self.port, self.addr = info["port"], info["addr"]
-
-    def _line(self) -> str:
-        import select
-
-        r, _, _ = select.select([self.p.stdout], [], [], 30)
-        assert r, "target process did not answer within 30 s"
-        line = self.p.stdout.readline()  # type: ignore[union-attr]
-        assert line, f"target process exited ({self.p.poll()})"
-        return line
-
-    def ask(self, cmd: str) -> str:
-        self.p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
-        self.p.stdin.flush()  # type: ignore[union-attr]
-        return self._line().strip()
-
-    def close(self) -> None:
-        try:
-            self.p.stdin.close()  # type: ignore[union-attr]
-            self.p.wait(timeout=10)
-        finally:
-            if self.p.poll() is None:
-                self.p.kill()
-                self.p.wait()
-
 
 def _sha(a: np.ndarray) -> str:
     import hashlib

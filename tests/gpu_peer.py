@@ -1,0 +1,72 @@
+"""A target agent in another process, for CUDA IPC tests (CUDA maps only other processes'
+memory): `n` bytes of GPU memory (stand-in or CUDA) at an offset inside a larger allocation,
+driven over stdin ("digest", "notifs"), killed by PID if it does not exit."""
+
+from __future__ import annotations
+
+TARGET_SCRIPT = r"""
+import hashlib, json, sys
+import numpy as np
+import multirail
+from multirail.gpu import DeviceBuffer
+n, off, ipc, access, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
+t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc})
+block = DeviceBuffer(off + n + 4096, kind=kind)  # the region is an offset inside a block
+block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
+t.register_memory([(block.addr + off, n, 0)], "VRAM", access=access)
+print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "digest":
+        out = np.empty(n, np.uint8)
+        block.copy_to_host(out, off)
+        print(hashlib.sha256(out.tobytes()).hexdigest(), flush=True)
+    elif cmd == "notifs":
+        print(json.dumps({k: [m.decode() for m in v] for k, v in t.get_new_notifs().items()}), flush=True)
+    else:
+        break
+t.close()
+"""
+
+
+class Target:
+    """A target agent in another process (CUDA IPC maps only other processes' memory), with
+    `n` bytes of GPU memory of `kind` at offset `off` inside a larger allocation."""
+
+    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw", kind: str = "standin"):
+        import json
+        import subprocess
+        import sys
+
+        self.n = n
+        self.p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), str(off), "1" if ipc else "0", access, kind],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(self._line())
+        except BaseException:
+            self.close()
+            raise
+        self.port, self.addr = info["port"], info["addr"]
+
+    def _line(self) -> str:
+        import select
+
+        r, _, _ = select.select([self.p.stdout], [], [], 30)
+        assert r, "target process did not answer within 30 s"
+        line = self.p.stdout.readline()  # type: ignore[union-attr]
+        assert line, f"target process exited ({self.p.poll()})"
+        return line
+
+    def ask(self, cmd: str) -> str:
+        self.p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
+        self.p.stdin.flush()  # type: ignore[union-attr]
+        return self._line().strip()
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()  # type: ignore[union-attr]
+            self.p.wait(timeout=10)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+                self.p.wait()
