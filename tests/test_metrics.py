@@ -220,6 +220,18 @@ def _served(samples: dict[str, Any], name: str, **labels: str) -> float:
     return sum(v for lab, v in samples.get(name, []) if all(lab.get(k) == want for k, want in labels.items()))
 
 
+def _scrape_until(url: str, name: str, want: float, **labels: str) -> tuple[dict[str, Any], float]:
+    """Scrape until `_served(name, **labels)` reaches `want` (5 s at most): a served READ is
+    counted just after its last byte is sent, which the initiator may see complete first."""
+    deadline = time.monotonic() + 5
+    while True:
+        s = scrape(url)
+        got = _served(s, name, **labels)
+        if got == want or time.monotonic() > deadline:
+            return s, got
+        time.sleep(0.02)
+
+
 def test_target_serves_metrics_of_what_peers_read_and_wrote(agents: Callable[..., Any]) -> None:
     """The serving side: a target agent's own /metrics counts what an initiator READ from it and
     WROTE into it, per peer and local rail, exactly the payload bytes the initiator moved."""
@@ -241,14 +253,7 @@ def test_target_serves_metrics_of_what_peers_read_and_wrote(agents: Callable[...
     for _ in range(2):
         init.transfer_sync(wr, 20)
     read_b, write_b = 3 * size, 2 * (MiB + 7)
-    # READ bytes are counted once the target's writev returned: poll briefly for the race.
-    deadline = time.monotonic() + 5
-    while True:
-        s = scrape(target.metrics_url)
-        got = _served(s, "multirail_served_bytes_total", peer=init.name, direction="read")
-        if got == read_b or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+    s, got = _scrape_until(target.metrics_url, "multirail_served_bytes_total", read_b, peer=init.name, direction="read")
     assert got == read_b
     assert _served(s, "multirail_served_bytes_total", peer=init.name, direction="write") == write_b
     # the initiator's own view of the same transfers agrees, rail by rail
@@ -522,12 +527,6 @@ def test_gpu_staging_metrics_on_both_sides(agents: Callable[..., Any]) -> None:
     assert (value(s, "multirail_rail_staging_busy_seconds_total", peer=target.name, stage="h2d") or 0) > 0
     assert value(s, "multirail_rail_staging_pool_bytes", peer=target.name) == 2 * 4 * (256 << 10)
     assert value(s, "multirail_peer_ipc_bytes_total", peer=target.name) == 0  # one process: staged
-    deadline = time.monotonic() + 5
-    while True:  # a served READ's totals land just after its last byte is sent
-        t = scrape(target.metrics_url)
-        got = _served(t, "multirail_served_staged_bytes_total", peer=init.name, stage="d2h")
-        if got == n or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+    t, got = _scrape_until(target.metrics_url, "multirail_served_staged_bytes_total", n, peer=init.name, stage="d2h")
     assert got == n
     assert _served(t, "multirail_served_staged_bytes_total", peer=init.name, stage="h2d") == n

@@ -76,22 +76,58 @@ pub(crate) fn answer(sh: &Shared, host: [u8; 16], regions: &[(u64, RegionKey)]) 
         if r.mem != MemType::Vram {
             return refuse(Status::Unexpected, format!("region {region} is not GPU memory"));
         }
-        let entry = (|| -> std::result::Result<IpcEntry, String> {
-            let id = i32::try_from(r.dev).map_err(|_| format!("device id {} out of range", r.dev))?;
-            let gpu = Gpu::open(sh.ctx.cfg.staging.gpu, id).map_err(|e| e.to_string())?;
-            let (base, alloc_len) = gpu.alloc_range(DevicePtr(r.base)).map_err(|e| e.to_string())?;
-            if r.base + r.len > base.0 + alloc_len as u64 {
-                return Err(format!("region {region} spans more than one allocation"));
-            }
-            let handle = gpu.ipc_handle(base).map_err(|e| e.to_string())?;
-            Ok(IpcEntry { region, device: r.dev, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
-        })();
+        let entry = export(sh.ctx.cfg.staging.gpu, &r);
         match entry {
             Ok(e) => out.push(e),
             Err(m) => return refuse(Status::Unexpected, format!("no IPC handle for region {region}: {m}")),
         }
     }
     Body::IpcHandles(out)
+}
+
+/// The IPC handle of the allocation holding GPU region `r`, and where `r` starts in it.
+fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::result::Result<IpcEntry, String> {
+    let id = i32::try_from(r.dev).map_err(|_| format!("device id {} out of range", r.dev))?;
+    let gpu = Gpu::open(kind, id).map_err(|e| e.to_string())?;
+    let (base, alloc_len) = gpu.alloc_range(DevicePtr(r.base)).map_err(|e| e.to_string())?;
+    if r.base + r.len > base.0 + alloc_len as u64 {
+        return Err(format!("region {} spans more than one allocation", r.id));
+    }
+    let handle = gpu.ipc_handle(base).map_err(|e| e.to_string())?;
+    Ok(IpcEntry { region: r.id, device: r.dev, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
+}
+
+/// Maps a peer's handle on device `e.device` of `kind`.
+fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry) -> std::result::Result<Mapped, String> {
+    let id = i32::try_from(e.device).map_err(|_| "bad device id".to_string())?;
+    let gpu = Gpu::open(kind, id).map_err(|err| format!("GPU {id}: {err}"))?;
+    let len = region_room(e.alloc_len, e.offset)?;
+    // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
+    // authenticated control connection); a bad one is refused by the device.
+    let base = unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
+    Ok(Mapped { gpu, base, at: base.0 + e.offset, len })
+}
+
+/// Queues every copy of `plan` on the device's stream (made once, kept in `queues`) and waits
+/// for them: on return, also on error, no copy runs.
+fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>) -> std::result::Result<(), String> {
+    let id = plan.gpu.id();
+    if !queues.iter().any(|q| q.0 == id) {
+        let s = plan.gpu.create_stream().map_err(|e| e.to_string())?;
+        let e = plan.gpu.create_event().map_err(|e| e.to_string())?;
+        queues.push((id, s, e));
+    }
+    let (_, s, e) = queues.iter().find(|q| q.0 == id).expect("made above");
+    for &(kind, dst, src, len) in &plan.copies {
+        // SAFETY: the local side is registered and held by the transfer, the remote side lies
+        // inside the peer's mapped allocation (checked at plan time), and the event wait below
+        // ends every copy before the transfer completes or is cancelled.
+        if let Err(err) = unsafe { plan.gpu.copy_async(kind, dst, src, len as usize, s) } {
+            let _ = plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e));
+            return Err(err.to_string());
+        }
+    }
+    plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e)).map_err(|err| err.to_string())
 }
 
 /// One peer region mapped into this process.
@@ -212,19 +248,17 @@ impl IpcPeer {
         };
         let mut first_err = None;
         for e in entries {
-            let m = (|| -> std::result::Result<Mapped, String> {
-                if !ask.iter().any(|(r, _)| *r == e.region) {
-                    return Err(format!("the peer sent a handle for region {} it was not asked for", e.region));
-                }
-                let id = i32::try_from(e.device).map_err(|_| "bad device id".to_string())?;
-                let gpu = Gpu::open(kind, id).map_err(|err| format!("GPU {id}: {err}"))?;
-                // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer
-                // on the authenticated control connection); a bad one is refused by the device.
-                let base =
-                    unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
-                let len = region_room(e.alloc_len, e.offset)?;
-                Ok(Mapped { gpu, base, at: base.0 + e.offset, len })
-            })();
+            // Regions asked for were not in `maps`: one there now came twice in this answer
+            // (mapping it again would leak the first mapping).
+            if maps.contains_key(&e.region) {
+                first_err.get_or_insert_with(|| format!("the peer sent region {} twice", e.region));
+                continue;
+            }
+            let m = if ask.iter().any(|(r, _)| *r == e.region) {
+                open_entry(kind, &e)
+            } else {
+                Err(format!("the peer sent a handle for region {} it was not asked for", e.region))
+            };
             if let Err(why) = &m {
                 first_err.get_or_insert_with(|| why.clone());
             }
@@ -320,25 +354,7 @@ fn worker(
             continue;
         }
         let Some(plan) = x.ipc.as_ref() else { continue };
-        let r = (|| -> std::result::Result<(), String> {
-            let id = plan.gpu.id();
-            if !queues.iter().any(|q| q.0 == id) {
-                let s = plan.gpu.create_stream().map_err(|e| e.to_string())?;
-                let e = plan.gpu.create_event().map_err(|e| e.to_string())?;
-                queues.push((id, s, e));
-            }
-            let (_, s, e) = queues.iter().find(|q| q.0 == id).expect("made above");
-            for &(kind, dst, src, len) in &plan.copies {
-                // SAFETY: the local side is registered and held by the transfer, the remote side
-                // lies inside the peer's mapped allocation (checked at plan time), and the event
-                // wait below ends every copy before the transfer completes or is cancelled.
-                if let Err(err) = unsafe { plan.gpu.copy_async(kind, dst, src, len as usize, s) } {
-                    let _ = plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e));
-                    return Err(err.to_string());
-                }
-            }
-            plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e)).map_err(|err| err.to_string())
-        })();
+        let r = run_copies(plan, &mut queues);
         drop(g);
         match r {
             Ok(()) => {

@@ -178,18 +178,33 @@ impl Stagers {
         Stagers { cfg, stats, sides: Vec::new() }
     }
 
-    fn side(&mut self, dev: u32, role: Role) -> Result<&mut Staged<Gpu>, StageError> {
-        if let Some(i) = self.sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
-            return Ok(&mut self.sides[i].2);
-        }
-        let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
-        let gpu = Gpu::open(self.cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
-        let mut st = Staged::new(gpu, role, self.cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
-        st.keep_ops(false);
-        self.stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
-        self.stats.pools.fetch_add(1, Ordering::Relaxed);
-        self.sides.push((dev, role, st));
-        Ok(&mut self.sides.last_mut().expect("just pushed").2)
+    /// Runs `f` on this connection's pool for (`dev`, `role`), made on first use, and adds what
+    /// it did to the rail's totals.
+    fn staged<T>(
+        &mut self,
+        dev: u32,
+        role: Role,
+        f: impl FnOnce(&mut Staged<Gpu>) -> Result<T, PipelineError>,
+    ) -> Result<Result<T, PipelineError>, StageError> {
+        let Stagers { cfg, stats, sides } = self;
+        let i = match sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
+            Some(i) => i,
+            None => {
+                let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
+                let gpu = Gpu::open(cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
+                let mut st = Staged::new(gpu, role, cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
+                st.keep_ops(false);
+                stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
+                stats.pools.fetch_add(1, Ordering::Relaxed);
+                sides.push((dev, role, st));
+                sides.len() - 1
+            }
+        };
+        let st = &mut sides[i].2;
+        let before = st.totals();
+        let r = f(st);
+        stats.add(&before, &st.totals());
+        Ok(r)
     }
 
     /// Sends `len` bytes of device `dev`'s memory at `src` (D2H → wire).
@@ -197,12 +212,8 @@ impl Stagers {
     /// # Safety
     /// `src..src+len` is device memory of `dev`, registered and held for the call.
     pub unsafe fn send(&mut self, dev: u32, src: u64, len: u64, out: &mut SockOut<'_>) -> Result<(), StageError> {
-        let stats = self.stats.clone();
-        let st = self.side(dev, Role::Sender)?;
-        let before = st.totals();
         // SAFETY: the caller's contract.
-        let r = unsafe { st.send(DevicePtr(src), len, out) };
-        stats.add(&before, &st.totals());
+        let r = self.staged(dev, Role::Sender, |st| unsafe { st.send(DevicePtr(src), len, out) })?;
         finish(r, &mut out.err)
     }
 
@@ -213,12 +224,8 @@ impl Stagers {
     /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
     /// for the call.
     pub unsafe fn recv(&mut self, dev: u32, dst: u64, len: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
-        let stats = self.stats.clone();
-        let st = self.side(dev, Role::Receiver)?;
-        let before = st.totals();
         // SAFETY: the caller's contract.
-        let r = unsafe { st.recv(DevicePtr(dst), len, inp) };
-        stats.add(&before, &st.totals());
+        let r = self.staged(dev, Role::Receiver, |st| unsafe { st.recv(DevicePtr(dst), len, inp) })?;
         finish(r, &mut inp.err)
     }
 }
