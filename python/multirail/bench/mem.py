@@ -92,8 +92,9 @@ def check_gpu(args: argparse.Namespace) -> None:
         gpu_info(args.device_id, gpu_kind(args))
 
 
-def gpu_info(device: int, kind: str) -> dict[str, Any]:
-    """{"kind", "device", "name"} of a GPU (multirail.gpu.info; GpuError when there is none)."""
+def gpu_info(device: int, kind: str | None) -> dict[str, Any]:
+    """{"kind", "device", "name"} of a GPU (multirail.gpu.info: kind None is $MULTIRAIL_GPU, else
+    cuda, as the engine resolves it; GpuError when there is none)."""
     from multirail import gpu
 
     info = gpu.info(device, kind)
@@ -116,7 +117,7 @@ class BenchMem:
 
             self.dev_buf = DeviceBuffer(self.nbytes, self.device, kind)
             self.addr = int(self.dev_buf.addr)
-            self.gpu = gpu_info(self.device, kind or os.environ.get("MULTIRAIL_GPU") or "cuda")
+            self.gpu = gpu_info(self.device, kind)
         else:
             self.host = np.zeros(self.nbytes, dtype=np.uint8)
             self.addr = int(self.host.ctypes.data)
