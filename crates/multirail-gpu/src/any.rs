@@ -223,6 +223,34 @@ impl Device for Gpu {
             _ => Err(mismatch()),
         }
     }
+    fn stream_synchronize(&self, stream: &GpuStream) -> Result<()> {
+        match (self, stream) {
+            (Gpu::Cuda(d), GpuStream::Cuda(s)) => d.stream_synchronize(s),
+            (Gpu::StandIn(d), GpuStream::StandIn(s)) => d.stream_synchronize(s),
+            _ => Err(mismatch()),
+        }
+    }
+    fn record_external(&self, event: &GpuEvent, stream: u64) -> Result<()> {
+        match (self, event) {
+            (Gpu::Cuda(d), GpuEvent::Cuda(e)) => d.record_external(e, stream),
+            (Gpu::StandIn(d), GpuEvent::StandIn(e)) => d.record_external(e, stream),
+            _ => Err(mismatch()),
+        }
+    }
+    fn stream_wait(&self, stream: &GpuStream, event: &GpuEvent) -> Result<()> {
+        match (self, stream, event) {
+            (Gpu::Cuda(d), GpuStream::Cuda(s), GpuEvent::Cuda(e)) => d.stream_wait(s, e),
+            (Gpu::StandIn(d), GpuStream::StandIn(s), GpuEvent::StandIn(e)) => d.stream_wait(s, e),
+            _ => Err(mismatch()),
+        }
+    }
+    fn stream_handle(&self, stream: &GpuStream) -> u64 {
+        match (self, stream) {
+            (Gpu::Cuda(d), GpuStream::Cuda(s)) => d.stream_handle(s),
+            (Gpu::StandIn(d), GpuStream::StandIn(s)) => d.stream_handle(s),
+            _ => u64::MAX,
+        }
+    }
     fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
         match self {
             Gpu::Cuda(d) => d.alloc_range(ptr),

@@ -13,10 +13,24 @@
 //! Then `cudaGetDeviceCount` decides whether there is a usable GPU ([`DeviceError::NoDevice`]
 //! carries CUDA's own error string: no device, no driver, driver older than the runtime).
 //!
+//! A candidate is taken only if its runtime major version is at most the driver's
+//! ([`runtime_fits_driver`]: `cudaRuntimeGetVersion` against `cudaDriverGetVersion`): a CUDA 13
+//! runtime on a CUDA 12 driver is skipped, with the reason kept, and the next candidate tried.
+//!
 //! Choices: streams are created non-blocking (`cudaStreamCreateWithFlags(cudaStreamNonBlocking)`,
-//! so staging never synchronises with work on the legacy default stream), events without timing
-//! (`cudaEventDisableTiming`: cheapest record/query). The current device is per host thread in
-//! CUDA, so every call that depends on it sets it first.
+//! so staging never synchronises with work on the legacy default stream; ordering with the
+//! application's streams is explicit, see [`crate::Device::record_external`]), events without
+//! timing and with blocking sync (`cudaEventDisableTiming | cudaEventBlockingSync`: cheapest
+//! record/query, and a thread waiting in `cudaEventSynchronize` sleeps instead of spinning).
+//!
+//! **The caller's current device is never changed.** CUDA's current device is per host thread,
+//! and these calls run on application threads too (registration, the tcp send path, `wait`).
+//! Every call that depends on it runs inside [`Cuda::enter`]: the device's primary context is
+//! made current through the driver API (`cuCtxGetCurrent` / `cuCtxSetCurrent`, with the context
+//! retained once at open) and the thread's previous context, possibly none, is put back when the
+//! guard drops. The runtime's own per-thread device (what `cudaGetDevice` falls back to with no
+//! context current) is never touched, so no context is created on a device the application did
+//! not use. Without the driver symbols, `cudaGetDevice`/`cudaSetDevice` save and restore it.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::{Path, PathBuf};
@@ -45,6 +59,7 @@ const MEMCPY_H2D: c_int = 1;
 const MEMCPY_D2H: c_int = 2;
 const MEMCPY_D2D: c_int = 3;
 const STREAM_NON_BLOCKING: c_uint = 1;
+const EVENT_BLOCKING_SYNC: c_uint = 1;
 const EVENT_DISABLE_TIMING: c_uint = 2;
 const IPC_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// Bytes reserved for `cudaDeviceProp` (about 1 KiB in CUDA 12 and 13; `name` comes first).
@@ -52,30 +67,116 @@ const DEVICE_PROP_BYTES: usize = 8192;
 
 /// `cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr ptr)`.
 type AddressRange = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> c_int;
+type Ctx = *mut c_void;
 
-/// The driver API's `cuMemGetAddressRange_v2` (libcuda.so.1, present wherever a driver is):
-/// the runtime API has no call that finds an allocation's base. Loaded once; None when absent.
-fn address_range() -> Option<AddressRange> {
-    static F: std::sync::OnceLock<Option<(Library, AddressRange)>> = std::sync::OnceLock::new();
+/// The few driver-API calls the runtime API lacks (libcuda.so.1, present wherever a driver is),
+/// loaded once. Every field is optional: an old or odd driver just loses that feature.
+struct DriverApi {
+    /// `cuMemGetAddressRange_v2`: an allocation's base and size.
+    address_range: Option<AddressRange>,
+    /// `cuInit(unsigned)`.
+    init: Option<unsafe extern "C" fn(c_uint) -> c_int>,
+    /// `cuDeviceGet(CUdevice*, int ordinal)`.
+    device_get: Option<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>,
+    /// `cuDevicePrimaryCtxRetain(CUcontext*, CUdevice)`.
+    primary_ctx_retain: Option<unsafe extern "C" fn(*mut Ctx, c_int) -> c_int>,
+    /// `cuCtxGetCurrent(CUcontext*)`.
+    ctx_get_current: Option<unsafe extern "C" fn(*mut Ctx) -> c_int>,
+    /// `cuCtxSetCurrent(CUcontext)`.
+    ctx_set_current: Option<unsafe extern "C" fn(Ctx) -> c_int>,
+    _lib: Library,
+}
+
+fn driver() -> Option<&'static DriverApi> {
+    static F: std::sync::OnceLock<Option<DriverApi>> = std::sync::OnceLock::new();
     F.get_or_init(|| {
         // SAFETY: loading the CUDA driver library runs its initialisers, which are benign (no
         // driver work happens before the first call).
         let lib = unsafe { Library::new("libcuda.so.1") }.ok()?;
-        // SAFETY: the prototype of cuMemGetAddressRange_v2 in cuda.h.
-        let f: AddressRange = unsafe { *lib.get::<AddressRange>(b"cuMemGetAddressRange_v2\0").ok()? };
-        Some((lib, f))
+        macro_rules! opt {
+            ($name:literal) => {
+                // SAFETY: the field's type is this symbol's prototype in cuda.h.
+                unsafe { lib.get(concat!($name, "\0").as_bytes()) }.ok().map(|s| *s)
+            };
+        }
+        Some(DriverApi {
+            address_range: opt!("cuMemGetAddressRange_v2"),
+            init: opt!("cuInit"),
+            device_get: opt!("cuDeviceGet"),
+            primary_ctx_retain: opt!("cuDevicePrimaryCtxRetain"),
+            ctx_get_current: opt!("cuCtxGetCurrent"),
+            ctx_set_current: opt!("cuCtxSetCurrent"),
+            _lib: lib,
+        })
     })
     .as_ref()
-    .map(|(_, f)| *f)
 }
 
-/// `cudaPointerAttributes` (CUDA 11 and later).
+/// A retained primary context (never released: it lives as long as the process's use of the
+/// device, like the runtime's own).
+#[derive(Debug, Clone, Copy)]
+struct PrimaryCtx(Ctx);
+// SAFETY: a CUcontext handle may be made current on any thread.
+unsafe impl Send for PrimaryCtx {}
+// SAFETY: as above; the handle is only read.
+unsafe impl Sync for PrimaryCtx {}
+
+/// Retains device `id`'s primary context through the driver API (what the runtime uses too).
+fn retain_primary(id: i32) -> Option<PrimaryCtx> {
+    let d = driver()?;
+    let (init, get, retain) = (d.init?, d.device_get?, d.primary_ctx_retain?);
+    d.ctx_get_current?;
+    d.ctx_set_current?;
+    let (mut dev, mut ctx): (c_int, Ctx) = (0, std::ptr::null_mut());
+    // SAFETY: plain calls with valid out-pointers; cuInit is idempotent.
+    let ok = unsafe { init(0) == 0 && get(&mut dev, id) == 0 && retain(&mut ctx, dev) == 0 };
+    (ok && !ctx.is_null()).then_some(PrimaryCtx(ctx))
+}
+
+/// The oldest CUDA 13 runtime version number (`cudaRuntimeGetVersion`: 1000 x major + 10 x minor).
+pub const CUDA_13: i32 = 13000;
+
+/// Whether a runtime of version `runtime` can run on a driver that supports up to `driver`
+/// (both as `cudaRuntimeGetVersion` / `cudaDriverGetVersion` report them). CUDA's minor-version
+/// compatibility lets any 12.x runtime run on any 12.x driver (and newer), but never a runtime
+/// of a newer major version than the driver's; a driver version of 0 means no driver.
+pub fn runtime_fits_driver(runtime: i32, driver: i32) -> std::result::Result<(), String> {
+    let v = |x: i32| format!("{}.{}", x / 1000, (x % 1000) / 10);
+    if driver <= 0 {
+        return Err("no CUDA driver is installed (cudaDriverGetVersion reports 0)".into());
+    }
+    if runtime <= 0 {
+        return Err("the runtime reports no version".into());
+    }
+    if runtime / 1000 > driver / 1000 {
+        return Err(format!("runtime {} needs a CUDA {} driver; this driver supports CUDA {}", v(runtime), runtime / 1000, v(driver)));
+    }
+    Ok(())
+}
+
+/// `cudaPointerAttributes`, sized for every runtime the loader accepts: CUDA 11 and 12 write
+/// the first four fields (24 bytes); CUDA 13 adds `long reserved[8]` and writes all 88 bytes.
+/// A 24-byte struct on a CUDA 13 runtime is a 64-byte stack overflow.
 #[repr(C)]
 struct PointerAttributes {
     kind: c_int,
     device: c_int,
     device_pointer: *mut c_void,
     host_pointer: *mut c_void,
+    /// CUDA 13's `long reserved[8]`.
+    reserved: [std::ffi::c_long; 8],
+}
+
+impl PointerAttributes {
+    fn zeroed() -> Self {
+        PointerAttributes {
+            kind: 0,
+            device: -1,
+            device_pointer: std::ptr::null_mut(),
+            host_pointer: std::ptr::null_mut(),
+            reserved: [0; 8],
+        }
+    }
 }
 
 /// `cudaIpcMemHandle_t`.
@@ -88,7 +189,12 @@ struct IpcMemHandle {
 /// The libcudart functions used, resolved once.
 struct Api {
     get_device_count: unsafe extern "C" fn(*mut c_int) -> Err,
+    get_device: unsafe extern "C" fn(*mut c_int) -> Err,
     set_device: unsafe extern "C" fn(c_int) -> Err,
+    runtime_get_version: unsafe extern "C" fn(*mut c_int) -> Err,
+    driver_get_version: unsafe extern "C" fn(*mut c_int) -> Err,
+    stream_synchronize: unsafe extern "C" fn(Stream) -> Err,
+    stream_wait_event: unsafe extern "C" fn(Stream, Event, c_uint) -> Err,
     malloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> Err,
     free: unsafe extern "C" fn(*mut c_void) -> Err,
     malloc_host: unsafe extern "C" fn(*mut *mut c_void, usize) -> Err,
@@ -130,7 +236,12 @@ impl Api {
         let props = unsafe { lib.get(b"cudaGetDeviceProperties_v2\0").or_else(|_| lib.get(b"cudaGetDeviceProperties\0")) };
         Ok(Api {
             get_device_count: sym!("cudaGetDeviceCount"),
+            get_device: sym!("cudaGetDevice"),
             set_device: sym!("cudaSetDevice"),
+            runtime_get_version: sym!("cudaRuntimeGetVersion"),
+            driver_get_version: sym!("cudaDriverGetVersion"),
+            stream_synchronize: sym!("cudaStreamSynchronize"),
+            stream_wait_event: sym!("cudaStreamWaitEvent"),
             malloc: sym!("cudaMalloc"),
             free: sym!("cudaFree"),
             malloc_host: sym!("cudaMallocHost"),
@@ -196,20 +307,33 @@ pub fn parse_dirs(s: &str) -> Vec<PathBuf> {
 pub struct CudaRuntime {
     api: Api,
     path: PathBuf,
+    /// `cudaRuntimeGetVersion` (e.g. 12090 for 12.9).
+    runtime_version: i32,
+    /// `cudaDriverGetVersion`: the newest CUDA the installed driver supports.
+    driver_version: i32,
     // Dropped last: the function pointers in `api` point into it.
     _lib: Library,
 }
 
 impl std::fmt::Debug for CudaRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaRuntime").field("path", &self.path).finish()
+        f.debug_struct("CudaRuntime")
+            .field("path", &self.path)
+            .field("runtime_version", &self.runtime_version)
+            .field("driver_version", &self.driver_version)
+            .finish()
     }
 }
 
 impl CudaRuntime {
-    /// Loads the first libcudart of `opts.candidates()` that opens and has every symbol.
+    /// Loads the first libcudart of `opts.candidates()` that opens, has every symbol, and whose
+    /// major version the driver supports ([`runtime_fits_driver`]). A runtime the driver cannot
+    /// run is skipped with its reason, so a cu13 wheel on a CUDA 12 driver falls through to the
+    /// system's libcudart.so.12. If no driver is installed at all, the first runtime that loads
+    /// is kept: `device_count` then says why there is no GPU.
     pub fn load(opts: &LoadOptions) -> Result<Arc<CudaRuntime>> {
         let mut tried = Vec::new();
+        let mut no_driver: Option<Arc<CudaRuntime>> = None;
         for path in opts.candidates() {
             // A wheel path that does not exist is not worth a dlopen (and its message).
             if path.is_absolute() && !path.exists() && opts.explicit.is_none() {
@@ -223,16 +347,48 @@ impl CudaRuntime {
                     // SAFETY: a library that loads under a libcudart name is taken to be one;
                     // a missing symbol is reported rather than called.
                     let api = unsafe { Api::load(&lib, &path) }?;
-                    return Ok(Arc::new(CudaRuntime { api, path, _lib: lib }));
+                    let (mut rv, mut dv): (c_int, c_int) = (0, 0);
+                    // SAFETY: valid out-pointers; neither call needs a device.
+                    unsafe {
+                        (api.runtime_get_version)(&mut rv);
+                        (api.driver_get_version)(&mut dv);
+                        (api.get_last_error)();
+                    }
+                    let rt = Arc::new(CudaRuntime { api, path, runtime_version: rv, driver_version: dv, _lib: lib });
+                    match runtime_fits_driver(rv, dv) {
+                        Ok(()) => return Ok(rt),
+                        Err(why) if opts.explicit.is_some() => {
+                            return Err(DeviceError::NoDevice { lib: rt.path.clone(), reason: why });
+                        }
+                        Err(why) => {
+                            tried.push(format!("{} ({why})", rt.path.display()));
+                            if dv <= 0 && no_driver.is_none() {
+                                no_driver = Some(rt);
+                            }
+                        }
+                    }
                 }
                 Err(e) if opts.explicit.is_some() => return Err(DeviceError::ExplicitLoad { path, reason: e.to_string() }),
                 Err(e) => tried.push(format!("{} ({e})", path.display())),
             }
         }
+        if let Some(rt) = no_driver {
+            return Ok(rt);
+        }
         if tried.is_empty() {
             tried.push("nothing: no wheel dirs and system search off".into());
         }
         Err(DeviceError::NotFound { tried: tried.join("; ") })
+    }
+
+    /// `cudaRuntimeGetVersion` of the loaded library (1000 x major + 10 x minor).
+    pub fn runtime_version(&self) -> i32 {
+        self.runtime_version
+    }
+
+    /// `cudaDriverGetVersion`: the newest CUDA version the driver supports (0: no driver).
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
     }
 
     /// The library that was loaded.
@@ -289,6 +445,43 @@ pub struct Cuda {
     rt: Arc<CudaRuntime>,
     id: i32,
     name: String,
+    /// The device's primary context, retained through the driver API (None: no driver symbols;
+    /// `enter` then saves and restores the runtime's current device instead).
+    ctx: Option<PrimaryCtx>,
+}
+
+/// What [`Cuda::enter`] puts back when it drops.
+enum Restore {
+    /// The context that was current (possibly none).
+    Ctx(unsafe extern "C" fn(Ctx) -> c_int, Ctx),
+    /// The runtime's current device, when it was another one.
+    Device(c_int),
+    Nothing,
+}
+
+/// The device made current on this thread for the guard's lifetime; the thread's previous
+/// context (or device) comes back on drop (module docs).
+#[must_use]
+pub struct OnDevice<'a> {
+    cuda: &'a Cuda,
+    restore: Restore,
+}
+
+impl Drop for OnDevice<'_> {
+    fn drop(&mut self) {
+        match self.restore {
+            // SAFETY: the context that was current on this thread before `enter` (or null).
+            Restore::Ctx(set, prev) => unsafe {
+                set(prev);
+            },
+            // SAFETY: a device ordinal cudaGetDevice returned.
+            Restore::Device(d) => unsafe {
+                (self.cuda.api().set_device)(d);
+                (self.cuda.api().get_last_error)();
+            },
+            Restore::Nothing => {}
+        }
+    }
 }
 
 /// A CUDA stream (destroyed on drop).
@@ -337,8 +530,8 @@ impl Cuda {
         if id < 0 || id >= count {
             return Err(DeviceError::BadDevice { id, count });
         }
-        let dev = Cuda { rt, id, name: String::new() };
-        dev.current()?;
+        let dev = Cuda { rt, id, name: String::new(), ctx: retain_primary(id) };
+        drop(dev.enter()?);
         let name = dev.query_name().unwrap_or_else(|| format!("CUDA device {id}"));
         Ok(Cuda { name, ..dev })
     }
@@ -352,10 +545,41 @@ impl Cuda {
         &self.rt.api
     }
 
-    /// Makes this device current on the calling thread.
-    fn current(&self) -> Result<()> {
+    /// Makes this device current on the calling thread until the guard drops, then puts the
+    /// thread's previous context (or runtime device) back (module docs).
+    pub fn enter(&self) -> Result<OnDevice<'_>> {
+        if let (Some(ctx), Some(d)) = (self.ctx, driver()) {
+            if let (Some(get), Some(set)) = (d.ctx_get_current, d.ctx_set_current) {
+                let mut prev: Ctx = std::ptr::null_mut();
+                // SAFETY: valid out-pointer.
+                if unsafe { get(&mut prev) } == 0 {
+                    if prev == ctx.0 {
+                        return Ok(OnDevice { cuda: self, restore: Restore::Nothing });
+                    }
+                    // SAFETY: a primary context retained at open.
+                    let rc = unsafe { set(ctx.0) };
+                    if rc != 0 {
+                        return Err(DeviceError::Cuda {
+                            op: "cuCtxSetCurrent",
+                            code: rc,
+                            name: format!("CUresult {rc}"),
+                            message: "cannot make the device's context current".into(),
+                        });
+                    }
+                    return Ok(OnDevice { cuda: self, restore: Restore::Ctx(set, prev) });
+                }
+            }
+        }
+        let mut prev: c_int = -1;
+        // SAFETY: valid out-pointer; cudaGetDevice creates no context.
+        let got = unsafe { (self.api().get_device)(&mut prev) } == SUCCESS;
+        if got && prev == self.id {
+            return Ok(OnDevice { cuda: self, restore: Restore::Nothing });
+        }
+        let guard = OnDevice { cuda: self, restore: if got { Restore::Device(prev) } else { Restore::Nothing } };
         // SAFETY: plain call with a valid ordinal.
-        self.rt.check("cudaSetDevice", unsafe { (self.api().set_device)(self.id) })
+        self.rt.check("cudaSetDevice", unsafe { (self.api().set_device)(self.id) })?;
+        Ok(guard)
     }
 
     fn query_name(&self) -> Option<String> {
@@ -387,7 +611,7 @@ impl Device for Cuda {
     }
 
     fn alloc(&self, len: usize) -> Result<DevicePtr> {
-        self.current()?;
+        let _on = self.enter()?;
         let mut p = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaMalloc", unsafe { (self.api().malloc)(&mut p, len) })?;
@@ -395,13 +619,13 @@ impl Device for Cuda {
     }
 
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
-        self.current()?;
+        let _on = self.enter()?;
         // SAFETY: the caller's contract (allocated by cudaMalloc, unused).
         self.rt.check("cudaFree", unsafe { (self.api().free)(ptr.0 as *mut c_void) })
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<PinnedMem> {
-        self.current()?;
+        let _on = self.enter()?;
         let mut p = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaMallocHost", unsafe { (self.api().malloc_host)(&mut p, len) })?;
@@ -415,7 +639,7 @@ impl Device for Cuda {
     }
 
     fn pointer_kind(&self, addr: u64) -> Result<MemKind> {
-        let mut a = PointerAttributes { kind: 0, device: -1, device_pointer: std::ptr::null_mut(), host_pointer: std::ptr::null_mut() };
+        let mut a = PointerAttributes::zeroed();
         // SAFETY: valid out-pointer; the address is only classified, never dereferenced.
         self.rt.check("cudaPointerGetAttributes", unsafe { (self.api().pointer_get_attributes)(&mut a, addr as *const c_void) })?;
         Ok(match a.kind {
@@ -427,7 +651,7 @@ impl Device for Cuda {
     }
 
     fn create_stream(&self) -> Result<CudaStream> {
-        self.current()?;
+        let _on = self.enter()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaStreamCreateWithFlags", unsafe { (self.api().stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING) })?;
@@ -435,15 +659,17 @@ impl Device for Cuda {
     }
 
     fn create_event(&self) -> Result<CudaEvent> {
-        self.current()?;
+        let _on = self.enter()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        self.rt.check("cudaEventCreateWithFlags", unsafe { (self.api().event_create_with_flags)(&mut e, EVENT_DISABLE_TIMING) })?;
+        self.rt.check("cudaEventCreateWithFlags", unsafe {
+            (self.api().event_create_with_flags)(&mut e, EVENT_DISABLE_TIMING | EVENT_BLOCKING_SYNC)
+        })?;
         Ok(CudaEvent { rt: self.rt.clone(), raw: e })
     }
 
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &CudaStream) -> Result<()> {
-        self.current()?;
+        let _on = self.enter()?;
         let k = match kind {
             CopyKind::HostToDevice => MEMCPY_H2D,
             CopyKind::DeviceToHost => MEMCPY_D2H,
@@ -454,8 +680,32 @@ impl Device for Cuda {
     }
 
     fn record(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {
+        let _on = self.enter()?;
         // SAFETY: live event and stream.
         self.rt.check("cudaEventRecord", unsafe { (self.api().event_record)(event.raw, stream.raw) })
+    }
+
+    fn record_external(&self, event: &CudaEvent, stream: u64) -> Result<()> {
+        let _on = self.enter()?;
+        // SAFETY: live event; `stream` is the application's cudaStream_t of this device (0: the
+        // legacy default stream), which CUDA validates.
+        self.rt.check("cudaEventRecord", unsafe { (self.api().event_record)(event.raw, stream as Stream) })
+    }
+
+    fn stream_synchronize(&self, stream: &CudaStream) -> Result<()> {
+        let _on = self.enter()?;
+        // SAFETY: live stream.
+        self.rt.check("cudaStreamSynchronize", unsafe { (self.api().stream_synchronize)(stream.raw) })
+    }
+
+    fn stream_wait(&self, stream: &CudaStream, event: &CudaEvent) -> Result<()> {
+        let _on = self.enter()?;
+        // SAFETY: live stream and event (flags must be 0).
+        self.rt.check("cudaStreamWaitEvent", unsafe { (self.api().stream_wait_event)(stream.raw, event.raw, 0) })
+    }
+
+    fn stream_handle(&self, stream: &CudaStream) -> u64 {
+        stream.raw as u64
     }
 
     fn query(&self, event: &CudaEvent) -> Result<bool> {
@@ -478,11 +728,13 @@ impl Device for Cuda {
     }
 
     fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
-        self.current()?;
-        let f = address_range().ok_or(DeviceError::Unsupported { op: "cuMemGetAddressRange (no libcuda.so.1)", device: "CUDA" })?;
+        let _on = self.enter()?;
+        let f = driver()
+            .and_then(|d| d.address_range)
+            .ok_or(DeviceError::Unsupported { op: "cuMemGetAddressRange (no libcuda.so.1)", device: "CUDA" })?;
         let (mut base, mut size) = (0u64, 0usize);
-        // SAFETY: valid out-pointers; the driver checks `ptr` (the runtime made the primary
-        // context current on this thread in `current`).
+        // SAFETY: valid out-pointers; the driver checks `ptr` (the device's primary context is
+        // current on this thread inside `enter`).
         let rc = unsafe { f(&mut base, &mut size, ptr.0) };
         if rc != 0 {
             return Err(DeviceError::Cuda {
@@ -496,7 +748,7 @@ impl Device for Cuda {
     }
 
     fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {
-        self.current()?;
+        let _on = self.enter()?;
         let mut h = IpcMemHandle { reserved: [0; 64] };
         // SAFETY: valid out-pointer; CUDA checks that `ptr` is a device allocation.
         self.rt.check("cudaIpcGetMemHandle", unsafe { (self.api().ipc_get_mem_handle)(&mut h, ptr.0 as *mut c_void) })?;
@@ -504,7 +756,7 @@ impl Device for Cuda {
     }
 
     unsafe fn ipc_open(&self, handle: &IpcHandle) -> Result<DevicePtr> {
-        self.current()?;
+        let _on = self.enter()?;
         let h = IpcMemHandle { reserved: handle.0.map(|b| b as c_char) };
         let mut p = std::ptr::null_mut();
         // SAFETY: valid out-pointer; the handle's validity is the caller's contract.
@@ -513,7 +765,7 @@ impl Device for Cuda {
     }
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
-        self.current()?;
+        let _on = self.enter()?;
         // SAFETY: the caller's contract (from ipc_open, unused).
         self.rt.check("cudaIpcCloseMemHandle", unsafe { (self.api().ipc_close_mem_handle)(ptr.0 as *mut c_void) })
     }
@@ -522,6 +774,27 @@ impl Device for Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// CUDA 13's `cudaPointerAttributes` is 88 bytes (type, device, devicePointer, hostPointer,
+    /// long reserved[8]); CUDA 12's is the first 24. Ours must hold the larger one.
+    #[test]
+    fn pointer_attributes_hold_the_cuda13_layout() {
+        assert_eq!(std::mem::size_of::<PointerAttributes>(), 88);
+        assert_eq!(std::mem::offset_of!(PointerAttributes, device), 4);
+        assert_eq!(std::mem::offset_of!(PointerAttributes, device_pointer), 8);
+        assert_eq!(std::mem::offset_of!(PointerAttributes, host_pointer), 16);
+        assert_eq!(std::mem::offset_of!(PointerAttributes, reserved), 24);
+    }
+
+    #[test]
+    fn the_runtime_must_not_be_newer_than_the_driver() {
+        assert!(runtime_fits_driver(12090, 12040).is_ok(), "minor-version compatibility within 12");
+        assert!(runtime_fits_driver(12000, 13000).is_ok(), "an older runtime on a newer driver");
+        assert!(runtime_fits_driver(13000, 13000).is_ok());
+        let e = runtime_fits_driver(CUDA_13, 12080).unwrap_err();
+        assert!(e.contains("runtime 13.0 needs a CUDA 13 driver") && e.contains("12.8"), "{e}");
+        assert!(runtime_fits_driver(12090, 0).unwrap_err().contains("no CUDA driver"));
+    }
 
     #[test]
     fn search_order() {

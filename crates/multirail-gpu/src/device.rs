@@ -134,6 +134,12 @@ pub enum DeviceError {
     /// The stand-in's copy thread for a stream is gone (it panicked).
     #[error("the stand-in copy thread of a stream stopped")]
     StreamGone,
+    /// A stream handle that names no stream of this device.
+    #[error("stream handle {handle:#x} is not a stream of this device")]
+    UnknownStream { handle: u64 },
+    /// A failure injected into the stand-in (tests of error paths).
+    #[error("injected stand-in failure: {op}")]
+    Injected { op: &'static str },
     /// The device does not implement this operation.
     #[error("{op} is not supported by the {device} device")]
     Unsupported { op: &'static str, device: &'static str },
@@ -188,6 +194,18 @@ pub trait Device: Send + Sync {
     fn query(&self, event: &Self::Event) -> Result<bool>;
     /// Blocks until the event has completed.
     fn synchronize(&self, event: &Self::Event) -> Result<()>;
+    /// Blocks until everything queued on `stream` has completed, whether or not an event was
+    /// recorded after it (error and drop paths: a copy whose event record failed still runs).
+    fn stream_synchronize(&self, stream: &Self::Stream) -> Result<()>;
+    /// Records `event` on an application's stream, given by its raw handle (a `cudaStream_t`;
+    /// 0 is the device's legacy default stream): the event completes when the work the
+    /// application queued there before this call has. How a transfer orders itself after the
+    /// producer of its data (docs/gpu.md, "The stream contract").
+    fn record_external(&self, event: &Self::Event, stream: u64) -> Result<()>;
+    /// Makes `stream` wait (on the device, without blocking the host) until `event` completes.
+    fn stream_wait(&self, stream: &Self::Stream, event: &Self::Event) -> Result<()>;
+    /// The raw handle of one of our streams, as [`Device::record_external`] takes it.
+    fn stream_handle(&self, stream: &Self::Stream) -> u64;
 
     /// The allocation that contains `ptr`: its base and length (`cuMemGetAddressRange`). An IPC
     /// handle maps a whole allocation, so a tensor inside a larger block (PyTorch's caching

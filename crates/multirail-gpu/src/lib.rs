@@ -35,6 +35,6 @@ pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_WHEEL_DIRS};
 pub use device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
 pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
-pub use standin::{StandIn, StandInConfig};
+pub use standin::{FailOp, StandIn, StandInConfig};
 pub use timeline::{Breakdown, Stage, Timeline};
 pub use wire::{mem_pair, MemWire, Wire};

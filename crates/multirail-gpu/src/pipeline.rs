@@ -130,20 +130,21 @@ impl<D: Device> Staged<D> {
         let stream = dev.create_stream()?;
         let mut bufs = Vec::with_capacity(pool.buffers);
         let mut events = Vec::with_capacity(pool.buffers);
-        for _ in 0..pool.buffers {
-            match dev.alloc_pinned(size).and_then(|b| Ok((b, dev.create_event()?))) {
-                Ok((b, e)) => {
-                    bufs.push(b);
-                    events.push(e);
-                }
-                Err(e) => {
-                    for b in bufs {
-                        // SAFETY: nothing was queued on these buffers yet.
-                        let _ = unsafe { dev.free_pinned(b) };
-                    }
-                    return Err(e.into());
-                }
+        let mut made = || -> Result<(), DeviceError> {
+            for _ in 0..pool.buffers {
+                // The buffer goes into `bufs` before the event is made, so a failing
+                // create_event cannot leak it.
+                bufs.push(dev.alloc_pinned(size)?);
+                events.push(dev.create_event()?);
             }
+            Ok(())
+        };
+        if let Err(e) = made() {
+            for b in bufs {
+                // SAFETY: nothing was queued on these buffers yet.
+                let _ = unsafe { dev.free_pinned(b) };
+            }
+            return Err(e.into());
         }
         Ok(Staged {
             dev,
@@ -231,10 +232,10 @@ impl<D: Device> Staged<D> {
     }
 
     /// After a failure: wait until no copy touches the pool, and start the stager afresh.
+    /// The stream is synchronised, not the events: a copy whose event record failed is
+    /// tracked by no event, yet still runs.
     fn reset(&mut self) {
-        for e in &self.events {
-            let _ = self.dev.synchronize(e);
-        }
+        self.quiesce();
         self.copies.clear();
         self.wire_ops.clear();
         if let Ok(s) = Stager::new(self.role, self.pool_cfg) {
@@ -322,13 +323,30 @@ impl<D: Device> Staged<D> {
     }
 }
 
+impl<D: Device> Staged<D> {
+    /// Waits until nothing queued on this side's stream runs: the stream itself, then (if the
+    /// stream cannot be synchronised) every event.
+    fn quiesce(&mut self) {
+        if self.dev.stream_synchronize(&self.stream).is_err() {
+            for e in &self.events {
+                let _ = self.dev.synchronize(e);
+            }
+        }
+    }
+
+    /// Makes this side's stream wait (on the device) for `event`, typically recorded on the
+    /// application's stream that produced the data ([`Device::record_external`]): every copy
+    /// queued after this call runs after the producer's work.
+    pub fn wait_for(&mut self, event: &D::Event) -> Result<(), PipelineError> {
+        self.dev.stream_wait(&self.stream, event).map_err(PipelineError::from)
+    }
+}
+
 impl<D: Device> Drop for Staged<D> {
     fn drop(&mut self) {
-        for e in &self.events {
-            let _ = self.dev.synchronize(e);
-        }
+        self.quiesce();
         for b in self.pool.drain(..) {
-            // SAFETY: every event is complete, so no copy uses the buffer.
+            // SAFETY: the stream is idle, so no copy uses the buffer.
             let _ = unsafe { self.dev.free_pinned(b) };
         }
     }

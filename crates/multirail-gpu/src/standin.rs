@@ -6,11 +6,24 @@
 //! are counted (so tests can check that the pool is allocated once), and pointers are
 //! classified. It also logs every copy with its real start and end, which is what the overlap
 //! tests assert on.
+//!
+//! It also models the hazards a real GPU has and a plain host buffer does not:
+//! - **a per-thread current device** ([`current_device`], [`set_current_device`]): every call
+//!   makes its device current for its duration and puts the thread's previous one back, as
+//!   `Cuda::enter` does; a device first made current on a thread counts as a context created
+//!   ([`contexts`]);
+//! - **application streams with pending work**: streams have raw handles
+//!   ([`Device::stream_handle`], 0 = the device's default stream, made on first use), and
+//!   [`StandIn::enqueue_sleep`] queues a "kernel" that takes a while, so a test can show that a
+//!   transfer ordered after it reads what it produced;
+//! - **failing calls** ([`StandIn::fail_in`]) and copies still running ([`StandIn::copies_in_flight`]),
+//!   for the error and drop paths.
 
-use std::collections::BTreeMap;
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -71,7 +84,85 @@ struct Inner {
     device_allocs: AtomicU64,
     pinned_allocs: AtomicU64,
     log: Arc<Mutex<Vec<CopyRecord>>>,
+    /// Copies queued and not finished, over every stream of this device.
+    in_flight: Arc<AtomicU64>,
+    /// The device's default stream (handle 0), made on first use.
+    default_stream: Mutex<Option<StandInStream>>,
+    /// Injected failures: the n-th next call of that kind fails (0: none).
+    fail_record: AtomicU64,
+    fail_create_event: AtomicU64,
+    fail_alloc_pinned: AtomicU64,
 }
+
+/// A stand-in call whose failure a test can inject ([`StandIn::fail_in`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOp {
+    Record,
+    CreateEvent,
+    AllocPinned,
+}
+
+thread_local! {
+    /// The calling thread's current stand-in device (None: never set, like a thread with no
+    /// CUDA context).
+    static CURRENT: Cell<Option<i32>> = const { Cell::new(None) };
+}
+
+fn contexts_made() -> &'static Mutex<BTreeSet<i32>> {
+    static C: OnceLock<Mutex<BTreeSet<i32>>> = OnceLock::new();
+    C.get_or_init(|| Mutex::new(BTreeSet::new()))
+}
+
+/// The calling thread's current stand-in device (what `cudaGetDevice` would say).
+pub fn current_device() -> Option<i32> {
+    CURRENT.with(|c| c.get())
+}
+
+/// Sets the calling thread's current stand-in device (what `cudaSetDevice` or
+/// `torch.cuda.set_device` would do); counts as creating that device's context.
+pub fn set_current_device(id: Option<i32>) {
+    if let Some(d) = id {
+        lock(contexts_made()).insert(d);
+    }
+    CURRENT.with(|c| c.set(id));
+}
+
+/// Devices on which some thread of this process made a context current.
+pub fn contexts() -> Vec<i32> {
+    lock(contexts_made()).iter().copied().collect()
+}
+
+/// The stand-in's `Cuda::enter`: device `id` current until drop, then the previous one back.
+struct Entered(Option<i32>);
+
+impl Entered {
+    fn new(id: i32) -> Entered {
+        let prev = current_device();
+        if prev != Some(id) {
+            set_current_device(Some(id));
+        }
+        Entered(prev)
+    }
+}
+
+impl Drop for Entered {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+    }
+}
+
+/// Live stand-in streams by handle: (device, queue).
+type StreamTable = Mutex<BTreeMap<u64, (i32, mpsc::Sender<Op>)>>;
+
+/// Every live stand-in stream, by handle: how `record_external` finds an application's stream.
+fn streams() -> &'static StreamTable {
+    static S: OnceLock<StreamTable> = OnceLock::new();
+    S.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+/// Stand-in stream handles start here (0 is the default stream; small numbers look like CUDA's
+/// special handles).
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(0x5100);
 
 /// The stand-in device (module docs). Cheap to clone: clones share memory and counters.
 #[derive(Debug, Clone)]
@@ -100,6 +191,11 @@ impl StandIn {
                 device_allocs: AtomicU64::new(0),
                 pinned_allocs: AtomicU64::new(0),
                 log: Arc::new(Mutex::new(Vec::new())),
+                in_flight: Arc::new(AtomicU64::new(0)),
+                default_stream: Mutex::new(None),
+                fail_record: AtomicU64::new(0),
+                fail_create_event: AtomicU64::new(0),
+                fail_alloc_pinned: AtomicU64::new(0),
             }),
         }
     }
@@ -117,6 +213,60 @@ impl StandIn {
     /// Allocations not freed yet.
     pub fn live_allocs(&self) -> usize {
         lock(&self.inner.allocs).len()
+    }
+
+    /// Copies queued on any stream of this device that have not finished.
+    pub fn copies_in_flight(&self) -> u64 {
+        self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Makes the `n`-th next call of `op` fail (n >= 1; 0 clears it).
+    pub fn fail_in(&self, op: FailOp, n: u64) {
+        self.counter(op).store(n, Ordering::SeqCst);
+    }
+
+    fn counter(&self, op: FailOp) -> &AtomicU64 {
+        match op {
+            FailOp::Record => &self.inner.fail_record,
+            FailOp::CreateEvent => &self.inner.fail_create_event,
+            FailOp::AllocPinned => &self.inner.fail_alloc_pinned,
+        }
+    }
+
+    /// Counts a call of `op` down; Err when this is the one to fail.
+    fn maybe_fail(&self, op: FailOp, name: &'static str) -> Result<()> {
+        let c = self.counter(op);
+        let mut n = c.load(Ordering::SeqCst);
+        while n > 0 {
+            match c.compare_exchange(n, n - 1, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) if n == 1 => return Err(DeviceError::Injected { op: name }),
+                Ok(_) => return Ok(()),
+                Err(now) => n = now,
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a pause of `d` on `stream`: a stand-in "kernel" that keeps everything queued
+    /// after it waiting (a producer still running when a transfer is posted).
+    pub fn enqueue_sleep(&self, stream: &StandInStream, d: Duration) -> Result<()> {
+        stream.send(Op::Sleep(d))
+    }
+
+    /// The sender of stream `handle` of this device (0: the default stream, made on first use).
+    fn stream_by_handle(&self, handle: u64) -> Result<mpsc::Sender<Op>> {
+        if handle == 0 {
+            let mut d = lock(&self.inner.default_stream);
+            if d.is_none() {
+                *d = Some(self.create_stream()?);
+            }
+            let s = d.as_ref().expect("made above");
+            return s.tx.clone().ok_or(DeviceError::StreamGone);
+        }
+        match lock(streams()).get(&handle) {
+            Some((dev, tx)) if *dev == self.inner.id => Ok(tx.clone()),
+            _ => Err(DeviceError::UnknownStream { handle }),
+        }
     }
 
     /// Takes the log of executed copies.
@@ -215,13 +365,16 @@ unsafe fn unmap(addr: u64, len: usize, fd: i32) {
 /// A stand-in stream: a thread that executes its queue in order.
 #[derive(Debug)]
 pub struct StandInStream {
+    handle: u64,
     tx: Option<mpsc::Sender<Op>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Drop for StandInStream {
     fn drop(&mut self) {
-        // Closing the queue ends the thread after it has run what was queued.
+        // Closing the queue (ours and the registry's sender) ends the thread after it has run
+        // what was queued.
+        lock(streams()).remove(&self.handle);
         self.tx.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -243,13 +396,40 @@ struct EventState {
 pub struct StandInEvent(Arc<EventState>);
 
 enum Op {
-    Copy { kind: CopyKind, dst: usize, src: usize, len: usize },
+    Copy {
+        kind: CopyKind,
+        dst: usize,
+        src: usize,
+        len: usize,
+    },
     Signal(Arc<EventState>, u64),
+    /// Wait until the event reaches this sequence number (`stream_wait`).
+    Wait(Arc<EventState>, u64),
+    /// A "kernel" that runs this long.
+    Sleep(Duration),
 }
 
-fn stream_thread(rx: mpsc::Receiver<Op>, cfg: StandInConfig, log: Arc<Mutex<Vec<CopyRecord>>>) {
+impl std::fmt::Debug for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Op::Copy { kind, len, .. } => write!(f, "Copy({kind:?}, {len})"),
+            Op::Signal(_, seq) => write!(f, "Signal({seq})"),
+            Op::Wait(_, seq) => write!(f, "Wait({seq})"),
+            Op::Sleep(d) => write!(f, "Sleep({d:?})"),
+        }
+    }
+}
+
+fn stream_thread(rx: mpsc::Receiver<Op>, cfg: StandInConfig, log: Arc<Mutex<Vec<CopyRecord>>>, in_flight: Arc<AtomicU64>) {
     for op in rx {
         match op {
+            Op::Sleep(d) => std::thread::sleep(d),
+            Op::Wait(ev, seq) => {
+                let mut d = lock(&ev.done);
+                while *d < seq {
+                    d = ev.cv.wait(d).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
             Op::Copy { kind, dst, src, len } => {
                 let start = Instant::now();
                 if !cfg.latency.is_zero() {
@@ -272,6 +452,7 @@ fn stream_thread(rx: mpsc::Receiver<Op>, cfg: StandInConfig, log: Arc<Mutex<Vec<
                     }
                 }
                 lock(&log).push(CopyRecord { kind, len, start, end: Instant::now() });
+                in_flight.fetch_sub(1, Ordering::SeqCst);
             }
             Op::Signal(ev, seq) => {
                 let mut d = lock(&ev.done);
@@ -301,14 +482,18 @@ impl Device for StandIn {
     }
 
     fn alloc(&self, len: usize) -> Result<DevicePtr> {
+        let _on = Entered::new(self.inner.id);
         self.alloc_raw(len, AllocKind::Device).map(DevicePtr)
     }
 
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
         self.free_raw(ptr.0, AllocKind::Device)
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<PinnedMem> {
+        let _on = Entered::new(self.inner.id);
+        self.maybe_fail(FailOp::AllocPinned, "alloc_pinned")?;
         let p = self.alloc_raw(len, AllocKind::Pinned)?;
         // SAFETY: `len` bytes (at least 1) allocated above, valid until free_pinned.
         Ok(unsafe { PinnedMem::from_raw(p as *mut u8, len) })
@@ -399,26 +584,62 @@ impl Device for StandIn {
     }
 
     fn create_stream(&self) -> Result<StandInStream> {
+        let _on = Entered::new(self.inner.id);
         let (tx, rx) = mpsc::channel();
-        let (cfg, log) = (self.inner.cfg, self.inner.log.clone());
+        let (cfg, log, in_flight) = (self.inner.cfg, self.inner.log.clone(), self.inner.in_flight.clone());
         let thread = std::thread::Builder::new()
             .name(format!("standin{}-stream", self.inner.id))
-            .spawn(move || stream_thread(rx, cfg, log))
+            .spawn(move || stream_thread(rx, cfg, log, in_flight))
             .map_err(|_| DeviceError::StreamGone)?;
-        Ok(StandInStream { tx: Some(tx), thread: Some(thread) })
+        let handle = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        lock(streams()).insert(handle, (self.inner.id, tx.clone()));
+        Ok(StandInStream { handle, tx: Some(tx), thread: Some(thread) })
     }
 
     fn create_event(&self) -> Result<StandInEvent> {
+        let _on = Entered::new(self.inner.id);
+        self.maybe_fail(FailOp::CreateEvent, "create_event")?;
         Ok(StandInEvent::default())
     }
 
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &StandInStream) -> Result<()> {
-        stream.send(Op::Copy { kind, dst: dst as usize, src: src as usize, len })
+        let _on = Entered::new(self.inner.id);
+        self.inner.in_flight.fetch_add(1, Ordering::SeqCst);
+        stream.send(Op::Copy { kind, dst: dst as usize, src: src as usize, len }).inspect_err(|_| {
+            self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
+        })
     }
 
     fn record(&self, event: &StandInEvent, stream: &StandInStream) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        self.maybe_fail(FailOp::Record, "record")?;
         let seq = event.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
         stream.send(Op::Signal(event.0.clone(), seq))
+    }
+
+    fn record_external(&self, event: &StandInEvent, stream: u64) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        let tx = self.stream_by_handle(stream)?;
+        let seq = event.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+        tx.send(Op::Signal(event.0.clone(), seq)).map_err(|_| DeviceError::StreamGone)
+    }
+
+    fn stream_synchronize(&self, stream: &StandInStream) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        let ev = StandInEvent::default();
+        let seq = ev.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+        stream.send(Op::Signal(ev.0.clone(), seq))?;
+        self.synchronize(&ev)
+    }
+
+    fn stream_wait(&self, stream: &StandInStream, event: &StandInEvent) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        let seq = event.0.recorded.load(Ordering::SeqCst);
+        stream.send(Op::Wait(event.0.clone(), seq))
+    }
+
+    fn stream_handle(&self, stream: &StandInStream) -> u64 {
+        stream.handle
     }
 
     fn query(&self, event: &StandInEvent) -> Result<bool> {
