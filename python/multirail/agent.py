@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import ctypes
 import enum
 import ipaddress
@@ -259,6 +260,36 @@ def _mem_of(obj: Any) -> tuple[int, int, int, str, bool]:
     return arr.ctypes.data if arr.size else 0, mv.nbytes, 0, "DRAM", mv.readonly
 
 
+def stream_handle(stream: Any) -> int | None:
+    """The raw `cudaStream_t` of `stream` (None stays None: each GPU's legacy default stream).
+    Takes an int, `__cuda_stream__` (the CUDA stream protocol: a `(version, handle)` pair),
+    torch's `.cuda_stream`, CuPy's `.ptr`, or `multirail.gpu.Stream`'s `.handle`."""
+    if stream is None:
+        return None
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        h = stream
+    elif hasattr(stream, "__cuda_stream__"):
+        proto = stream.__cuda_stream__()
+        h = proto[1] if isinstance(proto, tuple) else proto
+    else:
+        h = next((getattr(stream, a) for a in ("cuda_stream", "ptr", "handle") if hasattr(stream, a)), None)
+    if not isinstance(h, int) or isinstance(h, bool) or h < 0 or h >= 1 << 64:
+        raise InvalidArgumentError(f"stream must be a CUDA stream or a raw cudaStream_t, not {type(stream).__name__}")
+    return int(h)
+
+
+# The device kind ("cuda", "standin") of the agent whose register_memory is running.
+_REG_GPU_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("multirail_reg_gpu_kind", default=None)
+
+
+def _sync_producer_stream(handle: int, device: int) -> None:
+    """Registration consumes a CUDA array: wait for the stream its producer named (the CUDA
+    Array Interface v3 and DLPack protocols), so registration sees the data as produced."""
+    from multirail import _core
+
+    _core.gpu_stream_synchronize(handle, device, _REG_GPU_KIND.get())
+
+
 def _contiguous_nbytes(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int, what: str) -> int:
     """Bytes of a C-contiguous array; anything strided is refused (a region is one range)."""
     n = itemsize
@@ -285,6 +316,13 @@ def _mem_of_cai(obj: Any, cai: dict) -> tuple[int, int, int, str, bool]:
     dev = getattr(getattr(obj, "device", None), "id", None)
     if dev is None and hasattr(obj, "__dlpack_device__"):
         dev = obj.__dlpack_device__()[1]
+    # CAI v3: "stream" names where the producer queued its work; the consumer synchronises
+    # with it before use. (Transfers later follow the stream contract: Agent.transfer.)
+    stream = cai.get("stream")
+    if stream is not None and nbytes:
+        if not isinstance(stream, int) or isinstance(stream, bool) or stream == 0:
+            raise InvalidArgumentError(f"bad __cuda_array_interface__ stream {stream!r} (an int, not 0)")
+        _sync_producer_stream(stream, int(dev or 0))
     return int(ptr or 0), nbytes, int(dev or 0), "VRAM", bool(ro)
 
 
@@ -331,10 +369,14 @@ def _mem_of_dlpack(obj: Any) -> tuple[int, int, int, str, bool]:
                 return _mem_of(np.from_dlpack(obj))
             except Exception as e:  # noqa: BLE001 - report what DLPack said
                 raise InvalidArgumentError(f"cannot import buffer via DLPack: {e}") from e
+        # DLPack's stream protocol: name the stream the consumer uses (1: the legacy default
+        # stream), so the producer orders its pending work before it; then wait for that stream.
         try:
-            capsule = obj.__dlpack__(stream=None)
-        except TypeError:
+            capsule = obj.__dlpack__(stream=1)
+            synced_legacy = True
+        except (TypeError, ValueError, BufferError):
             capsule = obj.__dlpack__()
+            synced_legacy = False
     t = _dltensor_of(capsule)
     dt = t.device.device_type
     if dt not in (_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED):
@@ -346,6 +388,8 @@ def _mem_of_dlpack(obj: Any) -> tuple[int, int, int, str, bool]:
     nbytes = _contiguous_nbytes(shape, None if strides is None else [st * itemsize for st in strides], itemsize, "DLPack tensor")
     addr = int(t.data or 0) + int(t.byte_offset)
     if dt in (_DL_CUDA, _DL_CUDA_MANAGED):
+        if type(obj).__name__ != "PyCapsule" and synced_legacy and nbytes:
+            _sync_producer_stream(0, int(t.device.device_id))
         return addr, nbytes, int(t.device.device_id), "VRAM", False
     return addr, nbytes, 0, "DRAM", False
 
@@ -536,7 +580,11 @@ class Agent:
             ro_flags = [False] * len(descs)
         else:
             items = data if isinstance(data, (list, tuple)) else [data]
-            infos = [_mem_of(x) for x in items]
+            tok = _REG_GPU_KIND.set(self.config.gpu)
+            try:
+                infos = [_mem_of(x) for x in items]
+            finally:
+                _REG_GPU_KIND.reset(tok)
             descs = DescList(np.array([(a, n, d) for a, n, d, _, _ in infos], dtype=_U64).reshape(-1, 3),
                              mem_type or (infos[0][3] if infos else "DRAM"), items)
             ro_flags = [ro for *_, ro in infos]
@@ -709,13 +757,19 @@ class Agent:
                 raise InvalidArgumentError(f"{side} index out of range for {len(p)} prepared descriptors")
         return self.initialize_xfer(op, DescList(local.descs.arr[li]), DescList(remote.descs.arr[ri]), remote.peer, notif)
 
-    def transfer(self, h: XferHandle, notif: bytes | None = None) -> XferState:
+    def transfer(self, h: XferHandle, notif: bytes | None = None, stream: Any = None) -> XferState:
+        """Post `h` (returns at once; poll `check_xfer_state` or `wait`). GPU memory follows the
+        stream contract (docs/gpu.md): the engine touches the transfer's local GPU memory only
+        after the work queued on `stream` before this call has completed. `stream` is a
+        `torch.cuda.Stream`, a CuPy stream, anything with `__cuda_stream__`, a
+        `multirail.gpu.Stream`, or a raw `cudaStream_t` int; None means each GPU's legacy default
+        stream (where torch and CuPy queue unless told otherwise)."""
         if self._stale:
             self._refuse_stale(h.peer)
         if h._pending:
             self._settle(h)
         try:
-            s = h._h.post(None if notif is None else bytes(notif))
+            s = h._h.post(None if notif is None else bytes(notif), stream_handle(stream))
         except MultirailError as e:
             if not isinstance(e, InvalidArgumentError):
                 h._acct[1] += 1
@@ -726,7 +780,8 @@ class Agent:
         # Table lookup, not XferState(int): this is on the small-transfer latency path.
         return _STATES[s]
 
-    def transfer_sync(self, h: XferHandle, timeout: float | None = None, notif: bytes | None = None) -> None:
+    def transfer_sync(self, h: XferHandle, timeout: float | None = None, notif: bytes | None = None,
+                      stream: Any = None) -> None:
         """Post `h` and block until it is DONE (raises its MultirailError on failure or
         TimeoutError): `transfer` + `wait` in one engine call, the lowest-latency form for a
         caller that would wait anyway."""
@@ -735,7 +790,7 @@ class Agent:
         if h._pending:
             self._settle(h)
         try:
-            h._h.post_wait(None if notif is None else bytes(notif), timeout)
+            h._h.post_wait(None if notif is None else bytes(notif), timeout, stream_handle(stream))
         except TimeoutError:
             h._pending = True  # may still complete: counted when seen
             raise
@@ -796,8 +851,9 @@ class Agent:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.wait, h, timeout)
 
-    async def transfer_async(self, h: XferHandle, notif: bytes | None = None, timeout: float | None = None) -> None:
-        self.transfer(h, notif)
+    async def transfer_async(self, h: XferHandle, notif: bytes | None = None, timeout: float | None = None,
+                             stream: Any = None) -> None:
+        self.transfer(h, notif, stream)
         await self.wait_async(h, timeout)
 
     def release_xfer_handle(self, h: XferHandle) -> None:

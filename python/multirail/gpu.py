@@ -11,6 +11,11 @@ like a CuPy array or a torch CUDA tensor.
     reg = agent.register_memory(buf)                # mem type VRAM
     host = buf.to_host()                            # a numpy copy, for checking
 
+`Stream(device)` is a stream of the same device layer, for ordering: a producer queues work on
+it (`buf.copy_from_host(arr, stream=s)`; on the stand-in, `s.sleep(t)` stands in for a kernel
+still running) and `agent.transfer(h, stream=s)` orders the transfer after it (docs/gpu.md, the
+stream contract).
+
 The kind ("cuda" or "standin") must match the agent's `gpu` setting: a stand-in buffer is not
 GPU memory to CUDA, and the other way round. Errors are `multirail.errors.GpuError`.
 """
@@ -32,6 +37,54 @@ def info(device: int = 0, kind: str | None = None) -> dict:
     return dict(_core.gpu_info(device, kind))
 
 
+def current_device() -> int | None:
+    """The calling thread's current stand-in device (the stand-in's `cudaGetDevice`; None when
+    the thread never chose one). The engine restores it around every call it makes."""
+    return _core.gpu_current_device()
+
+
+def set_current_device(device: int | None) -> None:
+    """Sets the calling thread's current stand-in device (the stand-in's `cudaSetDevice`)."""
+    _core.gpu_set_current_device(device)
+
+
+class Stream:
+    """A stream on `device` (non-blocking, like the ones torch and CuPy make). `handle` is its
+    raw `cudaStream_t` (a stand-in handle on the stand-in); `Agent.transfer(h, stream=s)` takes
+    it, as it takes a torch or CuPy stream."""
+
+    def __init__(self, device: int = 0, kind: str | None = None):
+        _offer_cuda_wheels()
+        self.device = int(device)
+        self.kind = kind
+        self.handle = _core.gpu_stream_create(self.device, kind)
+        self._keep: list[Any] = []  # host arrays of queued copies, alive until synchronize
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+    def sleep(self, seconds: float) -> None:
+        """Stand-in only: queue a pause, as a kernel still running would hold the stream."""
+        _core.gpu_stream_sleep(self.handle, float(seconds))
+
+    def synchronize(self) -> None:
+        """Blocks until everything queued so far has run."""
+        _core.gpu_stream_synchronize(self.handle, self.device, self.kind)
+        self._keep.clear()
+
+    def close(self) -> None:
+        if self.handle:
+            h, self.handle = self.handle, 0
+            _core.gpu_stream_destroy(h)
+            self._keep.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
 class DeviceBuffer:
     """`nbytes` of device memory on `device`, freed by `free()` (or when collected)."""
 
@@ -49,6 +102,10 @@ class DeviceBuffer:
         self._live()
         return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.addr, False), "version": 3, "strides": None}
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(kDLCUDA, device): which GPU, for consumers of the CUDA array interface."""
+        return (2, self.device)
+
     def _live(self) -> None:
         if not self.addr:
             raise InvalidArgumentError("device buffer already freed")
@@ -61,12 +118,19 @@ class DeviceBuffer:
             raise InvalidArgumentError(f"{a.nbytes} bytes at offset {offset} do not fit in {self.nbytes}")
         return a
 
-    def copy_from_host(self, arr: Any, offset: int = 0) -> None:
-        """Copies a host array into the buffer at `offset` (synchronous)."""
+    def copy_from_host(self, arr: Any, offset: int = 0, stream: Stream | None = None) -> None:
+        """Copies a host array into the buffer at `offset`: synchronous, or queued on `stream`
+        (returns at once; the stream keeps `arr` and this buffer alive until its `synchronize`
+        or `close`, so neither is freed under the copy)."""
         self._live()
         a = self._host(arr, offset, False)
-        if a.nbytes:
+        if not a.nbytes:
+            return
+        if stream is None:
             _core.gpu_copy(self.addr + offset, a.ctypes.data, a.nbytes, "h2d", self.device, self.kind)
+        else:
+            stream._keep.append((a, self))  # both ends stay alive until the stream has run it
+            _core.gpu_copy_async(self.addr + offset, a.ctypes.data, a.nbytes, "h2d", stream.handle)
 
     def copy_to_host(self, out: np.ndarray, offset: int = 0) -> np.ndarray:
         """Copies `out.nbytes` bytes at `offset` into `out` (synchronous); returns `out`."""

@@ -253,9 +253,10 @@ impl StandIn {
         stream.send(Op::Sleep(d))
     }
 
-    /// The sender of stream `handle` of this device (0: the default stream, made on first use).
+    /// The sender of stream `handle` of this device (0, and CUDA's special handles 1 and 2 for
+    /// the legacy and per-thread default streams: the default stream, made on first use).
     fn stream_by_handle(&self, handle: u64) -> Result<mpsc::Sender<Op>> {
-        if handle == 0 {
+        if handle <= 2 {
             let mut d = lock(&self.inner.default_stream);
             if d.is_none() {
                 *d = Some(self.create_stream()?);

@@ -87,6 +87,112 @@ pub fn gpu_copy(py: Python<'_>, dst: u64, src: u64, nbytes: usize, direction: &s
     .map_err(|e| gpu_err("copy", e))
 }
 
+/// Streams made for the application through `multirail.gpu.Stream`, by raw handle.
+type AppStreams = std::sync::Mutex<std::collections::HashMap<u64, (Gpu, multirail_gpu::GpuStream)>>;
+
+fn app_streams() -> &'static AppStreams {
+    static S: std::sync::OnceLock<AppStreams> = std::sync::OnceLock::new();
+    S.get_or_init(Default::default)
+}
+
+fn lock_streams() -> std::sync::MutexGuard<'static, std::collections::HashMap<u64, (Gpu, multirail_gpu::GpuStream)>> {
+    app_streams().lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn copy_kind(direction: &str) -> PyResult<CopyKind> {
+    match direction {
+        "h2d" => Ok(CopyKind::HostToDevice),
+        "d2h" => Ok(CopyKind::DeviceToHost),
+        "d2d" => Ok(CopyKind::DeviceToDevice),
+        _ => Err(PyValueError::new_err(format!("direction must be 'h2d', 'd2h' or 'd2d', not {direction:?}"))),
+    }
+}
+
+/// A new (non-blocking) stream on `device`; returns its raw handle (a `cudaStream_t` on CUDA).
+#[pyfunction]
+#[pyo3(signature = (device=0, kind=None))]
+pub fn gpu_stream_create(device: i32, kind: Option<&str>) -> PyResult<u64> {
+    let g = open(kind, device)?;
+    let s = g.create_stream().map_err(|e| gpu_err("stream creation", e))?;
+    let h = g.stream_handle(&s);
+    lock_streams().insert(h, (g, s));
+    Ok(h)
+}
+
+/// Destroys a stream from `gpu_stream_create` after what was queued on it has run.
+#[pyfunction]
+pub fn gpu_stream_destroy(py: Python<'_>, handle: u64) -> PyResult<()> {
+    let s = lock_streams().remove(&handle);
+    match s {
+        Some((g, s)) => py.allow_threads(move || g.stream_synchronize(&s)).map_err(|e| gpu_err("stream synchronize", e)),
+        None => Err(PyValueError::new_err(format!("no stream {handle:#x} made by multirail.gpu.Stream"))),
+    }
+}
+
+/// Queues a pause of `seconds` on a stand-in stream: a "kernel" still running (tests of the
+/// stream contract). CUDA streams refuse it: launch a real kernel there.
+#[pyfunction]
+pub fn gpu_stream_sleep(handle: u64, seconds: f64) -> PyResult<()> {
+    let map = lock_streams();
+    let (g, s) = map.get(&handle).ok_or_else(|| PyValueError::new_err(format!("no stream {handle:#x}")))?;
+    match (g.as_standin(), s) {
+        (Some(d), multirail_gpu::GpuStream::StandIn(s)) => {
+            d.enqueue_sleep(s, std::time::Duration::from_secs_f64(seconds.clamp(0.0, 60.0))).map_err(|e| gpu_err("stream sleep", e))
+        }
+        _ => Err(PyValueError::new_err("sleep is a stand-in stream's stand-in for a kernel; on CUDA, launch a kernel")),
+    }
+}
+
+/// Waits until the work queued on stream `handle` (any raw handle of `device`, 0 = its legacy
+/// default stream, the application's included) before this call has completed.
+#[pyfunction]
+#[pyo3(signature = (handle, device=0, kind=None))]
+pub fn gpu_stream_synchronize(py: Python<'_>, handle: u64, device: i32, kind: Option<&str>) -> PyResult<()> {
+    let g = open(kind, device)?;
+    py.allow_threads(|| -> Result<(), multirail_gpu::DeviceError> {
+        let ev = g.create_event()?;
+        g.record_external(&ev, handle)?;
+        g.synchronize(&ev)
+    })
+    .map_err(|e| gpu_err("stream synchronize", e))
+}
+
+/// Queues a copy on a stream of `gpu_stream_create` and returns at once. The caller keeps both
+/// ranges alive and untouched until the stream has run it (`gpu_stream_synchronize`).
+#[pyfunction]
+#[pyo3(signature = (dst, src, nbytes, direction, stream))]
+pub fn gpu_copy_async(dst: u64, src: u64, nbytes: usize, direction: &str, stream: u64) -> PyResult<()> {
+    let k = copy_kind(direction)?;
+    let map = lock_streams();
+    let (g, s) = map.get(&stream).ok_or_else(|| PyValueError::new_err(format!("no stream {stream:#x} made by multirail.gpu.Stream")))?;
+    let dev_end = |addr: u64| matches!(g.pointer_kind(addr), Ok(MemKind::Device { .. } | MemKind::Managed { .. }));
+    let dev_ok = |addr: u64| dev_end(addr) && dev_end(addr + nbytes.max(1) as u64 - 1);
+    let ok = match k {
+        CopyKind::HostToDevice => dev_ok(dst),
+        CopyKind::DeviceToHost => dev_ok(src),
+        CopyKind::DeviceToDevice => dev_ok(dst) && dev_ok(src),
+    };
+    if !ok {
+        return Err(crate::to_py(Error::Gpu(format!("{direction} copy: the device side is not GPU memory of GPU {}", g.id()))));
+    }
+    // SAFETY: the device ends are checked above; the host end and liveness are the caller's
+    // contract (the Python wrapper keeps the host array referenced until synchronised).
+    unsafe { g.copy_async(k, dst, src, nbytes, s) }.map_err(|e| gpu_err("copy", e))
+}
+
+/// The calling thread's current stand-in device (the stand-in's `cudaGetDevice`), or None.
+#[pyfunction]
+pub fn gpu_current_device() -> Option<i32> {
+    multirail_gpu::standin::current_device()
+}
+
+/// Sets the calling thread's current stand-in device (the stand-in's `cudaSetDevice`).
+#[pyfunction]
+#[pyo3(signature = (device=None))]
+pub fn gpu_set_current_device(device: Option<i32>) {
+    multirail_gpu::standin::set_current_device(device)
+}
+
 /// {"kind", "device", "name"} and, on the stand-in, its allocation counters.
 #[pyfunction]
 #[pyo3(signature = (device=0, kind=None))]

@@ -367,10 +367,11 @@ impl PyAgent {
 
 #[pymethods]
 impl PyXfer {
-    /// Post (or re-post) the transfer; returns the state code.
-    #[pyo3(signature = (notif=None))]
-    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>) -> PyResult<u8> {
-        py.allow_threads(|| self.0.post(notif)).map(|s| s as u8).map_err(to_py)
+    /// Post (or re-post) the transfer; returns the state code. `stream`: the raw CUDA stream
+    /// the transfer is ordered after (None: each local GPU's legacy default stream).
+    #[pyo3(signature = (notif=None, stream=None))]
+    fn post(&self, py: Python<'_>, notif: Option<Vec<u8>>, stream: Option<u64>) -> PyResult<u8> {
+        py.allow_threads(|| self.0.post_on(notif, stream)).map(|s| s as u8).map_err(to_py)
     }
     fn state(&self) -> u8 {
         self.0.state() as u8
@@ -390,10 +391,10 @@ impl PyXfer {
         Ok(s as u8)
     }
     /// Post and wait in one call (one GIL release): the blocking form for latency-bound use.
-    #[pyo3(signature = (notif=None, timeout=None))]
-    fn post_wait(&self, py: Python<'_>, notif: Option<Vec<u8>>, timeout: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (notif=None, timeout=None, stream=None))]
+    fn post_wait(&self, py: Python<'_>, notif: Option<Vec<u8>>, timeout: Option<f64>, stream: Option<u64>) -> PyResult<()> {
         let t = wait_timeout(timeout)?;
-        py.allow_threads(|| self.0.post_wait(notif, t)).map_err(to_py)
+        py.allow_threads(|| self.0.post_wait_on(notif, t, stream)).map_err(to_py)
     }
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
@@ -454,6 +455,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu::gpu_free, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_copy, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_info, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_stream_create, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_stream_destroy, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_stream_sleep, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_stream_synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_copy_async, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_current_device, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_set_current_device, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("PROTOCOL_VERSION", multirail_proto::codec::VERSION)?;
     Ok(())

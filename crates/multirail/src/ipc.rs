@@ -123,11 +123,16 @@ fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>) -> s
         // inside the peer's mapped allocation (checked at plan time), and the event wait below
         // ends every copy before the transfer completes or is cancelled.
         if let Err(err) = unsafe { plan.gpu.copy_async(kind, dst, src, len as usize, s) } {
-            let _ = plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e));
+            // Copies queued before this one still run: wait for the stream itself.
+            let _ = plan.gpu.stream_synchronize(s);
             return Err(err.to_string());
         }
     }
-    plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e)).map_err(|err| err.to_string())
+    plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e)).map_err(|err| {
+        // A failed record tracks nothing: the stream is what holds the copies.
+        let _ = plan.gpu.stream_synchronize(s);
+        err.to_string()
+    })
 }
 
 /// One peer region mapped into this process.
@@ -354,7 +359,8 @@ fn worker(
             continue;
         }
         let Some(plan) = x.ipc.as_ref() else { continue };
-        let r = run_copies(plan, &mut queues);
+        // The stream contract: after the application's work queued at post.
+        let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| run_copies(plan, &mut queues));
         drop(g);
         match r {
             Ok(()) => {

@@ -97,6 +97,19 @@ pub(crate) struct XferShared {
     pub(crate) ipc: Option<crate::ipc::IpcPlan>,
     /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
     pub(crate) via_gpu_link: bool,
+    /// The stream contract (docs/gpu.md): events recorded at post on the application's stream,
+    /// one per local GPU device, that every engine access to local GPU memory waits for.
+    gpu_order: Mutex<GpuOrder>,
+}
+
+/// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
+#[derive(Default)]
+struct GpuOrder {
+    events: Vec<(u32, multirail_gpu::Gpu, multirail_gpu::GpuEvent)>,
+    /// Recorded by the current post and not yet waited for.
+    pending: bool,
+    /// Events recorded by a post: no GPU work waited for them yet.
+    posts: u64,
 }
 
 impl XferShared {
@@ -127,7 +140,63 @@ impl XferShared {
             cv: Condvar::new(),
             sleepers: AtomicU64::new(0),
             current: AtomicU64::new(0),
+            gpu_order: Mutex::new(GpuOrder::default()),
         })
+    }
+
+    /// Orders this post after the work queued on the application's `stream` (a raw
+    /// `cudaStream_t`; None: the legacy default stream of each local GPU) by recording an event
+    /// there per local GPU device. Called on the caller's thread at post; costs one
+    /// `cudaEventRecord` per device, and nothing for host-only transfers.
+    pub fn record_gpu_order(&self, kind: multirail_gpu::GpuKind, stream: Option<u64>) -> Result<()> {
+        use multirail_gpu::Device;
+        if self.vram.is_empty() {
+            return Ok(());
+        }
+        let mut devs: Vec<u32> = self.vram.iter().map(|v| v.2).collect();
+        devs.sort_unstable();
+        devs.dedup();
+        if stream.is_some_and(|s| s != 0) && devs.len() > 1 {
+            return Err(Error::InvalidArgument(format!(
+                "a stream belongs to one GPU, but this transfer's local memory is on GPUs {devs:?}: post it without stream=                  (each GPU's default stream) or split it per GPU"
+            )));
+        }
+        let mut o = self.gpu_order.lock().expect("xfer lock");
+        for d in devs {
+            if !o.events.iter().any(|e| e.0 == d) {
+                let id = i32::try_from(d).map_err(|_| Error::Gpu(format!("device id {d} out of range")))?;
+                let gpu = multirail_gpu::Gpu::open(kind, id).map_err(|e| Error::Gpu(format!("GPU {d}: {e}")))?;
+                let ev = gpu.create_event().map_err(|e| Error::Gpu(format!("GPU {d}: {e}")))?;
+                o.events.push((d, gpu, ev));
+            }
+            let (_, gpu, ev) = o.events.iter().find(|e| e.0 == d).expect("made above");
+            gpu.record_external(ev, stream.unwrap_or(0))
+                .map_err(|e| Error::Gpu(format!("cannot order the transfer after stream {:#x} on GPU {d}: {e}", stream.unwrap_or(0))))?;
+        }
+        o.pending = true;
+        o.posts += 1;
+        Ok(())
+    }
+
+    /// Blocks (an engine thread) until the application's work recorded by
+    /// [`XferShared::record_gpu_order`] has completed; free once it has. Every path that reads or
+    /// writes local GPU memory calls it first: the staged tcp path, CUDA IPC, GPUDirect.
+    pub fn wait_gpu_order(&self) -> Result<()> {
+        use multirail_gpu::Device;
+        let mut o = self.gpu_order.lock().expect("xfer lock");
+        if !o.pending {
+            return Ok(());
+        }
+        for (d, gpu, ev) in &o.events {
+            gpu.synchronize(ev).map_err(|e| Error::Gpu(format!("waiting for the application's stream on GPU {d}: {e}")))?;
+        }
+        o.pending = false;
+        Ok(())
+    }
+
+    /// Whether this transfer touches local GPU memory.
+    pub fn has_local_vram(&self) -> bool {
+        !self.vram.is_empty()
     }
 
     /// The GPU whose memory holds the local address `addr`, if it is GPU memory (a chunk lies
@@ -254,17 +323,29 @@ pub struct XferHandle(pub(crate) Arc<XferShared>);
 impl XferHandle {
     /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, false)
+        self.post_inner(notif, false, None)
+    }
+
+    /// [`XferHandle::post`], ordered after the work queued on the application's CUDA `stream`
+    /// (a raw `cudaStream_t`; the stream contract of docs/gpu.md). A plain `post` orders after
+    /// each local GPU's legacy default stream.
+    pub fn post_on(&self, notif: Option<Vec<u8>>, stream: Option<u64>) -> Result<XferState> {
+        self.post_inner(notif, false, stream)
     }
 
     /// Post and wait in one call: the caller reads its own responses (no receiver wake-up on
     /// the round trip), the lowest-latency form for a caller that would wait anyway.
     pub fn post_wait(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>) -> Result<()> {
-        self.post_inner(notif, true)?;
+        self.post_wait_on(notif, timeout, None)
+    }
+
+    /// [`XferHandle::post_wait`] on the application's `stream` (see [`XferHandle::post_on`]).
+    pub fn post_wait_on(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>, stream: Option<u64>) -> Result<()> {
+        self.post_inner(notif, true, stream)?;
         self.wait(timeout)
     }
 
-    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool) -> Result<XferState> {
+    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>) -> Result<XferState> {
         if let Some(n) = notif {
             if n.len() > multirail_proto::codec::MAX_NOTIF {
                 return Err(Error::InvalidArgument(format!(
@@ -274,6 +355,12 @@ impl XferHandle {
                 )));
             }
             *self.0.notif.lock().expect("xfer lock") = n;
+        }
+        if self.0.has_local_vram() {
+            if self.0.state() == XferState::InProgress {
+                return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
+            }
+            self.0.record_gpu_order(self.0.peer.ctx.cfg.staging.gpu, stream)?;
         }
         self.0.begin()?;
         let x = self.0.clone();

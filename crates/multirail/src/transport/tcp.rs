@@ -433,7 +433,16 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
         // Before the first byte: from now on this connection's death needs a fence.
         c.wrote.store(true, Ordering::Release);
     }
-    let dev = if write { x.local_dev(chunk.piece.local) } else { None };
+    let local_gpu = x.local_dev(chunk.piece.local);
+    if local_gpu.is_some() {
+        // The stream contract: no byte of local GPU memory is read (WRITE) or written (READ)
+        // before the application's work queued at post has completed. A failure here is the
+        // device's, not the rail's: kept as the cause; the staging copies then fail too.
+        if let Err(e) = x.wait_gpu_order() {
+            x.set_cause(e);
+        }
+    }
+    let dev = if write { local_gpu } else { None };
     let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
     c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
     if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {

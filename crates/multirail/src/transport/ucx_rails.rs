@@ -96,6 +96,12 @@ fn pump(link: &Link, ri: usize, p: &Path) {
             // Before the first byte: from now on this session's death needs a fence.
             p.wrote.store(true, Ordering::Release);
         }
+        if x.local_dev(chunk.piece.local).is_some() {
+            // The stream contract (GPUDirect: the NIC reads or writes GPU memory directly).
+            if let Err(e) = x.wait_gpu_order() {
+                x.set_cause(e);
+            }
+        }
         let token = p.next_token.fetch_add(1, Ordering::Relaxed);
         let piece = chunk.piece;
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));

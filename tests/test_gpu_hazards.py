@@ -1,0 +1,219 @@
+"""What a real GPU would hit first (issue 19), on the stand-in device, which models the hazards:
+a producer's work still pending on the application's stream (the stream contract), the calling
+thread's current device, and a stream named by a CUDA array at registration. Each test fails on
+an engine that ignores the hazard: without the stream contract the WRITE sends the stale bytes
+that were in the buffer before the producer's copy landed."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from conftest import engine_available
+from gpu_peer import Target as _Target
+
+pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+
+if engine_available():
+    import multirail
+    from multirail import errors, gpu
+    from multirail.gpu import DeviceBuffer
+
+MiB = 1 << 20
+SI = "standin"
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Any, Any]]:
+    t = multirail.Agent("target", {"gpu": SI})
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0, "stall_timeout": 2.0})
+    yield t, i
+    i.close()
+    t.close()
+
+
+def produce_later(b: DeviceBuffer, data: np.ndarray, delay: float = 0.4) -> "gpu.Stream":
+    """Queue, on a new stream, a 'kernel' of `delay` seconds and then the copy that produces
+    `data` in `b`: the producer is still running when this returns."""
+    s = gpu.Stream(b.device, SI)
+    s.sleep(delay)
+    b.copy_from_host(data, stream=s)
+    return s
+
+
+@pytest.mark.parametrize("n", [4095, 3 * MiB + 1])
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_write_is_ordered_after_the_producers_stream(pair: Any, n: int, sync: bool) -> None:
+    """Staged over tcp: WRITE from local GPU memory whose producer is still queued on a stream,
+    posted with stream=: the target receives the produced bytes, not the stale ones."""
+    t, i = pair
+    remote = np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    src = DeviceBuffer(n, kind=SI)
+    src.copy_from_host(np.full(n, 0xEE, np.uint8))  # stale contents
+    i.register_memory(src)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    new = pattern(n, 3)
+    s = produce_later(src, new)
+    try:
+        h = i.initialize_xfer("WRITE", [src], [remote], "target")
+        if sync:
+            i.transfer_sync(h, 30, stream=s)
+        else:
+            i.transfer(h, stream=s)
+            i.wait(h, 30)
+        i.release_xfer_handle(h)
+        ok = bool(np.array_equal(remote, new))
+    finally:
+        s.close()  # waits for the producer: nothing writes `src` after this
+    assert ok, "the bytes sent are the ones the producer wrote"
+
+
+def test_a_read_waits_for_the_stream_before_landing(pair: Any) -> None:
+    """READ into local GPU memory that the application's stream still writes: the engine's
+    bytes land after that work, so they are what the buffer holds afterwards."""
+    t, i = pair
+    n = 2 * MiB + 5
+    remote = pattern(n, 9)
+    t.register_memory(remote)
+    dst = DeviceBuffer(n, kind=SI)
+    i.register_memory(dst)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    s = produce_later(dst, np.full(n, 0x55, np.uint8))  # the application's pending write
+    try:
+        h = i.initialize_xfer("READ", [dst], [remote], "target")
+        i.transfer(h, stream=s)
+        i.wait(h, 30)
+        i.release_xfer_handle(h)
+    finally:
+        s.close()
+    assert np.array_equal(dst.to_host(), remote), "the READ landed after the stream's write"
+
+
+def test_an_ipc_write_is_ordered_after_the_producers_stream() -> None:
+    """Same host, CUDA IPC (the target in another process): the device copy into the peer's
+    mapping also waits for the producer."""
+    import hashlib
+
+    n = MiB + 3
+    tgt = _Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+    try:
+        src = DeviceBuffer(n, kind=SI)
+        i.register_memory(src)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        new = pattern(n, 21)
+        s = produce_later(src, new)
+        try:
+            h = i.initialize_xfer("WRITE", [src], rd, "target")
+            i.transfer(h, stream=s)
+            i.wait(h, 30)
+            i.release_xfer_handle(h)
+        finally:
+            s.close()
+        assert i.peer_counters("target")["ipc_transfers"] == 1
+        assert tgt.ask("digest") == hashlib.sha256(new.tobytes()).hexdigest()
+    finally:
+        i.close()
+        tgt.close()
+
+
+def test_streams_are_checked(pair: Any) -> None:
+    t, i = pair
+    remote = np.zeros(4096, np.uint8)
+    t.register_memory(remote)
+    src = DeviceBuffer(4096, kind=SI)
+    i.register_memory(src)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    h = i.initialize_xfer("WRITE", [src], [remote], "target")
+    with pytest.raises(errors.InvalidArgumentError, match="stream must be"):
+        i.transfer(h, stream="default")
+    with pytest.raises(errors.GpuError, match="not a stream of this device"):
+        i.transfer(h, stream=0xDEAD0000)
+    i.transfer(h, stream=None)  # each GPU's default stream
+    i.wait(h, 30)
+    # A host-only transfer takes any stream and ignores it: it has no GPU memory to order.
+    ones = np.ones(4096, np.uint8)
+    i.register_memory(ones)
+    hh = i.initialize_xfer("WRITE", [ones], [remote], "target")
+    i.transfer(hh, stream=12345)
+    i.wait(hh, 30)
+
+
+def test_the_callers_current_device_is_left_alone(pair: Any) -> None:
+    """Registration, transfer and wait on stand-in GPU 1 leave the calling thread's current
+    device where the application put it (torch's next allocation would otherwise land on the
+    wrong GPU), and a thread that never chose one still has none."""
+    t, i = pair
+    gpu.set_current_device(0)
+    try:
+        n = MiB + 1
+        remote = np.zeros(n, np.uint8)
+        t.register_memory(remote)
+        src = DeviceBuffer(n, device=1, kind=SI)
+        src.copy_from_host(pattern(n, 4))
+        assert gpu.current_device() == 0
+        i.register_memory(src)
+        assert gpu.current_device() == 0
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        for op in ("WRITE", "READ"):
+            h = i.initialize_xfer(op, [src], [remote], "target")
+            i.transfer(h)
+            assert gpu.current_device() == 0, f"{op}: transfer()"
+            i.wait(h, 30)
+            assert gpu.current_device() == 0, f"{op}: wait()"
+            i.transfer_sync(h, 30)
+            assert gpu.current_device() == 0, f"{op}: transfer_sync()"
+            i.release_xfer_handle(h)
+        seen: list[Any] = []
+
+        def fresh() -> None:
+            h = i.initialize_xfer("WRITE", [src], [remote], "target")
+            i.transfer_sync(h, 30)
+            i.release_xfer_handle(h)
+            seen.append(gpu.current_device())
+
+        th = threading.Thread(target=fresh)
+        th.start()
+        th.join(60)
+        assert seen == [None], "a thread that never chose a device still has none"
+    finally:
+        gpu.set_current_device(None)
+
+
+class _CAI:
+    """A CUDA array whose producer names its stream (CUDA Array Interface v3)."""
+
+    def __init__(self, b: DeviceBuffer, stream: int):
+        self.b, self.stream = b, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        d = dict(self.b.__cuda_array_interface__)
+        d["stream"] = self.stream
+        return d
+
+
+def test_registration_synchronises_with_the_stream_a_cuda_array_names() -> None:
+    a = multirail.Agent("reg", {"gpu": SI})
+    try:
+        n = MiB
+        b = DeviceBuffer(n, kind=SI)
+        new = pattern(n, 8)
+        s = produce_later(b, new, 0.3)
+        a.register_memory(_CAI(b, s.handle))
+        # Registration returned after the producer: the data is there (read on another stream).
+        assert np.array_equal(b.to_host(), new)
+        with pytest.raises(errors.InvalidArgumentError, match="stream"):
+            a.register_memory(_CAI(DeviceBuffer(64, kind=SI), 0))
+        s.close()
+    finally:
+        a.close()
