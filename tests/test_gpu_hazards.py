@@ -217,3 +217,43 @@ def test_registration_synchronises_with_the_stream_a_cuda_array_names() -> None:
         s.close()
     finally:
         a.close()
+
+
+def test_pools_are_pinned_at_registration_and_reused_across_connections() -> None:
+    """Registration of the first GPU region pins the staging pools (nothing is pinned
+    mid-transfer), and a connection that closes gives its pools back: a new agent's transfers
+    reuse them (no cudaMallocHost, and no cudaFreeHost, which can wait for the whole device)."""
+    n = 2 * MiB + 1
+    tdev, idev = 5, 6  # devices of their own: the stand-in counts pinned allocations per device
+    t = multirail.Agent("target", {"gpu": SI})
+    remote = DeviceBuffer(n, device=tdev, kind=SI)
+    remote.copy_from_host(pattern(n, 1))
+    t_before = gpu.info(tdev, SI)["pinned_allocs"]
+    t.register_memory(remote)
+    t_pinned = gpu.info(tdev, SI)["pinned_allocs"]
+    assert t_pinned > t_before, "registration pinned the pools"
+    local = DeviceBuffer(n, device=idev, kind=SI)
+    try:
+        for k in range(2):  # the second initiator reuses what the first gave back
+            i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+            try:
+                i.register_memory(local)
+                i_pinned = gpu.info(idev, SI)["pinned_allocs"]
+                if k == 0:
+                    first = i_pinned
+                else:
+                    assert i_pinned == first, "the second agent pinned nothing: it reused the first's pools"
+                i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+                for op in ("READ", "WRITE", "READ"):
+                    h = i.initialize_xfer(op, [local], [remote], "target")
+                    i.transfer(h)
+                    i.wait(h, 30)
+                    i.release_xfer_handle(h)
+                assert gpu.info(idev, SI)["pinned_allocs"] == i_pinned, f"round {k}: pinned mid-transfer"
+                assert gpu.info(tdev, SI)["pinned_allocs"] == t_pinned, f"round {k}: the target pinned mid-transfer"
+                assert np.array_equal(local.to_host(), pattern(n, 1))
+            finally:
+                i.close()
+        assert gpu.info(idev, SI)["idle_pool_bytes"] > 0, "closed connections gave their pools back"
+    finally:
+        t.close()

@@ -207,6 +207,7 @@ pub fn gpu_info<'py>(py: Python<'py>, device: i32, kind: Option<&str>) -> PyResu
         d.set_item("pinned_allocs", s.pinned_allocs())?;
         d.set_item("live_allocs", s.live_allocs())?;
     }
+    d.set_item("idle_pool_bytes", multirail::staging::idle_pool_bytes())?;
     Ok(d)
 }
 

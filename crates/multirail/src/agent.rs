@@ -278,6 +278,14 @@ impl Agent {
                 return Err(Error::InvalidArgument("cannot register an empty region".into()));
             }
             check_device_memory(self.shared.ctx.cfg.staging.gpu, base, len, dev)?;
+            // Pin the staging pools this agent's connections will take, now rather than
+            // mid-transfer (crate::staging::prewarm). A failure here is not the region's: a
+            // transfer that needs a pool reports it with its cause.
+            let cfg = &self.shared.ctx.cfg;
+            let direct = self.shared.ucx.as_ref().is_some_and(|u| u.gpu_direct().is_ok());
+            if !direct {
+                let _ = crate::staging::prewarm(cfg.staging, dev, cfg.connections.max(1) * cfg.rails.len().max(1));
+            }
         }
         let r = self.shared.registry.register(base, len, dev, mem, access)?;
         // Device memory handed to a UCX without CUDA support would be dereferenced as host

@@ -2,14 +2,19 @@
 //! through its own bounded pool of pinned bounce buffers, with `multirail-gpu`'s pipelined
 //! executor (D2H of piece k+1, the wire for piece k and the H2D of piece k-1 at once).
 //!
-//! A connection makes its pools on the first VRAM chunk, one per (device, direction), and keeps
-//! them until it closes: no pinning and no allocation per transfer. The totals of every
-//! connection on a rail (initiator side) or served connection (target side) add up in one
-//! [`StageStats`], which `rail_stats()` / `served_stats()` and the bench report.
+//! Pools are pinned once per process and reused ([`take_pool`] / [`prewarm`]): an agent pins the
+//! pools its rails will need when the first GPU region of a device is registered, a connection
+//! takes one per (device, direction) on its first VRAM chunk and gives it back when it closes,
+//! and the next connection takes the same buffers. So nothing is pinned mid-transfer, and
+//! nothing is unpinned when a connection drops (`cudaFreeHost` can wait for the whole device,
+//! the application's kernels included). Idle pools are kept up to [`MAX_IDLE_BYTES`] of pinned
+//! memory; beyond that a returned pool is freed. The totals of every connection on a rail
+//! (initiator side) or served connection (target side) add up in one [`StageStats`], which
+//! `rail_stats()` / `served_stats()` and the bench report.
 
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use multirail_gpu::{DevicePtr, Gpu, GpuKind, PipelineError, PoolConfig, Role, StageTotal, Staged, Wire};
 
@@ -33,6 +38,72 @@ impl Default for StagingConfig {
     }
 }
 
+/// Pinned bytes of idle pools kept for reuse, process-wide; a pool returned beyond it is freed.
+pub const MAX_IDLE_BYTES: u64 = 256 << 20;
+
+/// A pool waiting for its next connection: (device kind, device, direction, shape, the pool).
+type IdlePool = (GpuKind, u32, Role, PoolConfig, Staged<Gpu>);
+
+fn idle() -> &'static Mutex<Vec<IdlePool>> {
+    static IDLE: OnceLock<Mutex<Vec<IdlePool>>> = OnceLock::new();
+    IDLE.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+fn lock_idle() -> std::sync::MutexGuard<'static, Vec<IdlePool>> {
+    idle().lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn new_pool(cfg: StagingConfig, dev: u32, role: Role) -> Result<Staged<Gpu>, StageError> {
+    let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
+    let gpu = Gpu::open(cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
+    let mut st = Staged::new(gpu, role, cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
+    st.keep_ops(false);
+    Ok(st)
+}
+
+/// A pool for (`dev`, `role`) of `cfg`'s shape: an idle one if there is one, else a new one.
+pub fn take_pool(cfg: StagingConfig, dev: u32, role: Role) -> Result<Staged<Gpu>, StageError> {
+    {
+        let mut idle = lock_idle();
+        if let Some(i) = idle.iter().position(|p| p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool) {
+            return Ok(idle.swap_remove(i).4);
+        }
+    }
+    new_pool(cfg, dev, role)
+}
+
+/// Gives a pool back for the next connection (idle: its last transfer has returned, so no
+/// copy runs on it), or frees it when [`MAX_IDLE_BYTES`] are idle already.
+fn give_pool(cfg: StagingConfig, dev: u32, role: Role, st: Staged<Gpu>) {
+    let mut idle = lock_idle();
+    let held: u64 = idle.iter().map(|p| p.4.pool_bytes()).sum();
+    if held + st.pool_bytes() <= MAX_IDLE_BYTES {
+        idle.push((cfg.gpu, dev, role, cfg.pool, st));
+    } else {
+        drop(idle);
+        drop(st); // waits for its stream, then frees the pinned buffers
+    }
+}
+
+/// Pins, ahead of the first transfer, `per_role` pools of each direction for device `dev`
+/// (those already idle count), so no transfer pins memory. Registration of the first GPU
+/// region of a device calls it with the number of connections the agent's rails open.
+pub fn prewarm(cfg: StagingConfig, dev: u32, per_role: usize) -> Result<(), StageError> {
+    for role in [Role::Sender, Role::Receiver] {
+        let have = lock_idle().iter().filter(|p| p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool).count();
+        for _ in have..per_role {
+            let st = new_pool(cfg, dev, role)?;
+            give_pool(cfg, dev, role, st);
+        }
+    }
+    Ok(())
+}
+
+/// Pinned bytes held by idle pools (reported by `gpu.info` as `idle_pool_bytes`).
+pub fn idle_pool_bytes() -> u64 {
+    lock_idle().iter().map(|p| p.4.pool_bytes()).sum()
+}
+
 /// Stage totals of a rail (or of a served peer and rail), all connections together.
 #[derive(Debug, Default)]
 pub struct StageStats {
@@ -44,7 +115,8 @@ pub struct StageStats {
     pub chunks: AtomicU64,
     /// Pinned bytes held by the pools of live connections.
     pub pool_bytes: AtomicU64,
-    /// Pools ever made (each is `buffers x buffer_size` of pinned memory).
+    /// Pools taken by connections (each is `buffers x buffer_size` of pinned memory, taken
+    /// from the process's idle pools when one fits: [`take_pool`]).
     pub pools: AtomicU64,
 }
 
@@ -190,10 +262,7 @@ impl Stagers {
         let i = match sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
             Some(i) => i,
             None => {
-                let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
-                let gpu = Gpu::open(cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
-                let mut st = Staged::new(gpu, role, cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
-                st.keep_ops(false);
+                let st = take_pool(*cfg, dev, role)?;
                 stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
                 stats.pools.fetch_add(1, Ordering::Relaxed);
                 sides.push((dev, role, st));
@@ -242,6 +311,10 @@ impl Drop for Stagers {
     fn drop(&mut self) {
         let held: u64 = self.sides.iter().map(|(_, _, s)| s.pool_bytes()).sum();
         self.stats.pool_bytes.fetch_sub(held, Ordering::Relaxed);
-        // Each `Staged` waits for its copies and frees its pool when dropped.
+        // Every transfer on these pools has returned (a failed one after waiting for its
+        // stream), so no copy runs on them: back to the process's idle pools.
+        for (dev, role, st) in self.sides.drain(..) {
+            give_pool(self.cfg, dev, role, st);
+        }
     }
 }
