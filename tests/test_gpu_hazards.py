@@ -219,6 +219,18 @@ def test_registration_synchronises_with_the_stream_a_cuda_array_names() -> None:
         a.close()
 
 
+def _settle(value: Any, quiet: float = 0.3, limit: float = 10.0) -> None:
+    """Wait (bounded) until `value()` has not changed for `quiet` seconds."""
+    import time
+
+    end, last, since = time.monotonic() + limit, value(), time.monotonic()
+    while time.monotonic() < end and time.monotonic() - since < quiet:
+        time.sleep(0.05)
+        v = value()
+        if v != last:
+            last, since = v, time.monotonic()
+
+
 def test_pools_are_pinned_at_registration_and_reused_across_connections() -> None:
     """Registration of the first GPU region pins the staging pools (nothing is pinned
     mid-transfer), and a connection that closes gives its pools back: a new agent's transfers
@@ -254,6 +266,8 @@ def test_pools_are_pinned_at_registration_and_reused_across_connections() -> Non
                 assert np.array_equal(local.to_host(), pattern(n, 1))
             finally:
                 i.close()
+            # The connection threads give their pools back as they exit, just after close().
+            _settle(lambda: gpu.info(idev, SI)["idle_pool_bytes"])
         assert gpu.info(idev, SI)["idle_pool_bytes"] > 0, "closed connections gave their pools back"
     finally:
         t.close()
