@@ -11,6 +11,17 @@
 //! sender:   D2H(k+1) ──┐ (stream)        receiver:   recv(k) ──┐ (wire)
 //!           send(k)  ──┘ (this thread)               H2D(k-1) ─┘ (stream)
 //! ```
+//!
+//! **Streams of segments.** Besides one-shot [`Staged::send`] / [`Staged::recv`], a side runs a
+//! stream of segments (planner chunks, served requests) through one pipeline, so that it does
+//! not fill and drain at every segment boundary: [`Staged::submit`] queues a segment (a sender's
+//! may carry a preamble, e.g. the request header, written just before its first piece);
+//! [`Staged::run_until_wired`] returns once a segment has crossed the wire while the copies of
+//! its neighbours keep running (a sender may `refill` it with the next segment as soon as the
+//! copy stage has nothing queued); [`Staged::take_done`] hands back, in order, the segments
+//! that are completely done (a receiver's once its last H2D copy has completed), and
+//! [`Staged::finish`] runs everything to the end. A failure waits for the stream and drops
+//! every queued segment.
 
 use std::collections::VecDeque;
 use std::io;
@@ -113,6 +124,38 @@ pub struct Staged<D: Device> {
     totals: [StageTotal; 3],
     /// Keep every operation in [`TransferReport::ops`] (off: totals only, no allocation).
     keep_ops: bool,
+    /// Segments submitted and not yet handed back by `take_done`, oldest first.
+    segs: VecDeque<Seg>,
+    /// Chunk ids below this have finished their wire operation.
+    wired_upto: u64,
+    /// Chunk ids below this are completely done (released).
+    done_upto: u64,
+    /// Pieces submitted whose first stage has not started.
+    unstarted: u64,
+}
+
+/// One segment of a stream (module docs).
+#[derive(Debug)]
+struct Seg {
+    tag: u64,
+    /// Its pieces are chunk ids `first..end`.
+    first: u64,
+    end: u64,
+    /// Written by a sender just before the segment's first piece.
+    preamble: Option<Vec<u8>>,
+}
+
+/// What a `refill` callback returns: the next segment of a sender's stream, (device address,
+/// length, tag, preamble).
+pub type NextSegment = (DevicePtr, u64, u64, Option<Vec<u8>>);
+
+/// When `run` returns.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// Every submitted piece is done.
+    Idle,
+    /// Chunk ids below this have finished their wire operation.
+    Wired(u64),
 }
 
 impl<D: Device> std::fmt::Debug for Staged<D> {
@@ -159,6 +202,10 @@ impl<D: Device> Staged<D> {
             wire_ops: VecDeque::with_capacity(pool.buffers),
             totals: [StageTotal::default(); 3],
             keep_ops: true,
+            segs: VecDeque::new(),
+            wired_upto: 0,
+            done_upto: 0,
+            unstarted: 0,
         })
     }
 
@@ -215,59 +262,193 @@ impl<D: Device> Staged<D> {
 
     fn transfer(&mut self, base: DevicePtr, len: u64, wire: &mut dyn Wire) -> Result<TransferReport, PipelineError> {
         let started = Instant::now();
+        if !self.segs.is_empty() {
+            // A one-shot transfer on a side with a stream in progress finishes the stream first.
+            self.finish(wire)?;
+            while self.take_done().is_some() {}
+        }
         let mut report = TransferReport { bytes: len, chunks: 0, started, elapsed: Duration::ZERO, ops: Vec::new() };
         let first = self.next_chunk;
-        for p in split(base.0, len, self.pool_cfg.buffer_size, first) {
-            self.stager.submit(p)?;
-            report.chunks += 1;
-        }
-        self.next_chunk += report.chunks;
-        let r = self.run(wire, &mut report.ops);
+        // SAFETY: `send`/`recv`'s contract covers the range for this call, which runs the
+        // segment to completion (or fails, dropping it) before returning.
+        unsafe { self.submit(base, len, u64::MAX, None)? };
+        report.chunks = self.next_chunk - first;
+        let r = self.run(wire, &mut report.ops, Until::Idle, None);
         if r.is_err() {
             self.reset();
         }
         r?;
+        self.segs.clear();
         report.elapsed = started.elapsed();
         Ok(report)
     }
 
-    /// After a failure: wait until no copy touches the pool, and start the stager afresh.
-    /// The stream is synchronised, not the events: a copy whose event record failed is
-    /// tracked by no event, yet still runs.
+    /// Queues segment `tag`: `len` bytes of device memory at `base` (a sender's source, a
+    /// receiver's destination), after the segments queued before it; a sender writes
+    /// `preamble` just before the segment's first piece. Nothing runs until a `run_until_wired`
+    /// or `finish`.
+    ///
+    /// # Safety
+    /// As [`Staged::send`] / [`Staged::recv`] for the range, until the segment is handed back
+    /// by [`Staged::take_done`] (or a call fails).
+    pub unsafe fn submit(&mut self, base: DevicePtr, len: u64, tag: u64, preamble: Option<Vec<u8>>) -> Result<(), PipelineError> {
+        let first = self.next_chunk;
+        let mut n = 0;
+        for p in split(base.0, len, self.pool_cfg.buffer_size, first) {
+            self.stager.submit(p)?;
+            n += 1;
+        }
+        self.next_chunk += n;
+        self.unstarted += n;
+        self.segs.push_back(Seg { tag, first, end: first + n, preamble: preamble.filter(|_| self.role == Role::Sender) });
+        Ok(())
+    }
+
+    /// Runs the stream until segment `tag` has crossed the wire (a sender's last piece sent, a
+    /// receiver's last piece received; its copies may still run). A sender's `refill` is asked
+    /// for the next segment whenever the copy stage has nothing queued, so the next segment's
+    /// D2H overlaps this one's sends; it returns None when there is none (it is not asked
+    /// again in this call). On error every queued segment is dropped, after the stream is idle.
+    pub fn run_until_wired(
+        &mut self,
+        tag: u64,
+        wire: &mut dyn Wire,
+        refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
+    ) -> Result<(), PipelineError> {
+        let Some(end) = self.segs.iter().find(|s| s.tag == tag).map(|s| s.end) else { return Ok(()) };
+        let mut ops = Vec::new();
+        let r = self.run(wire, &mut ops, Until::Wired(end), refill);
+        if r.is_err() {
+            self.reset();
+        }
+        r
+    }
+
+    /// Runs every queued segment to completion (the receiver's last H2D included).
+    pub fn finish(&mut self, wire: &mut dyn Wire) -> Result<(), PipelineError> {
+        let mut ops = Vec::new();
+        let r = self.run(wire, &mut ops, Until::Idle, None);
+        if r.is_err() {
+            self.reset();
+        }
+        r
+    }
+
+    /// Notes finished copies without blocking and without touching the wire.
+    pub fn poll(&mut self) -> Result<(), PipelineError> {
+        let mut ops = Vec::new();
+        let r = self.reap(&mut ops, &mut Instant::now());
+        if r.is_err() {
+            self.reset();
+        }
+        r
+    }
+
+    /// The oldest segment, if it is completely done (its tag), in submission order.
+    pub fn take_done(&mut self) -> Option<u64> {
+        let s = self.segs.front()?;
+        if s.end <= self.done_upto {
+            return self.segs.pop_front().map(|s| s.tag);
+        }
+        None
+    }
+
+    /// Segments queued and not yet handed back.
+    pub fn queued(&self) -> usize {
+        self.segs.len()
+    }
+
+    /// Waits until nothing runs on this side's stream and drops every queued segment (a stream
+    /// cut short: once this returns no copy touches the segments' memory).
+    pub fn abandon(&mut self) {
+        if !self.segs.is_empty() || !self.copies.is_empty() {
+            self.reset();
+        }
+    }
+
+    /// The tag of the oldest segment not yet across the wire, if any.
+    pub fn next_queued(&self) -> Option<u64> {
+        self.segs.iter().find(|s| s.end > self.wired_upto).map(|s| s.tag)
+    }
+
+    /// After a failure: wait until no copy touches the pool, and start the stager afresh,
+    /// dropping every queued segment. The stream is synchronised, not the events: a copy whose
+    /// event record failed is tracked by no event, yet still runs.
     fn reset(&mut self) {
         self.quiesce();
         self.copies.clear();
         self.wire_ops.clear();
+        self.segs.clear();
+        self.wired_upto = self.next_chunk;
+        self.done_upto = self.next_chunk;
+        self.unstarted = 0;
         if let Ok(s) = Stager::new(self.role, self.pool_cfg) {
             self.stager = s;
         }
     }
 
-    fn run(&mut self, wire: &mut dyn Wire, ops: &mut Vec<Op>) -> Result<(), PipelineError> {
+    /// Step 1 of `run`: copies that finished, in stream order.
+    fn reap(&mut self, ops: &mut Vec<Op>, stream_free: &mut Instant) -> Result<(), PipelineError> {
+        while let Some(&(piece, buf, ready)) = self.copies.front() {
+            if !self.dev.query(&self.events[buf.0])? {
+                break;
+            }
+            self.copies.pop_front();
+            let end = Instant::now();
+            let stage = if self.role == Role::Sender { Stage::D2H } else { Stage::H2D };
+            self.note(ops, Op { stage, chunk: piece.chunk, bytes: piece.len, start: ready.max(*stream_free), end });
+            *stream_free = end;
+            match self.role {
+                Role::Sender => self.stager.handle_d2h_done(piece.chunk)?,
+                Role::Receiver => {
+                    self.stager.handle_h2d_done(piece.chunk)?;
+                    self.done_upto = self.done_upto.max(piece.chunk.0 + 1);
+                }
+            }
+        }
+        while let Some(a) = self.stager.poll_action() {
+            self.start(a)?;
+        }
+        Ok(())
+    }
+
+    fn run(
+        &mut self,
+        wire: &mut dyn Wire,
+        ops: &mut Vec<Op>,
+        until: Until,
+        mut refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
+    ) -> Result<(), PipelineError> {
         let mut stream_free = Instant::now();
         loop {
-            // 1. Copies that finished, in stream order.
-            while let Some(&(piece, buf, ready)) = self.copies.front() {
-                if !self.dev.query(&self.events[buf.0])? {
-                    break;
-                }
-                self.copies.pop_front();
-                let end = Instant::now();
-                let stage = if self.role == Role::Sender { Stage::D2H } else { Stage::H2D };
-                self.note(ops, Op { stage, chunk: piece.chunk, bytes: piece.len, start: ready.max(stream_free), end });
-                stream_free = end;
-                match self.role {
-                    Role::Sender => self.stager.handle_d2h_done(piece.chunk)?,
-                    Role::Receiver => self.stager.handle_h2d_done(piece.chunk)?,
+            if let Until::Wired(end) = until {
+                if self.wired_upto >= end {
+                    return Ok(());
                 }
             }
-            // 2. What the stager wants started.
-            while let Some(a) = self.stager.poll_action() {
-                self.start(a)?;
+            // A sender whose copy stage has nothing left to start takes the next segment now,
+            // so its D2H overlaps the sends still queued (no fill at the segment boundary).
+            if self.unstarted == 0 {
+                if let Some(f) = refill.as_mut() {
+                    match f() {
+                        // SAFETY: the refill callback's contract is `submit`'s.
+                        Some((base, len, tag, pre)) => unsafe { self.submit(base, len, tag, pre)? },
+                        None => refill = None,
+                    }
+                }
             }
+            // 1. Copies that finished, in stream order; 2. what the stager wants started.
+            self.reap(ops, &mut stream_free)?;
             // 3. One wire operation (the thread's blocking work), then look at copies again.
             if let Some((piece, buf)) = self.wire_ops.pop_front() {
                 let n = piece.len as usize;
+                if self.role == Role::Sender {
+                    // The segment's preamble (a request or response header) goes first.
+                    let pre = self.segs.iter_mut().find(|s| s.first == piece.chunk.0).and_then(|s| s.preamble.take());
+                    if let Some(pre) = pre {
+                        wire.send(&pre).map_err(|source| PipelineError::Wire { op: "send", chunk: piece.chunk, source })?;
+                    }
+                }
                 let start = Instant::now();
                 let r = match self.role {
                     // SAFETY: the buffer's D2H copy has completed (the stager issues a send only
@@ -280,6 +461,10 @@ impl<D: Device> Staged<D> {
                 r.map_err(|(op, source)| PipelineError::Wire { op, chunk: piece.chunk, source })?;
                 self.note(ops, Op { stage: Stage::Wire, chunk: piece.chunk, bytes: piece.len, start, end: Instant::now() });
                 self.stager.handle_wire_done(piece.chunk)?;
+                self.wired_upto = self.wired_upto.max(piece.chunk.0 + 1);
+                if self.role == Role::Sender {
+                    self.done_upto = self.wired_upto;
+                }
                 continue;
             }
             // 4. Nothing for the wire: wait for the oldest copy.
@@ -288,7 +473,10 @@ impl<D: Device> Staged<D> {
                 continue;
             }
             if self.stager.is_idle() {
-                return Ok(());
+                if matches!(until, Until::Idle) || self.unstarted == 0 && refill.is_none() {
+                    return Ok(());
+                }
+                continue; // a refill may still bring the next segment
             }
             return Err(PipelineError::Stalled);
         }
@@ -298,6 +486,7 @@ impl<D: Device> Staged<D> {
         let now = Instant::now();
         match (self.role, a) {
             (Role::Sender, Action::StartD2H { piece, buf }) => {
+                self.unstarted = self.unstarted.saturating_sub(1);
                 let dst = self.pool[buf.0].addr();
                 // SAFETY: the buffer is free (stager) and holds a chunk (len <= buffer size);
                 // the device range is inside the transfer (send's contract).
@@ -313,7 +502,9 @@ impl<D: Device> Staged<D> {
                 self.dev.record(&self.events[buf.0], &self.stream)?;
                 self.copies.push_back((piece, buf, now));
             }
-            (Role::Sender, Action::StartSend { piece, buf }) | (Role::Receiver, Action::StartRecv { piece, buf }) => {
+            (Role::Sender, Action::StartSend { piece, buf }) => self.wire_ops.push_back((piece, buf)),
+            (Role::Receiver, Action::StartRecv { piece, buf }) => {
+                self.unstarted = self.unstarted.saturating_sub(1);
                 self.wire_ops.push_back((piece, buf));
             }
             (_, Action::Release { .. }) => {}

@@ -350,9 +350,23 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let mut inb = wire::Inbound::new();
     // Bounce pools for GPU regions, made on the first request that needs one.
     let mut stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
+    // WRITEs into GPU memory received but maybe not landed: their last H2D copies run while the
+    // next request is read, so the pipeline does not drain at every request. Their responses go
+    // out in order once landed, and always before this connection waits for the socket or
+    // serves anything else. The fence lock is held meanwhile (`held`).
+    let mut pending = PendingWrites::default();
+    let mut held: Option<std::sync::MutexGuard<'_, ()>> = None;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
     let spin = wire::SpinBudget::new(sh.ctx.cfg.spin);
     loop {
+        if !pending.is_empty() && inb.unread() == 0 && !wire::readable_now(fd) {
+            // Nothing more to read right now: let every pending WRITE land and answer it.
+            let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
+            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, true, &mut t).is_err() {
+                break;
+            }
+            held = None;
+        }
         // Idle between frames is fine; a frame, once started, must finish within `timeout`.
         let mut started_at: Option<Instant> = None;
         let mut tick = |started: bool| {
@@ -405,16 +419,72 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 Ok(())
             }
         };
+        let vram_write = match &body {
+            Body::WriteReq(op) => sh.registry.check_remote(op, true).ok().filter(|r| r.mem == MemType::Vram),
+            _ => None,
+        };
+        if !pending.is_empty() && vram_write.as_ref().is_none_or(|r| Some(r.dev) != pending.dev) {
+            // Responses go out in request order: the pending WRITEs first.
+            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, true, &mut op_tick).is_err() {
+                break;
+            }
+            held = None;
+        }
+        if let (Body::WriteReq(op), Some(region)) = (&body, vram_write) {
+            if held.is_none() {
+                held = Some(me.apply.lock().expect("apply lock"));
+            }
+            if me.fenced.load(Ordering::Acquire) {
+                break;
+            }
+            let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
+            // SAFETY: check_remote proved the range lies in the region, GPU memory of
+            // `region.dev`, registered read-write; `pending` holds the region until the
+            // segment has landed, and the fence lock stays held until then.
+            let r = unsafe { stage.recv_segment(region.dev, region.ptr(op.offset) as u64, op.len, h.req_id, &mut inp) };
+            if r.is_err() {
+                break; // the stream is out of step; the initiator reissues on another path
+            }
+            pending.push(h.req_id, op.len, region);
+            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, false, &mut op_tick).is_err() {
+                break;
+            }
+            continue;
+        }
         let r = match body {
             Body::ReadReq(op) => match sh.registry.check_remote(&op, false) {
                 Ok(region) => {
                     let hdr = Body::Resp { status: Status::Ok, bulk_len: op.len, msg: String::new() }.encode(h.req_id);
                     let r = if region.mem == MemType::Vram {
-                        wire::write_full(&mut s, &[&hdr], &mut op_tick).and_then(|_| {
-                            let mut out = SockOut::new(&mut s, &mut op_tick);
-                            // SAFETY: as below; the region is GPU memory of `region.dev`.
-                            unsafe { stage.send(region.dev, region.ptr(op.offset) as u64, op.len, &mut out) }.map_err(staging_failed)
-                        })
+                        // One staging pipeline over this READ and the READs of the same GPU
+                        // already read ahead behind it: the D2H of the next overlaps the sends
+                        // of this one (no fill at every request). Each answer's header goes
+                        // right before its payload; the regions stay held until all are sent.
+                        let dev = region.dev;
+                        let mut held_regions = vec![region.clone()];
+                        let mut more = || {
+                            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
+                                return None;
+                            }
+                            let (h2, op2, n) = match inb.peek_frame()? {
+                                (h2, Body::ReadReq(op2), n) => (h2, op2, n),
+                                _ => return None,
+                            };
+                            // A READ the normal path would refuse, or of other memory, waits.
+                            let r2 = sh.registry.check_remote(&op2, false).ok().filter(|r| r.mem == MemType::Vram && r.dev == dev)?;
+                            inb.consume(n);
+                            ctr.bytes_read.fetch_add(op2.len, Ordering::Relaxed);
+                            ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+                            let hdr2 = Body::Resp { status: Status::Ok, bulk_len: op2.len, msg: String::new() }.encode(h2.req_id);
+                            let at = r2.ptr(op2.offset) as u64;
+                            held_regions.push(r2);
+                            Some((at, op2.len, h2.req_id, hdr2))
+                        };
+                        let mut out = SockOut::new(&mut s, &mut op_tick);
+                        let first = (region.ptr(op.offset) as u64, op.len, h.req_id, hdr.to_vec());
+                        // SAFETY: check_remote proved each range lies in its region (GPU memory
+                        // of `dev`), held registered in `held_regions` until this returns.
+                        unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
                     } else {
                         // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
                         // `region` holds it registered for the duration of the write.
@@ -502,7 +572,62 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             break;
         }
     }
+    // Before the fence lock goes: no staged copy may still write the application's memory.
+    stage.abandon();
+    drop(held);
     let _ = s.shutdown(Shutdown::Both);
+}
+
+/// WRITEs into GPU memory of one device whose payload is in and whose copies may still run
+/// (`serve`): request id, length, and the region, held registered until landed.
+#[derive(Default)]
+struct PendingWrites {
+    dev: Option<u32>,
+    q: std::collections::VecDeque<(u64, u64, Arc<crate::registry::Region>)>,
+    tags: Vec<u64>,
+}
+
+impl PendingWrites {
+    fn is_empty(&self) -> bool {
+        self.q.is_empty()
+    }
+
+    fn push(&mut self, req_id: u64, len: u64, region: Arc<crate::registry::Region>) {
+        self.dev = Some(region.dev);
+        self.q.push_back((req_id, len, region));
+    }
+
+    /// Answers the WRITEs that have landed (all of them when `wait`), in order.
+    fn flush(
+        &mut self,
+        stage: &mut Stagers,
+        s: &mut TcpStream,
+        inb: &mut wire::Inbound,
+        ctr: &ServedCounters,
+        wait: bool,
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(), WireError> {
+        let Some(dev) = self.dev else { return Ok(()) };
+        self.tags.clear();
+        let r = if wait {
+            let mut inp = SockIn::new(s, inb, tick);
+            stage.recv_finish(dev, &mut inp, &mut self.tags)
+        } else {
+            stage.recv_done(dev, &mut self.tags)
+        };
+        r.map_err(staging_failed)?;
+        for &tag in &self.tags {
+            let Some((req_id, len, _region)) = self.q.pop_front() else { break };
+            debug_assert_eq!(req_id, tag);
+            ctr.bytes_written.fetch_add(len, Ordering::Relaxed);
+            ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+            wire::send(s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, req_id, tick)?;
+        }
+        if self.q.is_empty() {
+            self.dev = None;
+        }
+        Ok(())
+    }
 }
 
 /// A `Role::UcxSession` connection: the session's own UCX worker lives (and is progressed) in

@@ -135,14 +135,16 @@ pub struct StageReport {
 pub const STAGES: [&str; 3] = ["d2h", "wire", "h2d"];
 
 impl StageStats {
-    fn add(&self, before: &[StageTotal; 3], after: &[StageTotal; 3]) {
+    fn add(&self, before: &[StageTotal; 3], after: &[StageTotal; 3], chunk: bool) {
         for i in 0..3 {
             self.ops[i].fetch_add(after[i].ops - before[i].ops, Ordering::Relaxed);
             self.bytes[i].fetch_add(after[i].bytes - before[i].bytes, Ordering::Relaxed);
             let ns = after[i].busy.saturating_sub(before[i].busy).as_nanos() as u64;
             self.busy_ns[i].fetch_add(ns, Ordering::Relaxed);
         }
-        self.chunks.fetch_add(1, Ordering::Relaxed);
+        if chunk {
+            self.chunks.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn report(&self) -> StageReport {
@@ -272,7 +274,7 @@ impl Stagers {
         let st = &mut sides[i].2;
         let before = st.totals();
         let r = f(st);
-        stats.add(&before, &st.totals());
+        stats.add(&before, &st.totals(), true);
         Ok(r)
     }
 
@@ -284,6 +286,100 @@ impl Stagers {
         // SAFETY: the caller's contract.
         let r = self.staged(dev, Role::Sender, |st| unsafe { st.send(DevicePtr(src), len, out) })?;
         finish(r, &mut out.err)
+    }
+
+    /// Sends a stream of segments of device `dev`'s memory through one pipeline (no fill at
+    /// segment boundaries): `first` = (address, length, tag, preamble), then whatever `refill`
+    /// returns while it returns segments, each written as its preamble (the request header)
+    /// followed by its bytes. Returns once every segment is on the wire.
+    ///
+    /// # Safety
+    /// Every segment's range is device memory of `dev`, registered and held until this returns.
+    pub unsafe fn send_stream(
+        &mut self,
+        dev: u32,
+        first: (u64, u64, u64, Vec<u8>),
+        out: &mut SockOut<'_>,
+        refill: &mut dyn FnMut() -> Option<(u64, u64, u64, Vec<u8>)>,
+    ) -> Result<(), StageError> {
+        // `staged` counts the first segment; each refilled one counts too.
+        let segments = self.stats.clone();
+        let r = self.staged(dev, Role::Sender, |st| {
+            // SAFETY: the caller's contract, for `first` and every refilled segment.
+            unsafe { st.submit(DevicePtr(first.0), first.1, first.2, Some(first.3))? };
+            let mut more = || {
+                let next = refill()?;
+                segments.chunks.fetch_add(1, Ordering::Relaxed);
+                Some((DevicePtr(next.0), next.1, next.2, Some(next.3)))
+            };
+            let mut current = first.2;
+            loop {
+                st.run_until_wired(current, out, Some(&mut more))?;
+                while st.take_done().is_some() {}
+                match st.next_queued() {
+                    Some(tag) => current = tag,
+                    None => return Ok(()),
+                }
+            }
+        })?;
+        finish(r, &mut out.err)
+    }
+
+    /// Receives segment `tag`: `len` bytes into device `dev`'s memory at `dst`, returning once
+    /// they are off the wire; the segment's last H2D copies may still run (and those of the
+    /// segments before it). [`Stagers::recv_done`] hands segments back once landed,
+    /// [`Stagers::recv_finish`] waits for all. On error every queued segment is dropped, with no
+    /// copy left running.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
+    /// until the segment is handed back (or a call fails).
+    pub unsafe fn recv_segment(&mut self, dev: u32, dst: u64, len: u64, tag: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
+        let r = self.staged(dev, Role::Receiver, |st| {
+            // SAFETY: the caller's contract.
+            unsafe { st.submit(DevicePtr(dst), len, tag, None)? };
+            st.run_until_wired(tag, inp, None)
+        })?;
+        finish(r, &mut inp.err)
+    }
+
+    /// Tags of received segments on `dev` whose copies have all completed, in order (no wait).
+    pub fn recv_done(&mut self, dev: u32, out: &mut Vec<u64>) -> Result<(), StageError> {
+        let stats = self.stats.clone();
+        let Some(st) = self.side(dev, Role::Receiver) else { return Ok(()) };
+        let before = st.totals();
+        let r = st.poll();
+        stats.add(&before, &st.totals(), false);
+        r.map_err(|e| StageError::Device(e.to_string()))?;
+        while let Some(t) = st.take_done() {
+            out.push(t);
+        }
+        Ok(())
+    }
+
+    /// Waits until every received segment on `dev` has landed; their tags, in order.
+    pub fn recv_finish(&mut self, dev: u32, inp: &mut SockIn<'_>, out: &mut Vec<u64>) -> Result<(), StageError> {
+        let stats = self.stats.clone();
+        let Some(st) = self.side(dev, Role::Receiver) else { return Ok(()) };
+        let before = st.totals();
+        let r = st.finish(inp);
+        stats.add(&before, &st.totals(), false);
+        while let Some(t) = st.take_done() {
+            out.push(t);
+        }
+        finish(r, &mut inp.err)
+    }
+
+    /// Waits for every copy of every pool and drops what was queued (a connection that ends
+    /// with segments in flight: once this returns, no copy touches the application's memory).
+    pub fn abandon(&mut self) {
+        for (_, _, st) in &mut self.sides {
+            st.abandon();
+        }
+    }
+
+    fn side(&mut self, dev: u32, role: Role) -> Option<&mut Staged<Gpu>> {
+        self.sides.iter_mut().find(|(d, r, _)| *d == dev && *r == role).map(|(_, _, st)| st)
     }
 
     /// Receives `len` bytes into device `dev`'s memory at `dst` (wire → H2D). On return every
@@ -311,9 +407,10 @@ impl Drop for Stagers {
     fn drop(&mut self) {
         let held: u64 = self.sides.iter().map(|(_, _, s)| s.pool_bytes()).sum();
         self.stats.pool_bytes.fetch_sub(held, Ordering::Relaxed);
-        // Every transfer on these pools has returned (a failed one after waiting for its
-        // stream), so no copy runs on them: back to the process's idle pools.
-        for (dev, role, st) in self.sides.drain(..) {
+        // No copy may run on a pool that goes back: wait for each stream (a no-op when every
+        // transfer has returned), then back to the process's idle pools.
+        for (dev, role, mut st) in self.sides.drain(..) {
+            st.abandon();
             give_pool(self.cfg, dev, role, st);
         }
     }

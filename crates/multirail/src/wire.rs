@@ -60,6 +60,11 @@ pub enum Spin {
     Stopped,
 }
 
+/// Whether a read of `fd` would find data (or the end) now, without waiting.
+pub fn readable_now(fd: std::os::fd::RawFd) -> bool {
+    poll_in(fd, std::time::Duration::ZERO)
+}
+
 /// Busy-poll (non-blocking readiness checks, no sleep) until `fd` is readable or closed, or
 /// `budget` has passed, so that the read that follows finds its data without a scheduler
 /// wake-up. Between checks the thread yields, so a runnable thread on the same CPU (say, the
@@ -275,6 +280,27 @@ impl Inbound {
             n -= k as u64;
         }
         Ok(())
+    }
+
+    /// The next frame, if it is already read ahead whole (header and body), without consuming
+    /// it: (header, body, its length in bytes for [`Inbound::consume`]). None when it is not
+    /// complete yet or does not decode (the caller's normal path reads and reports it).
+    pub fn peek_frame(&self) -> Option<(Header, Body, usize)> {
+        let buf = &self.stash[self.pos..];
+        let h: [u8; HEADER_LEN] = buf.get(..HEADER_LEN)?.try_into().ok()?;
+        let header = Header::decode(&h).ok()?;
+        let end = HEADER_LEN.checked_add(usize::try_from(header.body_len).ok()?)?;
+        let body = Body::decode(header.kind, buf.get(HEADER_LEN..end)?).ok()?;
+        Some((header, body, end))
+    }
+
+    /// Drops `n` read-ahead bytes (a frame taken with [`Inbound::peek_frame`]).
+    pub fn consume(&mut self, n: usize) {
+        self.pos = (self.pos + n).min(self.stash.len());
+        if self.pos == self.stash.len() {
+            self.stash.clear();
+            self.pos = 0;
+        }
     }
 
     /// Read one frame (header + bounded body).

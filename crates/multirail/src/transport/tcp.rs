@@ -443,6 +443,8 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
         }
     }
     let dev = if write { local_gpu } else { None };
+    // A chunk a GPU stream pulled that it could not take: sent after the stream.
+    let mut other: Option<(Chunk, Arc<XferShared>)> = None;
     let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
     c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
     if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -466,22 +468,60 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
             let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
             wire::write_full(&mut w, &[&hdr, payload], &mut tick).map_err(|e| e.to_string())
         }
-        (true, Some(dev)) => wire::write_full(&mut w, &[&hdr], &mut tick).map_err(|e| e.to_string()).and_then(|_| {
+        (true, Some(dev)) => {
+            // One staging pipeline over this chunk and the GPU WRITE chunks that follow it on
+            // this connection while its window has room: the D2H of the next chunk overlaps
+            // the sends of this one (no fill at every planner chunk). A chunk that is not a
+            // WRITE from this GPU is sent after the stream (`other`).
+            let window = link.ctx.cfg.conn_window;
+            let mut refill = || {
+                if other.is_some() || c.dead.load(Ordering::Acquire) || c.inflight_n.load(Ordering::Acquire) >= window {
+                    return None;
+                }
+                let (ch, xx) = link.next_chunk(c.rail)?;
+                if xx.op != Op::Write || xx.local_dev(ch.piece.local) != Some(dev) {
+                    other = Some((ch, xx));
+                    return None;
+                }
+                if let Err(e) = xx.wait_gpu_order() {
+                    xx.set_cause(e);
+                }
+                let key = link.keys.get(&ch.piece.region).copied().unwrap_or(RegionKey([0; 16]));
+                let op = RemoteOp { region: ch.piece.region, key, offset: ch.piece.offset, len: ch.piece.len };
+                let id = c.next_req.fetch_add(1, Ordering::Relaxed);
+                let (local, len) = (ch.piece.local, ch.piece.len);
+                c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx });
+                if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
+                    c.busy_at.store(link.now_us(), Ordering::Release);
+                }
+                if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
+                    c.kick(); // a parked receiver reads the responses as they come
+                }
+                Some((local, len, id, Body::WriteReq(op).encode(id)))
+            };
             let mut stage = c.stage_tx.lock().expect("conn lock");
-            // SAFETY: GPU memory of `dev` inside a region registered and held as above.
-            unsafe { stage.send(dev, chunk.piece.local, chunk.piece.len, &mut SockOut::new(&mut w, &mut tick)) }.map_err(|e| e.to_string())
-        }),
+            let first = (chunk.piece.local, chunk.piece.len, req_id, hdr.to_vec());
+            // SAFETY: GPU memory of `dev` inside regions registered and held as above (every
+            // refilled chunk's transfer holds its regions until it completes).
+            unsafe { stage.send_stream(dev, first, &mut SockOut::new(&mut w, &mut tick), &mut refill) }.map_err(|e| e.to_string())
+        }
         (false, _) => wire::write_full(&mut w, &[&hdr], &mut tick).map_err(|e| e.to_string()),
     };
     if let Err(e) = r {
         // Record why (the first cause names the rail's failure), shut the rail's
-        // connections; the receivers notice and run the rail-down path.
+        // connections; the receivers notice and run the rail-down path (which requeues
+        // `other` too: the planner assigned it to this rail).
         let was_dead = c.dead.swap(true, Ordering::AcqRel);
         abort_socket(&w);
         drop(w);
         if !was_dead && !link.is_shutdown() {
             link.rail_failed(c.rail, format!("send failed: {e}"));
         }
+        return;
+    }
+    drop(w);
+    if let Some((ch, xx)) = other {
+        send_chunk(link, c, ch, xx);
     }
 }
 
