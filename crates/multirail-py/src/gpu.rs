@@ -224,5 +224,6 @@ pub(crate) fn staging_dict<'py>(py: Python<'py>, r: &StageReport) -> PyResult<Bo
     d.set_item("chunks", r.chunks)?;
     d.set_item("pool_bytes", r.pool_bytes)?;
     d.set_item("pools", r.pools)?;
+    d.set_item("overlapped", r.overlapped)?;
     Ok(d)
 }

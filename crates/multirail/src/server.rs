@@ -466,6 +466,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                             if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
                                 return None;
                             }
+                            if inb.peek_frame().is_none() {
+                                inb.fill_now(fd); // requests the initiator pipelined behind
+                            }
                             let (h2, op2, n) = match inb.peek_frame()? {
                                 (h2, Body::ReadReq(op2), n) => (h2, op2, n),
                                 _ => return None,

@@ -115,6 +115,9 @@ pub struct StageStats {
     pub chunks: AtomicU64,
     /// Pinned bytes held by the pools of live connections.
     pub pool_bytes: AtomicU64,
+    /// Segments (chunks, requests) that entered a pipeline still busy with the ones before
+    /// them: no fill or drain at their boundary.
+    pub overlapped: AtomicU64,
     /// Pools taken by connections (each is `buffers x buffer_size` of pinned memory, taken
     /// from the process's idle pools when one fits: [`take_pool`]).
     pub pools: AtomicU64,
@@ -129,6 +132,7 @@ pub struct StageReport {
     pub chunks: u64,
     pub pool_bytes: u64,
     pub pools: u64,
+    pub overlapped: u64,
 }
 
 /// Stage names in the order of the arrays above.
@@ -156,6 +160,7 @@ impl StageStats {
             chunks: self.chunks.load(Ordering::Relaxed),
             pool_bytes: self.pool_bytes.load(Ordering::Relaxed),
             pools: self.pools.load(Ordering::Relaxed),
+            overlapped: self.overlapped.load(Ordering::Relaxed),
         }
     }
 }
@@ -310,6 +315,7 @@ impl Stagers {
             let mut more = || {
                 let next = refill()?;
                 segments.chunks.fetch_add(1, Ordering::Relaxed);
+                segments.overlapped.fetch_add(1, Ordering::Relaxed);
                 Some((DevicePtr(next.0), next.1, next.2, Some(next.3)))
             };
             let mut current = first.2;
@@ -335,7 +341,11 @@ impl Stagers {
     /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
     /// until the segment is handed back (or a call fails).
     pub unsafe fn recv_segment(&mut self, dev: u32, dst: u64, len: u64, tag: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
+        let stats = self.stats.clone();
         let r = self.staged(dev, Role::Receiver, |st| {
+            if st.queued() > 0 {
+                stats.overlapped.fetch_add(1, Ordering::Relaxed); // earlier ones still landing
+            }
             // SAFETY: the caller's contract.
             unsafe { st.submit(DevicePtr(dst), len, tag, None)? };
             st.run_until_wired(tag, inp, None)

@@ -294,6 +294,21 @@ impl Inbound {
         Some((header, body, end))
     }
 
+    /// Reads whatever the socket `fd` holds now into the read-ahead, without waiting (up to
+    /// one read-ahead's worth); false on an error or the end of the stream.
+    pub fn fill_now(&mut self, fd: std::os::fd::RawFd) -> bool {
+        if self.pos > 0 {
+            self.stash.drain(..self.pos);
+            self.pos = 0;
+        }
+        let have = self.stash.len();
+        self.stash.resize(have + READ_AHEAD, 0);
+        // SAFETY: the spare READ_AHEAD bytes just made are writable; MSG_DONTWAIT never blocks.
+        let n = unsafe { libc::recv(fd, self.stash[have..].as_mut_ptr().cast(), READ_AHEAD, libc::MSG_DONTWAIT) };
+        self.stash.truncate(have + n.max(0) as usize);
+        n > 0 || (n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock)
+    }
+
     /// Drops `n` read-ahead bytes (a frame taken with [`Inbound::peek_frame`]).
     pub fn consume(&mut self, n: usize) {
         self.pos = (self.pos + n).min(self.stash.len());

@@ -100,6 +100,10 @@ struct Rx {
     clock: Clock,
     /// Bounce pools for READs landing in GPU memory (made on the first such chunk).
     stage: Stagers,
+    /// READs into GPU memory that are off the wire but whose last H2D copies may still run:
+    /// completed (`chunk_done`) in order once landed, and always before the reader leaves
+    /// the connection idle (`read_one`). (the request, its GPU)
+    landing: std::collections::VecDeque<(Sent, u32)>,
 }
 
 /// One TCP connection on one rail.
@@ -292,6 +296,7 @@ impl Transport for TcpRails {
                 rail: ri,
                 fd: std::os::fd::AsRawFd::as_raw_fd(&reader),
                 rx: Mutex::new(Rx {
+                    landing: std::collections::VecDeque::new(),
                     s: reader,
                     inb: wire::Inbound::new(),
                     clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
@@ -669,8 +674,60 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
 
 /// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
 /// reader also stops (between frames only) when nothing is outstanding or time is up.
+/// Reads and completes one response (`read_response`), then completes the READs into GPU
+/// memory that have landed meanwhile: all of them, waiting for their copies, when nothing more
+/// is there to read now (so no chunk is left unreported on an idle connection). On a failure,
+/// waits until no copy of this connection runs and drops them: the rail-down path reissues
+/// their chunks.
 fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
-    let Rx { s, inb, clock, stage } = rx;
+    let r = read_response(link, c, rx, caller);
+    let idle = rx.inb.unread() == 0 && !poll_in(c.fd, Duration::ZERO);
+    let landed = match &r {
+        Ok(()) => land(link, c, rx, idle),
+        Err(Stop::Idle | Stop::CallerTimeout) => land(link, c, rx, true),
+        Err(_) => {
+            rx.stage.abandon();
+            rx.landing.clear();
+            Ok(())
+        }
+    };
+    landed.and(r)
+}
+
+/// Completes the landed READs of `rx.landing`, in order (`wait`: all of them).
+fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
+    if rx.landing.is_empty() {
+        return Ok(());
+    }
+    let mut devs: Vec<u32> = rx.landing.iter().map(|l| l.1).collect();
+    devs.sort_unstable();
+    devs.dedup();
+    let mut done = Vec::new();
+    let mut quiet = |_: bool| Ok(());
+    for dev in devs {
+        let r = if wait {
+            rx.stage.recv_finish(dev, &mut SockIn::new(&mut rx.s, &mut rx.inb, &mut quiet), &mut done)
+        } else {
+            rx.stage.recv_done(dev, &mut done)
+        };
+        if let Err(e) = r {
+            rx.stage.abandon();
+            rx.landing.clear();
+            return Err(Stop::Failed(e.to_string()));
+        }
+    }
+    while let Some((sent, _)) = rx.landing.front() {
+        if !done.contains(&sent.req_id) {
+            break;
+        }
+        let (sent, _) = rx.landing.pop_front().expect("front exists");
+        link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
+    }
+    Ok(())
+}
+
+fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
+    let Rx { s, inb, clock, stage, landing } = rx;
     let mut stop: Option<Stop> = None;
     // Runs every TICK while the socket has nothing to read.
     let mut tick = |started: bool| -> Result<(), String> {
@@ -706,6 +763,9 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
         Some((_, Op::Read, Some(_))) => front,
         _ => None,
     };
+    // A READ into GPU memory that is off the wire, its copies maybe still running: completed
+    // by `land` once they are done.
+    let mut deferred: Option<u32> = None;
     if let (Some((p, Op::Read, dev)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (next, &body) {
         if *bulk_len == p.len {
             let r = match dev {
@@ -715,8 +775,12 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
                     inb.read_into(s, dst, &mut tick).map_err(StageError::Wire)
                 }
                 // SAFETY: GPU memory of `dev` inside a region registered and held by the
-                // transfer; every copy into it has completed when this returns.
-                Some(dev) => unsafe { stage.recv(dev, p.local, p.len, &mut SockIn::new(s, inb, &mut tick)) },
+                // transfer until its chunk is done, which `land` reports only once every copy
+                // into it has completed (and a failure waits for them: `read_one`).
+                Some(dev) => {
+                    deferred = Some(dev);
+                    unsafe { stage.recv_segment(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick)) }
+                }
             };
             match r {
                 Ok(()) => landed = true,
@@ -745,6 +809,10 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
         return proto("protocol error: bulk data on a refused or WRITE response".into());
     }
     c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+    if let (true, Some(dev)) = (ok, deferred) {
+        landing.push_back((sent, dev));
+        return Ok(());
+    }
     let r = if ok { Ok(()) } else { Err((status, msg)) };
     link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, r);
     Ok(())
