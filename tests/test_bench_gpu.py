@@ -102,15 +102,15 @@ def test_sweep_vram_consistent_with_breakdown(op: str, iseg: str, tseg: str) -> 
                 else:
                     assert x["ops"] == 0 and x["bytes"] == 0 and x["us_per_op"] is None, (side, s, x)
             assert sd["chunks"] == (row["iterations"] if want else 0), (side, sd)  # one 256/512KiB chunk each
-            # the pinned pool: made once per connection and direction (4 x 256 KiB), DRAM sides none
-            assert (sd["pool_bytes"], sd["pools"]) == ((1 << 20, 1) if want else (0, 0)), (side, sd)
+            # the pinned pool: made once per connection and direction (4 x 1 MiB), DRAM sides none
+            assert (sd["pool_bytes"], sd["pools"]) == ((4 << 20, 1) if want else (0, 0)), (side, sd)
         assert best is not None and st["bottleneck"] == best[1], st
         assert st["bottleneck_busy_pct"] == pytest.approx(best[0])
     text = cp.stderr  # the table goes to stderr with --json -
     assert f"memory: initiator {iseg}, target {tseg}" in text, text
     assert "gpu path: default=staged" in text and '"stand-in 0 (host memory)"' in text, text
     assert text.count("bottleneck: ") == 2 and text.count("staging initiator") == 2, text
-    assert "pool 1MiB in 1 pool(s)" in text, text
+    assert "pool 4MiB in 1 pool(s)" in text, text
 
 
 @needs_engine

@@ -525,7 +525,7 @@ def test_gpu_staging_metrics_on_both_sides(agents: Callable[..., Any]) -> None:
     assert value(s, "multirail_rail_staged_bytes_total", peer=target.name, stage="d2h") == n
     assert value(s, "multirail_rail_staged_bytes_total", peer=target.name, stage="wire") == 2 * n
     assert (value(s, "multirail_rail_staging_busy_seconds_total", peer=target.name, stage="h2d") or 0) > 0
-    assert value(s, "multirail_rail_staging_pool_bytes", peer=target.name) == 2 * 4 * (256 << 10)
+    assert value(s, "multirail_rail_staging_pool_bytes", peer=target.name) == 2 * 4 * (1 << 20)
     assert value(s, "multirail_peer_ipc_bytes_total", peer=target.name) == 0  # one process: staged
     t, got = _scrape_until(target.metrics_url, "multirail_served_staged_bytes_total", n, peer=init.name, stage="d2h")
     assert got == n

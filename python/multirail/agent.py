@@ -79,7 +79,7 @@ class AgentConfig:
     time) or "standin" (host memory posing as a GPU, copies on threads: CI and tests); default
     $MULTIRAIL_GPU, else "cuda". docs/gpu.md.
     staging_buffers, staging_buffer_size: the pinned bounce pool that stages GPU memory over tcp
-    rails, per connection and direction (default 4 x 256 KiB), made once on first use.
+    rails, per connection and direction (default 4 x 1 MiB), pinned once per process and reused.
     gpu_ipc: CUDA IPC between agents on one host (default True): a transfer whose remote side
     is the peer's GPU memory becomes one device copy into the peer's allocation, mapped with its
     IPC handle (which exposes the whole allocation holding the region to that authenticated
@@ -107,7 +107,7 @@ class AgentConfig:
     faults: str = ""
     gpu: str | None = None
     staging_buffers: int = 4
-    staging_buffer_size: int = 256 << 10
+    staging_buffer_size: int = 1 << 20
     gpu_ipc: bool = True
     metadata: str | None = None
     metadata_ttl: float = 10.0

@@ -61,6 +61,8 @@ const MEMCPY_D2D: c_int = 3;
 const STREAM_NON_BLOCKING: c_uint = 1;
 const EVENT_BLOCKING_SYNC: c_uint = 1;
 const EVENT_DISABLE_TIMING: c_uint = 2;
+/// Every event: blocking sync (waiters sleep), no timing.
+const EVENT_FLAGS: c_uint = EVENT_BLOCKING_SYNC | EVENT_DISABLE_TIMING;
 const IPC_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 /// Bytes reserved for `cudaDeviceProp` (about 1 KiB in CUDA 12 and 13; `name` comes first).
 const DEVICE_PROP_BYTES: usize = 8192;
@@ -662,9 +664,7 @@ impl Device for Cuda {
         let _on = self.enter()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
-        self.rt.check("cudaEventCreateWithFlags", unsafe {
-            (self.api().event_create_with_flags)(&mut e, EVENT_DISABLE_TIMING | EVENT_BLOCKING_SYNC)
-        })?;
+        self.rt.check("cudaEventCreateWithFlags", unsafe { (self.api().event_create_with_flags)(&mut e, EVENT_FLAGS) })?;
         Ok(CudaEvent { rt: self.rt.clone(), raw: e })
     }
 
@@ -784,6 +784,16 @@ mod tests {
         assert_eq!(std::mem::offset_of!(PointerAttributes, device_pointer), 8);
         assert_eq!(std::mem::offset_of!(PointerAttributes, host_pointer), 16);
         assert_eq!(std::mem::offset_of!(PointerAttributes, reserved), 24);
+    }
+
+    /// Events are made with cudaEventBlockingSync: a thread waiting for a copy (an idle
+    /// pipeline, a transfer ordered after the application's stream) sleeps instead of spinning
+    /// a core in cudaEventSynchronize; and without timing, the cheapest to record and query.
+    #[test]
+    fn events_block_instead_of_spinning() {
+        assert_eq!(EVENT_FLAGS & EVENT_BLOCKING_SYNC, EVENT_BLOCKING_SYNC);
+        assert_eq!(EVENT_FLAGS & EVENT_DISABLE_TIMING, EVENT_DISABLE_TIMING);
+        assert_eq!((EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING), (0x01, 0x02), "cudaEventBlockingSync, cudaEventDisableTiming");
     }
 
     #[test]
