@@ -115,7 +115,7 @@ def main() -> int:
           f"{a.rounds} rounds; VRAM->VRAM / DRAM->DRAM, median (worst)")
     copy_gbps = a.rate * 8 / 1e9
     print(f"{'case':28} {'READ':>16} {'WRITE':>16} {'VRAM READ Gb/s':>15} {'VRAM WRITE Gb/s':>16}"
-          f"  (of the copy rate, {copy_gbps:.1f} Gb/s: READ, WRITE)")
+          f"  of the copy rate ({copy_gbps:.1f} Gb/s), median (worst): READ, WRITE")
     for key, runs in results.items():
         ok = [x for x in runs if "error" not in x]
         if not ok:
@@ -126,7 +126,8 @@ def main() -> int:
             ratios = [x[f"VRAM_{op}"] / x[f"DRAM_{op}"] for x in ok]
             row.append(f"{statistics.median(ratios):.3f} ({min(ratios):.3f})")
         gb = [f"{statistics.median([x[f'VRAM_{op}'] for x in ok]):.1f}" for op in ("READ", "WRITE")]
-        eff = [f"{statistics.median([x[f'VRAM_{op}'] for x in ok]) / copy_gbps:.2f}" for op in ("READ", "WRITE")]
+        effs = [[x[f"VRAM_{op}"] / copy_gbps for x in ok] for op in ("READ", "WRITE")]
+        eff = [f"{statistics.median(e):.3f} ({min(e):.3f})" for e in effs]
         print(f"{key:28} {row[0]:>16} {row[1]:>16} {gb[0]:>15} {gb[1]:>16}  {eff[0]}, {eff[1]}"
               + (f"  [{len(runs) - len(ok)} failed]" if len(ok) < len(runs) else ""))
     if a.json:

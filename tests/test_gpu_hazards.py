@@ -313,3 +313,38 @@ def test_staging_pipelines_across_chunks() -> None:
         st = i.rail_stats("target")[0]["staging"]
         assert st["overlapped"] > 0, st  # the initiator's WRITE sender took the next chunks
         assert st["d2h"]["bytes"] == n and st["h2d"]["bytes"] == n, st
+
+
+def test_transfer_returns_at_once_while_the_producer_runs(pair: Any) -> None:
+    """Ordering after the stream does not block the caller: transfer() returns while the
+    producer is still queued (the post enters the link once it is done), and a release while it
+    waits means the transfer never starts."""
+    import time
+
+    t, i = pair
+    n = MiB
+    remote = np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    src = DeviceBuffer(n, kind=SI)
+    i.register_memory(src)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    new = pattern(n, 31)
+    s = produce_later(src, new, delay=2.0)
+    try:
+        h = i.initialize_xfer("WRITE", [src], [remote], "target")
+        t0 = time.monotonic()
+        i.transfer(h, stream=s)
+        assert time.monotonic() - t0 < 1.5, "transfer() waited for the producer"
+        assert i.check_xfer_state(h) == multirail.XferState.IN_PROGRESS
+        i.wait(h, 30)
+        assert np.array_equal(remote, new)
+        # Released while waiting for the stream: never starts, the memory is left alone.
+        remote[:] = 0
+        s.sleep(1.0)
+        h2 = i.initialize_xfer("WRITE", [src], [remote], "target")
+        i.transfer(h2, stream=s)
+        i.release_xfer_handle(h2)
+    finally:
+        s.close()
+    time.sleep(0.2)
+    assert not remote.any(), "a released transfer wrote after all"

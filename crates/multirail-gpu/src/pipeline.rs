@@ -315,9 +315,22 @@ impl<D: Device> Staged<D> {
         wire: &mut dyn Wire,
         refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
     ) -> Result<(), PipelineError> {
+        self.run_until_wired_notify(tag, wire, refill, None)
+    }
+
+    /// [`Staged::run_until_wired`], handing each segment that becomes completely done on the
+    /// way to `done` at once (in order), instead of waiting for a later `take_done`: a receiver
+    /// answers a request as soon as its last copy completes, while it receives the next.
+    pub fn run_until_wired_notify(
+        &mut self,
+        tag: u64,
+        wire: &mut dyn Wire,
+        refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
+        done: Option<&mut dyn FnMut(u64)>,
+    ) -> Result<(), PipelineError> {
         let Some(end) = self.segs.iter().find(|s| s.tag == tag).map(|s| s.end) else { return Ok(()) };
         let mut ops = Vec::new();
-        let r = self.run(wire, &mut ops, Until::Wired(end), refill);
+        let r = self.run_notify(wire, &mut ops, Until::Wired(end), refill, done);
         if r.is_err() {
             self.reset();
         }
@@ -417,7 +430,18 @@ impl<D: Device> Staged<D> {
         wire: &mut dyn Wire,
         ops: &mut Vec<Op>,
         until: Until,
+        refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
+    ) -> Result<(), PipelineError> {
+        self.run_notify(wire, ops, until, refill, None)
+    }
+
+    fn run_notify(
+        &mut self,
+        wire: &mut dyn Wire,
+        ops: &mut Vec<Op>,
+        until: Until,
         mut refill: Option<&mut dyn FnMut() -> Option<NextSegment>>,
+        mut done: Option<&mut dyn FnMut(u64)>,
     ) -> Result<(), PipelineError> {
         let mut stream_free = Instant::now();
         loop {
@@ -439,6 +463,11 @@ impl<D: Device> Staged<D> {
             }
             // 1. Copies that finished, in stream order; 2. what the stager wants started.
             self.reap(ops, &mut stream_free)?;
+            if let Some(f) = done.as_mut() {
+                while let Some(t) = self.take_done() {
+                    f(t);
+                }
+            }
             // 3. One wire operation (the thread's blocking work), then look at copies again.
             if let Some((piece, buf)) = self.wire_ops.pop_front() {
                 let n = piece.len as usize;

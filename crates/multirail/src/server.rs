@@ -355,6 +355,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // out in order once landed, and always before this connection waits for the socket or
     // serves anything else. The fence lock is held meanwhile (`held`).
     let mut pending = PendingWrites::default();
+    // Answers of landed WRITEs go out on a second handle of the socket while this one is
+    // receiving the next payload (made on first use).
+    let mut answers: Option<TcpStream> = None;
     let mut held: Option<std::sync::MutexGuard<'_, ()>> = None;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
     let spin = wire::SpinBudget::new(sh.ctx.cfg.spin);
@@ -437,12 +440,35 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             if me.fenced.load(Ordering::Acquire) {
                 break;
             }
+            if answers.is_none() {
+                match s.try_clone() {
+                    Ok(w) => answers = Some(w),
+                    Err(_) => break,
+                }
+            }
+            let w = answers.as_mut().expect("made above");
+            let mut answer_err = None;
+            let mut landed = |tag: u64| {
+                if answer_err.is_none() {
+                    if let Err(e) = pending.answer(tag, w, &ctr, &mut |_| {
+                        if sh.shutdown.load(Ordering::Acquire) {
+                            Err(String::new())
+                        } else {
+                            Ok(())
+                        }
+                    }) {
+                        answer_err = Some(e);
+                    }
+                }
+            };
             let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
             // SAFETY: check_remote proved the range lies in the region, GPU memory of
             // `region.dev`, registered read-write; `pending` holds the region until the
             // segment has landed, and the fence lock stays held until then.
-            let r = unsafe { stage.recv_segment(region.dev, region.ptr(op.offset) as u64, op.len, h.req_id, &mut inp) };
-            if r.is_err() {
+            let r = unsafe {
+                stage.recv_segment_notify(region.dev, region.ptr(op.offset) as u64, op.len, h.req_id, &mut inp, Some(&mut landed))
+            };
+            if r.is_err() || answer_err.is_some() {
                 break; // the stream is out of step; the initiator reissues on another path
             }
             pending.push(h.req_id, op.len, region);
@@ -619,17 +645,24 @@ impl PendingWrites {
             stage.recv_done(dev, &mut self.tags)
         };
         r.map_err(staging_failed)?;
-        for &tag in &self.tags {
-            let Some((req_id, len, _region)) = self.q.pop_front() else { break };
-            debug_assert_eq!(req_id, tag);
-            ctr.bytes_written.fetch_add(len, Ordering::Relaxed);
-            ctr.requests_written.fetch_add(1, Ordering::Relaxed);
-            wire::send(s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, req_id, tick)?;
+        let tags = std::mem::take(&mut self.tags);
+        for &tag in &tags {
+            self.answer(tag, s, ctr, tick)?;
         }
+        self.tags = tags;
+        Ok(())
+    }
+
+    /// Answers the oldest pending WRITE, which has landed (`tag` is its request id).
+    fn answer(&mut self, tag: u64, s: &mut TcpStream, ctr: &ServedCounters, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+        let Some((req_id, len, _region)) = self.q.pop_front() else { return Ok(()) };
+        debug_assert_eq!(req_id, tag);
         if self.q.is_empty() {
             self.dev = None;
         }
-        Ok(())
+        ctr.bytes_written.fetch_add(len, Ordering::Relaxed);
+        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+        wire::send(s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, req_id, tick)
     }
 }
 

@@ -343,6 +343,24 @@ impl Stagers {
     /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
     /// until the segment is handed back (or a call fails).
     pub unsafe fn recv_segment(&mut self, dev: u32, dst: u64, len: u64, tag: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.recv_segment_notify(dev, dst, len, tag, inp, None) }
+    }
+
+    /// [`Stagers::recv_segment`], handing `landed` each earlier segment as soon as its last copy
+    /// completes while this one is received (in order; those are not returned by `recv_done`).
+    ///
+    /// # Safety
+    /// As [`Stagers::recv_segment`].
+    pub unsafe fn recv_segment_notify(
+        &mut self,
+        dev: u32,
+        dst: u64,
+        len: u64,
+        tag: u64,
+        inp: &mut SockIn<'_>,
+        landed: Option<&mut dyn FnMut(u64)>,
+    ) -> Result<(), StageError> {
         let stats = self.stats.clone();
         let r = self.staged(dev, Role::Receiver, |st| {
             if st.queued() > 0 {
@@ -350,7 +368,7 @@ impl Stagers {
             }
             // SAFETY: the caller's contract.
             unsafe { st.submit(DevicePtr(dst), len, tag, None)? };
-            st.run_until_wired(tag, inp, None)
+            st.run_until_wired_notify(tag, inp, None, landed)
         })?;
         finish(r, &mut inp.err)
     }

@@ -100,6 +100,9 @@ pub(crate) struct XferShared {
     /// The stream contract (docs/gpu.md): events recorded at post on the application's stream,
     /// one per local GPU device, that every engine access to local GPU memory waits for.
     gpu_order: Mutex<GpuOrder>,
+    /// Held by the GPU-order waiter while it hands a post to the link, and by `release`:
+    /// a transfer released while its post waits for the application's stream never starts.
+    post_gate: Mutex<()>,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -141,7 +144,22 @@ impl XferShared {
             sleepers: AtomicU64::new(0),
             current: AtomicU64::new(0),
             gpu_order: Mutex::new(GpuOrder::default()),
+            post_gate: Mutex::new(()),
         })
+    }
+
+    /// Whether the application's work recorded at post has completed (no wait).
+    pub fn gpu_order_ready(&self) -> bool {
+        use multirail_gpu::Device;
+        let mut o = self.gpu_order.lock().expect("xfer lock");
+        if !o.pending {
+            return true;
+        }
+        // An error counts as ready: `wait_gpu_order` reports it where the transfer runs.
+        if o.events.iter().all(|(_, gpu, ev)| gpu.query(ev).unwrap_or(true)) {
+            o.pending = false;
+        }
+        !o.pending
     }
 
     /// Orders this post after the work queued on the application's `stream` (a raw
@@ -316,6 +334,37 @@ impl XferShared {
     }
 }
 
+/// The thread that hands posts to their link once the application's stream work they are ordered
+/// after has completed (`XferHandle::post_on` with work still queued); one per process.
+fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
+    static W: std::sync::OnceLock<Mutex<std::sync::mpsc::Sender<Arc<XferShared>>>> = std::sync::OnceLock::new();
+    W.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<XferShared>>();
+        let spawned = std::thread::Builder::new().name("mr-gpu-order".into()).spawn(move || {
+            for x in rx {
+                let r = x.wait_gpu_order();
+                let _gate = x.post_gate.lock().expect("xfer lock");
+                if x.state() != XferState::InProgress {
+                    continue; // released meanwhile
+                }
+                match r {
+                    Err(e) => x.finish(Err(e)),
+                    Ok(()) => {
+                        if let Err(e) = x.peer.submit(x.clone(), false) {
+                            x.finish(Err(e));
+                        }
+                    }
+                }
+            }
+        });
+        if spawned.is_err() {
+            // No thread: the receiver is gone and every send fails with a clear error.
+            return Mutex::new(std::sync::mpsc::channel().0);
+        }
+        Mutex::new(tx)
+    })
+}
+
 /// A prepared transfer: post it with [`XferHandle::post`], as often as needed.
 #[derive(Clone)]
 pub struct XferHandle(pub(crate) Arc<XferShared>);
@@ -364,6 +413,19 @@ impl XferHandle {
         }
         self.0.begin()?;
         let x = self.0.clone();
+        if !x.gpu_order_ready() {
+            // The producer's work is still queued: the transfer enters the link (and the
+            // planner's stall clocks) once it is done, from the waiter thread, so `post`
+            // returns at once and no rail waits on the GPU.
+            return match gpu_waiter().lock().expect("waiter lock").send(x) {
+                Ok(()) => Ok(self.state()),
+                Err(_) => {
+                    let e = Error::Gpu("the GPU-order waiter thread is gone".into());
+                    self.0.finish(Err(e.clone()));
+                    Err(e)
+                }
+            };
+        }
         if let Err(e) = self.0.peer.submit(x, will_drive) {
             self.0.finish(Err(e.clone()));
             return Err(e);
@@ -404,6 +466,7 @@ impl XferHandle {
     /// Abort if in flight; in-flight chunks drain before this returns (bounded by the stall
     /// timeout), so the local memory is no longer touched afterwards.
     pub fn release(&self) {
+        let _gate = self.0.post_gate.lock().expect("xfer lock");
         if self.state() == XferState::InProgress {
             self.0.peer.cancel(&self.0);
             self.0.finish(Err(Error::InvalidArgument("transfer handle released while in progress".into())));

@@ -104,6 +104,9 @@ struct Rx {
     /// completed (`chunk_done`) in order once landed, and always before the reader leaves
     /// the connection idle (`read_one`). (the request, its GPU)
     landing: std::collections::VecDeque<(Sent, u32)>,
+    /// Request ids of `landing` entries whose copies completed while they could not be
+    /// completed in order (an older one, on another GPU, still landing).
+    landed_early: Vec<u64>,
 }
 
 /// One TCP connection on one rail.
@@ -297,6 +300,7 @@ impl Transport for TcpRails {
                 fd: std::os::fd::AsRawFd::as_raw_fd(&reader),
                 rx: Mutex::new(Rx {
                     landing: std::collections::VecDeque::new(),
+                    landed_early: Vec::new(),
                     s: reader,
                     inb: wire::Inbound::new(),
                     clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
@@ -688,6 +692,7 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
         Err(_) => {
             rx.stage.abandon();
             rx.landing.clear();
+            rx.landed_early.clear();
             Ok(())
         }
     };
@@ -702,7 +707,7 @@ fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
     let mut devs: Vec<u32> = rx.landing.iter().map(|l| l.1).collect();
     devs.sort_unstable();
     devs.dedup();
-    let mut done = Vec::new();
+    let mut done = std::mem::take(&mut rx.landed_early);
     let mut quiet = |_: bool| Ok(());
     for dev in devs {
         let r = if wait {
@@ -713,6 +718,7 @@ fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
         if let Err(e) = r {
             rx.stage.abandon();
             rx.landing.clear();
+            rx.landed_early.clear();
             return Err(Stop::Failed(e.to_string()));
         }
     }
@@ -723,11 +729,14 @@ fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
         let (sent, _) = rx.landing.pop_front().expect("front exists");
         link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
     }
+    // Landed but behind an older one still landing: kept for the next call.
+    done.retain(|t| rx.landing.iter().any(|l| l.0.req_id == *t));
+    rx.landed_early = done;
     Ok(())
 }
 
 fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
-    let Rx { s, inb, clock, stage, landing } = rx;
+    let Rx { s, inb, clock, stage, landing, landed_early } = rx;
     let mut stop: Option<Stop> = None;
     // Runs every TICK while the socket has nothing to read.
     let mut tick = |started: bool| -> Result<(), String> {
@@ -779,7 +788,16 @@ fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<
                 // into it has completed (and a failure waits for them: `read_one`).
                 Some(dev) => {
                     deferred = Some(dev);
-                    unsafe { stage.recv_segment(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick)) }
+                    // Earlier READs whose copies complete meanwhile are done at once.
+                    let mut landed = |tag: u64| {
+                        landed_early.push(tag);
+                        while let Some(i) = landing.front().and_then(|l| landed_early.iter().position(|t| *t == l.0.req_id)) {
+                            landed_early.swap_remove(i);
+                            let (sent, _) = landing.pop_front().expect("front exists");
+                            link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
+                        }
+                    };
+                    unsafe { stage.recv_segment_notify(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed)) }
                 }
             };
             match r {
