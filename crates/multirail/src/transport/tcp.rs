@@ -676,8 +676,6 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
     Ok(())
 }
 
-/// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
-/// reader also stops (between frames only) when nothing is outstanding or time is up.
 /// Reads and completes one response (`read_response`), then completes the READs into GPU
 /// memory that have landed meanwhile: all of them, waiting for their copies, when nothing more
 /// is there to read now (so no chunk is left unreported on an idle connection). On a failure,
@@ -735,6 +733,8 @@ fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
     Ok(())
 }
 
+/// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
+/// reader also stops (between frames only) when nothing is outstanding or time is up.
 fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
     let Rx { s, inb, clock, stage, landing, landed_early } = rx;
     let mut stop: Option<Stop> = None;
