@@ -28,7 +28,7 @@ use std::io;
 use std::time::{Duration, Instant};
 
 use crate::device::{CopyKind, Device, DeviceError, DevicePtr, PinnedMem};
-use crate::staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
+use crate::staging::{Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 use crate::timeline::{Interval, Stage, Timeline};
 use crate::wire::Wire;
 
@@ -79,6 +79,23 @@ pub struct TransferReport {
     /// for the sender), and copies as observed: from when the stream could start them to when
     /// their event was seen complete (an upper bound; the stand-in logs exact copy times).
     pub ops: Vec<Op>,
+}
+
+/// How a segment of `len` bytes is cut into pieces of at most `buf` bytes: full pieces, except
+/// a quarter-buffer piece first (`head`: a sender starting an empty pipeline, which waits for
+/// its first D2H before the wire can start) and last (`tail`: a receiver, whose landing waits
+/// for the segment's last H2D). Each ramp costs one copy launch more and saves three quarters
+/// of a full piece's copy time where nothing else overlaps it.
+pub fn piece_lengths(len: u64, buf: u64, head: bool, tail: bool) -> impl Iterator<Item = u64> {
+    let buf = buf.max(1);
+    let q = (buf / 4).max(4096).min(buf);
+    let head = if head && len > q { q } else { 0 };
+    let tail = if tail && len - head > q { q } else { 0 };
+    let middle = len - head - tail;
+    let full = middle.div_ceil(buf);
+    let heads = (head > 0).then_some(head);
+    let tails = (tail > 0).then_some(tail);
+    heads.into_iter().chain((0..full).map(move |i| buf.min(middle - i * buf))).chain(tails)
 }
 
 /// Builds a [`Timeline`] from absolute-time operations, relative to `epoch`.
@@ -293,9 +310,17 @@ impl<D: Device> Staged<D> {
     /// by [`Staged::take_done`] (or a call fails).
     pub unsafe fn submit(&mut self, base: DevicePtr, len: u64, tag: u64, preamble: Option<Vec<u8>>) -> Result<(), PipelineError> {
         let first = self.next_chunk;
+        // Ramps (`piece_lengths`): a sender whose pipeline is empty starts with a short piece,
+        // so the wire starts sooner; a receiver ends every segment with a short one, so its
+        // last H2D (what a landing waits for) is short.
+        let idle = self.segs.is_empty() && self.copies.is_empty();
+        let head = self.role == Role::Sender && idle;
+        let tail = self.role == Role::Receiver;
         let mut n = 0;
-        for p in split(base.0, len, self.pool_cfg.buffer_size, first) {
-            self.stager.submit(p)?;
+        let mut off = 0;
+        for l in piece_lengths(len, self.pool_cfg.buffer_size, head, tail) {
+            self.stager.submit(Piece { chunk: ChunkId(first + n), offset: base.0 + off, len: l })?;
+            off += l;
             n += 1;
         }
         self.next_chunk += n;

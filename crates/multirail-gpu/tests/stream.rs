@@ -132,3 +132,21 @@ fn a_failed_stream_drops_its_segments_and_leaves_no_copy_running() {
     assert_eq!(tx.queued(), 0, "every segment dropped");
     assert_eq!(tx.take_done(), None);
 }
+
+#[test]
+fn pieces_cover_segments_with_short_ramps() {
+    use multirail_gpu::pipeline::piece_lengths;
+    let m = 1u64 << 20;
+    assert_eq!(piece_lengths(m, m, false, false).collect::<Vec<_>>(), [m]);
+    assert_eq!(piece_lengths(m, m, true, false).collect::<Vec<_>>(), [m / 4, 3 * m / 4]);
+    assert_eq!(piece_lengths(m, m, false, true).collect::<Vec<_>>(), [3 * m / 4, m / 4]);
+    assert_eq!(piece_lengths(m, m, true, true).collect::<Vec<_>>(), [m / 4, m / 2, m / 4]);
+    assert_eq!(piece_lengths(100, m, true, true).collect::<Vec<_>>(), [100]);
+    for len in [0u64, 1, 4095, 4096, 300_001, m, 5 * m + 7] {
+        for (buf, head, tail) in [(m, true, true), (256 << 10, false, true), (4096, true, false), (1, true, true)] {
+            let p: Vec<u64> = piece_lengths(len, buf, head, tail).collect();
+            assert_eq!(p.iter().sum::<u64>(), len, "{len} {buf} {head} {tail}: {p:?}");
+            assert!(p.iter().all(|&l| l > 0 && l <= buf.max(1)), "{len} {buf}: {p:?}");
+        }
+    }
+}

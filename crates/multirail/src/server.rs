@@ -654,7 +654,13 @@ impl PendingWrites {
     }
 
     /// Answers the oldest pending WRITE, which has landed (`tag` is its request id).
-    fn answer(&mut self, tag: u64, s: &mut TcpStream, ctr: &ServedCounters, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
+    fn answer(
+        &mut self,
+        tag: u64,
+        s: &mut TcpStream,
+        ctr: &ServedCounters,
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(), WireError> {
         let Some((req_id, len, _region)) = self.q.pop_front() else { return Ok(()) };
         debug_assert_eq!(req_id, tag);
         if self.q.is_empty() {

@@ -797,7 +797,9 @@ fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<
                             link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
                         }
                     };
-                    unsafe { stage.recv_segment_notify(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed)) }
+                    unsafe {
+                        stage.recv_segment_notify(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed))
+                    }
                 }
             };
             match r {
