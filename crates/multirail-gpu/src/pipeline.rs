@@ -166,6 +166,9 @@ struct Seg {
 /// length, tag, preamble).
 pub type NextSegment = (DevicePtr, u64, u64, Option<Vec<u8>>);
 
+/// A receiver that hands segments over as they land reads a piece in slices of this size.
+const RECV_SLICE: usize = 128 << 10;
+
 /// When `run` returns.
 #[derive(Debug, Clone, Copy)]
 enum Until {
@@ -510,7 +513,33 @@ impl<D: Device> Staged<D> {
                     Role::Sender => wire.send(&unsafe { self.pool[buf.0].as_slice() }[..n]).map_err(|e| ("send", e)),
                     // SAFETY: the buffer is free (no copy queued on it) until its H2D is issued,
                     // which happens only after this receive is reported done.
-                    Role::Receiver => wire.recv(&mut unsafe { self.pool[buf.0].as_mut_slice() }[..n]).map_err(|e| ("recv", e)),
+                    Role::Receiver if done.is_none() => {
+                        wire.recv(&mut unsafe { self.pool[buf.0].as_mut_slice() }[..n]).map_err(|e| ("recv", e))
+                    }
+                    Role::Receiver => {
+                        // Someone waits for segments as they land: receive in slices and hand
+                        // over what landed in between, so a landing is seen within one slice's
+                        // wire time, not one piece's.
+                        let at = self.pool[buf.0].as_ptr();
+                        let mut got = 0;
+                        let mut r = Ok(());
+                        while got < n && r.is_ok() {
+                            let k = RECV_SLICE.min(n - got);
+                            // SAFETY: as above; `reap` below never touches this buffer (its H2D
+                            // is issued only after the whole piece is received).
+                            r = wire.recv(unsafe { std::slice::from_raw_parts_mut(at.add(got), k) }).map_err(|e| ("recv", e));
+                            got += k;
+                            if r.is_ok() && got < n {
+                                self.reap(ops, &mut stream_free)?;
+                                if let Some(f) = done.as_mut() {
+                                    while let Some(t) = self.take_done() {
+                                        f(t);
+                                    }
+                                }
+                            }
+                        }
+                        r
+                    }
                 };
                 r.map_err(|(op, source)| PipelineError::Wire { op, chunk: piece.chunk, source })?;
                 self.note(ops, Op { stage: Stage::Wire, chunk: piece.chunk, bytes: piece.len, start, end: Instant::now() });
