@@ -253,6 +253,12 @@ impl Device for Gpu {
             }
         }
     }
+    fn uuid(&self) -> Result<[u8; 16]> {
+        match self {
+            Gpu::Cuda(d) => d.uuid(),
+            Gpu::StandIn(d) => d.uuid(),
+        }
+    }
 }
 
 #[cfg(test)]
