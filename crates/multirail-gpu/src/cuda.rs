@@ -528,7 +528,8 @@ impl CudaRuntime {
     /// (every runtime since CUDA 10; the same offset in `cudaGetDeviceProperties_v2`). Makes no
     /// device current (no context is created for it).
     pub fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16]> {
-        let f = self.api.get_device_properties.ok_or(DeviceError::Unsupported { op: "uuid (no cudaGetDeviceProperties)", device: "cuda" })?;
+        let f =
+            self.api.get_device_properties.ok_or(DeviceError::Unsupported { op: "uuid (no cudaGetDeviceProperties)", device: "cuda" })?;
         let mut buf = vec![0u8; DEVICE_PROP_BYTES];
         // SAFETY: the buffer is larger than any cudaDeviceProp; `uuid` (cudaUUID_t, 16 bytes)
         // follows `name`, char[256].

@@ -453,9 +453,15 @@ pub fn standin_physical(visible: Option<&str>, id: i32) -> Result<i32> {
     let Some(list) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
         return Ok(id);
     };
-    let phys: Vec<i32> = list.split(',').map(|p| p.trim().parse::<i32>().ok().filter(|n| *n >= 0)).collect::<Option<_>>().ok_or_else(|| {
-        DeviceError::Cuda { op: "uuid", code: 0, name: "standinBadVisibleDevices".into(), message: format!("{ENV_STANDIN_VISIBLE_DEVICES}={list:?}") }
-    })?;
+    let phys: Vec<i32> =
+        list.split(',').map(|p| p.trim().parse::<i32>().ok().filter(|n| *n >= 0)).collect::<Option<_>>().ok_or_else(|| {
+            DeviceError::Cuda {
+                op: "uuid",
+                code: 0,
+                name: "standinBadVisibleDevices".into(),
+                message: format!("{ENV_STANDIN_VISIBLE_DEVICES}={list:?}"),
+            }
+        })?;
     usize::try_from(id).ok().and_then(|i| phys.get(i).copied()).ok_or(DeviceError::BadDevice { id, count: phys.len() as i32 })
 }
 

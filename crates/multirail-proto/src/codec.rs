@@ -736,7 +736,14 @@ mod tests {
         roundtrip(Body::MetaGet);
         roundtrip(Body::Meta(vec![1, 2, 3]));
         roundtrip(Body::IpcReq { host: [5; 16], watch: [4; 16], regions: vec![(1, RegionKey([6; 16])), (9, RegionKey([7; 16]))] });
-        roundtrip(Body::IpcHandles(vec![IpcEntry { region: 3, device: 1, uuid: [2; 16], handle: [8; 64], offset: 4096, alloc_len: 1 << 21 }]));
+        roundtrip(Body::IpcHandles(vec![IpcEntry {
+            region: 3,
+            device: 1,
+            uuid: [2; 16],
+            handle: [8; 64],
+            offset: 4096,
+            alloc_len: 1 << 21,
+        }]));
         roundtrip(Body::IpcRevoke(vec![]));
         roundtrip(Body::IpcRevoke(vec![3, u64::MAX]));
         roundtrip(Body::IpcReleased(vec![3]));

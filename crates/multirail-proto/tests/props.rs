@@ -448,25 +448,24 @@ fn body() -> impl Strategy<Value = Body> {
                 regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect()
             }),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
-        (any::<[u8; 16]>(), any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10)).prop_map(
-            |(host, watch, rs)| Body::IpcReq { host, watch, regions: rs.into_iter().map(|(i, k)| (i, RegionKey(k))).collect() }
-        ),
+        (any::<[u8; 16]>(), any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
+            .prop_map(|(host, watch, rs)| Body::IpcReq { host, watch, regions: rs.into_iter().map(|(i, k)| (i, RegionKey(k))).collect() }),
         prop::collection::vec(
             (any::<u64>(), any::<u32>(), any::<[u8; 16]>(), prop::collection::vec(any::<u8>(), 64), any::<u64>(), any::<u64>()),
             0..5
         )
         .prop_map(|es| Body::IpcHandles(
-                es.into_iter()
-                    .map(|(region, device, uuid, h, offset, alloc_len)| IpcEntry {
-                        region,
-                        device,
-                        uuid,
-                        handle: h.try_into().expect("64 bytes"),
-                        offset,
-                        alloc_len
-                    })
-                    .collect()
-            )),
+            es.into_iter()
+                .map(|(region, device, uuid, h, offset, alloc_len)| IpcEntry {
+                    region,
+                    device,
+                    uuid,
+                    handle: h.try_into().expect("64 bytes"),
+                    offset,
+                    alloc_len
+                })
+                .collect()
+        )),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::IpcRevoke),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::IpcReleased),
     ]
@@ -547,7 +546,14 @@ fn write_fuzz_corpus() {
         ),
         (
             "ipchandles",
-            Body::IpcHandles(vec![IpcEntry { region: 1, device: 0, uuid: [0x88; 16], handle: [0x77; 64], offset: 1 << 20, alloc_len: 2 << 20 }]),
+            Body::IpcHandles(vec![IpcEntry {
+                region: 1,
+                device: 0,
+                uuid: [0x88; 16],
+                handle: [0x77; 64],
+                offset: 1 << 20,
+                alloc_len: 2 << 20,
+            }]),
         ),
         ("hello_ipcwatch", Body::Hello { role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [9; 16] }),
         ("ipcrevoke", Body::IpcRevoke(vec![1, 2, 0x7fff_ffff_ffff])),

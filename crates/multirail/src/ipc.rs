@@ -85,7 +85,10 @@ pub(crate) fn answer(sh: &Shared, peer: &str, host: [u8; 16], watch: [u8; 16], r
         return refuse(Status::Unexpected, "not on this host: CUDA IPC needs both agents on one host".into());
     }
     if !sh.ipc_exports.watching(&watch, peer) {
-        return refuse(Status::Unexpected, "no IpcWatch connection of this peer with that id: handles are given only to a peer that can be told to close them".into());
+        return refuse(
+            Status::Unexpected,
+            "no IpcWatch connection of this peer with that id: handles are given only to a peer that can be told to close them".into(),
+        );
     }
     let mut held = Vec::with_capacity(regions.len().min(MAX_IPC_REGIONS));
     let mut out = Vec::with_capacity(regions.len().min(MAX_IPC_REGIONS));
@@ -309,7 +312,8 @@ impl IpcPeer {
         let (sock, id) = link.dial_role(Role::IpcWatch).map_err(|e| format!("cannot open the IPC watch connection: {e}"))?;
         let reader = sock.try_clone().map_err(|e| format!("IPC watch connection: {e}"))?;
         let dead = Arc::new(AtomicBool::new(false));
-        let (maps, copying, closing, revoked, d2) = (self.maps.clone(), self.copying.clone(), self.closing.clone(), self.revoked.clone(), dead.clone());
+        let (maps, copying, closing, revoked, d2) =
+            (self.maps.clone(), self.copying.clone(), self.closing.clone(), self.revoked.clone(), dead.clone());
         let timeout = link.ctx.cfg.timeout;
         let thread = std::thread::Builder::new()
             .name("mr-ipc-watch".into())
@@ -488,7 +492,9 @@ fn worker(
             x.finish(Err(Error::Remote {
                 peer: x.peer.name.clone(),
                 status: Status::UnknownRegion,
-                msg: format!("region {region}: the peer revoked its CUDA IPC mapping (deregistered it, or closed); prepare the transfer again"),
+                msg: format!(
+                    "region {region}: the peer revoked its CUDA IPC mapping (deregistered it, or closed); prepare the transfer again"
+                ),
             }));
             continue;
         }
