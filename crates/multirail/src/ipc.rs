@@ -309,7 +309,19 @@ impl IpcPeer {
         }
         // A dead one's reader has finished or finishes by itself (it takes `maps`, which our
         // caller holds: not joined here).
-        let (sock, id) = link.dial_role(Role::IpcWatch).map_err(|e| format!("cannot open the IPC watch connection: {e}"))?;
+        let (mut sock, id) = link.dial_role(Role::IpcWatch).map_err(|e| format!("cannot open the IPC watch connection: {e}"))?;
+        // The target says when it has registered the connection (an IpcReq naming it before
+        // that would be refused).
+        let deadline = Instant::now() + link.ctx.cfg.timeout;
+        let mut tick = |_: bool| if Instant::now() > deadline { Err("no answer".to_string()) } else { Ok(()) };
+        match wire::read_frame(&mut sock, &mut tick) {
+            Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
+            Ok((_, Body::Resp { status, msg, .. } | Body::Error { status, msg })) => {
+                return Err(format!("the peer refused the IPC watch connection: {status:?}: {msg}"))
+            }
+            Ok((_, other)) => return Err(format!("unexpected {:?} on the IPC watch connection", other.kind())),
+            Err(e) => return Err(format!("IPC watch connection: {e}")),
+        }
         let reader = sock.try_clone().map_err(|e| format!("IPC watch connection: {e}"))?;
         let dead = Arc::new(AtomicBool::new(false));
         let (maps, copying, closing, revoked, d2) =
@@ -638,6 +650,16 @@ pub(crate) fn serve_watch(sh: &Shared, s: &mut TcpStream, id: [u8; 16], peer: &s
     let w = Arc::new(Watch { peer: peer.to_string(), out: Mutex::new((out, 0)), state: Mutex::new((0, false)), cv: Condvar::new() });
     sh.ipc_exports.watches.lock().expect("ipc lock").insert(id, w.clone());
     let timeout = sh.ctx.cfg.timeout;
+    // Registered: the peer may name this connection in an `IpcReq` from now on.
+    {
+        let deadline = Instant::now() + timeout;
+        let mut tick = |_: bool| if Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
+        let ok = Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() };
+        if wire::send(&mut w.out.lock().expect("ipc lock").0, &ok, 0, &mut tick).is_err() {
+            sh.ipc_exports.ended(&id);
+            return;
+        }
+    }
     // Not ended by the agent's shutdown flag: `Agent::close` revokes over these connections
     // first, then aborts them (`abort_all`), which ends this loop.
     loop {
