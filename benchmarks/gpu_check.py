@@ -59,6 +59,7 @@ class Check:
 
     def run(self, title: str, cmd: list[str], timeout: float, required: bool = True, env: dict | None = None) -> Section:
         s = Section(title, cmd, required=required)
+        envnote = ("with " + " ".join(f"{k}={v}" for k, v in env.items())) if env else ""
         self.sections.append(s)
         print(f"== {title}: {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
@@ -72,6 +73,7 @@ class Check:
         except OSError as e:
             s.rc, s.output, s.note = 127, str(e), "could not start"
         s.secs = time.monotonic() - t0
+        s.note = "; ".join(x for x in (envnote, s.note) if x)
         s.verdict = "pass" if s.rc == 0 else "fail"
         self.a.logs.mkdir(parents=True, exist_ok=True)
         s.log = self.a.logs / f"{len(self.sections):02d}-{''.join(c if c.isalnum() else '-' for c in title.lower())}.log"
@@ -115,8 +117,11 @@ def host_sections(c: Check) -> None:
                verdict="absent", required=False)
     wheel = wheel_ucx_info()
     if wheel:
-        c.run("UCX transports (libucx wheel ucx_info -d)", [str(wheel), "-d"], 120)
-        c.run("UCX version (libucx wheel ucx_info -v)", [str(wheel), "-v"], 60)
+        # The wheel's tools find its libraries in its lib/ (as the engine loads them).
+        lib = str(wheel.parent.parent / "lib")
+        env = {"LD_LIBRARY_PATH": os.pathsep.join(x for x in (lib, os.environ.get("LD_LIBRARY_PATH", "")) if x)}
+        c.run("UCX transports (libucx wheel ucx_info -d)", [str(wheel), "-d"], 120, env=env)
+        c.run("UCX version (libucx wheel ucx_info -v)", [str(wheel), "-v"], 60, env=env)
     else:
         c.skip("UCX transports (libucx wheel ucx_info -d)", None, "the libucx wheel is not installed in .venv (make setup)")
 
