@@ -7,7 +7,7 @@ CARGO_PROFILE ?= release
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
 APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server
 
-.PHONY: deps setup build demo test test-rust test-py test-gpu lint fuzz clean
+.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,12 @@ test-gpu: $(VPY)
 	  cargo test -p multirail-gpu -- --ignored
 	# tests/test_gpu.py: CUDA memory staged over loopback tcp (DeviceBuffer, torch if installed)
 	$(VPY) -m pytest -q -rs -m gpu tests
+
+## gpu-check: on a GPU machine (as root for the 2-rail testbed): the CUDA tests, the GPU
+## benchmarks, bench kv with VRAM, ibv_devices and the UCX transports, into gpu-check-report.md;
+## exits non-zero on any failure (2: no usable GPU, said at the top of the report)
+gpu-check: setup
+	$(VPY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
 
 ## lint: formatting and clippy with warnings as errors
 lint:

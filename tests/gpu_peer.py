@@ -5,15 +5,16 @@ driven over stdin ("digest", "notifs"), killed by PID if it does not exit."""
 from __future__ import annotations
 
 TARGET_SCRIPT = r"""
-import hashlib, json, sys
+import hashlib, json, sys, time
 import numpy as np
 import multirail
 from multirail.gpu import DeviceBuffer
 n, off, ipc, access, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
-t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc})
-block = DeviceBuffer(off + n + 4096, kind=kind)  # the region is an offset inside a block
+timeout, dev = float(sys.argv[6]), int(sys.argv[7])
+t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc, "timeout": timeout})
+block = DeviceBuffer(off + n + 4096, device=dev, kind=kind)  # the region is an offset inside a block
 block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
-t.register_memory([(block.addr + off, n, 0)], "VRAM", access=access)
+reg = t.register_memory([(block.addr + off, n, dev)], "VRAM", access=access)
 print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
 for line in sys.stdin:
     cmd = line.strip()
@@ -23,6 +24,15 @@ for line in sys.stdin:
         print(hashlib.sha256(out.tobytes()).hexdigest(), flush=True)
     elif cmd == "notifs":
         print(json.dumps({k: [m.decode() for m in v] for k, v in t.get_new_notifs().items()}), flush=True)
+    elif cmd == "dereg":
+        t0 = time.monotonic()
+        try:
+            t.deregister_memory(reg)
+            out = {"ok": True}
+        except Exception as e:
+            out = {"ok": False, "error": type(e).__name__ + ": " + str(e)}
+        out["secs"] = time.monotonic() - t0
+        print(json.dumps(out), flush=True)
     else:
         break
 t.close()
@@ -33,14 +43,18 @@ class Target:
     """A target agent in another process (CUDA IPC maps only other processes' memory), with
     `n` bytes of GPU memory of `kind` at offset `off` inside a larger allocation."""
 
-    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw", kind: str = "standin"):
+    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw", kind: str = "standin",
+                 timeout: float = 5.0, device: int = 0, env: dict | None = None):
         import json
+        import os
         import subprocess
         import sys
 
         self.n = n
-        self.p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), str(off), "1" if ipc else "0", access, kind],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), str(off), "1" if ipc else "0", access, kind,
+                                   str(timeout), str(device)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=None if env is None else {**os.environ, **env})
         try:
             info = json.loads(self._line())
         except BaseException:
@@ -70,3 +84,59 @@ class Target:
             if self.p.poll() is None:
                 self.p.kill()
                 self.p.wait()
+
+
+INITIATOR_SCRIPT = r"""
+import json, sys
+import numpy as np
+import multirail
+port, addr, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+i = multirail.Agent("initiator", {"gpu": "standin", "timeout": 5.0})
+local = np.zeros(n, np.uint8)
+i.register_memory(local)
+i.fetch_remote_metadata("target", "127.0.0.1", port)
+rd = i.get_xfer_descs([(addr, n, 0)], "VRAM")
+
+def run(op):
+    h = i.initialize_xfer(op, [local], rd, "target")
+    try:
+        i.transfer(h)
+        i.wait(h, 30)
+    finally:
+        i.release_xfer_handle(h)
+
+run("READ")
+print(json.dumps({"sum": int(local.sum(dtype=np.uint64))}), flush=True)
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "counters":
+        print(json.dumps(i.peer_counters("target")), flush=True)
+    elif cmd == "write":
+        local[:] = 0xEE
+        try:
+            run("WRITE")
+            print(json.dumps({"ok": True}), flush=True)
+        except Exception as e:
+            print(json.dumps({"ok": False, "error": type(e).__name__ + ": " + str(e)}), flush=True)
+    else:
+        break
+i.close()
+"""
+
+
+class Initiator(Target):
+    """An initiator agent in another process that READs `n` bytes of the test's GPU region at
+    `addr` over CUDA IPC at start, then answers "counters" and "write" on stdin."""
+
+    def __init__(self, port: int, addr: int, n: int):  # noqa: super().__init__ starts a target
+        import subprocess
+        import sys
+
+        self.n = n
+        self.p = subprocess.Popen([sys.executable, "-c", INITIATOR_SCRIPT, str(port), str(addr), str(n)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            self.first = self._line()
+        except BaseException:
+            self.close()
+            raise

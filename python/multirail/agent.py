@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from multirail import _core
-from multirail.errors import InvalidArgumentError, MultirailError, StaleMetadataError
+from multirail.errors import InvalidArgumentError, MultirailError, StaleMetadataError, TransferTimeoutError
 
 __version__: str = _core.__version__
 
@@ -608,11 +608,23 @@ class Agent:
         return reg
 
     def deregister_memory(self, reg: RegDescs) -> None:
+        """Deregister `reg`'s regions. Returns once no peer can touch them: peers on this host
+        that mapped one over CUDA IPC have closed their mappings. A peer that does not confirm
+        within the agent's `timeout` raises TransferTimeoutError naming it, after every region is
+        deregistered all the same: keep that memory alive until the peer is closed."""
+        late: TransferTimeoutError | None = None
         try:
             for i in reg.region_ids:
                 if i in self._regs:
-                    self._core.deregister(i)
+                    try:
+                        self._core.deregister(i)
+                    except TransferTimeoutError as e:
+                        # Deregistered, but a peer did not confirm it closed its CUDA IPC
+                        # mapping in time: go on with the other regions, then raise.
+                        late = late or e
                     del self._regs[i]
+            if late is not None:
+                raise late
         finally:
             if self._store is not None:
                 self._store.republish(self.get_agent_metadata())
@@ -895,7 +907,9 @@ class Agent:
     def peer_counters(self, peer: str) -> dict:
         """transfers_done, transfers_failed (posts to `peer` by outcome), fenced_connections
         (our dead connections the peer confirmed fenced), and CUDA IPC (same host, docs/gpu.md):
-        ipc_transfers, ipc_bytes, ipc_regions_mapped, ipc_fallback_reason (why the last transfer
+        ipc_transfers, ipc_bytes, ipc_regions_mapped, ipc_devices (local GPU ordinals holding
+        mappings: the peer's GPU found by UUID), ipc_regions_revoked (mappings closed because
+        the peer deregistered the region or closed), ipc_fallback_reason (why the last transfer
         that could have used IPC was staged instead; empty when none was)."""
         return self._core.peer_counters(peer)
 

@@ -281,6 +281,34 @@ impl Device for Gpu {
             }
         }
     }
+    fn uuid(&self) -> Result<[u8; 16]> {
+        match self {
+            Gpu::Cuda(d) => d.uuid(),
+            Gpu::StandIn(d) => d.uuid(),
+        }
+    }
+}
+
+impl GpuKind {
+    /// The UUID of every device of this kind this process sees, by ordinal, without making any
+    /// of them current (no CUDA context is created). The stand-in's follow
+    /// `MULTIRAIL_STANDIN_VISIBLE_DEVICES` (64 ordinals when it is unset, as [`Gpu::open`] allows).
+    pub fn device_uuids(self) -> Result<Vec<[u8; 16]>> {
+        match self {
+            GpuKind::Cuda => {
+                let rt = crate::cuda::CudaRuntime::load(&crate::cuda::LoadOptions::from_env())?;
+                (0..rt.device_count()?).map(|i| rt.device_uuid(i)).collect()
+            }
+            GpuKind::StandIn => {
+                let visible = std::env::var(crate::standin::ENV_STANDIN_VISIBLE_DEVICES).ok();
+                let n = match visible.as_deref().map(str::trim).filter(|v| !v.is_empty()) {
+                    Some(list) => list.split(',').count() as i32,
+                    None => 64,
+                };
+                (0..n).map(|i| crate::standin::standin_physical(visible.as_deref(), i).map(crate::standin::standin_uuid)).collect()
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -769,6 +769,25 @@ impl Device for Cuda {
         // SAFETY: the caller's contract (from ipc_open, unused).
         self.rt.check("cudaIpcCloseMemHandle", unsafe { (self.api().ipc_close_mem_handle)(ptr.0 as *mut c_void) })
     }
+
+    fn uuid(&self) -> Result<[u8; 16]> {
+        self.rt.device_uuid(self.id)
+    }
+}
+
+impl CudaRuntime {
+    /// `cudaDeviceProp.uuid` of device `ordinal`: the 16 bytes right after `char name[256]`
+    /// (every runtime since CUDA 10; the same offset in `cudaGetDeviceProperties_v2`). Makes no
+    /// device current (no context is created for it).
+    pub fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16]> {
+        let f =
+            self.api.get_device_properties.ok_or(DeviceError::Unsupported { op: "uuid (no cudaGetDeviceProperties)", device: "cuda" })?;
+        let mut buf = vec![0u8; DEVICE_PROP_BYTES];
+        // SAFETY: the buffer is larger than any cudaDeviceProp; `uuid` (cudaUUID_t, 16 bytes)
+        // follows `name`, char[256].
+        self.check("cudaGetDeviceProperties", unsafe { f(buf.as_mut_ptr().cast(), ordinal) })?;
+        Ok(buf[256..272].try_into().expect("16 bytes"))
+    }
 }
 
 #[cfg(test)]

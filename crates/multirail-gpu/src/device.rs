@@ -232,4 +232,16 @@ pub trait Device: Send + Sync {
     unsafe fn ipc_close(&self, _ptr: DevicePtr) -> Result<()> {
         Err(DeviceError::Unsupported { op: "ipc_close", device: "this" })
     }
+    /// The device's UUID (`cudaDeviceProp.uuid`): one physical GPU has the same UUID in every
+    /// process, whatever its ordinal there (`CUDA_VISIBLE_DEVICES` differs per process), so a
+    /// peer's IPC handle is opened on the local device with the exporter's UUID.
+    fn uuid(&self) -> Result<[u8; 16]> {
+        Err(DeviceError::Unsupported { op: "uuid", device: "this" })
+    }
+}
+
+/// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
 }

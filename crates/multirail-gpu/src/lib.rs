@@ -32,7 +32,7 @@ pub mod wire;
 
 pub use any::{Gpu, GpuEvent, GpuKind, GpuStream, ENV_GPU};
 pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_WHEEL_DIRS};
-pub use device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
+pub use device::{uuid_string, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
 pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 pub use standin::{FailOp, StandIn, StandInConfig};

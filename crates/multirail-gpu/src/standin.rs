@@ -655,6 +655,43 @@ impl Device for StandIn {
         }
         Ok(())
     }
+
+    /// Derived from the physical stand-in GPU behind this ordinal
+    /// ([`ENV_STANDIN_VISIBLE_DEVICES`]), as CUDA's follows the GPU, not the ordinal.
+    fn uuid(&self) -> Result<[u8; 16]> {
+        let physical = standin_physical(std::env::var(ENV_STANDIN_VISIBLE_DEVICES).ok().as_deref(), self.inner.id)?;
+        Ok(standin_uuid(physical))
+    }
+}
+
+/// Per-process visibility of the stand-in's GPUs, as `CUDA_VISIBLE_DEVICES` is for CUDA: a
+/// comma-separated list of physical stand-in GPUs; ordinal `i` of this process is the `i`-th.
+/// Unset or empty: ordinal `i` is physical GPU `i`. Only the UUIDs follow it (memory is host
+/// memory either way), which is what CUDA IPC's device mapping needs to be tested.
+pub const ENV_STANDIN_VISIBLE_DEVICES: &str = "MULTIRAIL_STANDIN_VISIBLE_DEVICES";
+
+/// The physical stand-in GPU of ordinal `id` under the visibility list `visible`.
+pub fn standin_physical(visible: Option<&str>, id: i32) -> Result<i32> {
+    let Some(list) = visible.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(id);
+    };
+    let phys: Vec<i32> =
+        list.split(',').map(|p| p.trim().parse::<i32>().ok().filter(|n| *n >= 0)).collect::<Option<_>>().ok_or_else(|| {
+            DeviceError::Cuda {
+                op: "uuid",
+                code: 0,
+                name: "standinBadVisibleDevices".into(),
+                message: format!("{ENV_STANDIN_VISIBLE_DEVICES}={list:?}"),
+            }
+        })?;
+    usize::try_from(id).ok().and_then(|i| phys.get(i).copied()).ok_or(DeviceError::BadDevice { id, count: phys.len() as i32 })
+}
+
+/// The UUID of physical stand-in GPU `physical`.
+pub fn standin_uuid(physical: i32) -> [u8; 16] {
+    let mut u = *b"mr-standin--\0\0\0\0";
+    u[12..16].copy_from_slice(&physical.to_be_bytes());
+    u
 }
 
 #[cfg(test)]
@@ -730,5 +767,20 @@ mod tests {
             dev.free(a).unwrap();
             dev.free(b).unwrap();
         }
+    }
+
+    #[test]
+    fn uuids_follow_the_physical_gpu_not_the_ordinal() {
+        // Two processes with different visibility lists see one physical GPU under different
+        // ordinals, with the same UUID.
+        assert_eq!(standin_physical(None, 3).unwrap(), 3);
+        assert_eq!(standin_physical(Some(" "), 0).unwrap(), 0);
+        assert_eq!(standin_physical(Some("1,0"), 0).unwrap(), 1);
+        assert_eq!(standin_physical(Some("1, 0"), 1).unwrap(), 0);
+        assert!(matches!(standin_physical(Some("1,0"), 2), Err(DeviceError::BadDevice { id: 2, count: 2 })));
+        assert!(standin_physical(Some("a,0"), 0).is_err());
+        assert_eq!(standin_uuid(standin_physical(Some("1,0"), 0).unwrap()), standin_uuid(standin_physical(Some("0,1"), 1).unwrap()));
+        assert_ne!(standin_uuid(0), standin_uuid(1));
+        assert_eq!(crate::device::uuid_string(&standin_uuid(1)), "GPU-6d722d73-7461-6e64-696e-2d2d00000001");
     }
 }

@@ -155,3 +155,27 @@ fn cuda_staged_throughput() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: run with make test-gpu"]
+fn cuda_uuid_is_the_one_nvidia_smi_names() {
+    // cudaDeviceProp.uuid sits right after name[256]: a wrong offset reads name bytes (or
+    // zeros). Each visible device has a distinct, non-zero UUID; with nvidia-smi present, it
+    // lists the same UUID.
+    let dev = gpu();
+    let u = dev.uuid().expect("uuid");
+    assert_ne!(u, [0u8; 16]);
+    assert_ne!(&u[..], &dev.name().as_bytes()[..16.min(dev.name().len())]);
+    let count = dev.runtime().device_count().unwrap();
+    let all: Vec<[u8; 16]> = (0..count).map(|i| Cuda::open(i).unwrap().uuid().unwrap()).collect();
+    let mut uniq = all.clone();
+    uniq.sort();
+    uniq.dedup();
+    assert_eq!(uniq.len(), all.len(), "{all:?}");
+    if let Ok(out) = std::process::Command::new("nvidia-smi").arg("-L").output() {
+        let text = String::from_utf8_lossy(&out.stdout);
+        if out.status.success() && text.contains("UUID") && std::env::var_os("CUDA_VISIBLE_DEVICES").is_none() {
+            assert!(text.contains(&multirail_gpu::uuid_string(&u)), "{} not in nvidia-smi -L:\n{text}", multirail_gpu::uuid_string(&u));
+        }
+    }
+}

@@ -41,8 +41,10 @@ pub const MAX_UCX_READY: usize = 16 << 20;
 pub const MAX_UCX_RKEYS: usize = 4096;
 /// Most regions one `IpcReq` names (and one `IpcHandles` answers).
 pub const MAX_IPC_REGIONS: usize = 1024;
-/// Encoded size of one `IpcEntry`: region, device, handle, offset, allocation length.
-const IPC_ENTRY: usize = 8 + 4 + 64 + 8 + 8;
+/// Most regions one `IpcRevoke` (and its `IpcReleased`) names.
+pub const MAX_IPC_REVOKE: usize = 1024;
+/// Encoded size of one `IpcEntry`: region, device, device UUID, handle, offset, allocation length.
+const IPC_ENTRY: usize = 8 + 4 + 16 + 64 + 8 + 8;
 /// Encoded size of a `UcxRegion` without its rkey bytes: id, base, len, rkey length.
 const UCX_REGION_FIXED: usize = 8 + 8 + 8 + 2;
 
@@ -80,10 +82,17 @@ pub enum Kind {
     /// Client -> server: rkeys of regions registered after the session opened.
     UcxRkeys = 52,
     /// Client -> server (control connection): CUDA IPC handles of these exported GPU regions,
-    /// from a peer on the same host (its host id). Answered with `IpcHandles`, or a refusal.
+    /// from a peer on the same host (its host id), naming the peer's `Role::IpcWatch`
+    /// connection that revocations go to. Answered with `IpcHandles`, or a refusal.
     IpcReq = 53,
     /// Server -> client: one handle per requested region (a capability: authenticated only).
     IpcHandles = 54,
+    /// Server -> client, on a `Role::IpcWatch` connection: these regions are being
+    /// deregistered; close their IPC mappings. Answered with `IpcReleased` (same request id).
+    IpcRevoke = 55,
+    /// Client -> server, on a `Role::IpcWatch` connection: the regions of an `IpcRevoke` are
+    /// unmapped and no copy uses them any more.
+    IpcReleased = 56,
     /// Fatal connection-level error; the sender closes the connection after it.
     Error = 40,
 }
@@ -110,6 +119,8 @@ impl Kind {
             52 => UcxRkeys,
             53 => IpcReq,
             54 => IpcHandles,
+            55 => IpcRevoke,
+            56 => IpcReleased,
             40 => Error,
             _ => return None,
         })
@@ -133,8 +144,9 @@ impl Kind {
             UcxOpen => 2 + 4 + MAX_UCX_ADDR,
             UcxReady => MAX_UCX_READY,
             UcxRkeys => 4 + 8 * MAX_UCX_RKEYS,
-            IpcReq => 16 + 2 + (8 + 16) * MAX_IPC_REGIONS,
+            IpcReq => 16 + 16 + 2 + (8 + 16) * MAX_IPC_REGIONS,
             IpcHandles => 2 + IPC_ENTRY * MAX_IPC_REGIONS,
+            IpcRevoke | IpcReleased => 2 + 8 * MAX_IPC_REVOKE,
         }
     }
 }
@@ -263,6 +275,10 @@ pub enum Role {
     /// A UCX session on one rail: `UcxOpen` / `UcxReady`, then the target progresses a worker of
     /// its own for this session until the connection closes or is fenced.
     UcxSession = 3,
+    /// CUDA IPC revocation (same host): opened by an initiator before its first `IpcReq`;
+    /// the target pushes `IpcRevoke` on it when it deregisters a region the initiator mapped,
+    /// and the initiator answers `IpcReleased` once the mapping is closed.
+    IpcWatch = 4,
 }
 
 /// One exported region in `UcxReady`: where it is and its packed UCX rkey (a capability: sent
@@ -281,7 +297,11 @@ pub struct UcxRegion {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IpcEntry {
     pub region: u64,
+    /// The exporter's device ordinal (in its own process; informational).
     pub device: u32,
+    /// The exporter's device UUID: the initiator opens the handle on its device with this UUID
+    /// (ordinals differ between processes with different `CUDA_VISIBLE_DEVICES`).
+    pub uuid: [u8; 16],
     pub handle: [u8; 64],
     pub offset: u64,
     pub alloc_len: u64,
@@ -351,14 +371,19 @@ pub enum Body {
     },
     /// Region ids (at most [`MAX_UCX_RKEYS`]).
     UcxRkeys(Vec<u64>),
-    /// The requester's host id and the regions (id, key) it wants to map; at most
-    /// [`MAX_IPC_REGIONS`].
+    /// The requester's host id, the connection id of its `Role::IpcWatch` connection, and the
+    /// regions (id, key) it wants to map; at most [`MAX_IPC_REGIONS`].
     IpcReq {
         host: [u8; 16],
+        watch: [u8; 16],
         regions: Vec<(u64, RegionKey)>,
     },
     /// At most [`MAX_IPC_REGIONS`].
     IpcHandles(Vec<IpcEntry>),
+    /// Region ids whose mappings must be closed (at most [`MAX_IPC_REVOKE`]).
+    IpcRevoke(Vec<u64>),
+    /// Region ids whose mappings are closed (at most [`MAX_IPC_REVOKE`]).
+    IpcReleased(Vec<u64>),
 }
 
 impl Body {
@@ -383,6 +408,8 @@ impl Body {
             Body::UcxRkeys(_) => Kind::UcxRkeys,
             Body::IpcReq { .. } => Kind::IpcReq,
             Body::IpcHandles(_) => Kind::IpcHandles,
+            Body::IpcRevoke(_) => Kind::IpcRevoke,
+            Body::IpcReleased(_) => Kind::IpcReleased,
         }
     }
 
@@ -462,8 +489,9 @@ impl Body {
                     out.extend_from_slice(&id.to_le_bytes());
                 }
             }
-            Body::IpcReq { host, regions } => {
+            Body::IpcReq { host, watch, regions } => {
                 out.extend_from_slice(host);
+                out.extend_from_slice(watch);
                 let regions = &regions[..regions.len().min(MAX_IPC_REGIONS)];
                 out.extend_from_slice(&(regions.len() as u16).to_le_bytes());
                 for (id, key) in regions {
@@ -477,9 +505,17 @@ impl Body {
                 for e in es {
                     out.extend_from_slice(&e.region.to_le_bytes());
                     out.extend_from_slice(&e.device.to_le_bytes());
+                    out.extend_from_slice(&e.uuid);
                     out.extend_from_slice(&e.handle);
                     out.extend_from_slice(&e.offset.to_le_bytes());
                     out.extend_from_slice(&e.alloc_len.to_le_bytes());
+                }
+            }
+            Body::IpcRevoke(ids) | Body::IpcReleased(ids) => {
+                let ids = &ids[..ids.len().min(MAX_IPC_REVOKE)];
+                out.extend_from_slice(&(ids.len() as u16).to_le_bytes());
+                for id in ids {
+                    out.extend_from_slice(&id.to_le_bytes());
                 }
             }
         }
@@ -505,6 +541,7 @@ impl Body {
                     1 => Role::Control,
                     2 => Role::Data,
                     3 => Role::UcxSession,
+                    4 => Role::IpcWatch,
                     _ => return Err(DecodeError::Malformed("unknown role")),
                 };
                 let incarnation = r.u64()?;
@@ -581,6 +618,7 @@ impl Body {
             }
             Kind::IpcReq => {
                 let host = r.array()?;
+                let watch = r.array()?;
                 let n = r.u16()? as usize;
                 if n > MAX_IPC_REGIONS {
                     return Err(DecodeError::TooMany { what: "ipc regions", n: n as u64, max: MAX_IPC_REGIONS as u64 });
@@ -589,7 +627,7 @@ impl Body {
                 for _ in 0..n {
                     regions.push((r.u64()?, RegionKey(r.array()?)));
                 }
-                Body::IpcReq { host, regions }
+                Body::IpcReq { host, watch, regions }
             }
             Kind::IpcHandles => {
                 let n = r.u16()? as usize;
@@ -598,9 +636,31 @@ impl Body {
                 }
                 let mut es = Vec::with_capacity(n.min(r.remaining() / IPC_ENTRY));
                 for _ in 0..n {
-                    es.push(IpcEntry { region: r.u64()?, device: r.u32()?, handle: r.array()?, offset: r.u64()?, alloc_len: r.u64()? });
+                    es.push(IpcEntry {
+                        region: r.u64()?,
+                        device: r.u32()?,
+                        uuid: r.array()?,
+                        handle: r.array()?,
+                        offset: r.u64()?,
+                        alloc_len: r.u64()?,
+                    });
                 }
                 Body::IpcHandles(es)
+            }
+            Kind::IpcRevoke | Kind::IpcReleased => {
+                let n = r.u16()? as usize;
+                if n > MAX_IPC_REVOKE {
+                    return Err(DecodeError::TooMany { what: "revoked ipc regions", n: n as u64, max: MAX_IPC_REVOKE as u64 });
+                }
+                let mut ids = Vec::with_capacity(n.min(r.remaining() / 8));
+                for _ in 0..n {
+                    ids.push(r.u64()?);
+                }
+                if kind == Kind::IpcRevoke {
+                    Body::IpcRevoke(ids)
+                } else {
+                    Body::IpcReleased(ids)
+                }
             }
             Kind::Resp | Kind::Error => {
                 let status = Status::from_u16(r.u16()?);
@@ -675,8 +735,19 @@ mod tests {
         roundtrip(Body::Resp { status: Status::BadKey, bulk_len: 0, msg: "bad key".into() });
         roundtrip(Body::MetaGet);
         roundtrip(Body::Meta(vec![1, 2, 3]));
-        roundtrip(Body::IpcReq { host: [5; 16], regions: vec![(1, RegionKey([6; 16])), (9, RegionKey([7; 16]))] });
-        roundtrip(Body::IpcHandles(vec![IpcEntry { region: 3, device: 1, handle: [8; 64], offset: 4096, alloc_len: 1 << 21 }]));
+        roundtrip(Body::IpcReq { host: [5; 16], watch: [4; 16], regions: vec![(1, RegionKey([6; 16])), (9, RegionKey([7; 16]))] });
+        roundtrip(Body::IpcHandles(vec![IpcEntry {
+            region: 3,
+            device: 1,
+            uuid: [2; 16],
+            handle: [8; 64],
+            offset: 4096,
+            alloc_len: 1 << 21,
+        }]));
+        roundtrip(Body::IpcRevoke(vec![]));
+        roundtrip(Body::IpcRevoke(vec![3, u64::MAX]));
+        roundtrip(Body::IpcReleased(vec![3]));
+        roundtrip(Body::Hello { role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
         roundtrip(Body::IpcHandles(vec![]));
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
@@ -728,7 +799,7 @@ mod tests {
         assert!(Body::decode(Kind::UcxReady, &long).is_err());
         // An unknown role byte.
         let mut hello = Body::Hello { role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
-        hello[HEADER_LEN + 2] = 4;
+        hello[HEADER_LEN + 2] = 5;
         assert_eq!(Body::decode(Kind::Hello, &hello[HEADER_LEN..]), Err(DecodeError::Malformed("unknown role")));
     }
 
@@ -785,6 +856,42 @@ mod tests {
     }
 
     #[test]
+    fn ipc_bodies_are_bounded() {
+        // Revocation lists: a count over the bound is refused before anything is read, a count
+        // promising more ids than the body holds is truncated, trailing bytes are refused.
+        for kind in [Kind::IpcRevoke, Kind::IpcReleased] {
+            let over = ((MAX_IPC_REVOKE + 1) as u16).to_le_bytes().to_vec();
+            assert!(matches!(Body::decode(kind, &over), Err(DecodeError::TooMany { .. })));
+            let mut big = over.clone();
+            big.resize(big.len() + 8 * (MAX_IPC_REVOKE + 1), 0);
+            assert!(matches!(Body::decode(kind, &big), Err(DecodeError::BodyTooLarge { .. })));
+            let mut short = 3u16.to_le_bytes().to_vec();
+            short.extend([0u8; 16]);
+            assert!(matches!(Body::decode(kind, &short), Err(DecodeError::Truncated { .. })));
+            let mut long = 1u16.to_le_bytes().to_vec();
+            long.extend([0u8; 9]);
+            assert!(Body::decode(kind, &long).is_err());
+            // The encoder never writes more than the bound.
+            let bytes = Body::IpcRevoke((0..5000).collect()).encode(0);
+            assert_eq!(bytes.len() - HEADER_LEN, Kind::IpcRevoke.max_body());
+        }
+        // Every truncation of an IpcReq and an IpcHandles answer is refused.
+        let req = Body::IpcReq { host: [1; 16], watch: [2; 16], regions: vec![(3, RegionKey([4; 16]))] }.encode(0);
+        let entry = IpcEntry { region: 1, device: 0, uuid: [5; 16], handle: [6; 64], offset: 7, alloc_len: 8 };
+        let handles = Body::IpcHandles(vec![entry]).encode(0);
+        for (kind, bytes) in [(Kind::IpcReq, &req), (Kind::IpcHandles, &handles)] {
+            let body = &bytes[HEADER_LEN..];
+            assert!(body.len() <= kind.max_body());
+            for cut in 0..body.len() {
+                assert!(Body::decode(kind, &body[..cut]).is_err(), "{kind:?} cut at {cut}");
+            }
+        }
+        // The largest answer fits its kind's bound exactly.
+        let full = Body::IpcHandles(vec![entry; MAX_IPC_REGIONS]).encode(0);
+        assert_eq!(full.len() - HEADER_LEN, Kind::IpcHandles.max_body());
+    }
+
+    #[test]
     fn fence_count_is_bounded() {
         let mut body = ((MAX_FENCE + 1) as u16).to_le_bytes().to_vec();
         body.resize(body.len() + 16 * (MAX_FENCE + 1), 0);
@@ -805,7 +912,7 @@ mod tests {
             x ^= x << 17;
             let n = (x % 80) as usize;
             let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8).collect();
-            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40, 50, 51, 52] {
+            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40, 50, 51, 52, 53, 54, 55, 56] {
                 let _ = Body::decode(Kind::from_u8(k).unwrap(), &bytes);
             }
             if bytes.len() >= HEADER_LEN {

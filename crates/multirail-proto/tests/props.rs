@@ -414,8 +414,8 @@ fn remote_op() -> impl Strategy<Value = RemoteOp> {
 
 fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (0u8..3, any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(r, incarnation, name, nonce)| {
-            Body::Hello { role: [Role::Control, Role::Data, Role::UcxSession][r as usize], incarnation, name, nonce }
+        (0u8..4, any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(r, incarnation, name, nonce)| {
+            Body::Hello { role: [Role::Control, Role::Data, Role::UcxSession, Role::IpcWatch][r as usize], incarnation, name, nonce }
         }),
         (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(|(auth_required, incarnation, nonce, name)| Body::Challenge {
             auth_required,
@@ -448,20 +448,26 @@ fn body() -> impl Strategy<Value = Body> {
                 regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect()
             }),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
-        (any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
-            .prop_map(|(host, rs)| Body::IpcReq { host, regions: rs.into_iter().map(|(i, k)| (i, RegionKey(k))).collect() }),
-        prop::collection::vec((any::<u64>(), any::<u32>(), prop::collection::vec(any::<u8>(), 64), any::<u64>(), any::<u64>()), 0..5)
-            .prop_map(|es| Body::IpcHandles(
-                es.into_iter()
-                    .map(|(region, device, h, offset, alloc_len)| IpcEntry {
-                        region,
-                        device,
-                        handle: h.try_into().expect("64 bytes"),
-                        offset,
-                        alloc_len
-                    })
-                    .collect()
-            )),
+        (any::<[u8; 16]>(), any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
+            .prop_map(|(host, watch, rs)| Body::IpcReq { host, watch, regions: rs.into_iter().map(|(i, k)| (i, RegionKey(k))).collect() }),
+        prop::collection::vec(
+            (any::<u64>(), any::<u32>(), any::<[u8; 16]>(), prop::collection::vec(any::<u8>(), 64), any::<u64>(), any::<u64>()),
+            0..5
+        )
+        .prop_map(|es| Body::IpcHandles(
+            es.into_iter()
+                .map(|(region, device, uuid, h, offset, alloc_len)| IpcEntry {
+                    region,
+                    device,
+                    uuid,
+                    handle: h.try_into().expect("64 bytes"),
+                    offset,
+                    alloc_len
+                })
+                .collect()
+        )),
+        prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::IpcRevoke),
+        prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::IpcReleased),
     ]
 }
 
@@ -534,8 +540,24 @@ fn write_fuzz_corpus() {
             },
         ),
         ("ucxrkeys", Body::UcxRkeys(vec![3, 4])),
-        ("ipcreq", Body::IpcReq { host: [0x42; 16], regions: vec![(1, RegionKey([0x55; 16])), (2, RegionKey([0x66; 16]))] }),
-        ("ipchandles", Body::IpcHandles(vec![IpcEntry { region: 1, device: 0, handle: [0x77; 64], offset: 1 << 20, alloc_len: 2 << 20 }])),
+        (
+            "ipcreq",
+            Body::IpcReq { host: [0x42; 16], watch: [0x43; 16], regions: vec![(1, RegionKey([0x55; 16])), (2, RegionKey([0x66; 16]))] },
+        ),
+        (
+            "ipchandles",
+            Body::IpcHandles(vec![IpcEntry {
+                region: 1,
+                device: 0,
+                uuid: [0x88; 16],
+                handle: [0x77; 64],
+                offset: 1 << 20,
+                alloc_len: 2 << 20,
+            }]),
+        ),
+        ("hello_ipcwatch", Body::Hello { role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [9; 16] }),
+        ("ipcrevoke", Body::IpcRevoke(vec![1, 2, 0x7fff_ffff_ffff])),
+        ("ipcreleased", Body::IpcReleased(vec![1, 2, 0x7fff_ffff_ffff])),
     ];
     let metas: Vec<(&str, Vec<u8>)> = vec![
         ("agent", sample_meta().encode()),

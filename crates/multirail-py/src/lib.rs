@@ -314,6 +314,8 @@ impl PyAgent {
         d.set_item("ipc_transfers", ipc.transfers)?;
         d.set_item("ipc_bytes", ipc.bytes)?;
         d.set_item("ipc_regions_mapped", ipc.regions_mapped)?;
+        d.set_item("ipc_regions_revoked", ipc.regions_revoked)?;
+        d.set_item("ipc_devices", ipc.devices)?;
         d.set_item("ipc_fallback_reason", ipc.fallback_reason)?;
         Ok(d)
     }

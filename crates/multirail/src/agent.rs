@@ -81,6 +81,8 @@ pub struct Shared {
     pub served_stats: server::ServedTable,
     /// UCX state (one context per rail, every region mapped) when `cfg.transport` is Ucx.
     pub(crate) ucx: Option<Arc<UcxAgent>>,
+    /// CUDA IPC handles given to peers, and their watch connections (revocation).
+    pub(crate) ipc_exports: crate::ipc::Exports,
 }
 
 impl Shared {
@@ -237,6 +239,7 @@ impl Agent {
             refused: AtomicUsize::new(0),
             served_stats: server::ServedTable::new(served_rails, server::MAX_SERVED_PEERS),
             ucx,
+            ipc_exports: crate::ipc::Exports::default(),
         });
         if let Some(u) = &shared.ucx {
             shared.ctx.log(&format!("ucx transport: {}", u.describe()));
@@ -303,6 +306,9 @@ impl Agent {
         Ok(r)
     }
 
+    /// Remove a region. Returns once no peer can touch it: peers that mapped it over CUDA IPC
+    /// closed their mappings (docs/gpu.md); one that does not confirm within `timeout` is
+    /// named in a `Timeout` error, and the region is removed all the same.
     pub fn deregister(&self, id: u64) -> Result<()> {
         self.shared.registry.deregister(id, Duration::from_secs(2))?;
         // The registry let go only once no transfer holds the region, so no local UCX request
@@ -311,7 +317,11 @@ impl Agent {
             // A no-op for regions never mapped (VRAM).
             u.unmap(id);
         }
-        Ok(())
+        crate::ipc::revoke(&self.shared, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
+            Error::Timeout(format!(
+                "region {id} is deregistered, but {why}: they may still write into this GPU memory, so do not free or reuse it until those peers are closed"
+            ))
+        })
     }
 
     pub fn metadata(&self) -> AgentMeta {
@@ -466,6 +476,9 @@ impl Agent {
             }
             let _ = h.join();
         }
+        // Peers close their CUDA IPC mappings of our memory (bounded) before their watch
+        // connections go with the others.
+        let _ = crate::ipc::revoke(&self.shared, None, self.shared.ctx.cfg.timeout);
         // No connection is accepted any more; stop the ones being served and wait for their
         // threads (each notices within a tick even mid-handshake).
         server::abort_all(&self.shared);

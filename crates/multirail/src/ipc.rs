@@ -8,28 +8,47 @@
 //!   when `gpu_ipc` is on (the default). An IPC handle maps the whole allocation that contains
 //!   the region (PyTorch's caching allocator hands out offsets into larger blocks), so the
 //!   answer carries the region's offset in it; docs/SECURITY.md says what that exposes.
+//! - **Device** by UUID: the answer names the exporter's device UUID, and the handle is opened
+//!   on the local device with that UUID (ordinals differ between processes with different
+//!   `CUDA_VISIBLE_DEVICES`); no local device with it is a fallback reason naming the UUID.
 //! - **Mapping** happens once per (peer, region), at the first transfer that names it, and is
-//!   kept until the peer is closed or replaced. If anything fails (another host, IPC off, the
-//!   driver refusing, CUDA not opening handles of its own process) the reason is kept and the
-//!   transfer is staged over the rails instead.
+//!   kept until the peer revokes it, or is closed or replaced. If anything fails (another host,
+//!   IPC off, the driver refusing, CUDA not opening handles of its own process) the reason is
+//!   kept and the transfer is staged over the rails instead.
+//! - **Revocation** (a mapping never outlives the exporter's memory): before its first
+//!   `IpcReq` the initiator opens a `Role::IpcWatch` connection and names it in every
+//!   `IpcReq`; the target refuses an `IpcReq` without a live one of the same peer and records
+//!   which watch connections were handed which regions ([`Exports`]). Deregistering a region
+//!   pushes `IpcRevoke` on each of them and returns only once each answered `IpcReleased` (the
+//!   initiator took the worker's `copying` lock, so no copy runs, closed the mapping and
+//!   forgot it) or its connection closed (the initiator closes its mappings before it closes
+//!   the connection, and drops all of them when it sees the connection end), bounded by the
+//!   agent's `timeout`: a peer that did not answer in time is named in the error, and its
+//!   watch connection is aborted. Transfers prepared against a revoked mapping fail with
+//!   `UnknownRegion` instead of copying; a new transfer asks again and is refused (then
+//!   staged, and refused by the target for the region it no longer has).
 //! - **Copies** run on one worker thread per peer: its own stream and event, all of a
 //!   transfer's copies queued, one event wait, then the notification, then completion.
 //!   `cancel` and `close` take the worker's lock, so once they return no copy touches the
 //!   application's memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use multirail_gpu::{CopyKind, Device, DevicePtr, Gpu, GpuEvent, GpuStream, IpcHandle};
-use multirail_proto::codec::{IpcEntry, RemoteOp, MAX_IPC_REGIONS};
+use multirail_gpu::{uuid_string, CopyKind, Device, DevicePtr, Gpu, GpuEvent, GpuStream, IpcHandle};
+use multirail_proto::codec::{IpcEntry, RemoteOp, Role, MAX_IPC_REGIONS, MAX_IPC_REVOKE};
 use multirail_proto::{Body, Kind, MemType, RegionKey, Status};
 
 use crate::agent::Shared;
 use crate::error::{Error, Result};
 use crate::link::Link;
+use crate::peer::abort_socket;
+use crate::wire::{self, WireError};
 use crate::xfer::{Op, XferShared, XferState};
 
 /// This host's identity for IPC: the kernel's boot id (shared by every process and network
@@ -57,14 +76,21 @@ fn refuse(status: Status, msg: String) -> Body {
     Body::Resp { status, bulk_len: 0, msg }
 }
 
-/// The target's answer to `IpcReq` (module docs).
-pub(crate) fn answer(sh: &Shared, host: [u8; 16], regions: &[(u64, RegionKey)]) -> Body {
+/// The target's answer to `IpcReq` from `peer` (module docs).
+pub(crate) fn answer(sh: &Shared, peer: &str, host: [u8; 16], watch: [u8; 16], regions: &[(u64, RegionKey)]) -> Body {
     if !sh.ctx.cfg.staging.ipc {
         return refuse(Status::Unexpected, "CUDA IPC is off on this agent (gpu_ipc=False)".into());
     }
     if host != host_id() {
         return refuse(Status::Unexpected, "not on this host: CUDA IPC needs both agents on one host".into());
     }
+    if !sh.ipc_exports.watching(&watch, peer) {
+        return refuse(
+            Status::Unexpected,
+            "no IpcWatch connection of this peer with that id: handles are given only to a peer that can be told to close them".into(),
+        );
+    }
+    let mut held = Vec::with_capacity(regions.len().min(MAX_IPC_REGIONS));
     let mut out = Vec::with_capacity(regions.len().min(MAX_IPC_REGIONS));
     for &(region, key) in regions {
         // The same checks as a WRITE: an IPC mapping is writable, so read-only regions are
@@ -81,7 +107,14 @@ pub(crate) fn answer(sh: &Shared, host: [u8; 16], regions: &[(u64, RegionKey)]) 
             Ok(e) => out.push(e),
             Err(m) => return refuse(Status::Unexpected, format!("no IPC handle for region {region}: {m}")),
         }
+        held.push(r);
     }
+    // Recorded while the regions are held: a deregistration waits for `held` to go, and then
+    // finds this watch connection among the holders.
+    if !sh.ipc_exports.handed(&watch, out.iter().map(|e| e.region)) {
+        return refuse(Status::Unexpected, "the IpcWatch connection closed, or this agent is closing".into());
+    }
+    drop(held);
     Body::IpcHandles(out)
 }
 
@@ -94,19 +127,37 @@ fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::res
         return Err(format!("region {} spans more than one allocation", r.id));
     }
     let handle = gpu.ipc_handle(base).map_err(|e| e.to_string())?;
-    Ok(IpcEntry { region: r.id, device: r.dev, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
+    let uuid = gpu.uuid().map_err(|e| format!("no UUID for GPU {id}: {e}"))?;
+    Ok(IpcEntry { region: r.id, device: r.dev, uuid, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
 }
 
-/// Maps a peer's handle on device `e.device` of `kind`.
+/// The local ordinal of the device with UUID `uuid` (module docs).
+fn local_device(kind: multirail_gpu::GpuKind, uuid: &[u8; 16], their_ordinal: u32) -> std::result::Result<i32, String> {
+    let uuids = kind.device_uuids().map_err(|e| format!("cannot list this process's GPUs: {e}"))?;
+    match uuids.iter().position(|u| u == uuid) {
+        Some(i) => Ok(i as i32),
+        None => Err(format!(
+            "no GPU of this process has UUID {} (the peer's GPU {their_ordinal}; {} GPU(s) visible here): check CUDA_VISIBLE_DEVICES",
+            uuid_string(uuid),
+            uuids.len()
+        )),
+    }
+}
+
+/// Maps a peer's handle on the local device with the exporter's UUID.
 fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry) -> std::result::Result<Mapped, String> {
-    let id = i32::try_from(e.device).map_err(|_| "bad device id".to_string())?;
+    let id = local_device(kind, &e.uuid, e.device)?;
     let gpu = Gpu::open(kind, id).map_err(|err| format!("GPU {id}: {err}"))?;
     let len = region_room(e.alloc_len, e.offset)?;
     // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
     // authenticated control connection); a bad one is refused by the device.
     let base = unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
-    Ok(Mapped { gpu, base, at: base.0 + e.offset, len })
+    Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) })
 }
+
+/// Mapping generations: a plan names the generations it copies into, and runs only while
+/// they are still mapped.
+static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
 
 /// Queues every copy of `plan` on the device's stream (made once, kept in `queues`) and waits
 /// for them: on return, also on error, no copy runs.
@@ -143,19 +194,38 @@ struct Mapped {
     /// Where the region starts in our mapping, and its length.
     at: u64,
     len: u64,
+    /// Unique per mapping (a region revoked and mapped again gets a new one).
+    gen: u64,
 }
+
+type Maps = Arc<Mutex<HashMap<u64, std::result::Result<Mapped, String>>>>;
 
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
 pub(crate) struct IpcPlan {
     pub gpu: Gpu,
     /// (kind, dst, src, len).
     pub copies: Vec<(CopyKind, u64, u64, u64)>,
+    /// (region, mapping generation) of every mapping the copies use.
+    uses: Vec<(u64, u64)>,
+}
+
+impl IpcPlan {
+    /// The first region whose mapping this plan copies into that is gone (revoked, or the
+    /// peer's watch connection ended), if any. Checked under the `copying` lock.
+    fn revoked(&self, maps: &HashMap<u64, std::result::Result<Mapped, String>>) -> Option<u64> {
+        self.uses.iter().find(|(r, g)| !matches!(maps.get(r), Some(Ok(m)) if m.gen == *g)).map(|(r, _)| *r)
+    }
 }
 
 /// `Peer::ipc_info`.
 #[derive(Debug, Clone, Default)]
 pub struct IpcReport {
     pub regions_mapped: usize,
+    /// Local device ordinals that hold mappings (sorted, distinct).
+    pub devices: Vec<i32>,
+    /// Mappings closed because the peer revoked them (deregistration) or its watch
+    /// connection ended.
+    pub regions_revoked: u64,
     pub transfers: u64,
     pub bytes: u64,
     /// Why the last transfer that could have used IPC was staged instead (empty: none was).
@@ -167,11 +237,22 @@ struct Worker {
     thread: JoinHandle<()>,
 }
 
+/// The initiator's end of its `Role::IpcWatch` connection.
+struct WatchConn {
+    id: [u8; 16],
+    sock: TcpStream,
+    /// Set by the reader thread when the connection ended (a new one is opened on next use).
+    dead: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
 /// A peer's IPC state (module docs).
 #[derive(Default)]
 pub(crate) struct IpcPeer {
     /// By region id: the mapping, or why there is none (not retried for that region).
-    maps: Mutex<HashMap<u64, std::result::Result<Mapped, String>>>,
+    maps: Maps,
+    watch: Mutex<Option<WatchConn>>,
+    revoked: Arc<AtomicU64>,
     worker: Mutex<Option<Worker>>,
     /// Held by the worker while it decides on and copies a transfer; `cancel`/`close` take it.
     copying: Arc<Mutex<()>>,
@@ -203,8 +284,12 @@ impl IpcPeer {
         let maps = self.maps.lock().expect("ipc lock");
         let mut gpu: Option<Gpu> = None;
         let mut copies = Vec::with_capacity(pairs.len());
+        let mut uses: Vec<(u64, u64)> = Vec::new();
         for p in pairs {
             let Some(Ok(m)) = maps.get(&p.region) else { return None };
+            if !uses.iter().any(|u| u.0 == p.region) {
+                uses.push((p.region, m.gen));
+            }
             if p.offset + p.len > m.len {
                 return None; // resolved against the peer's metadata already; defensive
             }
@@ -218,7 +303,43 @@ impl IpcPeer {
             });
             gpu.get_or_insert_with(|| m.gpu.clone());
         }
-        Some(IpcPlan { gpu: gpu?, copies })
+        Some(IpcPlan { gpu: gpu?, copies, uses })
+    }
+
+    /// The id of a live watch connection to the peer, opening one (and its reader) if needed.
+    fn watch_id(&self, link: &Link) -> std::result::Result<[u8; 16], String> {
+        let mut w = self.watch.lock().expect("ipc lock");
+        if let Some(c) = w.as_ref().filter(|c| !c.dead.load(Ordering::Acquire)) {
+            return Ok(c.id);
+        }
+        // A dead one's reader has finished or finishes by itself (it takes `maps`, which our
+        // caller holds: not joined here).
+        let (mut sock, id) = link.dial_role(Role::IpcWatch).map_err(|e| format!("cannot open the IPC watch connection: {e}"))?;
+        // The target says when it has registered the connection (an IpcReq naming it before
+        // that would be refused).
+        let deadline = Instant::now() + link.ctx.cfg.timeout;
+        let mut tick = |_: bool| if Instant::now() > deadline { Err("no answer".to_string()) } else { Ok(()) };
+        match wire::read_frame(&mut sock, &mut tick) {
+            Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
+            Ok((_, Body::Resp { status, msg, .. } | Body::Error { status, msg })) => {
+                return Err(format!("the peer refused the IPC watch connection: {status:?}: {msg}"))
+            }
+            Ok((_, other)) => return Err(format!("unexpected {:?} on the IPC watch connection", other.kind())),
+            Err(e) => return Err(format!("IPC watch connection: {e}")),
+        }
+        let reader = sock.try_clone().map_err(|e| format!("IPC watch connection: {e}"))?;
+        let dead = Arc::new(AtomicBool::new(false));
+        let (maps, copying, closing, revoked, d2) =
+            (self.maps.clone(), self.copying.clone(), self.closing.clone(), self.revoked.clone(), dead.clone());
+        let timeout = link.ctx.cfg.timeout;
+        let thread = std::thread::Builder::new()
+            .name("mr-ipc-watch".into())
+            .spawn(move || watch_reader(reader, maps, copying, closing, revoked, d2, timeout))
+            .map_err(|e| format!("spawn: {e}"))?;
+        if let Some(old) = w.replace(WatchConn { id, sock, dead, thread }) {
+            let _ = old.sock.shutdown(Shutdown::Both);
+        }
+        Ok(id)
     }
 
     /// Map every region of `want` not mapped yet (one request for all of them).
@@ -236,7 +357,10 @@ impl IpcPeer {
             return Err(format!("more than {MAX_IPC_REGIONS} GPU regions in one transfer"));
         }
         let kind = link.ctx.cfg.staging.gpu;
-        let answer = link.control_call(Body::IpcReq { host: host_id(), regions: ask.clone() }, Kind::IpcHandles);
+        // Revocations reach us on the watch connection; `maps` stays locked until the answer
+        // is mapped, so a revocation of these regions is handled after them.
+        let watch = self.watch_id(link)?;
+        let answer = link.control_call(Body::IpcReq { host: host_id(), watch, regions: ask.clone() }, Kind::IpcHandles);
         let entries = match answer {
             Ok(Body::IpcHandles(es)) if es.len() == ask.len() => es,
             Ok(_) => Err("the peer answered IpcReq with the wrong number of handles".to_string())?,
@@ -283,11 +407,11 @@ impl IpcPeer {
         let mut w = self.worker.lock().expect("ipc lock");
         if w.is_none() {
             let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
-            let (copying, closing, transfers, bytes) =
-                (self.copying.clone(), self.closing.clone(), self.transfers.clone(), self.bytes.clone());
+            let (copying, closing, transfers, bytes, maps) =
+                (self.copying.clone(), self.closing.clone(), self.transfers.clone(), self.bytes.clone(), self.maps.clone());
             let thread = std::thread::Builder::new()
                 .name("mr-ipc".into())
-                .spawn(move || worker(rx, copying, closing, transfers, bytes))
+                .spawn(move || worker(rx, copying, closing, transfers, bytes, maps))
                 .map_err(|e| Error::io("spawn", e))?;
             *w = Some(Worker { tx, thread });
         }
@@ -312,17 +436,36 @@ impl IpcPeer {
                 let _ = w.thread.join();
             }
         }
-        for (_, m) in self.maps.lock().expect("ipc lock").drain() {
-            if let Ok(m) = m {
-                // SAFETY: the worker is gone, so no copy uses the mapping.
-                let _ = unsafe { m.gpu.ipc_close(m.base) };
+        {
+            let _c = self.copying.lock().expect("ipc lock");
+            for (_, m) in self.maps.lock().expect("ipc lock").drain() {
+                if let Ok(m) = m {
+                    // SAFETY: the worker is gone (or between copies, holding no lock: we hold
+                    // `copying`), so no copy uses the mapping.
+                    let _ = unsafe { m.gpu.ipc_close(m.base) };
+                }
+            }
+        }
+        // Only now (every mapping closed) does the target see the watch connection end, which
+        // it counts as this peer having released everything.
+        let w = self.watch.lock().expect("ipc lock").take();
+        if let Some(w) = w {
+            let _ = w.sock.shutdown(Shutdown::Both);
+            if w.thread.thread().id() != std::thread::current().id() {
+                let _ = w.thread.join();
             }
         }
     }
 
     pub fn report(&self) -> IpcReport {
+        let maps = self.maps.lock().expect("ipc lock");
+        let mut devices: Vec<i32> = maps.values().filter_map(|m| m.as_ref().ok()).map(|m| m.gpu.id()).collect();
+        devices.sort_unstable();
+        devices.dedup();
         IpcReport {
-            regions_mapped: self.maps.lock().expect("ipc lock").values().filter(|m| m.is_ok()).count(),
+            regions_mapped: maps.values().filter(|m| m.is_ok()).count(),
+            devices,
+            regions_revoked: self.revoked.load(Ordering::Relaxed),
             transfers: self.transfers.load(Ordering::Relaxed),
             bytes: self.bytes.load(Ordering::Relaxed),
             fallback_reason: self.fallback.lock().expect("ipc lock").clone(),
@@ -346,6 +489,7 @@ fn worker(
     closing: Arc<AtomicBool>,
     transfers: Arc<AtomicU64>,
     bytes: Arc<AtomicU64>,
+    maps: Maps,
 ) {
     // One stream and event per device, made once.
     let mut queues: Vec<(i32, GpuStream, GpuEvent)> = Vec::new();
@@ -359,7 +503,20 @@ fn worker(
             continue;
         }
         let Some(plan) = x.ipc.as_ref() else { continue };
-        // The stream contract: after the application's work queued at post.
+        // Under `copying`: a revocation waits for us, or has already closed the mapping.
+        if let Some(region) = plan.revoked(&maps.lock().expect("ipc lock")) {
+            drop(g);
+            x.finish(Err(Error::Remote {
+                peer: x.peer.name.clone(),
+                status: Status::UnknownRegion,
+                msg: format!(
+                    "region {region}: the peer revoked its CUDA IPC mapping (deregistered it, or closed); prepare the transfer again"
+                ),
+            }));
+            continue;
+        }
+        // The stream contract: after the application's work queued at post (already done when
+        // the post came through the GPU-order waiter).
         let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| run_copies(plan, &mut queues));
         drop(g);
         match r {
@@ -373,4 +530,242 @@ fn worker(
             Err(m) => x.finish(Err(Error::Gpu(format!("CUDA IPC copy failed: {m}")))),
         }
     }
+}
+
+/// Close and forget the mappings of `regions` (all of them: None), with no copy running.
+fn unmap(maps: &Maps, copying: &Mutex<()>, regions: Option<&[u64]>, revoked: &AtomicU64) {
+    let _c = copying.lock().expect("ipc lock");
+    let mut m = maps.lock().expect("ipc lock");
+    let gone: Vec<std::result::Result<Mapped, String>> = match regions {
+        Some(ids) => ids.iter().filter_map(|r| m.remove(r)).collect(),
+        None => m.drain().map(|(_, v)| v).collect(),
+    };
+    for g in gone.into_iter().flatten() {
+        // SAFETY: we hold `copying`, so no copy runs, and the mapping is out of `maps`, so no
+        // later plan or copy uses it.
+        let _ = unsafe { g.gpu.ipc_close(g.base) };
+        revoked.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The initiator's reader of its watch connection: answers each `IpcRevoke` once the mappings
+/// are closed; when the connection ends, closes every mapping of the peer (the target counts
+/// a closed connection as released).
+fn watch_reader(
+    mut s: TcpStream,
+    maps: Maps,
+    copying: Arc<Mutex<()>>,
+    closing: Arc<AtomicBool>,
+    revoked: Arc<AtomicU64>,
+    dead: Arc<AtomicBool>,
+    timeout: Duration,
+) {
+    loop {
+        let mut started: Option<Instant> = None;
+        let mut tick = |mid: bool| {
+            if closing.load(Ordering::Acquire) {
+                return Err(String::new());
+            }
+            if mid && started.get_or_insert_with(Instant::now).elapsed() > timeout {
+                return Err("IpcRevoke frame not completed in time".to_string());
+            }
+            Ok(())
+        };
+        match wire::read_frame(&mut s, &mut tick) {
+            Ok((h, Body::IpcRevoke(ids))) => {
+                unmap(&maps, &copying, Some(&ids), &revoked);
+                let deadline = Instant::now() + timeout;
+                let mut wtick = |_: bool| if Instant::now() > deadline { Err("IpcReleased not sent in time".to_string()) } else { Ok(()) };
+                if wire::send(&mut s, &Body::IpcReleased(ids), h.req_id, &mut wtick).is_err() {
+                    break;
+                }
+            }
+            _ => break,
+        }
+    }
+    dead.store(true, Ordering::Release);
+    let _ = s.shutdown(Shutdown::Both);
+    // No more revocations can reach us: keep no mapping that one could have been meant for.
+    unmap(&maps, &copying, None, &revoked);
+}
+
+/// The target's view of one `Role::IpcWatch` connection.
+struct Watch {
+    peer: String,
+    /// Writes (`IpcRevoke`) and the next request id; held for one send.
+    out: Mutex<(TcpStream, u64)>,
+    /// (highest request id answered by `IpcReleased`, connection ended).
+    state: Mutex<(u64, bool)>,
+    cv: Condvar,
+}
+
+/// The target's record of CUDA IPC handles it gave out (module docs).
+pub(crate) struct Exports {
+    watches: Mutex<HashMap<[u8; 16], Arc<Watch>>>,
+    /// Region id -> the watch connections whose peer was handed its handle; None once the
+    /// agent closes (no handle is given out after its last revocation).
+    handed: Mutex<Option<HashMap<u64, HashSet<[u8; 16]>>>>,
+}
+
+impl Default for Exports {
+    fn default() -> Exports {
+        Exports { watches: Mutex::default(), handed: Mutex::new(Some(HashMap::new())) }
+    }
+}
+
+impl Exports {
+    /// Is `id` a live watch connection of `peer`?
+    fn watching(&self, id: &[u8; 16], peer: &str) -> bool {
+        self.watches.lock().expect("ipc lock").get(id).is_some_and(|w| w.peer == peer)
+    }
+
+    /// Record that the peer of watch connection `id` holds handles of `regions`; false if the
+    /// connection is gone (then nothing is recorded and no handle may be given).
+    fn handed(&self, id: &[u8; 16], regions: impl Iterator<Item = u64>) -> bool {
+        let w = self.watches.lock().expect("ipc lock");
+        if !w.contains_key(id) {
+            return false;
+        }
+        let mut h = self.handed.lock().expect("ipc lock");
+        let Some(h) = h.as_mut() else { return false };
+        for r in regions {
+            h.entry(r).or_default().insert(*id);
+        }
+        true
+    }
+
+    /// Forget watch connection `id` (it ended): its peer released everything.
+    fn ended(&self, id: &[u8; 16]) {
+        let w = self.watches.lock().expect("ipc lock").remove(id);
+        if let Some(h) = self.handed.lock().expect("ipc lock").as_mut() {
+            h.retain(|_, ids| {
+                ids.remove(id);
+                !ids.is_empty()
+            });
+        }
+        if let Some(w) = w {
+            w.state.lock().expect("ipc lock").1 = true;
+            w.cv.notify_all();
+        }
+    }
+}
+
+/// Serve a `Role::IpcWatch` connection of `peer` (id `id`) until it ends or the agent closes:
+/// `IpcReleased` answers wake the deregistrations waiting for them.
+pub(crate) fn serve_watch(sh: &Shared, s: &mut TcpStream, id: [u8; 16], peer: &str) {
+    let Ok(out) = s.try_clone() else { return };
+    let w = Arc::new(Watch { peer: peer.to_string(), out: Mutex::new((out, 0)), state: Mutex::new((0, false)), cv: Condvar::new() });
+    sh.ipc_exports.watches.lock().expect("ipc lock").insert(id, w.clone());
+    let timeout = sh.ctx.cfg.timeout;
+    // Registered: the peer may name this connection in an `IpcReq` from now on.
+    {
+        let deadline = Instant::now() + timeout;
+        let mut tick = |_: bool| if Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
+        let ok = Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() };
+        if wire::send(&mut w.out.lock().expect("ipc lock").0, &ok, 0, &mut tick).is_err() {
+            sh.ipc_exports.ended(&id);
+            return;
+        }
+    }
+    // Not ended by the agent's shutdown flag: `Agent::close` revokes over these connections
+    // first, then aborts them (`abort_all`), which ends this loop.
+    loop {
+        let mut started: Option<Instant> = None;
+        let mut tick = |mid: bool| {
+            if mid && started.get_or_insert_with(Instant::now).elapsed() > timeout {
+                return Err(String::new());
+            }
+            Ok(())
+        };
+        match wire::read_frame(s, &mut tick) {
+            Ok((h, Body::IpcReleased(_))) => {
+                let mut st = w.state.lock().expect("ipc lock");
+                st.0 = st.0.max(h.req_id);
+                w.cv.notify_all();
+            }
+            Ok((_, other)) => {
+                sh.ctx.log(&format!("IPC watch connection of {peer}: unexpected {:?}; closing it", other.kind()));
+                break;
+            }
+            Err(_) => break,
+        }
+    }
+    sh.ipc_exports.ended(&id);
+}
+
+/// Revoke every peer's mappings of `regions` (being deregistered), or of every region handed
+/// out when the agent closes (None: no handle is given out after this), and wait until each
+/// peer released them or its watch connection ended, at most `wait`. Err names the peers that
+/// did not confirm in time (their watch connections are aborted).
+pub(crate) fn revoke(sh: &Shared, regions: Option<&[u64]>, wait: Duration) -> std::result::Result<(), String> {
+    // Per watch connection, the regions to revoke on it.
+    let mut by_watch: HashMap<[u8; 16], Vec<u64>> = HashMap::new();
+    {
+        let mut g = sh.ipc_exports.handed.lock().expect("ipc lock");
+        let all = match regions {
+            Some(rs) => g.as_mut().map(|h| rs.iter().filter_map(|r| h.remove(r).map(|w| (*r, w))).collect()).unwrap_or_default(),
+            None => g.take().unwrap_or_default(),
+        };
+        for (r, ws) in all {
+            for w in ws {
+                by_watch.entry(w).or_default().push(r);
+            }
+        }
+    }
+    if by_watch.is_empty() {
+        return Ok(());
+    }
+    let deadline = Instant::now() + wait;
+    let watches: Vec<(Arc<Watch>, Vec<u64>)> = {
+        let w = sh.ipc_exports.watches.lock().expect("ipc lock");
+        by_watch.into_iter().filter_map(|(id, rs)| w.get(&id).map(|w| (w.clone(), rs))).collect()
+    };
+    // Send every revocation first, then wait for all of them: peers release in parallel.
+    let mut waiting: Vec<(Arc<Watch>, u64)> = Vec::new();
+    for (w, rs) in watches {
+        let mut out = w.out.lock().expect("ipc lock");
+        let mut sent = 0;
+        for chunk in rs.chunks(MAX_IPC_REVOKE) {
+            out.1 += 1;
+            let req = out.1;
+            let mut tick = |_: bool| if Instant::now() > deadline { Err("IpcRevoke not sent in time".to_string()) } else { Ok(()) };
+            match wire::send(&mut out.0, &Body::IpcRevoke(chunk.to_vec()), req, &mut tick) {
+                Ok(()) => sent = req,
+                // A connection that fails now has ended or is about to: its reader sees it.
+                Err(WireError::Io(_)) => break,
+                Err(_) => {
+                    sent = req;
+                    break;
+                }
+            }
+        }
+        drop(out);
+        if sent > 0 {
+            waiting.push((w, sent));
+        }
+    }
+    let mut late: Vec<String> = Vec::new();
+    for (w, req) in waiting {
+        let mut st = w.state.lock().expect("ipc lock");
+        while st.0 < req && !st.1 {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            st = w.cv.wait_timeout(st, deadline - now).expect("ipc lock").0;
+        }
+        if st.0 < req && !st.1 {
+            drop(st);
+            abort_socket(&w.out.lock().expect("ipc lock").0);
+            if !late.contains(&w.peer) {
+                late.push(w.peer.clone());
+            }
+        }
+    }
+    if late.is_empty() {
+        return Ok(());
+    }
+    let msg = format!("peer(s) {} did not confirm within {wait:?} that they closed their CUDA IPC mappings", late.join(", "));
+    sh.ctx.log(&msg);
+    Err(msg)
 }

@@ -783,6 +783,34 @@ impl Link {
         Err(last.unwrap_or_else(|| Error::Timeout(format!("control request to {who} not answered within {:?}", self.ctx.cfg.timeout))))
     }
 
+    /// Open one more authenticated connection to the peer with `role` (the CUDA IPC watch
+    /// connection), on the first rail whose local link is up that accepts it, within the
+    /// agent's `timeout`. Returns it with its connection id.
+    pub(crate) fn dial_role(&self, role: Role) -> Result<(TcpStream, [u8; 16])> {
+        let overall = Instant::now() + self.ctx.cfg.timeout;
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
+        let up = |r: &RailState| r.local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down).is_none();
+        let mut order: Vec<usize> = (0..self.rails.len()).filter(|&r| up(&self.rails[r])).collect();
+        order.sort_by_key(|&r| !self.t.is_up(r));
+        if order.is_empty() {
+            order = (0..self.rails.len()).collect();
+        }
+        let mut last = None;
+        for &ri in order.iter().cycle().take(order.len() * 2) {
+            let rail = &self.rails[ri];
+            let expect = Some((self.peer_name.as_str(), self.incarnation));
+            match dial_id(&self.ctx, rail.local.as_ref(), rail.remote, role, expect, per_try) {
+                Ok(c) => return Ok(c),
+                Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
+                Err(e) => last = Some(e),
+            }
+            if Instant::now() > overall {
+                break;
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::PeerLost { peer: self.peer_name.clone(), reason: "no rail to connect on".into() }))
+    }
+
     /// What the transport can do (GPU path included).
     pub(crate) fn caps(&self) -> crate::transport::Caps {
         self.t.caps()

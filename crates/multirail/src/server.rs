@@ -347,6 +347,11 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
+    if role == Role::IpcWatch {
+        crate::ipc::serve_watch(sh, &mut s, conn_id, &peer_name);
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
     let mut inb = wire::Inbound::new();
     // Bounce pools for GPU regions, made on the first request that needs one.
     let mut stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
@@ -562,8 +567,8 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                         .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
                 }
             },
-            Body::IpcReq { host, regions } => {
-                let answer = crate::ipc::answer(sh, host, &regions);
+            Body::IpcReq { host, watch, regions } => {
+                let answer = crate::ipc::answer(sh, &peer_name, host, watch, &regions);
                 wire::send(&mut s, &answer, h.req_id, &mut op_tick)
             }
             Body::Notif(msg) => {

@@ -1,0 +1,48 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) on a machine without a GPU: it says so at the top of
+its report and fails (exit 2) rather than pretend, after recording the host sections (RDMA tools,
+UCX transports) with their commands and exit statuses. On a machine with a GPU this test skips:
+there the whole check is `make gpu-check` itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import engine_available
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+
+
+def _has_gpu() -> bool:
+    p = subprocess.run([sys.executable, "-c", "import multirail.gpu as g; g.info(0, 'cuda')"], capture_output=True, timeout=120)
+    return p.returncode == 0
+
+
+def test_gpu_check_says_no_gpu_and_fails_here(tmp_path: Path) -> None:
+    if _has_gpu():
+        pytest.skip("this machine has a GPU: run `make gpu-check` for the real check")
+    report = tmp_path / "report.md"
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--report", str(report), "--quick"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "NO GPU" in p.stdout, p.stdout
+    text = report.read_text()
+    head = text.split("\n## ")[0]
+    assert "FAIL: NO GPU" in head and "**No GPU:" in head and "no usable GPU" in head, head
+    # The GPU sections are recorded as not run, never as passed.
+    for title in ("CUDA probe", "CUDA tests (make test-gpu)", "bench kv with VRAM"):
+        assert f"## {title}" in text, title
+    assert "| CUDA tests (make test-gpu) | skip |" in text, text
+    assert "| CUDA probe (multirail.gpu.info, a 1 MiB cudaMalloc) | fail |" in text, text
+    assert "| GPU benchmarks (benchmarks/gpu_staging.py) | skip |" in text and "| bench kv with VRAM | skip |" in text, text
+    # Host sections: each with its command and outcome; the wheel's UCX lists its transports.
+    assert "## ibv_devices" in text and "- command: `ibv_devices`" in text
+    ucx = text.split("## UCX transports (libucx wheel ucx_info -d)")[1].split("\n## ")[0]
+    assert "- result: pass, exit status 0" in ucx and "Transport: tcp" in ucx, ucx
+    assert "- command: `" in ucx and "ucx_info -d`" in ucx, ucx
+    assert (tmp_path / "report-logs").is_dir()
