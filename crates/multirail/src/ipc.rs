@@ -27,10 +27,9 @@ use multirail_gpu::{CopyKind, Device, DevicePtr, Gpu, GpuEvent, GpuStream, IpcHa
 use multirail_proto::codec::{IpcEntry, RemoteOp, MAX_IPC_REGIONS};
 use multirail_proto::{Body, Kind, MemType, RegionKey, Status};
 
-use crate::agent::Shared;
 use crate::error::{Error, Result};
 use crate::link::Link;
-use crate::xfer::{Op, XferShared, XferState};
+use crate::xfer::{IpcPlan, Op, XferShared, XferState};
 
 /// This host's identity for IPC: the kernel's boot id (shared by every process and network
 /// namespace of this boot), else a hash of the host name.
@@ -58,8 +57,13 @@ fn refuse(status: Status, msg: String) -> Body {
 }
 
 /// The target's answer to `IpcReq` (module docs).
-pub(crate) fn answer(sh: &Shared, host: [u8; 16], regions: &[(u64, RegionKey)]) -> Body {
-    if !sh.ctx.cfg.staging.ipc {
+pub(crate) fn answer(
+    cfg: &crate::config::Config,
+    registry: &crate::registry::Registry,
+    host: [u8; 16],
+    regions: &[(u64, RegionKey)],
+) -> Body {
+    if !cfg.staging.ipc {
         return refuse(Status::Unexpected, "CUDA IPC is off on this agent (gpu_ipc=False)".into());
     }
     if host != host_id() {
@@ -69,14 +73,14 @@ pub(crate) fn answer(sh: &Shared, host: [u8; 16], regions: &[(u64, RegionKey)]) 
     for &(region, key) in regions {
         // The same checks as a WRITE: an IPC mapping is writable, so read-only regions are
         // never handed out.
-        let r = match sh.registry.check_remote(&RemoteOp { region, key, offset: 0, len: 0 }, true) {
+        let r = match registry.check_remote(&RemoteOp { region, key, offset: 0, len: 0 }, true) {
             Ok(r) => r,
             Err((status, msg)) => return refuse(status, msg),
         };
         if r.mem != MemType::Vram {
             return refuse(Status::Unexpected, format!("region {region} is not GPU memory"));
         }
-        let entry = export(sh.ctx.cfg.staging.gpu, &r);
+        let entry = export(cfg.staging.gpu, &r);
         match entry {
             Ok(e) => out.push(e),
             Err(m) => return refuse(Status::Unexpected, format!("no IPC handle for region {region}: {m}")),
@@ -138,13 +142,6 @@ struct Mapped {
     /// Where the region starts in our mapping, and its length.
     at: u64,
     len: u64,
-}
-
-/// What a prepared IPC transfer does when posted: copies on the mapping's device.
-pub(crate) struct IpcPlan {
-    pub gpu: Gpu,
-    /// (kind, dst, src, len).
-    pub copies: Vec<(CopyKind, u64, u64, u64)>,
 }
 
 /// `Peer::ipc_info`.
@@ -273,7 +270,7 @@ impl IpcPeer {
     /// Queue a planned transfer on the worker (started on first use).
     pub fn submit(&self, x: Arc<XferShared>) -> Result<()> {
         if self.closing.load(Ordering::Acquire) {
-            return Err(Error::PeerLost { peer: x.peer.name.clone(), reason: "peer closed".into() });
+            return Err(Error::PeerLost { peer: x.peer.name().to_string(), reason: "peer closed".into() });
         }
         let mut w = self.worker.lock().expect("ipc lock");
         if w.is_none() {
@@ -350,7 +347,7 @@ fn worker(
             continue; // cancelled while queued
         }
         if closing.load(Ordering::Acquire) {
-            x.finish(Err(Error::PeerLost { peer: x.peer.name.clone(), reason: "peer closed".into() }));
+            x.finish(Err(Error::PeerLost { peer: x.peer.name().to_string(), reason: "peer closed".into() }));
             continue;
         }
         let Some(plan) = x.ipc.as_ref() else { continue };
