@@ -306,6 +306,9 @@ fn transports_import_nothing_above_the_seam() {
 fn no_import_cycles_among_the_runtimes_modules() {
     let g = runtime();
     assert!(g["link"].contains("transport") && g["peer"].contains("link"), "{:?}", g["link"]);
+    for (m, refs) in &g {
+        eprintln!("{m} -> {}", refs.iter().cloned().collect::<Vec<_>>().join(", "));
+    }
     if let Some(c) = find_cycle(&g) {
         panic!("import cycle among files: {}", c.join(" -> "));
     }
