@@ -1,7 +1,7 @@
 //! The agent: identity, registry, listeners and the table of known peers.
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -12,105 +12,19 @@ use multirail_proto::{Access, AgentMeta, Body, MemType, RailInfo};
 
 use crate::config::{Config, TransportKind};
 use crate::error::{Error, Result};
-use crate::peer::{dial, resolve_in, status_error, Peer, RailReport};
+use crate::net::{dial, status_error};
+use crate::peer::{resolve_in, Peer, RailReport};
 use crate::registry::{random_bytes, Region, Registry};
 use crate::server;
 use crate::transport::ucx::UcxAgent;
 use crate::wire::{self, WireError};
 use crate::xfer::{Desc, Op, XferHandle};
 
-/// Local descriptors as (addr, len), and the registered regions that contain them.
-pub type ResolvedLocal = (Vec<(u64, u64)>, Vec<Arc<Region>>);
-
-/// A local rail as the runtime uses it.
-#[derive(Debug, Clone)]
-pub struct LocalRail {
-    pub device: String,
-    pub addr: Option<IpAddr>,
-    pub prefix_len: u8,
-    pub speed_mbps: u64,
-}
-
-/// Immutable identity and configuration shared by every thread of an agent.
-pub struct Ctx {
-    pub name: String,
-    pub incarnation: u64,
-    pub cfg: Config,
-    pub rails: Vec<LocalRail>,
-    pub bind_devices: bool,
-    events: Mutex<VecDeque<String>>,
-    started: Instant,
-    /// Set first thing in `Agent::close`: no link is opened after it (a prepared handle that
-    /// outlives the agent must not reconnect).
-    pub closed: AtomicBool,
-    /// UCX state when `cfg.transport` is Ucx (also in `Shared::ucx`): links open rails with it.
-    pub(crate) ucx: Option<Arc<UcxAgent>>,
-}
-
-impl Ctx {
-    /// Record an event (rail down/up, refused peer); printed when MULTIRAIL_LOG is set.
-    pub fn log(&self, msg: &str) {
-        let line = format!("[{:>9.3}s] {}: {msg}", self.started.elapsed().as_secs_f64(), self.name);
-        if std::env::var_os("MULTIRAIL_LOG").is_some() {
-            eprintln!("multirail {line}");
-        }
-        let mut ev = self.events.lock().expect("events lock");
-        if ev.len() >= 1000 {
-            ev.pop_front();
-        }
-        ev.push_back(line);
-    }
-}
-
-/// State shared between the agent handle, its listeners and its connection threads.
-pub struct Shared {
-    pub ctx: Arc<Ctx>,
-    pub registry: Registry,
-    pub peers: RwLock<HashMap<String, Arc<Peer>>>,
-    pub notifs: Mutex<Vec<(String, Vec<u8>)>>,
-    pub shutdown: AtomicBool,
-    pub rails_meta: Vec<RailInfo>,
-    pub open_conns: AtomicUsize,
-    /// Served connections by their `Hello` nonce, for `Fence`.
-    pub served: Mutex<HashMap<[u8; 16], Arc<crate::server::Served>>>,
-    /// Connections aborted by a peer's `Fence`.
-    pub fenced: AtomicUsize,
-    /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
-    pub refused: AtomicUsize,
-    /// Serving-side counters per (peer, local rail): what peers read from and wrote into us.
-    pub served_stats: server::ServedTable,
-    /// UCX state (one context per rail, every region mapped) when `cfg.transport` is Ucx.
-    pub(crate) ucx: Option<Arc<UcxAgent>>,
-    /// CUDA IPC handles given to peers, and their watch connections (revocation).
-    pub(crate) ipc_exports: crate::ipc::Exports,
-}
-
-impl Shared {
-    pub fn metadata(&self) -> AgentMeta {
-        AgentMeta {
-            name: self.ctx.name.clone(),
-            incarnation: self.ctx.incarnation,
-            rails: self.rails_meta.clone(),
-            regions: self.registry.exported(),
-        }
-    }
-
-    /// Install metadata for a peer (replacing an older life of it).
-    pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
-        if meta.name.is_empty() {
-            return Err(Error::Metadata("metadata has an empty agent name".into()));
-        }
-        if meta.name == self.ctx.name {
-            return Err(Error::Metadata(format!("metadata is this agent's own ({:?})", meta.name)));
-        }
-        let name = meta.name.clone();
-        let peer = Arc::new(Peer::new(meta, addr_hint, self.ctx.clone()));
-        if let Some(old) = self.peers.write().expect("peers lock").insert(name.clone(), peer) {
-            old.close();
-        }
-        Ok(name)
-    }
-}
+/// Moved below the agent (the link, peer and server read them); kept here by their old paths.
+pub use crate::ctx::Ctx;
+pub use crate::net::LocalRail;
+pub use crate::peer::ResolvedLocal;
+pub use crate::server::Shared;
 
 /// GPU memory is registered only when the device (CUDA loaded at run time, or the stand-in)
 /// says the range is device (or managed) memory of that device: otherwise a typed error names
@@ -317,7 +231,7 @@ impl Agent {
             // A no-op for regions never mapped (VRAM).
             u.unmap(id);
         }
-        crate::ipc::revoke(&self.shared, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
+        crate::ipc::revoke(&self.shared.ctx, &self.shared.ipc_exports, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
             Error::Timeout(format!(
                 "region {id} is deregistered, but {why}: they may still write into this GPU memory, so do not free or reuse it until those peers are closed"
             ))
@@ -360,7 +274,7 @@ impl Agent {
             .map_err(|e| Error::InvalidArgument(format!("bad address {ip}:{port}: {e}")))?
             .next()
             .ok_or_else(|| Error::InvalidArgument(format!("{ip}:{port} resolves to nothing")))?;
-        let mut s: TcpStream = dial(&self.shared.ctx, None, addr, Role::Control, None)?;
+        let mut s: TcpStream = dial(&self.shared.ctx.identity(), None, addr, Role::Control, None, self.shared.ctx.cfg.timeout)?;
         let deadline = Instant::now() + self.shared.ctx.cfg.timeout;
         let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("request to {addr} timed out")) } else { Ok(()) };
         let who = addr.to_string();
@@ -478,7 +392,7 @@ impl Agent {
         }
         // Peers close their CUDA IPC mappings of our memory (bounded) before their watch
         // connections go with the others.
-        let _ = crate::ipc::revoke(&self.shared, None, self.shared.ctx.cfg.timeout);
+        let _ = crate::ipc::revoke(&self.shared.ctx, &self.shared.ipc_exports, None, self.shared.ctx.cfg.timeout);
         // No connection is accepted any more; stop the ones being served and wait for their
         // threads (each notices within a tick even mid-handshake).
         server::abort_all(&self.shared);

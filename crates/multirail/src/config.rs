@@ -116,7 +116,7 @@ pub struct Config {
     /// The data path (see [`TransportKind`]).
     pub transport: TransportKind,
     /// Faults to inject on every link (testing failover; see `transport::faulty`). Empty: none.
-    pub faults: Vec<crate::transport::faulty::Fault>,
+    pub faults: Vec<Fault>,
     /// GPU memory: which device kind registers and stages VRAM, and the bounce pools' shape
     /// (per connection and direction).
     pub staging: crate::staging::StagingConfig,
@@ -141,5 +141,100 @@ impl Default for Config {
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
         }
+    }
+}
+
+/// A fault schedule for `Faulty<T>` (`transport::faulty`): `RAIL:KIND@AT[+DUR]`, comma-separated.
+/// What a fault does to its rail (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    Kill,
+    Blackhole,
+    Slow(Duration),
+}
+
+/// One scheduled fault.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub rail: usize,
+    pub kind: FaultKind,
+    /// From when (after the link opened).
+    pub at: Duration,
+    /// For how long; None: for good.
+    pub dur: Option<Duration>,
+}
+
+fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
+    let s = s.trim();
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1e-3)
+    } else if let Some(n) = s.strip_suffix("us") {
+        (n, 1e-6)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (e.g. 200ms, 1.5s)"))?;
+    if !(0.0..=86_400.0).contains(&(v * scale)) {
+        return Err(format!("duration {s:?} out of range"));
+    }
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+impl Fault {
+    /// Parse a schedule: `RAIL:KIND@AT[+DUR]`, comma-separated (see the module docs).
+    pub fn parse_list(s: &str) -> std::result::Result<Vec<Fault>, String> {
+        s.split(',').map(str::trim).filter(|f| !f.is_empty()).map(Fault::parse).collect()
+    }
+
+    pub fn parse(s: &str) -> std::result::Result<Fault, String> {
+        let bad = || format!("fault {s:?} is not RAIL:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY)");
+        let (rail, rest) = s.split_once(':').ok_or_else(bad)?;
+        let rail: usize = rail.trim().parse().map_err(|_| bad())?;
+        let (kind, when) = rest.split_once('@').ok_or_else(bad)?;
+        let kind = match kind.trim() {
+            "kill" => FaultKind::Kill,
+            "blackhole" => FaultKind::Blackhole,
+            k => match k.strip_prefix("slow=") {
+                Some(d) => FaultKind::Slow(parse_duration(d)?),
+                None => return Err(bad()),
+            },
+        };
+        let (at, dur) = match when.split_once('+') {
+            Some((a, d)) => (parse_duration(a)?, Some(parse_duration(d)?)),
+            None => (parse_duration(when)?, None),
+        };
+        Ok(Fault { rail, kind, at, dur })
+    }
+
+    pub(crate) fn active(&self, since: Duration) -> bool {
+        since >= self.at && self.dur.is_none_or(|d| since < self.at + d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_schedules() {
+        let f = Fault::parse_list("1:kill@200ms+1s, 0:slow=2ms@0,2:blackhole@1.5s").unwrap();
+        assert_eq!(f[0], Fault { rail: 1, kind: FaultKind::Kill, at: Duration::from_millis(200), dur: Some(Duration::from_secs(1)) });
+        assert_eq!(f[1], Fault { rail: 0, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None });
+        assert_eq!(f[2].kind, FaultKind::Blackhole);
+        assert_eq!(f[2].at, Duration::from_millis(1500));
+        for bad in ["kill@1s", "x:kill@1s", "1:boom@1s", "1:kill", "1:kill@-1s", "1:slow=@1s", "1:kill@1s+forever"] {
+            assert!(Fault::parse(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn windows() {
+        let f = Fault { rail: 0, kind: FaultKind::Kill, at: Duration::from_secs(1), dur: Some(Duration::from_secs(2)) };
+        assert!(!f.active(Duration::from_millis(999)));
+        assert!(f.active(Duration::from_secs(1)));
+        assert!(f.active(Duration::from_millis(2999)));
+        assert!(!f.active(Duration::from_secs(3)));
     }
 }

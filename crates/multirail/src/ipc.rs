@@ -44,12 +44,11 @@ use multirail_gpu::{uuid_string, CopyKind, Device, DevicePtr, Gpu, GpuEvent, Gpu
 use multirail_proto::codec::{IpcEntry, RemoteOp, Role, MAX_IPC_REGIONS, MAX_IPC_REVOKE};
 use multirail_proto::{Body, Kind, MemType, RegionKey, Status};
 
-use crate::agent::Shared;
 use crate::error::{Error, Result};
 use crate::link::Link;
-use crate::peer::abort_socket;
+use crate::net::abort_socket;
 use crate::wire::{self, WireError};
-use crate::xfer::{Op, XferShared, XferState};
+use crate::xfer::{IpcPlan, Op, XferShared, XferState};
 
 /// This host's identity for IPC: the kernel's boot id (shared by every process and network
 /// namespace of this boot), else a hash of the host name.
@@ -76,15 +75,24 @@ fn refuse(status: Status, msg: String) -> Body {
     Body::Resp { status, bulk_len: 0, msg }
 }
 
-/// The target's answer to `IpcReq` from `peer` (module docs).
-pub(crate) fn answer(sh: &Shared, peer: &str, host: [u8; 16], watch: [u8; 16], regions: &[(u64, RegionKey)]) -> Body {
-    if !sh.ctx.cfg.staging.ipc {
+/// The target's answer to `IpcReq` from `peer` (module docs): the agent's config, registry and
+/// IPC exports are passed in (this module sits below the server).
+pub(crate) fn answer(
+    cfg: &crate::config::Config,
+    registry: &crate::registry::Registry,
+    exports: &Exports,
+    peer: &str,
+    host: [u8; 16],
+    watch: [u8; 16],
+    regions: &[(u64, RegionKey)],
+) -> Body {
+    if !cfg.staging.ipc {
         return refuse(Status::Unexpected, "CUDA IPC is off on this agent (gpu_ipc=False)".into());
     }
     if host != host_id() {
         return refuse(Status::Unexpected, "not on this host: CUDA IPC needs both agents on one host".into());
     }
-    if !sh.ipc_exports.watching(&watch, peer) {
+    if !exports.watching(&watch, peer) {
         return refuse(
             Status::Unexpected,
             "no IpcWatch connection of this peer with that id: handles are given only to a peer that can be told to close them".into(),
@@ -95,14 +103,14 @@ pub(crate) fn answer(sh: &Shared, peer: &str, host: [u8; 16], watch: [u8; 16], r
     for &(region, key) in regions {
         // The same checks as a WRITE: an IPC mapping is writable, so read-only regions are
         // never handed out.
-        let r = match sh.registry.check_remote(&RemoteOp { region, key, offset: 0, len: 0 }, true) {
+        let r = match registry.check_remote(&RemoteOp { region, key, offset: 0, len: 0 }, true) {
             Ok(r) => r,
             Err((status, msg)) => return refuse(status, msg),
         };
         if r.mem != MemType::Vram {
             return refuse(Status::Unexpected, format!("region {region} is not GPU memory"));
         }
-        let entry = export(sh.ctx.cfg.staging.gpu, &r);
+        let entry = export(cfg.staging.gpu, &r);
         match entry {
             Ok(e) => out.push(e),
             Err(m) => return refuse(Status::Unexpected, format!("no IPC handle for region {region}: {m}")),
@@ -111,7 +119,7 @@ pub(crate) fn answer(sh: &Shared, peer: &str, host: [u8; 16], watch: [u8; 16], r
     }
     // Recorded while the regions are held: a deregistration waits for `held` to go, and then
     // finds this watch connection among the holders.
-    if !sh.ipc_exports.handed(&watch, out.iter().map(|e| e.region)) {
+    if !exports.handed(&watch, out.iter().map(|e| e.region)) {
         return refuse(Status::Unexpected, "the IpcWatch connection closed, or this agent is closing".into());
     }
     drop(held);
@@ -200,21 +208,10 @@ struct Mapped {
 
 type Maps = Arc<Mutex<HashMap<u64, std::result::Result<Mapped, String>>>>;
 
-/// What a prepared IPC transfer does when posted: copies on the mapping's device.
-pub(crate) struct IpcPlan {
-    pub gpu: Gpu,
-    /// (kind, dst, src, len).
-    pub copies: Vec<(CopyKind, u64, u64, u64)>,
-    /// (region, mapping generation) of every mapping the copies use.
-    uses: Vec<(u64, u64)>,
-}
-
-impl IpcPlan {
-    /// The first region whose mapping this plan copies into that is gone (revoked, or the
-    /// peer's watch connection ended), if any. Checked under the `copying` lock.
-    fn revoked(&self, maps: &HashMap<u64, std::result::Result<Mapped, String>>) -> Option<u64> {
-        self.uses.iter().find(|(r, g)| !matches!(maps.get(r), Some(Ok(m)) if m.gen == *g)).map(|(r, _)| *r)
-    }
+/// The first region whose mapping `plan` copies into that is gone (revoked, or the peer's
+/// watch connection ended), if any. Checked under the `copying` lock.
+fn revoked(plan: &IpcPlan, maps: &HashMap<u64, std::result::Result<Mapped, String>>) -> Option<u64> {
+    plan.uses.iter().find(|(r, g)| !matches!(maps.get(r), Some(Ok(m)) if m.gen == *g)).map(|(r, _)| *r)
 }
 
 /// `Peer::ipc_info`.
@@ -402,7 +399,7 @@ impl IpcPeer {
     /// Queue a planned transfer on the worker (started on first use).
     pub fn submit(&self, x: Arc<XferShared>) -> Result<()> {
         if self.closing.load(Ordering::Acquire) {
-            return Err(Error::PeerLost { peer: x.peer.name.clone(), reason: "peer closed".into() });
+            return Err(Error::PeerLost { peer: x.peer.name().to_string(), reason: "peer closed".into() });
         }
         let mut w = self.worker.lock().expect("ipc lock");
         if w.is_none() {
@@ -499,15 +496,15 @@ fn worker(
             continue; // cancelled while queued
         }
         if closing.load(Ordering::Acquire) {
-            x.finish(Err(Error::PeerLost { peer: x.peer.name.clone(), reason: "peer closed".into() }));
+            x.finish(Err(Error::PeerLost { peer: x.peer.name().to_string(), reason: "peer closed".into() }));
             continue;
         }
         let Some(plan) = x.ipc.as_ref() else { continue };
         // Under `copying`: a revocation waits for us, or has already closed the mapping.
-        if let Some(region) = plan.revoked(&maps.lock().expect("ipc lock")) {
+        if let Some(region) = revoked(plan, &maps.lock().expect("ipc lock")) {
             drop(g);
             x.finish(Err(Error::Remote {
-                peer: x.peer.name.clone(),
+                peer: x.peer.name().to_string(),
                 status: Status::UnknownRegion,
                 msg: format!(
                     "region {region}: the peer revoked its CUDA IPC mapping (deregistered it, or closed); prepare the transfer again"
@@ -652,18 +649,18 @@ impl Exports {
 
 /// Serve a `Role::IpcWatch` connection of `peer` (id `id`) until it ends or the agent closes:
 /// `IpcReleased` answers wake the deregistrations waiting for them.
-pub(crate) fn serve_watch(sh: &Shared, s: &mut TcpStream, id: [u8; 16], peer: &str) {
+pub(crate) fn serve_watch(ctx: &crate::ctx::Ctx, exports: &Exports, s: &mut TcpStream, id: [u8; 16], peer: &str) {
     let Ok(out) = s.try_clone() else { return };
     let w = Arc::new(Watch { peer: peer.to_string(), out: Mutex::new((out, 0)), state: Mutex::new((0, false)), cv: Condvar::new() });
-    sh.ipc_exports.watches.lock().expect("ipc lock").insert(id, w.clone());
-    let timeout = sh.ctx.cfg.timeout;
+    exports.watches.lock().expect("ipc lock").insert(id, w.clone());
+    let timeout = ctx.cfg.timeout;
     // Registered: the peer may name this connection in an `IpcReq` from now on.
     {
         let deadline = Instant::now() + timeout;
         let mut tick = |_: bool| if Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
         let ok = Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() };
         if wire::send(&mut w.out.lock().expect("ipc lock").0, &ok, 0, &mut tick).is_err() {
-            sh.ipc_exports.ended(&id);
+            exports.ended(&id);
             return;
         }
     }
@@ -684,24 +681,24 @@ pub(crate) fn serve_watch(sh: &Shared, s: &mut TcpStream, id: [u8; 16], peer: &s
                 w.cv.notify_all();
             }
             Ok((_, other)) => {
-                sh.ctx.log(&format!("IPC watch connection of {peer}: unexpected {:?}; closing it", other.kind()));
+                ctx.log(&format!("IPC watch connection of {peer}: unexpected {:?}; closing it", other.kind()));
                 break;
             }
             Err(_) => break,
         }
     }
-    sh.ipc_exports.ended(&id);
+    exports.ended(&id);
 }
 
 /// Revoke every peer's mappings of `regions` (being deregistered), or of every region handed
 /// out when the agent closes (None: no handle is given out after this), and wait until each
 /// peer released them or its watch connection ended, at most `wait`. Err names the peers that
 /// did not confirm in time (their watch connections are aborted).
-pub(crate) fn revoke(sh: &Shared, regions: Option<&[u64]>, wait: Duration) -> std::result::Result<(), String> {
+pub(crate) fn revoke(ctx: &crate::ctx::Ctx, exports: &Exports, regions: Option<&[u64]>, wait: Duration) -> std::result::Result<(), String> {
     // Per watch connection, the regions to revoke on it.
     let mut by_watch: HashMap<[u8; 16], Vec<u64>> = HashMap::new();
     {
-        let mut g = sh.ipc_exports.handed.lock().expect("ipc lock");
+        let mut g = exports.handed.lock().expect("ipc lock");
         let all = match regions {
             Some(rs) => g.as_mut().map(|h| rs.iter().filter_map(|r| h.remove(r).map(|w| (*r, w))).collect()).unwrap_or_default(),
             None => g.take().unwrap_or_default(),
@@ -717,7 +714,7 @@ pub(crate) fn revoke(sh: &Shared, regions: Option<&[u64]>, wait: Duration) -> st
     }
     let deadline = Instant::now() + wait;
     let watches: Vec<(Arc<Watch>, Vec<u64>)> = {
-        let w = sh.ipc_exports.watches.lock().expect("ipc lock");
+        let w = exports.watches.lock().expect("ipc lock");
         by_watch.into_iter().filter_map(|(id, rs)| w.get(&id).map(|w| (w.clone(), rs))).collect()
     };
     // Send every revocation first, then wait for all of them: peers release in parallel.
@@ -766,6 +763,6 @@ pub(crate) fn revoke(sh: &Shared, regions: Option<&[u64]>, wait: Duration) -> st
         return Ok(());
     }
     let msg = format!("peer(s) {} did not confirm within {wait:?} that they closed their CUDA IPC mappings", late.join(", "));
-    sh.ctx.log(&msg);
+    ctx.log(&msg);
     Err(msg)
 }

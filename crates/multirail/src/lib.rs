@@ -19,9 +19,11 @@
 pub mod agent;
 pub mod auth;
 pub mod config;
+pub mod ctx;
 pub mod error;
 pub mod ipc;
 pub mod link;
+pub mod net;
 pub mod peer;
 pub mod registry;
 pub mod server;
@@ -29,6 +31,9 @@ pub mod staging;
 pub mod transport;
 pub mod wire;
 pub mod xfer;
+
+#[cfg(test)]
+mod ucx_tests;
 
 pub use agent::Agent;
 pub use config::{Config, RailSpec, TransportKind};

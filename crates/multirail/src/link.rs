@@ -12,19 +12,21 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
-use multirail_proto::{Body, Chunk, ChunkId, Event, Kind, Planner, RailInfo, RegionKey, XferId};
+use multirail_proto::planner::RailStats;
+use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, RailInfo, RegionKey, XferId};
 
-use crate::agent::Ctx;
-use crate::config::TransportKind;
+use crate::config::{Config, TransportKind};
+use crate::ctx::Ctx;
 use crate::error::{Error, Result};
-use crate::peer::{abort_socket, dial_id, link_down, status_error, Peer, PeerCounters, RailIo, RailReport};
+use crate::net::{abort_socket, dial_id, link_down, status_error, LINK_CHECK};
+use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
-use crate::transport::{tcp::TcpRails, ucx_rails::UcxRails, Transport, Verdict};
+use crate::transport::{tcp::TcpRails, ucx::UcxRails, Active, Caps, Host, Transport, Verdict};
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 
@@ -33,8 +35,6 @@ const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The watchdog's longest and shortest naps (it sleeps until the planner's next stall deadline).
 const WATCH_IDLE: Duration = Duration::from_millis(100);
 const WATCH_MIN: Duration = Duration::from_millis(5);
-/// How long a busy connection may be quiet before its local link's carrier is checked.
-pub(crate) const LINK_CHECK: Duration = Duration::from_millis(100);
 
 /// One rail of a link, whatever carries it: addresses, counters, failure and readmission state.
 pub(crate) struct RailState {
@@ -87,15 +87,95 @@ pub struct Link {
     /// Threads that may touch registered memory through this link right now (senders,
     /// receivers, callers posting or driving a transfer); `close` waits until none is left.
     active: AtomicUsize,
+    /// This link, for the transport's callbacks that need to own it (`Host::path_stopped`).
+    me: Weak<Link>,
 }
 
-/// One thread counted in `Link::active` (see [`Link::enter`]).
-pub(crate) struct Active<'a>(&'a AtomicUsize);
+/// What a link is made from: the peer as `Peer` knows it (the link names no `Peer`).
+pub(crate) struct PeerInfo<'a> {
+    pub name: &'a str,
+    pub meta: &'a AgentMeta,
+    /// The peer's region keys, by region id.
+    pub keys: &'a HashMap<u64, RegionKey>,
+    /// The address its metadata was fetched from; stands in for unspecified rail addresses.
+    pub addr_hint: Option<IpAddr>,
+    pub ctx: &'a Arc<Ctx>,
+    /// The counters of rails 0..n, kept across links.
+    pub rail_io: &'a dyn Fn(usize) -> Vec<Arc<RailIo>>,
+    /// Ids of dead connections not yet fenced, kept across links.
+    pub unfenced: &'a Arc<Mutex<Vec<[u8; 16]>>>,
+    pub counters: &'a Arc<PeerCounters>,
+}
 
-impl Drop for Active<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+/// What went over one rail to a peer, for metrics; kept across links (reconnections).
+#[derive(Debug, Default)]
+pub struct RailIo {
+    /// Payload bytes and chunks landed here by READs.
+    pub bytes_read: AtomicU64,
+    pub chunks_read: AtomicU64,
+    /// Payload bytes and chunks the peer acknowledged for WRITEs.
+    pub bytes_written: AtomicU64,
+    pub chunks_written: AtomicU64,
+    /// Times the rail was readmitted after being down.
+    pub readmissions: AtomicU64,
+    /// Connections of the rail declared stalled (no byte for `stall_timeout`).
+    pub stalls: AtomicU64,
+    /// GPU memory staged on this rail (D2H / wire / H2D totals, pinned pool bytes).
+    pub staging: Arc<crate::staging::StageStats>,
+}
+
+/// Counters of a peer as a whole, for metrics.
+#[derive(Debug, Default)]
+pub struct PeerCounters {
+    /// Transfers (posts) that ended DONE / in ERROR.
+    pub transfers_done: AtomicU64,
+    pub transfers_failed: AtomicU64,
+    /// Dead connections of ours the peer confirmed fenced.
+    pub fenced_connections: AtomicU64,
+}
+
+/// A plain copy of [`RailIo`].
+#[derive(Debug, Clone, Default)]
+pub struct RailIoSnapshot {
+    pub bytes_read: u64,
+    pub chunks_read: u64,
+    pub bytes_written: u64,
+    pub chunks_written: u64,
+    pub readmissions: u64,
+    pub stalls: u64,
+    pub staging: crate::staging::StageReport,
+}
+
+impl RailIo {
+    pub(crate) fn snapshot(&self) -> RailIoSnapshot {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RailIoSnapshot {
+            bytes_read: g(&self.bytes_read),
+            chunks_read: g(&self.chunks_read),
+            bytes_written: g(&self.bytes_written),
+            chunks_written: g(&self.chunks_written),
+            readmissions: g(&self.readmissions),
+            stalls: g(&self.stalls),
+            staging: self.staging.report(),
+        }
     }
+}
+
+/// One rail's state and counters as reported to the caller.
+#[derive(Debug, Clone)]
+pub struct RailReport {
+    pub name: String,
+    pub local_addr: String,
+    pub remote_addr: String,
+    pub connections: usize,
+    /// What carries the rail: "tcp", "ucx/tcp", "ucx/rc_mlx5", ...
+    pub transport: String,
+    /// What the rail's transport can do.
+    pub caps: Caps,
+    /// Why GPU memory takes `caps.gpu` on this rail.
+    pub gpu_reason: String,
+    pub stats: RailStats,
+    pub io: RailIoSnapshot,
 }
 
 /// Why a rail moves GPU memory the way it does (`RailReport::gpu_reason`).
@@ -171,7 +251,7 @@ fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
 impl Link {
     /// A link to `peer` over `kind`: the agent's transport, or tcp for the GPU memory a ucx
     /// agent cannot move directly (`Peer::gpu_link`).
-    pub(crate) fn connect_with(peer: &Arc<Peer>, kind: TransportKind) -> Result<Arc<Link>> {
+    pub(crate) fn connect_with(peer: &PeerInfo<'_>, kind: TransportKind) -> Result<Arc<Link>> {
         let ctx = peer.ctx.clone();
         let pairs = rail_pairs(&ctx, &peer.meta.rails);
         if pairs.is_empty() {
@@ -179,7 +259,7 @@ impl Link {
         }
         let mut planner = Planner::new(ctx.cfg.planner.clone());
         let now = Instant::now();
-        let io = peer.rail_io(pairs.len());
+        let io = (peer.rail_io)(pairs.len());
         let mut rails = Vec::new();
         for &(li, ri) in &pairs {
             let l = &ctx.rails[li];
@@ -211,8 +291,9 @@ impl Link {
             (TransportKind::Ucx, Some(u)) => Box::new(Faulty::new(UcxRails::new(u.clone(), rails.len()), faults)),
             (TransportKind::Ucx, None) => return Err(Error::Unavailable("this agent was not started with the ucx transport".into())),
         };
-        let link = Arc::new(Link {
-            peer_name: peer.name.clone(),
+        let link = Arc::new_cyclic(|me| Link {
+            me: me.clone(),
+            peer_name: peer.name.to_string(),
             incarnation: peer.meta.incarnation,
             ctx: ctx.clone(),
             keys: peer.keys.clone(),
@@ -249,7 +330,9 @@ impl Link {
         }
         if !any {
             link.close();
-            return Err(first_err.unwrap_or_else(|| Error::PeerLost { peer: peer.name.clone(), reason: "no rail could connect".into() }));
+            return Err(
+                first_err.unwrap_or_else(|| Error::PeerLost { peer: peer.name.to_string(), reason: "no rail could connect".into() })
+            );
         }
         // Connections of an earlier link that died with WRITEs aboard must be fenced before
         // anything is written through this one.
@@ -441,11 +524,6 @@ impl Link {
         }
     }
 
-    /// Run `f` on the link's transport (fault timers).
-    pub(crate) fn with_transport(&self, f: impl FnOnce(&dyn Transport)) {
-        f(self.t.as_ref())
-    }
-
     /// See [`Transport::drive`].
     pub(crate) fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         let Some(_active) = self.enter() else { return false };
@@ -527,7 +605,8 @@ impl Link {
 
     /// Open rail `ri` through the transport.
     fn open_rail(self: &Arc<Self>, ri: usize, timeout: Duration) -> Result<()> {
-        self.t.open_rail(self, ri, timeout)
+        let host: Arc<dyn Host> = self.clone();
+        self.t.open_rail(&host, ri, timeout)
     }
 
     pub(crate) fn submit(self: &Arc<Self>, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
@@ -546,7 +625,7 @@ impl Link {
         // Post the first chunks from this thread: saves a wakeup on the latency path. The
         // transport's own threads are woken only if some rail ran out of room with work left.
         let Some(_active) = self.enter() else { return Ok(()) };
-        if self.t.post_ready(self, will_drive) {
+        if self.t.post_ready(&**self, will_drive) {
             self.cond.notify_all();
         }
         Ok(())
@@ -668,30 +747,36 @@ impl Link {
         for &ri in via {
             let rail = &self.rails[ri];
             let t0 = Instant::now();
-            let r = dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, Some((&self.peer_name, self.incarnation)), timeout)
-                .and_then(|(mut s, _)| {
-                    let deadline = Instant::now() + timeout;
-                    let mut tick = |_: bool| if Instant::now() > deadline { Err("fence timed out".to_string()) } else { Ok(()) };
-                    for part in ids.chunks(multirail_proto::codec::MAX_FENCE) {
-                        let r =
-                            wire::send(&mut s, &Body::Fence(part.to_vec()), 0, &mut tick).and_then(|_| wire::read_frame(&mut s, &mut tick));
-                        match r {
-                            Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
-                            Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
-                                return Err(status_error(&self.peer_name, status, msg))
-                            }
-                            Ok((_, other)) => {
-                                return Err(Error::Protocol {
-                                    who: self.peer_name.clone(),
-                                    msg: format!("unexpected {:?} in answer to a fence", other.kind()),
-                                })
-                            }
-                            Err(e) => return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: format!("fence: {e}") }),
+            let r = dial_id(
+                &self.ctx.identity(),
+                rail.local.as_ref(),
+                rail.remote,
+                Role::Control,
+                Some((&self.peer_name, self.incarnation)),
+                timeout,
+            )
+            .and_then(|(mut s, _)| {
+                let deadline = Instant::now() + timeout;
+                let mut tick = |_: bool| if Instant::now() > deadline { Err("fence timed out".to_string()) } else { Ok(()) };
+                for part in ids.chunks(multirail_proto::codec::MAX_FENCE) {
+                    let r = wire::send(&mut s, &Body::Fence(part.to_vec()), 0, &mut tick).and_then(|_| wire::read_frame(&mut s, &mut tick));
+                    match r {
+                        Ok((_, Body::Resp { status: Status::Ok, .. })) => {}
+                        Ok((_, Body::Resp { status, msg, .. })) | Ok((_, Body::Error { status, msg })) => {
+                            return Err(status_error(&self.peer_name, status, msg))
                         }
+                        Ok((_, other)) => {
+                            return Err(Error::Protocol {
+                                who: self.peer_name.clone(),
+                                msg: format!("unexpected {:?} in answer to a fence", other.kind()),
+                            })
+                        }
+                        Err(e) => return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: format!("fence: {e}") }),
                     }
-                    let _ = s.shutdown(Shutdown::Both);
-                    Ok(())
-                });
+                }
+                let _ = s.shutdown(Shutdown::Both);
+                Ok(())
+            });
             match r {
                 Ok(()) => {
                     self.unfenced.lock().expect("fence lock").retain(|id| !ids.contains(id));
@@ -745,7 +830,7 @@ impl Link {
                 let ri = order[(tries - 1) % order.len()];
                 let rail = &self.rails[ri];
                 let expect = Some((self.peer_name.as_str(), self.incarnation));
-                match dial_id(&self.ctx, rail.local.as_ref(), rail.remote, Role::Control, expect, per_try) {
+                match dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, Role::Control, expect, per_try) {
                     Ok((s, _)) => *g = Some(s),
                     Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                     Err(e) => {
@@ -799,7 +884,7 @@ impl Link {
         for &ri in order.iter().cycle().take(order.len() * 2) {
             let rail = &self.rails[ri];
             let expect = Some((self.peer_name.as_str(), self.incarnation));
-            match dial_id(&self.ctx, rail.local.as_ref(), rail.remote, role, expect, per_try) {
+            match dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, per_try) {
                 Ok(c) => return Ok(c),
                 Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                 Err(e) => last = Some(e),
@@ -812,7 +897,7 @@ impl Link {
     }
 
     /// What the transport can do (GPU path included).
-    pub(crate) fn caps(&self) -> crate::transport::Caps {
+    pub(crate) fn caps(&self) -> Caps {
         self.t.caps()
     }
 
@@ -868,5 +953,82 @@ impl Link {
         }
         self.cond.notify_all();
         self.t.wake();
+    }
+}
+
+/// What the transport sees of the link (`transport::Host`): the link's own methods, and the
+/// rail facts a transport needs without the link's insides.
+impl Host for Link {
+    fn peer_name(&self) -> &str {
+        &self.peer_name
+    }
+
+    fn cfg(&self) -> &Config {
+        &self.ctx.cfg
+    }
+
+    fn rails(&self) -> usize {
+        self.rails.len()
+    }
+
+    fn local_dev(&self, ri: usize) -> Option<&str> {
+        self.rails[ri].local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty())
+    }
+
+    fn rail_indices(&self, ri: usize) -> (usize, usize) {
+        (self.rails[ri].local_index, self.rails[ri].remote_index)
+    }
+
+    fn staging(&self, ri: usize) -> Arc<StageStats> {
+        self.rails[ri].io.staging.clone()
+    }
+
+    fn key(&self, region: u64) -> RegionKey {
+        self.keys.get(&region).copied().unwrap_or(RegionKey([0; 16]))
+    }
+
+    fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])> {
+        let rail = &self.rails[ri];
+        let expect = Some((self.peer_name.as_str(), self.incarnation));
+        dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
+    }
+
+    fn enter(&self) -> Option<Active<'_>> {
+        Link::enter(self)
+    }
+
+    fn is_shutdown(&self) -> bool {
+        Link::is_shutdown(self)
+    }
+
+    fn now_us(&self) -> u64 {
+        Link::now_us(self)
+    }
+
+    fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
+        Link::next_chunk(self, ri)
+    }
+
+    fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)> {
+        Link::wait_chunk(self, ri, room, stop)
+    }
+
+    fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>) {
+        Link::chunk_done(self, ri, chunk, x, len, r)
+    }
+
+    fn rail_failed(&self, ri: usize, reason: String) {
+        Link::rail_failed(self, ri, reason)
+    }
+
+    fn path_stopped(&self, ri: usize, last: &mut dyn FnMut() -> bool) {
+        // A transport's thread holds the link (as `Arc<dyn Host>`) while it calls this.
+        if let Some(me) = self.me.upgrade() {
+            me.path_stopped(ri, last)
+        }
+    }
+
+    fn tick_faults(&self) {
+        self.t.tick_faults(self)
     }
 }

@@ -19,20 +19,25 @@
 //! after the handshake; the request path only bumps relaxed atomics.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
-use multirail_proto::{AgentMeta, Body, DecodeError, MemType};
+use multirail_proto::{AgentMeta, Body, DecodeError, MemType, RailInfo};
 
-use crate::agent::Shared;
 use crate::auth;
 use crate::config::Progress;
-use crate::peer::abort_socket;
+use crate::ctx::Ctx;
+use crate::error::{Error, Result};
+use crate::net::abort_socket;
+use crate::peer::Peer;
 use crate::registry::random_bytes;
+use crate::registry::Registry;
 use crate::staging::{SockIn, SockOut, StageError, Stagers};
+use crate::transport::ucx::UcxAgent;
 use crate::wire::{self, WireError};
 
 /// A staged request that failed mid-payload leaves the stream out of step: the connection
@@ -41,6 +46,56 @@ fn staging_failed(e: StageError) -> WireError {
     match e {
         StageError::Wire(w) => w,
         StageError::Device(m) => WireError::GaveUp(format!("GPU staging failed: {m}")),
+    }
+}
+
+/// State shared between the agent handle, its listeners and its connection threads.
+pub struct Shared {
+    pub ctx: Arc<Ctx>,
+    pub registry: Registry,
+    pub peers: RwLock<HashMap<String, Arc<Peer>>>,
+    pub notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    pub shutdown: AtomicBool,
+    pub rails_meta: Vec<RailInfo>,
+    pub open_conns: AtomicUsize,
+    /// Served connections by their `Hello` nonce, for `Fence`.
+    pub served: Mutex<HashMap<[u8; 16], Arc<Served>>>,
+    /// Connections aborted by a peer's `Fence`.
+    pub fenced: AtomicUsize,
+    /// Frames refused from peers (malformed, wrong key, ...), for tests and reports.
+    pub refused: AtomicUsize,
+    /// Serving-side counters per (peer, local rail): what peers read from and wrote into us.
+    pub served_stats: ServedTable,
+    /// UCX state (one context per rail, every region mapped) when `cfg.transport` is Ucx.
+    pub(crate) ucx: Option<Arc<UcxAgent>>,
+    /// CUDA IPC handles given to peers, and their watch connections (revocation).
+    pub(crate) ipc_exports: crate::ipc::Exports,
+}
+
+impl Shared {
+    pub fn metadata(&self) -> AgentMeta {
+        AgentMeta {
+            name: self.ctx.name.clone(),
+            incarnation: self.ctx.incarnation,
+            rails: self.rails_meta.clone(),
+            regions: self.registry.exported(),
+        }
+    }
+
+    /// Install metadata for a peer (replacing an older life of it).
+    pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
+        if meta.name.is_empty() {
+            return Err(Error::Metadata("metadata has an empty agent name".into()));
+        }
+        if meta.name == self.ctx.name {
+            return Err(Error::Metadata(format!("metadata is this agent's own ({:?})", meta.name)));
+        }
+        let name = meta.name.clone();
+        let peer = Arc::new(Peer::new(meta, addr_hint, self.ctx.clone()));
+        if let Some(old) = self.peers.write().expect("peers lock").insert(name.clone(), peer) {
+            old.close();
+        }
+        Ok(name)
     }
 }
 
@@ -348,7 +403,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         return;
     }
     if role == Role::IpcWatch {
-        crate::ipc::serve_watch(sh, &mut s, conn_id, &peer_name);
+        crate::ipc::serve_watch(&sh.ctx, &sh.ipc_exports, &mut s, conn_id, &peer_name);
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
@@ -568,7 +623,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 }
             },
             Body::IpcReq { host, watch, regions } => {
-                let answer = crate::ipc::answer(sh, &peer_name, host, watch, &regions);
+                let answer = crate::ipc::answer(&sh.ctx.cfg, &sh.registry, &sh.ipc_exports, &peer_name, host, watch, &regions);
                 wire::send(&mut s, &answer, h.req_id, &mut op_tick)
             }
             Body::Notif(msg) => {
@@ -695,7 +750,7 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
     if me.fenced.load(Ordering::Acquire) {
         return;
     }
-    let r = crate::transport::ucx::serve_session(sh, ucx, s, &me.fenced, who);
+    let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, &me.fenced, who);
     drop(guard);
     if let Err((status, msg)) = r {
         if !msg.is_empty() {

@@ -12,7 +12,6 @@ use multirail_proto::Pair;
 
 use crate::config::Progress;
 use crate::error::{Error, Result};
-use crate::peer::Peer;
 use crate::registry::Region;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,9 +72,41 @@ impl XferState {
     }
 }
 
+/// What a transfer needs from the peer it goes to (implemented by `Peer`): the transfer types
+/// sit below the peer, the link and the transports, and name none of them.
+pub(crate) trait Poster: Send + Sync {
+    fn name(&self) -> &str;
+    /// Post `x` (on a link, or by CUDA IPC). `will_drive`: the caller waits for it next.
+    fn submit(&self, x: Arc<XferShared>, will_drive: bool) -> Result<()>;
+    /// Let the waiting caller complete `x` itself (`Link::drive`); false when it cannot.
+    fn drive(&self, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool;
+    /// Abort `x`; returns once no path holds a chunk of it.
+    fn cancel(&self, x: &Arc<XferShared>);
+    /// The agent's progress mode and spin budget (for waiting callers).
+    fn progress(&self) -> (Progress, Duration);
+    /// A post ended (DONE, or in ERROR): the peer's counters.
+    fn count(&self, ok: bool);
+    /// Send a notification to the peer (after a transfer by CUDA IPC).
+    fn send_notif(&self, msg: &[u8]) -> Result<()>;
+    /// The device kind local GPU memory is (the agent's `gpu` setting): the stream contract's
+    /// events are made on it.
+    fn gpu_kind(&self) -> multirail_gpu::GpuKind;
+}
+
+/// What a prepared IPC transfer does when posted: copies on the mapping's device.
+pub(crate) struct IpcPlan {
+    pub gpu: multirail_gpu::Gpu,
+    /// (kind, dst, src, len).
+    pub copies: Vec<(multirail_gpu::CopyKind, u64, u64, u64)>,
+    /// (region, mapping generation) of every mapping the copies use (crate::ipc checks them
+    /// under its copy lock: a revoked mapping is never copied into).
+    pub uses: Vec<(u64, u64)>,
+}
+
 pub(crate) struct XferShared {
     pub op: Op,
-    pub peer: Arc<Peer>,
+    /// The peer it goes to (`Peer`), which posts it on a link.
+    pub peer: Arc<dyn Poster>,
     pub pairs: Arc<Vec<Pair>>,
     pub total: u64,
     pub notif: Mutex<Vec<u8>>,
@@ -94,7 +125,7 @@ pub(crate) struct XferShared {
     vram: Vec<(u64, u64, u32)>,
     /// Set when the transfer goes by CUDA IPC (same host, remote GPU memory): device copies
     /// instead of the rails (crate::ipc).
-    pub(crate) ipc: Option<crate::ipc::IpcPlan>,
+    pub(crate) ipc: Option<IpcPlan>,
     /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
     pub(crate) via_gpu_link: bool,
     /// The stream contract (docs/gpu.md): events recorded at post on the application's stream,
@@ -118,11 +149,11 @@ struct GpuOrder {
 impl XferShared {
     pub fn new(
         op: Op,
-        peer: Arc<Peer>,
+        peer: Arc<dyn Poster>,
         pairs: Vec<Pair>,
         notif: Vec<u8>,
         hold: Vec<Arc<Region>>,
-        ipc: Option<crate::ipc::IpcPlan>,
+        ipc: Option<IpcPlan>,
         via_gpu_link: bool,
     ) -> Arc<XferShared> {
         let total = pairs.iter().map(|p| p.len).sum();
@@ -250,11 +281,7 @@ impl XferShared {
         if self.state() != XferState::InProgress {
             return;
         }
-        let counters = &self.peer.counters;
-        match &result {
-            Ok(()) => counters.transfers_done.fetch_add(1, Ordering::Relaxed),
-            Err(_) => counters.transfers_failed.fetch_add(1, Ordering::Relaxed),
-        };
+        self.peer.count(result.is_ok());
         match result {
             Ok(()) => self.state.store(XferState::Done as u8, Ordering::Release),
             Err(e) => {
@@ -409,7 +436,7 @@ impl XferHandle {
             if self.0.state() == XferState::InProgress {
                 return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
             }
-            self.0.record_gpu_order(self.0.peer.ctx.cfg.staging.gpu, stream)?;
+            self.0.record_gpu_order(self.0.peer.gpu_kind(), stream)?;
         }
         self.0.begin()?;
         let x = self.0.clone();
@@ -473,49 +500,5 @@ impl XferHandle {
         }
         // Nothing touches the local memory any more: let it be deregistered.
         self.0.hold.lock().expect("xfer lock").clear();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::peer::{find_region, Lookup};
-
-    /// The lookup that `prepare` uses for runs of rows answers exactly as `find_region`, also
-    /// with overlapping, nested, adjacent and duplicate-base regions, empty rows and rows
-    /// whose end overflows.
-    #[test]
-    fn lookup_answers_as_find_region() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rand = |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
-        let mut total_hits = 0;
-        for _ in 0..200 {
-            let mut regions: Vec<(u64, u64)> = (0..1 + rand(6)).map(|_| (rand(64) * 16, 1 + rand(96))).collect();
-            regions.sort_by_key(|&(b, l)| (b, std::cmp::Reverse(l)));
-            let (mut look, mut end, mut hits) = (Lookup::new(), 0u64, 0);
-            for _ in 0..300 {
-                // Mostly runs (a row starting where the last one ended), then jumps.
-                let (addr, len) = match rand(20) {
-                    0 => (u64::MAX - rand(4), rand(8)),
-                    1..=12 => (end, rand(24)),
-                    _ => (rand(1100), rand(40)),
-                };
-                end = addr.saturating_add(len);
-                let want = find_region(&regions, addr, len, |r| *r);
-                let got = look.find(&regions, addr, len, |r| *r);
-                hits += got.is_some_and(|(_, searched)| !searched) as usize;
-                let got = got.map(|(k, _)| k);
-                assert_eq!(got, want, "row ({addr}, {len}) in {regions:?}");
-                if let Some(k) = got {
-                    assert_eq!(look.base, regions[k].0);
-                }
-            }
-            total_hits += hits;
-        }
-        assert!(total_hits > 1000, "the fast path was taken {total_hits} times");
     }
 }

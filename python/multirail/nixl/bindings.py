@@ -22,16 +22,11 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import enum
-import hashlib
-import hmac
 import itertools
 import logging
 import math
 import os
-import socket
 import struct
-import sys
 import threading
 import time
 from typing import Any, Optional, Sequence
@@ -40,611 +35,91 @@ import numpy as np
 
 from multirail import errors as _mr
 
+from ._enums import (  # noqa: F401  (moved there; names kept here)
+    _Enum,
+    nixl_mem_t,
+    nixl_xfer_op_t,
+    nixl_status_t,
+    nixl_thread_sync_t,
+    nixl_cost_t,
+    NIXL_THREAD_SYNC_NONE,
+    NIXL_THREAD_SYNC_STRICT,
+    NIXL_THREAD_SYNC_RW,
+    NIXL_THREAD_SYNC_DEFAULT,
+    NIXL_INIT_AGENT,
+    DEFAULT_COMM_PORT,
+    HAVE_UCX_GPU_DEVICE_API,
+    _PLUGINS,
+    _PLUGIN_MEMS,
+    nixlNotPostedError,
+    nixlInvalidParamError,
+    nixlBackendError,
+    nixlNotFoundError,
+    nixlMismatchError,
+    nixlNotAllowedError,
+    nixlRepostActiveError,
+    nixlUnknownError,
+    nixlNotSupportedError,
+    nixlRemoteDisconnectError,
+    nixlCancelledError,
+    nixlNoTelemetryError,
+    _STATUS_NAME,
+    _ERROR_MAP,
+    _COMBINED,
+    _err,
+    _nixl_error,
+    _U64,
+    _mem_arg,
+    _MEM_NAMES,
+    _MEM_STR,
+    _u,
+    _meta_bytes,
+    _rows_from_array,
+)
+for _e in (nixl_mem_t, nixl_xfer_op_t, nixl_status_t, nixl_cost_t):  # pybind11 export_values()
+    globals().update(_e.__members__)
+
+from ._dlist import (  # noqa: F401  (moved there; names kept here)
+    _DList,
+    type_name,
+    nixlXferDList,
+    nixlRegDList,
+    nixlRemoteDList,
+    _MAGIC,
+    _HEADER,
+    _HEADER_V1,
+    _MAX_DESCS,
+    _KINDS,
+    _serialize,
+    _deserialize,
+    _restore,
+)
+from ._remote import (  # noqa: F401  (moved there; names kept here)
+    _MD_MAGIC,
+    _PARTIAL_MAGIC,
+    _Meta,
+    _FRAME,
+    _K_HELLO,
+    _K_CHALLENGE,
+    _K_AUTH,
+    _K_WELCOME,
+    _K_RESP,
+    _K_METAGET,
+    _K_META,
+    _K_METAPUT,
+    _K_ERROR,
+    _control,
+    _recv_exact,
+    _STATUS_ERRORS,
+    _status_error,
+    STORE_FACTORY,
+    _etcd_url,
+    _EngineKV,
+)
+
 _log = logging.getLogger("multirail.nixl.bindings")
 
 # ------------------------------------------------------------------------ enums and constants
-
-
-class _Enum(enum.IntEnum):
-    """pybind11-style enum: compares equal to its int, `str` is "type.NAME"."""
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}.{self.name}"
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__}.{self.name}: {int(self)}>"
-
-
-class nixl_mem_t(_Enum):
-    DRAM_SEG = 0
-    VRAM_SEG = 1
-    BLK_SEG = 2
-    OBJ_SEG = 3
-    FILE_SEG = 4
-
-
-class nixl_xfer_op_t(_Enum):
-    NIXL_READ = 0
-    NIXL_WRITE = 1
-
-
-class nixl_status_t(_Enum):
-    NIXL_IN_PROG = 1
-    NIXL_SUCCESS = 0
-    NIXL_ERR_NOT_POSTED = -1
-    NIXL_ERR_INVALID_PARAM = -2
-    NIXL_ERR_BACKEND = -3
-    NIXL_ERR_NOT_FOUND = -4
-    NIXL_ERR_MISMATCH = -5
-    NIXL_ERR_NOT_ALLOWED = -6
-    NIXL_ERR_REPOST_ACTIVE = -7
-    NIXL_ERR_UNKNOWN = -8
-    NIXL_ERR_NOT_SUPPORTED = -9
-
-
-class nixl_thread_sync_t(_Enum):
-    NIXL_THREAD_SYNC_NONE = 0
-    NIXL_THREAD_SYNC_STRICT = 1
-    NIXL_THREAD_SYNC_RW = 2
-    NIXL_THREAD_SYNC_DEFAULT = 0  # alias of NONE, as in NIXL
-
-
-class nixl_cost_t(_Enum):
-    NIXL_COST_ANALYTICAL_BACKEND = 0
-
-
-for _e in (nixl_mem_t, nixl_xfer_op_t, nixl_status_t, nixl_cost_t):  # pybind11 export_values()
-    globals().update(_e.__members__)
-NIXL_THREAD_SYNC_NONE = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE
-NIXL_THREAD_SYNC_STRICT = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-NIXL_THREAD_SYNC_RW = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
-NIXL_THREAD_SYNC_DEFAULT = nixl_thread_sync_t.NIXL_THREAD_SYNC_DEFAULT
-
-NIXL_INIT_AGENT = ""
-DEFAULT_COMM_PORT = 8888
-# multirail has no GPU device-side API (prep_mem_view: GPU kernels posting transfers); VRAM
-# itself registers and moves like DRAM (docs/gpu.md).
-HAVE_UCX_GPU_DEVICE_API = False
-
-# Plugins: names NIXL scripts ask for that mean "the multirail engine".
-_PLUGINS = ("UCX", "MULTIRAIL")
-_PLUGIN_MEMS = ["DRAM_SEG", "VRAM_SEG"]
-
-# --------------------------------------------------------------------------------- exceptions
-
-
-class nixlNotPostedError(Exception):
-    """NIXL_ERR_NOT_POSTED"""
-
-
-class nixlInvalidParamError(Exception):
-    """NIXL_ERR_INVALID_PARAM"""
-
-
-class nixlBackendError(Exception):
-    """NIXL_ERR_BACKEND"""
-
-
-class nixlNotFoundError(Exception):
-    """NIXL_ERR_NOT_FOUND"""
-
-
-class nixlMismatchError(Exception):
-    """NIXL_ERR_MISMATCH"""
-
-
-class nixlNotAllowedError(Exception):
-    """NIXL_ERR_NOT_ALLOWED"""
-
-
-class nixlRepostActiveError(Exception):
-    """NIXL_ERR_REPOST_ACTIVE"""
-
-
-class nixlUnknownError(Exception):
-    """NIXL_ERR_UNKNOWN"""
-
-
-class nixlNotSupportedError(Exception):
-    """NIXL_ERR_NOT_SUPPORTED"""
-
-
-class nixlRemoteDisconnectError(Exception):
-    """NIXL_ERR_REMOTE_DISCONNECT"""
-
-
-class nixlCancelledError(Exception):
-    """NIXL_ERR_CANCELED"""
-
-
-class nixlNoTelemetryError(Exception):
-    """NIXL_ERR_NO_TELEMETRY"""
-
-
-_STATUS_NAME = {
-    nixlNotPostedError: "NIXL_ERR_NOT_POSTED", nixlInvalidParamError: "NIXL_ERR_INVALID_PARAM",
-    nixlBackendError: "NIXL_ERR_BACKEND", nixlNotFoundError: "NIXL_ERR_NOT_FOUND",
-    nixlMismatchError: "NIXL_ERR_MISMATCH", nixlNotAllowedError: "NIXL_ERR_NOT_ALLOWED",
-    nixlRepostActiveError: "NIXL_ERR_REPOST_ACTIVE", nixlUnknownError: "NIXL_ERR_UNKNOWN",
-    nixlNotSupportedError: "NIXL_ERR_NOT_SUPPORTED", nixlRemoteDisconnectError: "NIXL_ERR_REMOTE_DISCONNECT",
-    nixlCancelledError: "NIXL_ERR_CANCELED", nixlNoTelemetryError: "NIXL_ERR_NO_TELEMETRY",
-}
-
-# multirail error class -> NIXL exception class (most specific first; see docs/nixl.md).
-_ERROR_MAP: tuple[tuple[type, type], ...] = (
-    (_mr.UnknownPeerError, nixlNotFoundError),
-    (_mr.NotRegisteredError, nixlNotFoundError),
-    (_mr.OutOfBoundsError, nixlNotFoundError),
-    (_mr.LengthMismatchError, nixlInvalidParamError),
-    (_mr.InvalidArgumentError, nixlInvalidParamError),
-    (_mr.AccessDeniedError, nixlNotAllowedError),
-    (_mr.AuthenticationError, nixlNotAllowedError),
-    (_mr.VersionMismatchError, nixlMismatchError),
-    (_mr.MetadataError, nixlMismatchError),
-    (_mr.PeerLostError, nixlRemoteDisconnectError),
-    (_mr.ProtocolError, nixlBackendError),
-    (_mr.TransferTimeoutError, nixlBackendError),
-    (_mr.AddressInUseError, nixlBackendError),
-    (_mr.TransferError, nixlBackendError),
-    (_mr.GpuError, nixlBackendError),  # as NIXL's backend failing to register GPU memory
-) + (((_mr.MetadataStoreError, nixlBackendError),) if hasattr(_mr, "MetadataStoreError") else ())
-_COMBINED: dict[tuple[type, type], type] = {}
-
-
-def _err(cls: type, msg: str = "") -> Exception:
-    """A NIXL exception with NIXL's status text (and our explanation after it)."""
-    name = _STATUS_NAME[cls]
-    return cls(f"{name}: {msg}" if msg else name)
-
-
-def _nixl_error(e: BaseException, cls: Optional[type] = None) -> Exception:
-    """The NIXL exception for a multirail error: an instance of both (so either `except` works)."""
-    if cls is None:
-        cls = next((n for m, n in _ERROR_MAP if isinstance(e, m)), nixlUnknownError)
-    key = (cls, type(e))
-    both = _COMBINED.get(key)
-    if both is None:
-        try:
-            both = type(cls.__name__, (cls, type(e)), {"__module__": __name__, "__str__": Exception.__str__})
-        except TypeError:  # incompatible layouts: the NIXL class alone
-            both = cls
-        _COMBINED[key] = both
-    out = both(f"{_STATUS_NAME[cls]}: {e}")
-    out.__cause__ = e
-    return out
-
-
-# ----------------------------------------------------------------------- descriptor lists
-
-_U64 = np.uint64
-
-
-def _mem_arg(mem: Any) -> nixl_mem_t:
-    if isinstance(mem, nixl_mem_t):
-        return mem
-    if isinstance(mem, str):  # multirail extension: "DRAM", "VRAM", "cpu", "cuda", "DRAM_SEG", ...
-        got = _MEM_NAMES.get(mem)
-        if got is None:
-            raise TypeError(f"unknown memory type {mem!r}")
-        return got
-    if isinstance(mem, (int, np.integer)) and not isinstance(mem, bool):
-        return nixl_mem_t(int(mem))
-    raise TypeError(f"memory type must be a nixl_mem_t, not {type(mem).__name__}")
-
-
-_MEM_NAMES = {"DRAM": DRAM_SEG, "VRAM": VRAM_SEG, "FILE": FILE_SEG, "BLOCK": BLK_SEG, "BLK": BLK_SEG,  # noqa: F821
-              "OBJ": OBJ_SEG, "cpu": DRAM_SEG, "cuda": VRAM_SEG}  # noqa: F821
-_MEM_NAMES.update({m.name: m for m in nixl_mem_t})
-_MEM_STR = {nixl_mem_t.DRAM_SEG: "DRAM", nixl_mem_t.VRAM_SEG: "VRAM", nixl_mem_t.BLK_SEG: "BLOCK",
-            nixl_mem_t.OBJ_SEG: "OBJ", nixl_mem_t.FILE_SEG: "FILE"}
-
-
-def _u(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise TypeError(f"descriptor {what} must be an int, not {type(v).__name__}")
-    v = int(v)
-    if v < 0 or v >= 1 << 64:
-        raise ValueError(f"descriptor {what} {v} does not fit in 64 unsigned bits")
-    return v
-
-
-def _meta_bytes(m: Any) -> bytes:
-    if isinstance(m, str):
-        return m.encode()
-    if isinstance(m, (bytes, bytearray, memoryview)):
-        return bytes(m)
-    raise TypeError(f"descriptor metadata must be str or bytes, not {type(m).__name__}")
-
-
-def _rows_from_array(a: np.ndarray) -> tuple[np.ndarray, bool]:
-    """(rows, borrowed) from an Nx3 array: a C-contiguous uint64 one is used as is."""
-    if a.ndim != 2 or a.shape[1] != 3:
-        raise ValueError("descs must be a Nx3 numpy array")
-    if a.dtype.kind not in "ui":
-        raise ValueError("descs must be a Nx3 numpy array of uint64 or int64")
-    if a.dtype not in (np.dtype(np.uint64), np.dtype(np.int64)):
-        raise ValueError("descs must be a Nx3 numpy array of uint64 or int64")
-    if not a.flags.c_contiguous:
-        raise ValueError("descs must be a C-contiguous numpy array")
-    if a.dtype == _U64:
-        return a, True
-    if a.size and (a < 0).any():
-        raise ValueError("descriptor rows must be non-negative")
-    return a.astype(_U64), False
-
-
-class _DList:
-    """Common part of the descriptor lists: rows in a growable uint64 buffer (view `rows`)."""
-
-    _WIDTH = 3
-    __hash__ = None  # type: ignore[assignment]  # mutable, like NIXL's lists
-
-    def __init__(self, type: Any = nixl_mem_t.DRAM_SEG, descs: Any = 0, *, init_size: Optional[int] = None) -> None:
-        self._type = _mem_arg(type)
-        self._meta: Optional[list[bytes]] = None
-        self._names: Optional[list[str]] = None
-        self._keep: Any = None  # objects the rows point into (tensors/arrays), kept alive
-        if init_size is not None:
-            descs = init_size
-        if isinstance(descs, (int, np.integer)) and not isinstance(descs, bool):
-            self._buf, self._n, self._borrowed = np.zeros((int(descs), 3), dtype=_U64), int(descs), False
-            if self._WIDTH == 4:
-                self._fill_names(int(descs))
-        elif isinstance(descs, np.ndarray):
-            if self.__class__ is nixlRemoteDList:
-                raise TypeError("nixlRemoteDList takes a list of (addr, len, dev_id, agent_name) tuples")
-            self._buf, self._borrowed = _rows_from_array(descs)
-            self._n = int(self._buf.shape[0])
-        elif isinstance(descs, list):
-            self._set_from_tuples(descs)
-        else:
-            raise TypeError(f"descs must be a list of tuples or an Nx3 numpy array, not {type_name(descs)}")
-
-    # -- construction helpers
-    def _fill_names(self, n: int) -> None:
-        pass
-
-    def _set_from_tuples(self, descs: list) -> None:
-        w = self._WIDTH
-        if all(type(d) is tuple and len(d) == w for d in descs):
-            try:  # fast path: numpy converts the ints (range-checked) in C
-                buf = np.array(descs if w == 3 else [d[:3] for d in descs], dtype=_U64).reshape(-1, 3)
-                self._buf, self._n, self._borrowed = buf, len(descs), False
-                if w == 4:
-                    self._set_extra([d[3] for d in descs])
-                return
-            except (OverflowError, ValueError, TypeError):
-                pass  # the loop below names the bad descriptor
-        buf = np.empty((len(descs), 3), dtype=_U64)
-        extra: list = []
-        for i, d in enumerate(descs):
-            if not isinstance(d, tuple):
-                raise TypeError("Each descriptor must be a tuple when provided as a list")
-            if len(d) != w:
-                raise ValueError(f"Each descriptor tuple must have exactly {w} elements")
-            buf[i] = (_u(d[0], "address"), _u(d[1], "length"), _u(d[2], "device id"))
-            if w == 4:
-                extra.append(d[3])
-        self._buf, self._n, self._borrowed = buf, len(descs), False
-        if w == 4:
-            self._set_extra(extra)
-
-    def _set_extra(self, extra: list) -> None:
-        pass
-
-    # -- storage
-    @property
-    def rows(self) -> np.ndarray:
-        """The (N, 3) uint64 rows (address, length, device): C-contiguous, no copy."""
-        return self._buf if self._n == self._buf.shape[0] else self._buf[: self._n]
-
-    @property
-    def mem_type(self) -> str:
-        """multirail's name of the memory type ("DRAM", "VRAM", "FILE", ...)."""
-        return _MEM_STR[self._type]
-
-    def _own(self, extra: int = 0) -> None:
-        """Make the buffer ours (copy a borrowed array) with room for `extra` more rows."""
-        need = self._n + extra
-        if self._borrowed or need > self._buf.shape[0]:
-            cap = max(need, 8, 2 * self._buf.shape[0] if extra else need)
-            buf = np.zeros((cap, 3), dtype=_U64)
-            buf[: self._n] = self._buf[: self._n]
-            self._buf, self._borrowed = buf, False
-
-    def _index(self, i: Any) -> int:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"descriptor index must be an int, not {type_name(i)}")
-        i = int(i)
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(f"descriptor index {i} out of range for {self._n} descriptors")
-        return i
-
-    # -- NIXL's methods
-    def getType(self) -> nixl_mem_t:
-        return self._type
-
-    def descCount(self) -> int:
-        return self._n
-
-    def isEmpty(self) -> bool:
-        return self._n == 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __bool__(self) -> bool:  # NIXL's lists are always truthy (`if not descs` tests for None)
-        return True
-
-    def __iter__(self):
-        return (self[i] for i in range(self._n))
-
-    def _row(self, i: int) -> tuple:
-        a, n, d = self._buf[i]
-        return int(a), int(n), int(d)
-
-    def __getitem__(self, i: Any) -> tuple:
-        return self._row(self._index(i))
-
-    def _parse(self, desc: Any) -> tuple:
-        if not isinstance(desc, tuple) or len(desc) != self._WIDTH:
-            raise ValueError(f"a descriptor is a tuple of {self._WIDTH} elements")
-        return (_u(desc[0], "address"), _u(desc[1], "length"), _u(desc[2], "device id")) + tuple(desc[3:])
-
-    def __setitem__(self, i: Any, desc: tuple) -> None:
-        i = self._index(i)
-        d = self._parse(desc)
-        self._own()
-        self._buf[i] = d[:3]
-        self._set_one(i, d)
-
-    def _set_one(self, i: int, d: tuple) -> None:
-        pass
-
-    def addDesc(self, desc: tuple) -> None:
-        d = self._parse(desc)
-        self._own(1)
-        self._buf[self._n] = d[:3]
-        self._n += 1
-        self._add_one(d)
-
-    append = addDesc
-
-    def _add_one(self, d: tuple) -> None:
-        pass
-
-    def remDesc(self, index: int) -> None:
-        i = self._index(index)
-        self._own()
-        self._buf[i : self._n - 1] = self._buf[i + 1 : self._n]
-        self._n -= 1
-        self._rem_one(i)
-
-    def _rem_one(self, i: int) -> None:
-        pass
-
-    def clear(self) -> None:
-        self._buf, self._n, self._borrowed = np.zeros((0, 3), dtype=_U64), 0, False
-        self._clear_extra()
-
-    def _clear_extra(self) -> None:
-        pass
-
-    def index(self, desc: tuple) -> int:
-        d = self._parse(desc)
-        for i in np.flatnonzero((self.rows == np.array(d[:3], dtype=_U64)).all(axis=1)):
-            if self._row_extra(int(i)) == d[3:]:
-                return int(i)
-        raise _err(nixlNotFoundError, "descriptor not in the list")
-
-    def _row_extra(self, i: int) -> tuple:
-        return ()
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _DList):
-            return NotImplemented
-        if other.__class__ is not self.__class__ or self._type != other._type or self._n != other._n:
-            return False
-        if not np.array_equal(self.rows, other.rows):
-            return False
-        return self._WIDTH == 3 or all(self._row_extra(i) == other._row_extra(i) for i in range(self._n))
-
-    def __ne__(self, other: object) -> bool:
-        r = self.__eq__(other)
-        return r if r is NotImplemented else not r
-
-    def print(self) -> None:
-        print(f"DescList of mem type {int(self._type)}")
-        for i in range(self._n):
-            print(f"  {self[i]}")
-        sys.stdout.flush()
-
-    def __repr__(self) -> str:
-        total = int(self.rows[:, 1].sum()) if self._n else 0
-        return f"{type(self).__name__}({self._type.name}, {self._n} descs, {total} bytes)"
-
-    def total_bytes(self) -> int:
-        return int(self.rows[:, 1].sum()) if self._n else 0
-
-    # -- pickling: the safe binary format below, never a pickle of internals
-    def __getstate__(self) -> bytes:
-        return _serialize(self)
-
-    def __setstate__(self, state: bytes) -> None:
-        other = _deserialize(state)
-        if type(other) is not type(self):
-            raise TypeError(f"state is a {type(other).__name__}, not a {type(self).__name__}")
-        self.__dict__.update(other.__dict__)
-
-    def __reduce__(self):
-        return (_restore, (_serialize(self),))
-
-
-def type_name(o: Any) -> str:
-    return type(o).__name__
-
-
-class nixlXferDList(_DList):
-    """NIXL's transfer descriptor list: (address, length, device id) rows of one memory type."""
-
-
-class nixlRegDList(_DList):
-    """NIXL's registration list: (address, length, device id, metadata) rows; `trim()` gives
-    the transfer list of the same rows."""
-
-    _WIDTH = 4
-
-    def _set_extra(self, extra: list) -> None:
-        metas = [_meta_bytes(m) for m in extra]
-        self._meta = metas if any(metas) else None
-
-    def _metas(self) -> list[bytes]:
-        if self._meta is None:
-            self._meta = [b""] * self._n
-        return self._meta
-
-    def _row_extra(self, i: int) -> tuple:
-        return (self._meta[i] if self._meta is not None else b"",)
-
-    def _parse(self, desc: Any) -> tuple:
-        d = super()._parse(desc)
-        return d[:3] + (_meta_bytes(d[3]),)
-
-    def _row(self, i: int) -> tuple:
-        return super()._row(i) + self._row_extra(i)
-
-    def _set_one(self, i: int, d: tuple) -> None:
-        if d[3] or self._meta is not None:
-            self._metas()[i] = d[3]
-
-    def _add_one(self, d: tuple) -> None:
-        if d[3] or self._meta is not None:
-            m = self._metas() if self._meta is not None else [b""] * (self._n - 1)
-            m.append(d[3])
-            self._meta = m
-
-    def _rem_one(self, i: int) -> None:
-        if self._meta is not None:
-            del self._meta[i]
-
-    def _clear_extra(self) -> None:
-        self._meta = None
-
-    def trim(self) -> nixlXferDList:
-        out = nixlXferDList(self._type, self.rows.copy())
-        out._keep = self._keep
-        return out
-
-
-class nixlRemoteDList(_DList):
-    """NIXL's remote descriptor list: (address, length, device id, agent name) rows (used by
-    `prep_mem_view`, which needs the GPU device API multirail does not have)."""
-
-    _WIDTH = 4
-
-    def _fill_names(self, n: int) -> None:
-        self._names = [""] * n
-
-    def _set_extra(self, extra: list) -> None:
-        self._names = [str(x) for x in extra]
-
-    def _row_extra(self, i: int) -> tuple:
-        return (self._names[i],) if self._names is not None else ("",)
-
-    def _row(self, i: int) -> tuple:
-        return super()._row(i) + self._row_extra(i)
-
-    def _parse(self, desc: Any) -> tuple:
-        d = super()._parse(desc)
-        return d[:3] + (str(d[3]),)
-
-    def _set_one(self, i: int, d: tuple) -> None:
-        self._names[i] = d[3]  # type: ignore[index]
-
-    def _add_one(self, d: tuple) -> None:
-        self._names = (self._names or [])
-        self._names.append(d[3])
-
-    def _rem_one(self, i: int) -> None:
-        del self._names[i]  # type: ignore[union-attr]
-
-    def _clear_extra(self) -> None:
-        self._names = []
-
-    def index(self, desc: tuple) -> int:  # not in NIXL's nixlRemoteDList
-        raise AttributeError("index")
-
-
-# Serialized lists: fixed binary layout, never pickle. "MRXD", u8 version, u8 memory type,
-# u8 kind (0 xfer, 1 reg), pad, u64 count, count x (addr, len, dev) little-endian u64, then for
-# a registration list count x (u32 length + metadata bytes). Version 1 (no kind, DRAM/VRAM
-# only) is still read.
-_MAGIC = b"MRXD"
-_HEADER = struct.Struct("<4sBBBxQ")
-_HEADER_V1 = struct.Struct("<4sBBxxQ")
-_MAX_DESCS = 1 << 24
-_KINDS = {0: nixlXferDList, 1: nixlRegDList}
-
-
-def _serialize(d: _DList) -> bytes:
-    if isinstance(d, nixlRemoteDList):
-        raise TypeError("nixlRemoteDList is not serializable")
-    kind = 1 if isinstance(d, nixlRegDList) else 0
-    rows = np.ascontiguousarray(d.rows, dtype="<u8")
-    out = [_HEADER.pack(_MAGIC, 2, int(d._type), kind, d._n), rows.tobytes()]
-    if kind:
-        metas = d._meta if d._meta is not None else [b""] * d._n
-        out += [struct.pack("<I", len(m)) + m for m in metas]
-    return b"".join(out)
-
-
-def _deserialize(blob: Any) -> _DList:
-    """Parse `_serialize` output; MetadataError (never a crash) on anything else."""
-    data = bytes(blob)
-    if len(data) < 8 or data[:4] != _MAGIC:
-        raise _mr.MetadataError("not a multirail.nixl descriptor list (bad magic or truncated)")
-    version = data[4]
-    if version == 1:
-        if len(data) < _HEADER_V1.size:
-            raise _mr.MetadataError("serialized descriptor list is truncated")
-        _, _, code, count = _HEADER_V1.unpack_from(data)
-        kind, off = 0, _HEADER_V1.size
-        if code not in (0, 1):
-            raise _mr.MetadataError("malformed descriptor list (memory type)")
-    elif version == 2:
-        if len(data) < _HEADER.size:
-            raise _mr.MetadataError("serialized descriptor list is truncated")
-        _, _, code, kind, count = _HEADER.unpack_from(data)
-        off = _HEADER.size
-    else:
-        raise _mr.MetadataError(f"descriptor list version {version} is not supported (expected 1 or 2)")
-    if code not in nixl_mem_t._value2member_map_ or kind not in _KINDS or count > _MAX_DESCS:
-        raise _mr.MetadataError("malformed descriptor list (memory type, kind or count)")
-    end = off + 24 * count
-    if len(data) < end or (kind == 0 and len(data) != end):
-        raise _mr.MetadataError("malformed descriptor list (length)")
-    rows = np.frombuffer(data, dtype="<u8", count=3 * count, offset=off).reshape(count, 3).astype(_U64)
-    out = _KINDS[kind](nixl_mem_t(code), rows)
-    if kind == 1:
-        metas, p = [], end
-        for _ in range(count):
-            if p + 4 > len(data):
-                raise _mr.MetadataError("malformed registration list (metadata truncated)")
-            (n,) = struct.unpack_from("<I", data, p)
-            if p + 4 + n > len(data):
-                raise _mr.MetadataError("malformed registration list (metadata truncated)")
-            metas.append(data[p + 4 : p + 4 + n])
-            p += 4 + n
-        if p != len(data):
-            raise _mr.MetadataError("malformed registration list (trailing bytes)")
-        out._meta = metas if any(metas) else None
-    return out
-
-
-def _restore(blob: bytes) -> _DList:
-    return _deserialize(blob)
 
 
 # ------------------------------------------------------------------- config and telemetry
@@ -707,234 +182,6 @@ def _telemetry_enabled(requested: bool) -> bool:
 
 
 # -------------------------------------------------------------- metadata blobs (docs/PROTOCOL.md)
-
-_MD_MAGIC = b"MRMD"
-_PARTIAL_MAGIC = b"MRPM"  # partial metadata: b"MRPM", u8 flags (1: connection info), MRMD blob
-
-
-class _Meta:
-    """A decoded multirail metadata blob (name, incarnation, rails, regions by id)."""
-
-    __slots__ = ("name", "incarnation", "rails", "regions")
-
-    def __init__(self, name: str, incarnation: int, rails: list[bytes], regions: dict[int, tuple]) -> None:
-        self.name, self.incarnation, self.rails, self.regions = name, incarnation, rails, regions
-
-    @classmethod
-    def decode(cls, blob: bytes) -> "_Meta":
-        try:
-            return cls._decode(bytes(blob))
-        except (struct.error, UnicodeDecodeError, IndexError) as e:
-            raise _mr.MetadataError(f"cannot parse metadata: {e}") from None
-
-    @classmethod
-    def _decode(cls, b: bytes) -> "_Meta":
-        if b[:4] != _MD_MAGIC:
-            raise _mr.MetadataError("cannot parse metadata: not multirail metadata (bad magic)")
-        (ver,) = struct.unpack_from("<H", b, 4)
-        if ver != 1:
-            raise _mr.VersionMismatchError(f"metadata schema version {ver}, expected 1")
-        p = 6
-        (n,) = struct.unpack_from("<H", b, p)
-        name = b[p + 2 : p + 2 + n].decode()
-        p += 2 + n
-        (inc, nr) = struct.unpack_from("<QI", b, p)
-        p += 12
-        rails = []
-        for _ in range(nr):
-            s = p
-            for _ in range(2):
-                (k,) = struct.unpack_from("<H", b, p)
-                p += 2 + k
-            p += 1 + 2 + 8 + 4 + 4
-            (k,) = struct.unpack_from("<H", b, p)
-            p += 2 + k
-            rails.append(b[s:p])
-        (ng,) = struct.unpack_from("<I", b, p)
-        p += 4
-        regions = {}
-        for _ in range(ng):
-            rid, base, ln, dev, mem, acc = struct.unpack_from("<QQQIBB", b, p)
-            regions[rid] = (base, ln, dev, mem, acc, b[p + 30 : p + 46])
-            p += 46
-        if p != len(b):
-            raise _mr.MetadataError("cannot parse metadata: trailing bytes")
-        return cls(name, inc, rails, regions)
-
-    def encode(self) -> bytes:
-        nb = self.name.encode()
-        out = [_MD_MAGIC, struct.pack("<HH", 1, len(nb)), nb, struct.pack("<QI", self.incarnation, len(self.rails))]
-        out += self.rails
-        out.append(struct.pack("<I", len(self.regions)))
-        for rid, (base, ln, dev, mem, acc, key) in self.regions.items():
-            out.append(struct.pack("<QQQIBB", rid, base, ln, dev, mem, acc) + key)
-        return b"".join(out)
-
-    def with_host(self, ip: str) -> "_Meta":
-        """Rails published with an unspecified address (0.0.0.0) reached at `ip` instead."""
-        rails = []
-        for r in self.rails:
-            (k,) = struct.unpack_from("<H", r, 0)
-            p = 2 + k
-            (k2,) = struct.unpack_from("<H", r, p)
-            addr = r[p + 2 : p + 2 + k2].decode()
-            if addr in ("0.0.0.0", "::") and ip:
-                ib = ip.encode()
-                r = r[: p] + struct.pack("<H", len(ib)) + ib + r[p + 2 + k2 :]
-            rails.append(r)
-        return _Meta(self.name, self.incarnation, rails, dict(self.regions))
-
-    def covers(self, rows: np.ndarray) -> bool:
-        """Whether every (addr, len) row lies inside one region."""
-        if not self.regions:
-            return len(rows) == 0
-        regs = np.array([(b, b + n) for b, n, *_ in self.regions.values()], dtype=np.float64)
-        order = np.argsort(regs[:, 0])
-        starts, ends = regs[order, 0], regs[order, 1]
-        a = rows[:, 0].astype(np.float64)
-        e = a + rows[:, 1].astype(np.float64)
-        k = np.searchsorted(starts, a, side="right") - 1
-        ok = k >= 0
-        return bool(np.all(ok) and np.all(e <= ends[np.clip(k, 0, None)]))
-
-
-# ---------------------------------------------------------------- side-channel control client
-
-_FRAME = struct.Struct("<2sBBIQ")
-_K_HELLO, _K_CHALLENGE, _K_AUTH, _K_WELCOME, _K_RESP, _K_METAGET, _K_META, _K_METAPUT, _K_ERROR = 1, 2, 3, 4, 20, 30, 31, 32, 40
-
-
-def _control(ip: str, port: int, name: str, secret: Optional[bytes], kind: int, body: bytes, timeout: float) -> tuple[int, bytes]:
-    """One request on a peer's side channel (docs/PROTOCOL.md): handshake, request, answer."""
-
-    def send(s: socket.socket, k: int, b: bytes) -> None:
-        s.sendall(_FRAME.pack(b"MR", 1, k, len(b), 0) + b)
-
-    def recv(s: socket.socket) -> tuple[int, bytes]:
-        h = _recv_exact(s, _FRAME.size)
-        magic, ver, k, n, _ = _FRAME.unpack(h)
-        if magic != b"MR" or ver != 1 or n > (16 << 20) + 64:
-            raise _mr.ProtocolError(f"{ip}:{port} sent a frame this version does not read")
-        return k, _recv_exact(s, n)
-
-    try:
-        s = socket.create_connection((ip, int(port)), timeout=timeout)
-    except OSError as e:
-        raise _mr.PeerLostError(f"cannot reach {ip}:{port}: {e}") from None
-    try:
-        nonce = os.urandom(16)
-        nb = name.encode()
-        send(s, _K_HELLO, struct.pack("<HBQH", 1, 1, 0, len(nb)) + nb + nonce)
-        k, b = recv(s)
-        if k == _K_ERROR:
-            raise _status_error(ip, port, b)
-        if k != _K_CHALLENGE:
-            raise _mr.ProtocolError(f"{ip}:{port}: expected Challenge, got kind {k}")
-        auth_required = b[0]
-        snonce = b[9:25]
-        (sn,) = struct.unpack_from("<H", b, 25)
-        sname = b[27 : 27 + sn].decode()
-        proof = bytes(32)
-        if secret:
-            proof = hmac.new(secret, b"multirail-auth-v1 client" + snonce + nonce + nb, hashlib.sha256).digest()
-        elif auth_required:
-            raise _mr.AuthenticationError(f"{ip}:{port} requires a shared secret (MULTIRAIL_SECRET)")
-        send(s, _K_AUTH, proof)
-        k, b = recv(s)
-        if k == _K_ERROR:
-            raise _status_error(ip, port, b)
-        if k != _K_WELCOME:
-            raise _mr.ProtocolError(f"{ip}:{port}: expected Welcome, got kind {k}")
-        if secret:
-            want = hmac.new(secret, b"multirail-auth-v1 server" + nonce + snonce + sname.encode(), hashlib.sha256).digest()
-            if not hmac.compare_digest(want, b[:32]):
-                raise _mr.AuthenticationError(f"{ip}:{port} did not prove the shared secret")
-        send(s, kind, body)
-        return recv(s)
-    except socket.timeout:
-        raise _mr.TransferTimeoutError(f"request to {ip}:{port} timed out") from None
-    except (ConnectionError, OSError) as e:
-        if isinstance(e, _mr.MultirailError):
-            raise
-        raise _mr.PeerLostError(f"{ip}:{port}: {e}") from None
-    finally:
-        s.close()
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        b = s.recv(n - len(out))
-        if not b:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += b
-    return bytes(out)
-
-
-_STATUS_ERRORS = {1: _mr.AccessDeniedError, 2: _mr.AccessDeniedError, 3: _mr.OutOfBoundsError, 4: _mr.ReadOnlyError,
-                  6: _mr.ProtocolError, 7: _mr.VersionMismatchError, 8: _mr.AuthenticationError, 9: _mr.ProtocolError}
-
-
-def _status_error(ip: str, port: int, body: bytes) -> Exception:
-    st, _, mlen = struct.unpack_from("<HQH", body)
-    msg = body[12 : 12 + mlen].decode(errors="replace")
-    if st == 6 and "own" in msg:
-        return _mr.InvalidArgumentError(f"{ip}:{port}: {msg}")
-    return _STATUS_ERRORS.get(st, _mr.TransferError)(f"{ip}:{port}: {msg} (status {st})")
-
-
-# ------------------------------------------------------------------- metadata store (etcd mode)
-
-# Tests (and embedders) may set this to a callable (endpoints, namespace) -> store, where a
-# store has put(key, value: bytes), get(key) -> bytes | None and delete_prefix(prefix).
-STORE_FACTORY: Any = None
-
-
-def _etcd_url(endpoints: str, namespace: str) -> str:
-    """NIXL_ETCD_ENDPOINTS ("http://host:port[,http://host:port]") and NIXL_ETCD_NAMESPACE
-    (default "/nixl/agents/") -> multirail's "etcd://host:port[,host:port]/PREFIX", where
-    PREFIX is the namespace less a trailing "/agents" (multirail keeps agents at PREFIX/agents/NAME,
-    so NIXL's default namespace keeps its default place)."""
-    hosts = []
-    for item in endpoints.split(","):
-        item = item.strip()
-        if item:
-            hosts.append(item.split("://", 1)[-1].rstrip("/"))
-    prefix = namespace.rstrip("/")
-    if prefix.endswith("/agents"):
-        prefix = prefix[: -len("/agents")]
-    return f"etcd://{','.join(hosts)}/{prefix.strip('/')}"
-
-
-class _EngineKV:
-    """Keys for labelled (partial) metadata next to the engine's own records in etcd:
-    PREFIX/nixl/AGENT/LABEL, written under the agent's etcd lease (so they go with the agent)."""
-
-    def __init__(self, ms: Any) -> None:
-        self.ms = ms  # multirail.metadata.MetadataStore
-        self.prefix = ms.address.prefix.rstrip("/") + "/nixl"
-        self._mine: set[bytes] = set()
-
-    def put(self, key: str, value: bytes) -> None:
-        k = key.encode()
-        lease = self.ms.lease
-        if lease is not None:
-            lease.put(k, bytes(value), must=True)
-        else:
-            self.ms.client.put(k, bytes(value), None)
-        self._mine.add(k)
-
-    def get(self, key: str) -> Optional[bytes]:
-        return self.ms.client.get(key.encode())[0]
-
-    def delete_prefix(self, prefix: str) -> None:
-        p = prefix.encode()
-        lease = self.ms.lease
-        for k in [k for k in self._mine if k.startswith(p)]:
-            self._mine.discard(k)
-            if lease is not None:
-                lease.forget(k)
-        self.ms.client.delete(p, prefix=True)
 
 
 # ------------------------------------------------------------------------------- the agent
@@ -1648,3 +895,9 @@ def _strided_rows(a: np.ndarray) -> np.ndarray:
 
 __all__ = [n for n in dir() if n.startswith(("nixl", "NIXL_")) or n.endswith("_SEG")] + [
     "DEFAULT_COMM_PORT", "HAVE_UCX_GPU_DEVICE_API"]
+
+# Classes moved to _enums/_dlist keep this module's name (what NIXL's `_bindings` shows in
+# reprs, and where pickles of descriptor lists find them).
+for _c in list(globals().values()):
+    if isinstance(_c, type) and _c.__module__ in (f"{__package__}._enums", f"{__package__}._dlist") and _c.__name__.startswith("nixl"):
+        _c.__module__ = __name__

@@ -15,78 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Caps, Transport, Verdict};
+use super::{Caps, Host, Transport, Verdict};
 use crate::error::{Error, Result};
-use crate::link::Link;
 use crate::xfer::XferShared;
 
-/// What a fault does to its rail (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FaultKind {
-    Kill,
-    Blackhole,
-    Slow(Duration),
-}
-
-/// One scheduled fault.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fault {
-    pub rail: usize,
-    pub kind: FaultKind,
-    /// From when (after the link opened).
-    pub at: Duration,
-    /// For how long; None: for good.
-    pub dur: Option<Duration>,
-}
-
-fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
-    let s = s.trim();
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1e-3)
-    } else if let Some(n) = s.strip_suffix("us") {
-        (n, 1e-6)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| format!("bad duration {s:?} (e.g. 200ms, 1.5s)"))?;
-    if !(0.0..=86_400.0).contains(&(v * scale)) {
-        return Err(format!("duration {s:?} out of range"));
-    }
-    Ok(Duration::from_secs_f64(v * scale))
-}
-
-impl Fault {
-    /// Parse a schedule: `RAIL:KIND@AT[+DUR]`, comma-separated (see the module docs).
-    pub fn parse_list(s: &str) -> std::result::Result<Vec<Fault>, String> {
-        s.split(',').map(str::trim).filter(|f| !f.is_empty()).map(Fault::parse).collect()
-    }
-
-    pub fn parse(s: &str) -> std::result::Result<Fault, String> {
-        let bad = || format!("fault {s:?} is not RAIL:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY)");
-        let (rail, rest) = s.split_once(':').ok_or_else(bad)?;
-        let rail: usize = rail.trim().parse().map_err(|_| bad())?;
-        let (kind, when) = rest.split_once('@').ok_or_else(bad)?;
-        let kind = match kind.trim() {
-            "kill" => FaultKind::Kill,
-            "blackhole" => FaultKind::Blackhole,
-            k => match k.strip_prefix("slow=") {
-                Some(d) => FaultKind::Slow(parse_duration(d)?),
-                None => return Err(bad()),
-            },
-        };
-        let (at, dur) = match when.split_once('+') {
-            Some((a, d)) => (parse_duration(a)?, Some(parse_duration(d)?)),
-            None => (parse_duration(when)?, None),
-        };
-        Ok(Fault { rail, kind, at, dur })
-    }
-
-    fn active(&self, since: Duration) -> bool {
-        since >= self.at && self.dur.is_none_or(|d| since < self.at + d)
-    }
-}
+/// The schedule's types live with the configuration that carries them.
+pub use crate::config::{Fault, FaultKind};
 
 /// A transport with a fault schedule.
 pub(crate) struct Faulty<T> {
@@ -109,8 +43,8 @@ impl<T: Transport> Faulty<T> {
     }
 
     /// Carry out kills that are due (from the timer thread).
-    fn tick(&self, link: &Link) {
-        for ri in 0..link.rails.len() {
+    fn tick(&self, link: &dyn Host) {
+        for ri in 0..link.rails() {
             for (i, f) in self.active(ri) {
                 if f.kind == FaultKind::Kill {
                     let mut k = self.killed.lock().expect("fault lock");
@@ -134,9 +68,9 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.gpu_detail()
     }
 
-    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
+    fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
         if self.active(ri).any(|(_, f)| f.kind == FaultKind::Kill) {
-            return Err(Error::PeerLost { peer: link.peer_name.clone(), reason: "fault injected: rail killed".into() });
+            return Err(Error::PeerLost { peer: link.peer_name().to_string(), reason: "fault injected: rail killed".into() });
         }
         self.inner.open_rail(link, ri, timeout)?;
         if !self.timer.swap(true, Ordering::AcqRel) && self.faults.iter().any(|f| f.kind == FaultKind::Kill) {
@@ -151,7 +85,7 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
                     if l.is_shutdown() {
                         return;
                     }
-                    l.with_transport(|t| t.tick_faults(&l));
+                    l.tick_faults();
                 })
                 .map_err(|e| Error::io("spawn", e))?;
         }
@@ -162,13 +96,13 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.is_up(ri)
     }
 
-    fn post_ready(&self, link: &Link, will_drive: bool) -> bool {
+    fn post_ready(&self, link: &dyn Host, will_drive: bool) -> bool {
         self.inner.post_ready(link, will_drive)
     }
 
-    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+    fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         // A blackholed or slowed rail must not be bypassed by a caller reading its own answers.
-        if (0..link.rails.len()).any(|ri| self.active(ri).any(|(_, f)| f.kind != FaultKind::Kill)) {
+        if (0..link.rails()).any(|ri| self.active(ri).any(|(_, f)| f.kind != FaultKind::Kill)) {
             return false;
         }
         self.inner.drive(link, x, deadline, poll_only)
@@ -213,7 +147,7 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         v
     }
 
-    fn tick_faults(&self, link: &Link) {
+    fn tick_faults(&self, link: &dyn Host) {
         self.tick(link)
     }
 
@@ -223,31 +157,5 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
 
     fn close(&self) {
         self.inner.close()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_schedules() {
-        let f = Fault::parse_list("1:kill@200ms+1s, 0:slow=2ms@0,2:blackhole@1.5s").unwrap();
-        assert_eq!(f[0], Fault { rail: 1, kind: FaultKind::Kill, at: Duration::from_millis(200), dur: Some(Duration::from_secs(1)) });
-        assert_eq!(f[1], Fault { rail: 0, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None });
-        assert_eq!(f[2].kind, FaultKind::Blackhole);
-        assert_eq!(f[2].at, Duration::from_millis(1500));
-        for bad in ["kill@1s", "x:kill@1s", "1:boom@1s", "1:kill", "1:kill@-1s", "1:slow=@1s", "1:kill@1s+forever"] {
-            assert!(Fault::parse(bad).is_err(), "{bad} accepted");
-        }
-    }
-
-    #[test]
-    fn windows() {
-        let f = Fault { rail: 0, kind: FaultKind::Kill, at: Duration::from_secs(1), dur: Some(Duration::from_secs(2)) };
-        assert!(!f.active(Duration::from_millis(999)));
-        assert!(f.active(Duration::from_secs(1)));
-        assert!(f.active(Duration::from_millis(2999)));
-        assert!(!f.active(Duration::from_secs(3)));
     }
 }

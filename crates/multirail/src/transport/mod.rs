@@ -1,17 +1,20 @@
 //! The transport seam: what one transport (TCP sockets, UCX) does for the rails of one link.
 //!
-//! A [`Link`] is transport-independent: it owns the planner (chunk scheduling, weights, tail
+//! A link (`crate::link`) is transport-independent: it owns the planner (chunk scheduling, weights, tail
 //! balancing), the transfers in flight, failover (a rail's chunks requeued once its last path
 //! stopped), the fence -> reissue -> readmit sequence, notifications and completion. A
-//! [`Transport`] moves chunks over the link's rails and reports back through the link:
+//! [`Transport`] moves chunks over the link's rails and reports back through [`Host`], the narrow
+//! interface the link implements for it (the seam runs one way: nothing here, nor in any
+//! transport, imports the agent, peer, link or server; `tests/layers.rs` checks it):
 //!
 //! | the transport calls | when |
 //! |---|---|
-//! | [`Link::next_chunk`] / [`Link::wait_chunk`] | it has room for one more chunk on a rail |
-//! | [`Link::chunk_done`] | a chunk finished (landed, or refused by the target) |
-//! | [`Link::rail_failed`] | a path of a rail failed (the link then shuts the rail: `shut_rail`) |
-//! | [`Link::path_stopped`] | a path stopped; the last one of a rail runs the rail-down path |
-//! | [`Link::enter`] | before a thread of its own touches registered memory |
+//! | [`Host::next_chunk`] / [`Host::wait_chunk`] | it has room for one more chunk on a rail |
+//! | [`Host::chunk_done`] | a chunk finished (landed, or refused by the target) |
+//! | [`Host::rail_failed`] | a path of a rail failed (the link then shuts the rail: `shut_rail`) |
+//! | [`Host::path_stopped`] | a path stopped; the last one of a rail runs the rail-down path |
+//! | [`Host::enter`] | before a thread of its own touches registered memory |
+//! | [`Host::dial`] | open an authenticated connection on a rail (`net::dial`, peer checked) |
 //!
 //! Rules every transport keeps (the conformance tests in `tests/test_transports.py` check them
 //! through the Python API, for each transport):
@@ -21,7 +24,7 @@
 //!   memory any more, and `fence_ids` names every path of the rail that carried a WRITE: the
 //!   link has the target fence them before any chunk is reissued.
 //! - After `close` returns no new work starts; threads of the transport leave within a tick of
-//!   seeing `Link::is_shutdown` (the link waits for `enter` counts to drain).
+//!   seeing `Host::is_shutdown` (the link waits for `enter` counts to drain).
 //! - Nothing blocks without a deadline. Stalls are not the transport's to decide: the link's
 //!   watchdog asks the planner (`Planner::poll_stalled`), with `quiet_for` as evidence, and shuts
 //!   a stalled rail (`shut_rail`); the transport only has to stop promptly when shut.
@@ -31,14 +34,70 @@
 pub mod faulty;
 pub(crate) mod tcp;
 pub(crate) mod ucx;
-pub(crate) mod ucx_rails;
 
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use multirail_proto::codec::{Role, Status};
+use multirail_proto::{Chunk, ChunkId, RegionKey};
+
+use crate::config::Config;
 use crate::error::Result;
-use crate::link::Link;
+use crate::staging::StageStats;
 use crate::xfer::XferShared;
+
+/// What a transport sees of the link whose rails it carries (implemented by `link::Link`).
+/// Everything else (the planner, transfers, fences, probes, the peer's metadata) stays above.
+pub(crate) trait Host: Send + Sync {
+    /// The peer's name (for errors).
+    fn peer_name(&self) -> &str;
+    /// The agent's configuration (connections, windows, progress mode, staging, timeouts).
+    fn cfg(&self) -> &Config;
+    /// How many rails the link has.
+    fn rails(&self) -> usize;
+    /// Rail `ri`'s local interface, if it has one (for carrier checks: `net::link_down`).
+    fn local_dev(&self, ri: usize) -> Option<&str>;
+    /// Rail `ri`'s index among this agent's rails and among the peer's.
+    fn rail_indices(&self, ri: usize) -> (usize, usize);
+    /// Rail `ri`'s GPU staging totals (its counters outlive the link).
+    fn staging(&self, ri: usize) -> Arc<StageStats>;
+    /// The key of the peer's region `region` (sent with each request on tcp).
+    fn key(&self, region: u64) -> RegionKey;
+    /// An authenticated connection of `role` on rail `ri` to the peer (its name and
+    /// incarnation checked: a restarted peer is `StaleMetadata`) and its id (the `Hello` nonce).
+    fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])>;
+    /// Count the calling thread as one that may touch registered memory; None once the link is
+    /// shutting down. Hold the guard while the thread may.
+    fn enter(&self) -> Option<Active<'_>>;
+    /// True once the link is shutting down: transport threads leave.
+    fn is_shutdown(&self) -> bool;
+    /// Microseconds since the link opened (a clock for timestamps in atomics).
+    fn now_us(&self) -> u64;
+    /// The next chunk the planner has for rail `ri`, with its transfer.
+    fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)>;
+    /// Wait until `room()` and the planner has a chunk for rail `ri`, or `stop()`.
+    fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)>;
+    /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.
+    fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>);
+    /// A path of rail `ri` failed; the link records the first reason and shuts the rail.
+    fn rail_failed(&self, ri: usize, reason: String);
+    /// A path of rail `ri` stopped; `last()` (run under the rail's readmission lock) says
+    /// whether it was the rail's last live path.
+    fn path_stopped(&self, ri: usize, last: &mut dyn FnMut() -> bool);
+    /// Carry out the transport's scheduled faults that are due (`Transport::tick_faults`).
+    fn tick_faults(&self);
+}
+
+/// One thread counted as touching registered memory through a link (see [`Host::enter`]).
+pub(crate) struct Active<'a>(pub(crate) &'a AtomicUsize);
+
+impl Drop for Active<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 /// What a transport can do; reported per rail by `rail_stats()` and used by the link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,17 +149,17 @@ pub(crate) trait Transport: Send + Sync {
     }
     /// Open rail `ri` (its connections or endpoints, and the threads that move its chunks) to
     /// the link's peer, within `timeout`. On success the rail pulls work from the link.
-    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()>;
+    fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()>;
     /// Whether rail `ri` has a live path.
     fn is_up(&self, ri: usize) -> bool;
     /// Start what the planner has for every rail from the calling thread (a post saves a
     /// thread wakeup this way). `will_drive`: the caller waits for its transfer next and drives
     /// it (see `drive`). Returns true when some rail still has work and no room for it.
-    fn post_ready(&self, link: &Link, will_drive: bool) -> bool;
+    fn post_ready(&self, link: &dyn Host, will_drive: bool) -> bool;
     /// Let the waiting caller complete `x` itself, until `deadline`; `poll_only`: only what has
     /// already arrived. Returns whether `x` is finished. A transport without caller-driven
     /// completion returns false at once (the caller then waits on the transfer).
-    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool;
+    fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool;
     /// Whether a chunk of `x` is still in a path of this transport (cancel waits for none).
     fn holds(&self, x: &Arc<XferShared>) -> bool;
     /// Shut every path of rail `ri` now; each then reports `path_stopped`.
@@ -122,7 +181,7 @@ pub(crate) trait Transport: Send + Sync {
         Verdict::Deliver
     }
     /// Carry out scheduled faults that are due (only `Faulty`).
-    fn tick_faults(&self, _link: &Link) {}
+    fn tick_faults(&self, _link: &dyn Host) {}
     /// Work may be waiting for rails whose threads do not wait on the link's condition (a rail
     /// went down and its chunks were requeued, a rail came back): look again.
     fn wake(&self);

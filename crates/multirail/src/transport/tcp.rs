@@ -17,13 +17,12 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{RemoteOp, Role, Status};
-use multirail_proto::{Body, Chunk, RegionKey};
+use multirail_proto::{Body, Chunk};
 
-use super::{Caps, GpuPath, Transport};
+use super::{Caps, GpuPath, Host, Transport};
 use crate::config::Progress;
 use crate::error::{Error, Result};
-use crate::link::{Link, LINK_CHECK};
-use crate::peer::{abort_socket, dial_id, link_down};
+use crate::net::{abort_socket, link_down, LINK_CHECK};
 use crate::staging::{SockIn, SockOut, StageError, Stagers};
 use crate::wire::{self, poll_in, WireError};
 use crate::xfer::{Op, XferShared, XferState};
@@ -205,7 +204,7 @@ impl TcpRails {
     /// wakeup per round trip instead of two). Only when `x` has a chunk in flight on a
     /// connection whose reader is free; returns whether `x` is finished. `poll_only`: read only
     /// what has already arrived (progress from `check_xfer_state`), never block for more.
-    fn drive_conns(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+    fn drive_conns(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock");
             let Some(c) = conns.iter().find(|c| {
@@ -283,12 +282,11 @@ impl Transport for TcpRails {
     }
 
     /// Open the configured number of connections on rail `ri` and start their threads.
-    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
+    fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
         let rail = &self.rails[ri];
         let mut streams = Vec::new();
-        for _ in 0..link.ctx.cfg.connections.max(1) {
-            let expect = Some((link.peer_name.as_str(), link.incarnation));
-            streams.push(dial_id(&link.ctx, link.rails[ri].local.as_ref(), link.rails[ri].remote, Role::Data, expect, timeout)?);
+        for _ in 0..link.cfg().connections.max(1) {
+            streams.push(link.dial(ri, Role::Data, timeout)?);
         }
         let mut conns = Vec::new();
         let mut fds = Vec::new();
@@ -304,20 +302,20 @@ impl Transport for TcpRails {
                     s: reader,
                     inb: wire::Inbound::new(),
                     clock: Clock { last: Instant::now(), last_link_check: Instant::now() },
-                    stage: Stagers::new(link.ctx.cfg.staging, link.rails[ri].io.staging.clone()),
+                    stage: Stagers::new(link.cfg().staging, link.staging(ri)),
                 }),
                 owner: AtomicU8::new(OWNER_NONE),
                 caller_at: AtomicU64::new(0),
                 busy_at: AtomicU64::new(0),
                 stashed: AtomicBool::new(false),
-                spin: wire::SpinBudget::new(link.ctx.cfg.spin),
+                spin: wire::SpinBudget::new(link.cfg().spin),
                 kick: eventfd()?,
                 kicks: AtomicU64::new(0),
                 parked: AtomicBool::new(false),
                 id,
                 wrote: AtomicBool::new(false),
                 writer: Mutex::new(s),
-                stage_tx: Mutex::new(Stagers::new(link.ctx.cfg.staging, link.rails[ri].io.staging.clone())),
+                stage_tx: Mutex::new(Stagers::new(link.cfg().staging, link.staging(ri))),
                 inflight: Mutex::new(VecDeque::new()),
                 inflight_n: AtomicUsize::new(0),
                 next_req: AtomicU64::new(1),
@@ -342,7 +340,7 @@ impl Transport for TcpRails {
         self.rails[ri].live.load(Ordering::Acquire) > 0
     }
 
-    fn post_ready(&self, link: &Link, will_drive: bool) -> bool {
+    fn post_ready(&self, link: &dyn Host, will_drive: bool) -> bool {
         let mut need_senders = false;
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock").clone();
@@ -356,7 +354,7 @@ impl Transport for TcpRails {
         need_senders
     }
 
-    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+    fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         self.drive_conns(link, x, deadline, poll_only)
     }
 
@@ -417,12 +415,12 @@ impl Transport for TcpRails {
 
 /// Send chunks on `c` while the planner has work for its rail and the connection has room.
 /// Returns true when it stopped with work possibly left (window full, planner refused).
-fn pump(link: &Link, c: &Arc<Conn>) -> bool {
+fn pump(link: &dyn Host, c: &Arc<Conn>) -> bool {
     loop {
         if c.dead.load(Ordering::Acquire) {
             return false;
         }
-        if c.inflight_n.load(Ordering::Acquire) >= link.ctx.cfg.conn_window {
+        if c.inflight_n.load(Ordering::Acquire) >= link.cfg().conn_window {
             return true;
         }
         // Nothing for this rail now (or its rail window is full): completions wake the senders
@@ -432,8 +430,8 @@ fn pump(link: &Link, c: &Arc<Conn>) -> bool {
     }
 }
 
-fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
-    let key = link.keys.get(&chunk.piece.region).copied().unwrap_or(RegionKey([0; 16]));
+fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
+    let key = link.key(chunk.piece.region);
     let op = RemoteOp { region: chunk.piece.region, key, offset: chunk.piece.offset, len: chunk.piece.len };
     let write = x.op == Op::Write;
     let body = if write { Body::WriteReq(op) } else { Body::ReadReq(op) };
@@ -482,7 +480,7 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
             // this connection while its window has room: the D2H of the next chunk overlaps
             // the sends of this one (no fill at every planner chunk). A chunk that is not a
             // WRITE from this GPU is sent after the stream (`other`).
-            let window = link.ctx.cfg.conn_window;
+            let window = link.cfg().conn_window;
             let mut refill = || {
                 if other.is_some() || c.dead.load(Ordering::Acquire) || c.inflight_n.load(Ordering::Acquire) >= window {
                     return None;
@@ -495,7 +493,7 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
                 if let Err(e) = xx.wait_gpu_order() {
                     xx.set_cause(e);
                 }
-                let key = link.keys.get(&ch.piece.region).copied().unwrap_or(RegionKey([0; 16]));
+                let key = link.key(ch.piece.region);
                 let op = RemoteOp { region: ch.piece.region, key, offset: ch.piece.offset, len: ch.piece.len };
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
                 let (local, len) = (ch.piece.local, ch.piece.len);
@@ -534,13 +532,13 @@ fn send_chunk(link: &Link, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
     }
 }
 
-fn sender(link: Arc<Link>, c: Arc<Conn>) {
+fn sender(link: Arc<dyn Host>, c: Arc<Conn>) {
     let Some(_active) = link.enter() else { return };
-    let window = link.ctx.cfg.conn_window;
+    let window = link.cfg().conn_window;
     let room = || c.inflight_n.load(Ordering::Acquire) < window;
     let stop = || c.dead.load(Ordering::Acquire);
-    while let Some((chunk, x)) = link.wait_chunk(c.rail, room, stop) {
-        send_chunk(&link, &c, chunk, x);
+    while let Some((chunk, x)) = link.wait_chunk(c.rail, &room, &stop) {
+        send_chunk(&*link, &c, chunk, x);
         if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
             // No caller is reading this connection now (one that leaves with requests
             // outstanding kicks on its way out): a parked receiver must read this chunk's
@@ -550,9 +548,9 @@ fn sender(link: Arc<Link>, c: Arc<Conn>) {
     }
 }
 
-fn receiver(link: Arc<Link>, rail: Arc<TcpRail>, c: Arc<Conn>) {
+fn receiver(link: Arc<dyn Host>, rail: Arc<TcpRail>, c: Arc<Conn>) {
     let reason = match link.enter() {
-        Some(_active) => receive_loop(&link, &c),
+        Some(_active) => receive_loop(&*link, &c),
         None => None,
     };
     c.dead.store(true, Ordering::Release);
@@ -568,7 +566,7 @@ fn receiver(link: Arc<Link>, rail: Arc<TcpRail>, c: Arc<Conn>) {
     if let Some(reason) = reason {
         link.rail_failed(c.rail, reason);
     }
-    link.path_stopped(c.rail, || rail.live.fetch_sub(1, Ordering::AcqRel) == 1);
+    link.path_stopped(c.rail, &mut || rail.live.fetch_sub(1, Ordering::AcqRel) == 1);
 }
 
 /// The receiver thread: waits for the socket to become readable without holding the
@@ -576,7 +574,7 @@ fn receiver(link: Arc<Link>, rail: Arc<TcpRail>, c: Arc<Conn>) {
 /// blocked in `wait` on a transfer of this connection may own the reader instead
 /// (caller-driven completion, see `drive`); the receiver then stays out of its way.
 /// Returns the failure reason, or None on orderly shutdown.
-fn receive_loop(link: &Link, c: &Arc<Conn>) -> Option<String> {
+fn receive_loop(link: &dyn Host, c: &Arc<Conn>) -> Option<String> {
     let fd = c.fd;
     let kick_fd = std::os::fd::AsRawFd::as_raw_fd(&c.kick);
     let mut seen_kicks = 0u64;
@@ -649,7 +647,7 @@ fn receive_loop(link: &Link, c: &Arc<Conn>) -> Option<String> {
 }
 
 /// Deadline, stall and link checks for a reader with nothing to read right now.
-fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Result<(), Stop> {
+fn quiet_checks(link: &dyn Host, c: &Conn, clock: &mut Clock, started: bool) -> Result<(), Stop> {
     if link.is_shutdown() {
         return Err(Stop::Shutdown);
     }
@@ -667,7 +665,7 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
     // A local link that lost carrier is dead now; no need to wait for the stall.
     if quiet > LINK_CHECK && clock.last_link_check.elapsed() > LINK_CHECK {
         clock.last_link_check = Instant::now();
-        if let Some(why) = link.rails[c.rail].local.as_ref().map(|l| l.0.as_str()).filter(|d| !d.is_empty()).and_then(link_down) {
+        if let Some(why) = link.local_dev(c.rail).and_then(link_down) {
             return Err(Stop::Failed(why));
         }
     }
@@ -681,7 +679,7 @@ fn quiet_checks(link: &Link, c: &Conn, clock: &mut Clock, started: bool) -> Resu
 /// is there to read now (so no chunk is left unreported on an idle connection). On a failure,
 /// waits until no copy of this connection runs and drops them: the rail-down path reissues
 /// their chunks.
-fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
+fn read_one(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
     let r = read_response(link, c, rx, caller);
     let idle = rx.inb.unread() == 0 && !poll_in(c.fd, Duration::ZERO);
     let landed = match &r {
@@ -698,7 +696,7 @@ fn read_one(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Insta
 }
 
 /// Completes the landed READs of `rx.landing`, in order (`wait`: all of them).
-fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
+fn land(link: &dyn Host, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
     if rx.landing.is_empty() {
         return Ok(());
     }
@@ -735,7 +733,7 @@ fn land(link: &Link, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
 
 /// Read and complete one response on `c`. `caller`: a waiting caller's deadline; such a
 /// reader also stops (between frames only) when nothing is outstanding or time is up.
-fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
+fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<Instant>>) -> Result<(), Stop> {
     let Rx { s, inb, clock, stage, landing, landed_early } = rx;
     let mut stop: Option<Stop> = None;
     // Runs every TICK while the socket has nothing to read.
@@ -842,8 +840,8 @@ fn read_response(link: &Link, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<
 /// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`), or until the
 /// caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
 /// the spin ends early when nothing is outstanding on `c`.
-fn spin_for_response(link: &Link, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
-    let cfg = &link.ctx.cfg;
+fn spin_for_response(link: &dyn Host, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
+    let cfg = link.cfg();
     let budget = match cfg.progress {
         Progress::Block => return Ok(()),
         Progress::Adaptive => c.spin.get(),

@@ -22,12 +22,11 @@ use std::time::{Duration, Instant};
 use multirail_proto::codec::{Role, Status};
 use multirail_proto::Chunk;
 
-use super::ucx::{UcxAgent, UcxRail};
-use super::{Caps, GpuPath, Transport};
+use super::{UcxAgent, UcxRail};
 use crate::config::Progress;
 use crate::error::{Error, Result};
-use crate::link::{Link, LINK_CHECK};
-use crate::peer::{dial_id, link_down};
+use crate::net::{link_down, LINK_CHECK};
+use crate::transport::{Caps, GpuPath, Host, Transport};
 use crate::xfer::{Op, XferShared, XferState};
 
 /// Longest an idle progress thread sleeps before it looks at the planner again (it is kicked by
@@ -84,8 +83,8 @@ fn refused(msg: &str) -> Status {
 }
 
 /// Post the planner's chunks for rail `ri` while the rail has window room.
-fn pump(link: &Link, ri: usize, p: &Path) {
-    let window = link.ctx.cfg.conn_window * link.ctx.cfg.connections.max(1);
+fn pump(link: &dyn Host, ri: usize, p: &Path) {
+    let window = link.cfg().conn_window * link.cfg().connections.max(1);
     loop {
         if p.dead.load(Ordering::Acquire) || link.is_shutdown() || p.inflight.lock().expect("path lock").len() >= window {
             return;
@@ -120,7 +119,7 @@ fn pump(link: &Link, ri: usize, p: &Path) {
 }
 
 /// Report finished chunks (from `UcxRail::progress`) to the link.
-fn report(link: &Link, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Result<(), String>)>) {
+fn report(link: &dyn Host, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Result<(), String>)>) {
     for (token, r) in done.drain(..) {
         let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
         let r = r.map_err(|m| (refused(&m), m));
@@ -129,13 +128,13 @@ fn report(link: &Link, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Re
 }
 
 /// The progress thread of one rail.
-fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
+fn run(link: Arc<dyn Host>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
     // Stalls are the planner's to decide (the link's watchdog): UCX's own clock stays out.
     let stall = NO_STALL;
     let reason = match link.enter() {
         Some(_active) => {
             let mut done = Vec::new();
-            let dev = link.rails[ri].local.as_ref().map(|l| l.0.clone()).filter(|d| !d.is_empty());
+            let dev = link.local_dev(ri).map(str::to_string);
             let (mut last_done, mut last_check) = (Instant::now(), Instant::now());
             let reason = loop {
                 if link.is_shutdown() {
@@ -144,7 +143,7 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                 if p.dead.load(Ordering::Acquire) {
                     break Some("rail shut".to_string());
                 }
-                pump(&link, ri, &p);
+                pump(&*link, ri, &p);
                 let wait = if p.inflight.lock().expect("path lock").is_empty() { IDLE_WAIT } else { BUSY_WAIT };
                 if let Err(e) = p.rail.progress(&mut done, wait, stall) {
                     break Some(e);
@@ -159,7 +158,7 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                         break Some(why);
                     }
                 }
-                report(&link, ri, &p, &mut done);
+                report(&*link, ri, &p, &mut done);
             };
             // When this returns nothing of the rail touches local memory any more: its chunks
             // may be reissued (after the fence) and the application may free the memory.
@@ -177,7 +176,7 @@ fn run(link: Arc<Link>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
             link.rail_failed(ri, reason);
         }
     }
-    link.path_stopped(ri, || slot.live.swap(false, Ordering::AcqRel));
+    link.path_stopped(ri, &mut || slot.live.swap(false, Ordering::AcqRel));
 }
 
 impl Transport for UcxRails {
@@ -193,13 +192,11 @@ impl Transport for UcxRails {
         Caps { remote_vram: direct, one_sided, gpu: if direct { GpuPath::Direct } else { GpuPath::Staged } }
     }
 
-    fn open_rail(&self, link: &Arc<Link>, ri: usize, timeout: Duration) -> Result<()> {
-        let rs = &link.rails[ri];
-        let expect = Some((link.peer_name.as_str(), link.incarnation));
-        let (s, id) = dial_id(&link.ctx, rs.local.as_ref(), rs.remote, Role::UcxSession, expect, timeout)?;
-        let remote_rail =
-            u16::try_from(rs.remote_index).map_err(|_| Error::Metadata(format!("rail index {} too large", rs.remote_index)))?;
-        let rail = UcxRail::open(&self.agent, rs.local_index, remote_rail, s, id, timeout)?;
+    fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
+        let (local_index, remote_index) = link.rail_indices(ri);
+        let (s, id) = link.dial(ri, Role::UcxSession, timeout)?;
+        let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
+        let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, timeout)?;
         let p = Arc::new(Path {
             rail,
             inflight: Mutex::new(HashMap::new()),
@@ -224,7 +221,7 @@ impl Transport for UcxRails {
         self.rails[ri].live.load(Ordering::Acquire)
     }
 
-    fn post_ready(&self, link: &Link, _will_drive: bool) -> bool {
+    fn post_ready(&self, link: &dyn Host, _will_drive: bool) -> bool {
         for ri in 0..self.rails.len() {
             if let Some(p) = self.path(ri).filter(|_| self.is_up(ri)) {
                 pump(link, ri, &p);
@@ -234,12 +231,12 @@ impl Transport for UcxRails {
         false
     }
 
-    fn drive(&self, link: &Link, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
+    fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         // Caller-driven completion: the waiting thread progresses the rails that hold its chunks
         // itself (a polled worker answers in microseconds; a wake-up of the progress thread costs
         // tens on a busy host), for as long as the progress mode allows, then leaves the rest to
         // the progress threads.
-        let cfg = &link.ctx.cfg;
+        let cfg = link.cfg();
         let budget = match (poll_only, cfg.progress) {
             (true, _) => Duration::ZERO,
             (false, Progress::Block) => return false,

@@ -1,0 +1,187 @@
+//! Sockets below every transport and above nothing: the authenticated handshake every
+//! connection to a peer starts with (`dial`, whatever the transport and role), aborting a
+//! connection (`abort_socket`), the local carrier check (`link_down`), the local rails as the
+//! runtime uses them, and the mapping of a peer's refusal onto an [`Error`]. `peer`, `link`,
+//! `server` and the transports all use it; it imports nothing of theirs.
+
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{Role, Status};
+use multirail_proto::Body;
+
+use crate::auth;
+use crate::error::{Error, Result};
+use crate::registry::random_bytes;
+use crate::wire::{self, WireError};
+
+/// Socket timeout granularity: how often blocked reads/writes re-check deadlines and shutdown.
+pub(crate) const TICK: Duration = Duration::from_millis(50);
+/// How long a busy connection may be quiet before its local link's carrier is checked.
+pub(crate) const LINK_CHECK: Duration = Duration::from_millis(100);
+
+/// A local rail as the runtime uses it.
+#[derive(Debug, Clone)]
+pub struct LocalRail {
+    pub device: String,
+    pub addr: Option<IpAddr>,
+    pub prefix_len: u8,
+    pub speed_mbps: u64,
+}
+
+/// Who dials: what the handshake says about this agent and proves (`Ctx::identity`).
+#[derive(Clone, Copy)]
+pub(crate) struct Identity<'a> {
+    pub name: &'a str,
+    pub incarnation: u64,
+    pub secret: Option<&'a [u8]>,
+    /// Bind connections to the rail's device (SO_BINDTODEVICE) as well as its address.
+    pub bind_devices: bool,
+}
+
+/// Why the local interface `dev` cannot carry traffic (admin down or no carrier), if it cannot.
+/// Interfaces without a carrier notion (loopback: operstate "unknown") always pass.
+pub(crate) fn link_down(dev: &str) -> Option<String> {
+    if dev.contains('/') || dev.starts_with('.') {
+        return None;
+    }
+    let base = format!("/sys/class/net/{dev}");
+    let oper = std::fs::read_to_string(format!("{base}/operstate")).ok()?;
+    let oper = oper.trim();
+    if oper == "down" || oper == "lowerlayerdown" || oper == "notpresent" {
+        return Some(format!("link down: {dev} is {oper}"));
+    }
+    match std::fs::read_to_string(format!("{base}/carrier")) {
+        Ok(c) if c.trim() == "0" => Some(format!("link down: {dev} has no carrier")),
+        _ => None,
+    }
+}
+
+/// Abort a connection now: discard what is still queued to send and reset it.
+///
+/// A plain shutdown keeps the send queue and appends a FIN, so after a link failure the kernel
+/// would go on retransmitting queued WRITE requests and, once the link returned, the target
+/// could apply a stale chunk after its reissue on another rail had already landed newer data.
+/// `connect(AF_UNSPEC)` on a TCP socket is Linux's `tcp_disconnect`: it purges the queues and
+/// sends a RST, for every handle that shares the socket.
+pub(crate) fn abort_socket(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    let unspec = libc::sockaddr { sa_family: libc::AF_UNSPEC as libc::sa_family_t, sa_data: [0; 14] };
+    // SAFETY: plain syscalls on a file descriptor we own, with correctly sized arguments.
+    unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            &linger as *const libc::linger as *const libc::c_void,
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+        libc::connect(fd, &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t);
+    }
+    let _ = s.shutdown(Shutdown::Both);
+}
+
+/// Open one authenticated connection and check the peer is the life we have metadata for.
+pub(crate) fn dial(
+    me: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+) -> Result<TcpStream> {
+    dial_id(me, local, remote, role, expect, timeout).map(|(s, _)| s)
+}
+
+/// [`dial`] with its own connect/handshake timeout; also returns the connection's id (the
+/// nonce its `Hello` carried).
+pub(crate) fn dial_id(
+    ctx: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+) -> Result<(TcpStream, [u8; 16])> {
+    let who = format!("{remote}");
+    let domain = socket2::Domain::for_address(remote);
+    let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
+    if let Some((dev, addr)) = local {
+        if ctx.bind_devices && !dev.is_empty() {
+            // Needs CAP_NET_RAW; without it the source-address binding below still steers
+            // traffic through per-rail policy routing.
+            let _ = sock.bind_device(Some(dev.as_bytes()));
+        }
+        sock.bind(&SocketAddr::new(*addr, 0).into()).map_err(|e| Error::io(format!("bind to rail address {addr}"), e))?;
+    }
+    sock.connect_timeout(&remote.into(), timeout).map_err(|e| match e.kind() {
+        std::io::ErrorKind::ConnectionRefused => Error::PeerLost {
+            peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()),
+            reason: format!("connection to {remote} refused"),
+        },
+        _ => Error::io(format!("connect to {remote}"), e),
+    })?;
+    let mut s: TcpStream = sock.into();
+    s.set_nodelay(true).map_err(|e| Error::io("nodelay", e))?;
+    s.set_read_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
+    s.set_write_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
+    let deadline = Instant::now() + timeout;
+    let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("handshake with {remote} timed out")) } else { Ok(()) };
+    let nonce: [u8; 16] = random_bytes();
+    let wire_err = |e: WireError| match e {
+        WireError::Decode(source) => Error::Decode { who: who.clone(), source },
+        WireError::GaveUp(m) => Error::Timeout(m),
+        WireError::Io(e) => Error::PeerLost { peer: who.clone(), reason: format!("handshake: {e}") },
+    };
+    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.to_string(), nonce }, 0, &mut tick)
+        .map_err(wire_err)?;
+    let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
+    let (auth_required, incarnation, server_nonce, server_name) = match b {
+        Body::Challenge { auth_required, incarnation, nonce, name } => (auth_required, incarnation, nonce, name),
+        Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
+        other => return Err(Error::Protocol { who, msg: format!("expected Challenge, got {:?}", other.kind()) }),
+    };
+    if let Some((name, inc)) = expect {
+        if server_name != name {
+            return Err(Error::Metadata(format!("{remote} is agent {server_name:?}, not {name:?}")));
+        }
+        if incarnation != inc {
+            return Err(Error::StaleMetadata { peer: name.to_string(), cached: inc, current: incarnation });
+        }
+    }
+    let mac = match (&ctx.secret, auth_required) {
+        (Some(secret), true) => auth::client_proof(secret, &server_nonce, &nonce, ctx.name),
+        (None, true) => return Err(Error::Auth { who, msg: "peer requires a shared secret and none is configured".into() }),
+        (Some(_), false) => {
+            return Err(Error::Auth { who, msg: "peer does not authenticate but a shared secret is configured here".into() })
+        }
+        (None, false) => [0u8; 32],
+    };
+    wire::send(&mut s, &Body::Auth { mac }, 0, &mut tick).map_err(wire_err)?;
+    let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
+    match b {
+        Body::Welcome { mac } => {
+            if let Some(secret) = &ctx.secret {
+                if !auth::proofs_equal(&mac, &auth::server_proof(secret, &nonce, &server_nonce, &server_name)) {
+                    return Err(Error::Auth { who, msg: "peer failed to prove the shared secret".into() });
+                }
+            }
+        }
+        Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
+        other => return Err(Error::Protocol { who, msg: format!("expected Welcome, got {:?}", other.kind()) }),
+    }
+    Ok((s, nonce))
+}
+
+pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {
+    match status {
+        Status::AuthFailed => Error::Auth { who: who.into(), msg },
+        Status::VersionMismatch => Error::Decode {
+            who: who.into(),
+            source: multirail_proto::DecodeError::VersionMismatch { got: 0, want: multirail_proto::codec::VERSION },
+        },
+        _ => Error::Remote { peer: who.into(), status, msg },
+    }
+}

@@ -1,0 +1,512 @@
+//! The initiator's side of one UCX rail to one peer: [`UcxRail`], a worker of its own, one
+//! endpoint to the target's per-session worker, the rkeys the session announced; `post`,
+//! `progress` and `abort` (module docs of `transport::ucx`).
+
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::UcxRegion;
+use multirail_proto::Body;
+use multirail_ucx::{CloseMode, Endpoint, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
+
+use super::{find_local, lock, Maps, UcxAgent};
+use crate::error::{Error, Result};
+use crate::net::{abort_socket, status_error};
+use crate::wire::{self, WireError};
+
+/// Bounded progress calls per sweep.
+const PROGRESS_BURST: usize = 64;
+
+/// An eventfd that wakes a rail's progress thread when a chunk is posted or the rail aborted
+/// (a PUT can complete locally inside the post, leaving no event on the worker's fd).
+struct Kick(OwnedFd);
+
+impl Kick {
+    fn new() -> std::io::Result<Kick> {
+        // SAFETY: plain syscall; the fd is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd nobody else owns.
+        Ok(Kick(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: 8 bytes from a live u64 to our eventfd (a full counter only means "kicked").
+        unsafe { libc::write(self.fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: 8 bytes into a live u64 from our non-blocking eventfd.
+        unsafe { libc::read(self.fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
+
+/// A target region as the session announced it; the rkey is unpacked on first use.
+struct Remote {
+    region: RemoteRegion,
+    packed: PackedRkey,
+    rkey: Option<Rkey>,
+}
+
+struct Op {
+    token: u64,
+    write: bool,
+    req: Request,
+    /// For a PUT: an endpoint flush issued right after it, complete once the PUT is complete
+    /// at the target (remote completion). One per PUT, so each chunk is reported as soon as it
+    /// landed: a flush covering the whole window would report nothing until the window drained.
+    flush: Option<Request>,
+}
+
+struct RailState {
+    /// `None` once aborted.
+    ep: Option<Endpoint>,
+    remote: HashMap<u64, Remote>,
+    /// Posted, not yet complete (a PUT: not yet complete at the target).
+    ops: Vec<Op>,
+    /// Tokens of chunks that were outstanding when the rail was aborted (never reported).
+    lost: Vec<u64>,
+    failed: Option<String>,
+    /// The stall clock: last completion, or when the rail became busy.
+    last_event: Instant,
+    transport: Option<String>,
+    completed_any: bool,
+}
+
+impl RailState {
+    fn outstanding(&self) -> usize {
+        self.ops.len()
+    }
+
+    fn fail(&mut self, reason: String) -> String {
+        self.failed.get_or_insert(reason).clone()
+    }
+}
+
+/// Initiator side of one rail to one peer: a worker of its own (per link and rail, so a fence
+/// can tear exactly it down), one endpoint to the target's per-session worker, rkeys by region.
+///
+/// `Send + Sync`: one progress thread calls [`UcxRail::progress`]; any thread may `post` and
+/// `abort`. Lock order: the rail state, then (inside the bindings) the worker.
+pub(crate) struct UcxRail {
+    local_rail: usize,
+    id: [u8; 16],
+    maps: Arc<Maps>,
+    worker: Worker,
+    state: Mutex<RailState>,
+    /// The session socket for `UcxRkeys` round trips.
+    sock: Mutex<TcpStream>,
+    /// Another handle on it: hang-up checks and the abort.
+    sock_ctl: TcpStream,
+    kick: Kick,
+    timeout: Duration,
+    aborted: AtomicBool,
+}
+
+fn wire_error(who: &str, e: WireError) -> Error {
+    match e {
+        WireError::Decode(source) => Error::Decode { who: who.into(), source },
+        WireError::GaveUp(m) => Error::Timeout(m),
+        WireError::Io(e) => Error::PeerLost { peer: who.into(), reason: format!("ucx session: {e}") },
+    }
+}
+
+/// Wrap an announced region list (from the authenticated session) for use.
+fn remotes(regions: Vec<UcxRegion>) -> impl Iterator<Item = (u64, Remote)> {
+    regions.into_iter().filter_map(|g| {
+        // SAFETY: the bytes come intact over the authenticated session from the target's
+        // `ucp_rkey_pack` (the codec bounds their length; empty ones are refused here).
+        let packed = unsafe { PackedRkey::from_peer(g.rkey) }.ok()?;
+        Some((g.id, Remote { region: RemoteRegion { addr: g.base, len: g.len }, packed, rkey: None }))
+    })
+}
+
+impl UcxRail {
+    /// `session`: an already authenticated TCP connection to the target's rail (opened with
+    /// `peer::dial_id` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names).
+    /// Does the UcxOpen/UcxReady exchange and connects the endpoint (waits for the wire-up with a
+    /// flush). Bounded by `timeout`, which also bounds later `UcxRkeys` round trips and `abort`.
+    pub fn open(
+        agent: &UcxAgent,
+        local_rail: usize,
+        remote_rail: u16,
+        session: TcpStream,
+        id: [u8; 16],
+        timeout: Duration,
+    ) -> Result<UcxRail> {
+        let who = session.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let rail = agent
+            .rails
+            .get(local_rail)
+            .ok_or_else(|| Error::InvalidArgument(format!("no local rail {local_rail} (this agent has {})", agent.rails.len())))?;
+        let ucx_err = |what: &str, e: multirail_ucx::Error| match e {
+            multirail_ucx::Error::Timeout { .. } => Error::Timeout(format!("ucx session with {who}: {what}: {e}")),
+            e => Error::PeerLost { peer: who.clone(), reason: format!("ucx session: {what}: {e}") },
+        };
+        let worker = Worker::new(&rail.ctx, ThreadMode::Serialized).map_err(|e| ucx_err("worker", e))?;
+        let addr = worker.address().map_err(|e| ucx_err("worker address", e))?;
+        let deadline = Instant::now() + timeout;
+        let mut s = session;
+        let mut tick =
+            |_: bool| if Instant::now() > deadline { Err(format!("ucx session with {who} not open within {timeout:?}")) } else { Ok(()) };
+        wire::send(&mut s, &Body::UcxOpen { rail: remote_rail, addr: addr.into_bytes() }, 0, &mut tick).map_err(|e| wire_error(&who, e))?;
+        let (peer_addr, regions) = match wire::read_frame(&mut s, &mut tick).map_err(|e| wire_error(&who, e))?.1 {
+            Body::UcxReady { addr, regions } => (addr, regions),
+            Body::Error { status, msg } | Body::Resp { status, msg, .. } => return Err(status_error(&who, status, msg)),
+            other => return Err(Error::Protocol { who, msg: format!("expected UcxReady, got {:?}", other.kind()) }),
+        };
+        // SAFETY: the target's `ucp_worker_get_address`, intact over the authenticated session.
+        let peer_addr = unsafe { WorkerAddress::from_peer(peer_addr) }
+            .map_err(|e| Error::Protocol { who: who.clone(), msg: format!("bad worker address in UcxReady: {e}") })?;
+        let ep = worker.connect(&peer_addr).map_err(|e| ucx_err("connect", e))?;
+        // The wire-up completes only while both sides progress: wait for it here, bounded.
+        ep.flush().and_then(|mut r| r.wait(deadline)).map_err(|e| ucx_err("connect (wire-up flush)", e))?;
+        let kick = Kick::new().map_err(|e| Error::io("eventfd", e))?;
+        let sock_ctl = s.try_clone().map_err(|e| Error::io("clone ucx session socket", e))?;
+        let state = RailState {
+            ep: Some(ep),
+            remote: remotes(regions).collect(),
+            ops: Vec::new(),
+            lost: Vec::new(),
+            failed: None,
+            last_event: Instant::now(),
+            transport: None,
+            completed_any: false,
+        };
+        Ok(UcxRail {
+            local_rail,
+            id,
+            maps: agent.maps.clone(),
+            worker,
+            state: Mutex::new(state),
+            sock: Mutex::new(s),
+            sock_ctl,
+            kick,
+            timeout,
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// Wake a `progress` sleeping on this rail (work may be waiting in the planner).
+    pub fn wake(&self) {
+        self.kick.kick();
+    }
+
+    /// The session's Hello nonce: what a `Fence` to the target names to tear the session down.
+    pub fn id(&self) -> [u8; 16] {
+        self.id
+    }
+
+    /// Post one chunk; `token` comes back from [`UcxRail::progress`]. `local` is an address
+    /// inside a region registered (hence mapped) here; `remote_region` / `remote_offset` name
+    /// the target's region. WRITE = put, READ = get. Bounds are checked against the local
+    /// mapping and the region bounds the session announced, before UCX is called.
+    pub fn post(
+        &self,
+        token: u64,
+        write: bool,
+        local: u64,
+        remote_region: u64,
+        remote_offset: u64,
+        len: u64,
+    ) -> std::result::Result<(), String> {
+        let op = if write { "WRITE" } else { "READ" };
+        let (mem, off) = find_local(&self.maps, self.local_rail, local, len)
+            .ok_or_else(|| format!("{op}: local range {local:#x} + {len} is not inside memory registered with this agent"))?;
+        let n = usize::try_from(len).map_err(|_| format!("{op}: length {len} too large"))?;
+        if !lock(&self.state).remote.contains_key(&remote_region) {
+            self.fetch_rkey(remote_region)?;
+        }
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        if let Some(f) = &st.failed {
+            return Err(format!("rail is down: {f}"));
+        }
+        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        let remote =
+            st.remote.get_mut(&remote_region).ok_or_else(|| format!("{op}: the peer exports no region {remote_region} over ucx"))?;
+        let remote_addr = match remote.region.addr.checked_add(remote_offset) {
+            Some(a) if remote.region.contains(a, len) => a,
+            _ => {
+                return Err(format!(
+                    "{op}: remote offset {remote_offset} + {len} is outside region {remote_region} ({} bytes)",
+                    remote.region.len
+                ))
+            }
+        };
+        let rkey = match &remote.rkey {
+            Some(k) => k.clone(),
+            None => {
+                let k = ep
+                    .unpack_rkey(&remote.packed, remote.region)
+                    .map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
+                remote.rkey = Some(k.clone());
+                k
+            }
+        };
+        let r = if write { ep.put(&mem, off, n, &rkey, remote_addr) } else { ep.get(&mem, off, n, &rkey, remote_addr) };
+        let req = match r {
+            Ok(req) => req,
+            Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(format!("rail is down: {}", st.fail(e.to_string()))),
+            Err(e) => return Err(format!("{op} refused: {e}")),
+        };
+        let flush = match write {
+            false => None,
+            true => match ep.flush() {
+                Ok(f) => Some(f),
+                Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
+            },
+        };
+        if st.outstanding() == 0 {
+            st.last_event = Instant::now();
+        }
+        st.ops.push(Op { token, write, req, flush });
+        drop(g);
+        self.kick.kick();
+        Ok(())
+    }
+
+    /// Ask the target for the rkey of a region registered after the session opened.
+    fn fetch_rkey(&self, id: u64) -> std::result::Result<(), String> {
+        let mut s = lock(&self.sock);
+        if self.aborted.load(Ordering::Acquire) {
+            return Err("rail was aborted".into());
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut tick =
+            |_: bool| if Instant::now() > deadline { Err(format!("no rkey for region {id} within {:?}", self.timeout)) } else { Ok(()) };
+        wire::send(&mut s, &Body::UcxRkeys(vec![id]), 0, &mut tick).map_err(|e| format!("ucx session: {e}"))?;
+        match wire::read_frame(&mut s, &mut tick).map_err(|e| format!("ucx session: {e}"))?.1 {
+            Body::UcxReady { regions, .. } => {
+                lock(&self.state).remote.extend(remotes(regions));
+                Ok(())
+            }
+            Body::Error { status, msg } => Err(format!("ucx session refused: {status:?}: {msg}")),
+            other => Err(format!("ucx session: expected UcxReady, got {:?}", other.kind())),
+        }
+    }
+
+    /// Progress the worker; push finished chunks into `done` (token, Ok, or Err(reason) for a
+    /// chunk-level refusal). A PUT is done only once a flush issued after it completed (remote
+    /// completion; one flush per PUT). Sleeps at most `wait` on the worker's event fd (and
+    /// the session socket and the post kick) when nothing is ready. `Err(reason)`: the rail
+    /// failed (endpoint error, a request failed with EndpointFailed, the session socket hung
+    /// up, or nothing completed for `stall` while chunks were outstanding: UCX over tcp does not
+    /// report a hung peer). Failure is sticky; the caller aborts, fences and reissues
+    /// ([`UcxRail::take_unfinished`] lists what was not reported).
+    pub fn progress(
+        &self,
+        done: &mut Vec<(u64, std::result::Result<(), String>)>,
+        wait: Duration,
+        stall: Duration,
+    ) -> std::result::Result<(), String> {
+        let start = Instant::now();
+        loop {
+            let before = done.len();
+            let busy_since = self.sweep(done, stall)?;
+            if done.len() > before {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let elapsed = now - start;
+            if elapsed >= wait {
+                return Ok(());
+            }
+            let mut sleep = wait - elapsed;
+            if let Some(t) = busy_since {
+                // Wake to check the stall clock when it runs out.
+                sleep = sleep.min((t + stall).saturating_duration_since(now) + Duration::from_millis(1));
+            }
+            let mut fds = [
+                libc::pollfd { fd: self.sock_ctl.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 },
+                libc::pollfd { fd: self.kick.fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            if let Err(e) = self.worker.wait_for_events_or(sleep, &mut fds) {
+                return Err(lock(&self.state).fail(format!("waiting for ucx events: {e}")));
+            }
+            if fds[1].revents != 0 {
+                self.kick.drain();
+            }
+        }
+    }
+
+    /// One pass: progress, collect completions, flush, check failure and the stall clock.
+    /// Returns the stall clock's start when chunks are outstanding.
+    fn sweep(
+        &self,
+        done: &mut Vec<(u64, std::result::Result<(), String>)>,
+        stall: Duration,
+    ) -> std::result::Result<Option<Instant>, String> {
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        if let Some(f) = &st.failed {
+            return Err(f.clone());
+        }
+        let Some(ep) = st.ep.as_ref() else { return Err(st.fail("rail was aborted".into())) };
+        for _ in 0..PROGRESS_BURST {
+            match self.worker.progress() {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) => return Err(st.fail(format!("ucp_worker_progress: {e}"))),
+            }
+        }
+        if let Some(status) = ep.failure() {
+            return Err(st.fail(format!("ucx endpoint failed: {status}")));
+        }
+        let mut progressed = false;
+        let mut i = 0;
+        while i < st.ops.len() {
+            let op = &mut st.ops[i];
+            let r = match op.flush.as_mut() {
+                // The flush completes after the PUT it follows, remotely.
+                Some(f) => f.check().and_then(|done| if done { op.req.check() } else { Ok(false) }),
+                None => op.req.check(),
+            };
+            match r {
+                Ok(false) => i += 1,
+                Ok(true) => {
+                    let op = st.ops.swap_remove(i);
+                    progressed = true;
+                    done.push((op.token, Ok(())));
+                }
+                Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(st.fail(e.to_string())),
+                Err(e) => {
+                    let op = st.ops.swap_remove(i);
+                    progressed = true;
+                    done.push((op.token, Err(format!("{} failed: {e}", if op.write { "WRITE" } else { "READ" }))));
+                }
+            }
+        }
+        let now = Instant::now();
+        if progressed {
+            st.last_event = now;
+            st.completed_any = true;
+        }
+        if let Some(reason) = self.session_hung_up() {
+            return Err(st.fail(reason));
+        }
+        let n = st.outstanding();
+        if n == 0 {
+            return Ok(None);
+        }
+        if now.duration_since(st.last_event) > stall {
+            return Err(st.fail(format!("no ucx completion for {stall:?} with {n} chunk(s) outstanding (peer hung or path lost)")));
+        }
+        Ok(Some(st.last_event))
+    }
+
+    /// Whether the target closed the session (it closes it when it tears the session's worker
+    /// down: agent closed, session fenced, or a refusal).
+    fn session_hung_up(&self) -> Option<String> {
+        let mut b = [0u8; 1];
+        // SAFETY: peeks at most 1 byte into a live buffer; non-blocking.
+        let n = unsafe { libc::recv(self.sock_ctl.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        if n == 0 {
+            return Some("ucx session closed by the target".into());
+        }
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            return match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => None,
+                _ => Some(format!("ucx session: {e}")),
+            };
+        }
+        // Bytes nobody asked for (no rkey fetch holds the socket): the target's Error frame.
+        let Ok(mut s) = self.sock.try_lock() else { return None };
+        let mut tick = |_: bool| Err::<(), String>("partial frame".into());
+        Some(match wire::read_frame(&mut s, &mut tick) {
+            Ok((_, Body::Error { status, msg })) => format!("ucx session ended by the target: {status:?}: {msg}"),
+            Ok((_, other)) => format!("ucx session: unexpected {:?} from the target", other.kind()),
+            Err(e) => format!("ucx session: {e}"),
+        })
+    }
+
+    #[cfg(test)]
+    /// Chunks posted and not yet reported by `progress`.
+    pub fn outstanding(&self) -> usize {
+        let st = lock(&self.state);
+        st.outstanding() + st.lost.len()
+    }
+
+    #[cfg(test)]
+    /// After a failure and [`UcxRail::abort`]: the tokens of every chunk posted and never
+    /// reported (to reissue elsewhere once the session is fenced). Empties the list.
+    pub fn take_unfinished(&self) -> Vec<u64> {
+        let mut st = lock(&self.state);
+        let mut v = std::mem::take(&mut st.lost);
+        v.extend(st.ops.iter().map(|o| o.token));
+        v
+    }
+
+    /// "ucx/tcp", "ucx/rc_mlx5", ... (the transports of the endpoint's lanes, joined by '+');
+    /// asked once after the first completion (lanes change during wire-up), "ucx" before.
+    pub fn transport_name(&self) -> String {
+        let mut st = lock(&self.state);
+        if let Some(t) = &st.transport {
+            return t.clone();
+        }
+        let Some(ep) = st.ep.as_ref() else { return "ucx".into() };
+        let Ok(t) = ep.transports() else { return "ucx".into() };
+        let mut names: Vec<&str> = Vec::new();
+        for e in &t.entries {
+            if !e.transport.is_empty() && !names.contains(&e.transport.as_str()) {
+                names.push(&e.transport);
+            }
+        }
+        if names.is_empty() {
+            return "ucx".into();
+        }
+        let name = format!("ucx/{}", names.join("+"));
+        if st.completed_any {
+            st.transport = Some(name.clone());
+        }
+        name
+    }
+
+    /// Force-close the endpoint and abort the session socket; when this returns no request of
+    /// this rail touches local memory any more (GET destinations may be reissued, PUT sources
+    /// reused). Safe to call twice and concurrently with `progress` and `post`. The target's
+    /// session worker may still apply PUT data already sent: fence the session ([`UcxRail::id`])
+    /// before reissuing WRITEs.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        st.fail("rail aborted".into());
+        if let Some(ep) = st.ep.take() {
+            // Cancels what is outstanding; forced closes complete without the peer.
+            let _ = ep.close(CloseMode::Force, Instant::now() + self.timeout.max(Duration::from_secs(1)));
+            let lost: Vec<u64> = st.ops.drain(..).map(|o| o.token).collect();
+            st.lost.extend(lost);
+            // Closed by the force close: these requests are complete (cancelled) and drop here.
+        }
+        drop(g);
+        abort_socket(&self.sock_ctl);
+        self.kick.kick();
+    }
+}
+
+// Progress runs on one thread per rail while others post and abort.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<UcxRail>();
+    send_sync::<UcxAgent>();
+};
+
+impl Drop for UcxRail {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}

@@ -1,0 +1,316 @@
+//! The UCX data path: one UCP context per local rail, every registered region mapped in each;
+//! per (link, rail) an initiator worker with one endpoint to a per-session worker on the target.
+//!
+//! Session set-up goes over an authenticated multirail connection of `Role::UcxSession` on the
+//! target's rail: the initiator sends `UcxOpen { rail, addr }`, the target creates a worker just
+//! for this session on that rail's context and answers `UcxReady { addr, regions }` with the
+//! packed rkeys of the regions it exports (rkeys are capabilities: they travel only over the
+//! session, never in published metadata). Regions registered later are fetched with
+//! `UcxRkeys` when a post names them. The target then progresses the session's worker (UCX over
+//! tcp does the RMA in software on the target) until the session socket hangs up, the agent
+//! closes or the session is fenced; a fence returns only after that worker is destroyed, so no
+//! late PUT of the session can land after it (docs/ucx.md, "What the ucx transport on top must
+//! do", item 7).
+//!
+//! Not protected over tcp: UCX's software RMA writes wherever the initiator says (docs/ucx.md,
+//! "Trust"); bounds are checked on the initiator (here and in the bindings). Over RDMA the HCA
+//! checks the rkey and bounds, but rkeys are mapped read-write, so a read-only region is
+//! writable by a peer that holds its rkey (the initiator refuses it only by the metadata).
+//!
+//! Split by responsibility:
+//! - this module: the agent-wide part, [`UcxAgent`] (UCX loaded once, one context per local
+//!   rail, every registered region mapped in each);
+//! - `initiator`: [`UcxRail`], one rail to one peer (worker, endpoint, rkeys, post/progress/abort);
+//! - `target`: [`serve_session`], the target's worker per session;
+//! - `rails`: [`UcxRails`], `UcxRail`s behind the engine's `Transport` trait (one per rail of a
+//!   link, a progress thread each); the planner, not this module, requeues what a failed rail
+//!   left unfinished (`take_unfinished` serves the tests).
+//!
+//! What UCX needs from the agent is passed in: the local rails and their metadata
+//! (`UcxAgent::new`), regions (`map`/`unmap`), and for a served session the configuration, the
+//! shutdown flag and the event log (`serve_session`).
+
+mod initiator;
+mod rails;
+mod target;
+
+pub(crate) use initiator::UcxRail;
+pub(crate) use rails::UcxRails;
+pub(crate) use target::serve_session;
+
+use std::collections::HashMap;
+use std::ffi::CStr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use multirail_proto::codec::UcxRegion;
+use multirail_proto::{Access, RailInfo};
+use multirail_ucx::{Context, ContextConfig, LoadOptions, MemRegion, PackedRkey, Ucx};
+
+use crate::error::{Error, Result};
+use crate::net::LocalRail;
+use crate::registry::Region;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One local rail's UCX context and what it is restricted to.
+struct RailCtx {
+    ctx: Context,
+    /// `NET_DEVICES` (and `TLS`) it was created with, for reports.
+    devices: String,
+}
+
+/// A registered region mapped in every rail context: `(mapping, packed rkey if exported)`.
+struct Mapped {
+    base: u64,
+    len: u64,
+    exported: bool,
+    per_rail: Vec<(MemRegion, Option<PackedRkey>)>,
+}
+
+/// Region id -> mapping; shared with the rails (they find local memory handles in it).
+type Maps = RwLock<HashMap<u64, Arc<Mapped>>>;
+
+fn find_local(maps: &Maps, rail: usize, addr: u64, len: u64) -> Option<(MemRegion, usize)> {
+    let end = addr.checked_add(len)?;
+    let g = maps.read().unwrap_or_else(PoisonError::into_inner);
+    g.values()
+        .find(|m| m.base <= addr && end <= m.base + m.len)
+        .and_then(|m| m.per_rail.get(rail).map(|(mr, _)| (mr.clone(), (addr - m.base) as usize)))
+}
+
+/// Per-agent UCX state: UCX loaded once; one UCP context (with WAKEUP) per local rail,
+/// restricted to that rail (`NET_DEVICES` = its RDMA device:port, else its netdev with
+/// `TLS=tcp`); UCX's own multi-rail splitting off (`MAX_RNDV_RAILS=1`, `MAX_EAGER_LANES=1`):
+/// multirail stripes itself. Every registered region is `ucp_mem_map`ed once per rail context.
+pub(crate) struct UcxAgent {
+    ucx: Ucx,
+    rails: Vec<RailCtx>,
+    maps: Arc<Maps>,
+    /// Target-side session workers alive now.
+    sessions: std::sync::atomic::AtomicUsize,
+    /// Whether GPU memory can go over these rails directly (GPUDirect RDMA), or why not.
+    gpu_direct: std::result::Result<(), String>,
+}
+
+impl UcxAgent {
+    pub fn new(rails: &[LocalRail], rail_meta: &[RailInfo]) -> Result<UcxAgent> {
+        let ucx = Ucx::load_with(&LoadOptions::from_env()).map_err(|e| Error::Unavailable(format!("cannot load UCX: {e}")))?;
+        let mut ctxs = Vec::with_capacity(rails.len());
+        for (i, r) in rails.iter().enumerate() {
+            let rdma = rail_meta.get(i).map(|m| m.rdma_dev.as_str()).unwrap_or("");
+            let (cfg, devices) = rail_config(i, r, rdma);
+            let ctx = Context::new(&ucx, &cfg)
+                .map_err(|e| Error::Unavailable(format!("UCX context for rail {i} ({devices}) with {}: {e}", ucx.info())))?;
+            ctxs.push(RailCtx { ctx, devices });
+        }
+        let infos: Vec<(String, &str)> = ctxs.iter().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
+        let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/sys/module"));
+        Ok(UcxAgent { ucx, rails: ctxs, maps: Arc::new(RwLock::new(HashMap::new())), sessions: Default::default(), gpu_direct })
+    }
+
+    /// Ok when every rail can move GPU memory directly (module docs of `gpu_direct_check`),
+    /// else why not.
+    pub fn gpu_direct(&self) -> std::result::Result<(), &str> {
+        self.gpu_direct.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// Map a newly registered region in every rail context (and pack its rkey when exported).
+    pub fn map(&self, region: &Region) -> Result<()> {
+        let exported = region.access != Access::Local;
+        let mut per_rail = Vec::with_capacity(self.rails.len());
+        for (i, r) in self.rails.iter().enumerate() {
+            // SAFETY: the caller registered [base, base+len) with the agent and keeps it
+            // allocated while registered; it is unmapped at deregistration, after the registry
+            // saw no holder (a request still pending keeps its own mapping alive until done).
+            let m = unsafe { r.ctx.map(region.base as *mut u8, region.len as usize) }
+                .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
+            let packed =
+                if exported {
+                    Some(m.pack_rkey().map_err(|e| {
+                        Error::InvalidArgument(format!("UCX cannot pack the rkey of region {} on rail {i}: {e}", region.id))
+                    })?)
+                } else {
+                    None
+                };
+            per_rail.push((m, packed));
+        }
+        let mapped = Arc::new(Mapped { base: region.base, len: region.len, exported, per_rail });
+        self.maps.write().unwrap_or_else(PoisonError::into_inner).insert(region.id, mapped);
+        Ok(())
+    }
+
+    /// Drop a deregistered region's mappings (each is unmapped once no pending request uses it).
+    pub fn unmap(&self, region_id: u64) {
+        self.maps.write().unwrap_or_else(PoisonError::into_inner).remove(&region_id);
+    }
+
+    #[cfg(test)]
+    /// Target-side session workers alive now (a fenced or closed session's worker is gone).
+    pub fn sessions(&self) -> usize {
+        self.sessions.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// e.g. "1.22.0 (libucx wheel /path/libucp.so.0)".
+    pub fn version(&self) -> String {
+        let i = self.ucx.info();
+        format!("{} ({} {})", i.version, i.source, i.path.display())
+    }
+
+    /// The library and each rail's restriction, for the start-up log.
+    pub fn describe(&self) -> String {
+        let rails: Vec<String> = self.rails.iter().enumerate().map(|(i, r)| format!("rail {i}: {}", r.devices)).collect();
+        format!("{}; {}", self.ucx.info(), rails.join("; "))
+    }
+
+    /// The loud warning for a host with RDMA devices and a UCX without InfiniBand.
+    pub fn rdma_warning(&self) -> Option<String> {
+        self.ucx.info().rdma_warning()
+    }
+
+    /// Exported regions with their rkeys packed in `rail`'s context (all, or those in `ids`).
+    fn ready_regions(&self, rail: usize, ids: Option<&[u64]>) -> Vec<UcxRegion> {
+        let g = self.maps.read().unwrap_or_else(PoisonError::into_inner);
+        let one = |id: u64, m: &Mapped| -> Option<UcxRegion> {
+            if !m.exported {
+                return None;
+            }
+            let packed = m.per_rail.get(rail)?.1.as_ref()?;
+            Some(UcxRegion { id, base: m.base, len: m.len, rkey: packed.as_bytes().to_vec() })
+        };
+        match ids {
+            Some(ids) => ids.iter().filter_map(|id| g.get(id).and_then(|m| one(*id, m))).collect(),
+            None => {
+                let mut v: Vec<UcxRegion> = g.iter().filter_map(|(id, m)| one(*id, m)).collect();
+                v.sort_by_key(|r| r.id);
+                v
+            }
+        }
+    }
+}
+
+/// The UCX context configuration of one rail, and a description of its restriction.
+fn rail_config(i: usize, r: &LocalRail, rdma_dev: &str) -> (ContextConfig, String) {
+    let cfg = ContextConfig::new().wakeup(true).name(format!("multirail-rail{i}")).set("MAX_RNDV_RAILS", "1").set("MAX_EAGER_LANES", "1");
+    if !rdma_dev.is_empty() {
+        let dev = if rdma_dev.contains(':') { rdma_dev.to_string() } else { format!("{rdma_dev}:1") };
+        return (cfg.net_devices(dev.clone()), format!("NET_DEVICES={dev}"));
+    }
+    match netdev_of(r) {
+        Some(dev) => (cfg.net_devices(dev.clone()).tls("tcp"), format!("NET_DEVICES={dev} TLS=tcp")),
+        // An unspecified address (0.0.0.0): no single device to restrict to.
+        None => (cfg.tls("tcp"), "NET_DEVICES=all TLS=tcp".into()),
+    }
+}
+
+/// GPUDirect RDMA over every rail needs three things; the first one missing is the reason:
+/// 1. a UCX with CUDA support that found a GPU driver (its contexts list a `cuda` transport);
+/// 2. rails on RDMA devices (a rail over UCX's tcp copies through host memory);
+/// 3. the kernel's GPUDirect RDMA support: `nvidia_peermem` (or the older `nv_peer_mem`) loaded.
+///    (dma-buf registration, the other way, is not detected by this build.)
+///
+/// When it holds, GPU regions are `ucp_mem_map`ped like host ones (UCX detects the memory type)
+/// and GPU transfers go over the ucx rails as they are ("direct"). Not verified on hardware here.
+/// `rails`: each rail context's `ucp_context_print_info` and its device restriction.
+fn gpu_direct_check(rails: &[(String, &str)], sys_module: &std::path::Path) -> std::result::Result<(), String> {
+    for (i, (info, devices)) in rails.iter().enumerate() {
+        if !info.contains("cuda") {
+            return Err(format!("the loaded UCX has no CUDA transport on rail {i} (UCX built without CUDA, or no GPU driver)"));
+        }
+        if devices.contains("TLS=tcp") {
+            return Err(format!("rail {i} runs on UCX's tcp ({devices}): GPUDirect needs an RDMA device"));
+        }
+    }
+    if rails.is_empty() {
+        return Err("no rails".into());
+    }
+    if !["nvidia_peermem", "nv_peer_mem"].iter().any(|m| sys_module.join(m).exists()) {
+        return Err("GPUDirect RDMA kernel support is missing: nvidia_peermem is not loaded (`modprobe nvidia_peermem`)".into());
+    }
+    Ok(())
+}
+
+/// The network interface of a tcp rail: its name when that is an interface, else the interface
+/// holding its address, else `lo` (the default single loopback rail has no device name).
+fn netdev_of(r: &LocalRail) -> Option<String> {
+    if !r.device.is_empty() {
+        if let Ok(c) = std::ffi::CString::new(r.device.as_str()) {
+            // SAFETY: a NUL-terminated string; if_nametoindex only reads it.
+            if unsafe { libc::if_nametoindex(c.as_ptr()) } != 0 {
+                return Some(r.device.clone());
+            }
+        }
+    }
+    match r.addr {
+        Some(a) if a.is_unspecified() => None,
+        Some(a) if a.is_loopback() => Some("lo".into()),
+        Some(a) => Some(iface_for(a).unwrap_or_else(|| "lo".into())),
+        None => Some("lo".into()),
+    }
+}
+
+/// The interface that holds `addr` (getifaddrs).
+fn iface_for(addr: IpAddr) -> Option<String> {
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `ifap` with a list freed below.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut cur = ifap;
+    while !cur.is_null() {
+        // SAFETY: a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: ifa_addr points to a sockaddr whose family says its real type.
+            let a = unsafe {
+                match (*ifa.ifa_addr).sa_family as i32 {
+                    libc::AF_INET => {
+                        let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+                    }
+                    libc::AF_INET6 => {
+                        let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
+                    }
+                    _ => None,
+                }
+            };
+            if a == Some(addr) && !ifa.ifa_name.is_null() {
+                // SAFETY: a NUL-terminated interface name owned by the list.
+                found = Some(unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned());
+                break;
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list from getifaddrs, freed once.
+    unsafe { libc::freeifaddrs(ifap) };
+    found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs without UCX: the decision from what the contexts report and /sys/module.
+    #[test]
+    fn gpu_direct_needs_cuda_rdma_and_peermem() {
+        let dir = std::env::temp_dir().join(format!("mr-sysmod-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cuda = "# memory types: host, cuda\n#  md 3 : component cuda_cpy".to_string();
+        let rdma = "NET_DEVICES=mlx5_0:1";
+        let no_cuda = gpu_direct_check(&[("# md 0 : tcp".into(), rdma)], &dir).unwrap_err();
+        assert!(no_cuda.contains("no CUDA transport"), "{no_cuda}");
+        let tcp = gpu_direct_check(&[(cuda.clone(), rdma), (cuda.clone(), "NET_DEVICES=eth1 TLS=tcp")], &dir).unwrap_err();
+        assert!(tcp.contains("rail 1 runs on UCX's tcp"), "{tcp}");
+        let no_peermem = gpu_direct_check(&[(cuda.clone(), rdma)], &dir).unwrap_err();
+        assert!(no_peermem.contains("nvidia_peermem"), "{no_peermem}");
+        std::fs::create_dir_all(dir.join("nvidia_peermem")).unwrap();
+        assert_eq!(gpu_direct_check(&[(cuda.clone(), rdma), (cuda, "NET_DEVICES=mlx5_1:1")], &dir), Ok(()));
+        assert!(gpu_direct_check(&[], &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

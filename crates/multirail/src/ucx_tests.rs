@@ -1,0 +1,395 @@
+//! Tests of the ucx transport's rails and sessions between two real agents (they need the whole
+//! agent, so they live above the transport seam). Need a UCX: `#[ignore]`d, run with
+//! `cargo test -p multirail -- --ignored ucx` (UCX found as the bindings' loader says:
+//! MULTIRAIL_UCX_LIB, system, MULTIRAIL_UCX_WHEEL_DIR).
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use multirail_proto::codec::{Role, UcxRegion};
+use multirail_proto::{Access, Body, MemType, Status};
+use multirail_ucx::{Context, ContextConfig, LoadOptions, ThreadMode, Ucx, Worker};
+
+use crate::agent::Agent;
+use crate::config::{Config, TransportKind};
+use crate::error::Result;
+use crate::net::dial_id;
+use crate::transport::ucx::UcxRail;
+use crate::wire;
+
+const T: Duration = Duration::from_secs(5);
+
+fn agent(name: &str, transport: TransportKind) -> Agent {
+    let cfg = Config { transport, timeout: T, ..Config::default() };
+    match Agent::new(name, cfg) {
+        Ok(a) => a,
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
+fn rail_addr(a: &Agent) -> SocketAddr {
+    let m = a.metadata();
+    format!("{}:{}", m.rails[0].addr, m.rails[0].port).parse().unwrap()
+}
+
+fn try_open(init: &Agent, target: &Agent) -> Result<UcxRail> {
+    let sh = init.shared();
+    let (s, id) = dial_id(&sh.ctx.identity(), None, rail_addr(target), Role::UcxSession, Some((target.name(), target.incarnation())), T)?;
+    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, s, id, T)
+}
+
+fn open(init: &Agent, target: &Agent) -> UcxRail {
+    try_open(init, target).expect("open ucx rail")
+}
+
+/// Progress until `n` chunks are reported (or panic after 10 s).
+fn collect(rail: &UcxRail, n: usize) -> Vec<(u64, std::result::Result<(), String>)> {
+    let mut done = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    while done.len() < n {
+        assert!(Instant::now() < end, "only {} of {n} chunks done", done.len());
+        rail.progress(&mut done, Duration::from_millis(50), Duration::from_secs(5)).expect("rail healthy");
+    }
+    done
+}
+
+fn pattern(seed: u8, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i as u32).wrapping_mul(2654435761).rotate_left(seed as u32) as u8 ^ seed).collect()
+}
+
+/// Chunks of varying lengths covering [0, total).
+fn chunks(total: usize) -> Vec<(usize, usize)> {
+    let lens = [1usize, 13, 4096, 65536, 8191, 100_003, 2, 777, 32768, 250_000];
+    let mut v = Vec::new();
+    let (mut at, mut k) = (0, 0);
+    while at < total {
+        let n = lens[k % lens.len()].min(total - at);
+        v.push((at, n));
+        at += n;
+        k += 1;
+    }
+    v
+}
+
+fn thread_cpu() -> Duration {
+    // SAFETY: getrusage fills a zeroed struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
+    let us = (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) as u64 * 1_000_000 + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) as u64;
+    Duration::from_micros(us)
+}
+
+const MIB: usize = 1 << 20;
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_reads_and_writes_land_exactly() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    eprintln!("UCX {}", init.shared().ucx.as_ref().unwrap().version());
+    let ibuf = pattern(1, MIB);
+    let tbuf = pattern(2, MIB);
+    let (iorig, torig) = (ibuf.clone(), tbuf.clone());
+    let ir = init.register(ibuf.as_ptr() as u64, MIB as u64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, MIB as u64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = open(&init, &target);
+    let ib = ibuf.as_ptr() as u64;
+    // WRITE init[a..] -> target[a + 777..] for a in [0, 400000); READ target[c + 500000..]
+    // -> init[c + 600000..] for c in [0, 300000), interleaved.
+    let writes = chunks(400_000);
+    let reads = chunks(300_000);
+    let mut token = 0u64;
+    for i in 0..writes.len().max(reads.len()) {
+        if let Some(&(a, n)) = writes.get(i) {
+            token += 1;
+            rail.post(token, true, ib + a as u64, tr.id, a as u64 + 777, n as u64).unwrap();
+        }
+        if let Some(&(c, n)) = reads.get(i) {
+            token += 1;
+            rail.post(token, false, ib + 600_000 + c as u64, tr.id, 500_000 + c as u64, n as u64).unwrap();
+        }
+    }
+    assert!(rail.outstanding() > 0);
+    let done = collect(&rail, token as usize);
+    assert!(done.iter().all(|(_, r)| r.is_ok()), "{done:?}");
+    let mut seen: Vec<u64> = done.iter().map(|d| d.0).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, (1..=token).collect::<Vec<_>>());
+    assert_eq!(rail.outstanding(), 0);
+    assert_eq!(&tbuf[777..400_777], &iorig[..400_000], "written bytes");
+    assert_eq!(&tbuf[..777], &torig[..777]);
+    assert_eq!(&tbuf[400_777..], &torig[400_777..], "nothing past the writes");
+    assert_eq!(&ibuf[600_000..900_000], &torig[500_000..800_000], "read bytes");
+    assert_eq!(&ibuf[..600_000], &iorig[..600_000]);
+    assert_eq!(&ibuf[900_000..], &iorig[900_000..]);
+    let name = rail.transport_name();
+    assert!(name.starts_with("ucx/") && name.contains("tcp"), "{name}");
+
+    // Refusals, with a message, before UCX sees them.
+    let e = rail.post(900, false, ib, tr.id, MIB as u64 - 10, 20).unwrap_err();
+    assert!(e.contains("outside region"), "{e}");
+    let e = rail.post(901, true, ib + MIB as u64 - 10, tr.id, 0, 20).unwrap_err();
+    assert!(e.contains("not inside memory registered"), "{e}");
+    let e = rail.post(902, true, ib, 12345, 0, 20).unwrap_err();
+    assert!(e.contains("exports no region 12345"), "{e}");
+    let e = rail.post(903, true, ib, tr.id, u64::MAX - 5, 20).unwrap_err();
+    assert!(e.contains("outside region"), "{e}");
+    assert_eq!(rail.outstanding(), 0);
+
+    // A region the target registers after the session opened: its rkey is fetched.
+    let late = pattern(3, 4096);
+    let lr = target.register(late.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    rail.post(1000, false, ib, lr.id, 100, 1000).unwrap();
+    let done = collect(&rail, 1);
+    assert_eq!(done, vec![(1000, Ok(()))]);
+    assert_eq!(&ibuf[..1000], &late[100..1100]);
+    rail.abort();
+    rail.abort();
+    assert!(rail.post(1001, false, ib, tr.id, 0, 8).is_err());
+    drop(rail);
+    drop((ir, tr, lr));
+    let late_id = 2;
+    target.deregister(late_id).unwrap();
+    init.close();
+    target.close();
+}
+
+/// Send a real `Fence` for `ids` over a control connection, as peer.rs does.
+fn send_fence(init: &Agent, target: &Agent, ids: Vec<[u8; 16]>) {
+    let sh = init.shared();
+    let (mut s, _) =
+        dial_id(&sh.ctx.identity(), None, rail_addr(target), Role::Control, Some((target.name(), target.incarnation())), T).unwrap();
+    let end = Instant::now() + T;
+    let mut tick = |_: bool| if Instant::now() > end { Err("fence timed out".to_string()) } else { Ok(()) };
+    wire::send(&mut s, &Body::Fence(ids), 0, &mut tick).unwrap();
+    match wire::read_frame(&mut s, &mut tick).unwrap().1 {
+        Body::Resp { status: Status::Ok, .. } => {}
+        other => panic!("fence answered {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_fence_destroys_the_session_worker() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let ibuf = pattern(4, 65536);
+    let tbuf = vec![0u8; 65536];
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let ib = ibuf.as_ptr() as u64;
+    let old = open(&init, &target);
+    old.post(1, true, ib, tr.id, 0, 4096).unwrap();
+    assert_eq!(collect(&old, 1), vec![(1, Ok(()))]);
+    assert_eq!(&tbuf[..4096], &ibuf[..4096]);
+    let id = old.id();
+    assert!(target.shared().served.lock().unwrap().contains_key(&id), "session registered for Fence");
+    assert_eq!(target.shared().ucx.as_ref().unwrap().sessions(), 1);
+
+    // The fence returns only once the session's worker is destroyed (and the session gone
+    // from the fence table).
+    let t0 = Instant::now();
+    send_fence(&init, &target, vec![id]);
+    eprintln!("fence took {:?}", t0.elapsed());
+    assert_eq!(target.shared().ucx.as_ref().unwrap().sessions(), 0, "session worker alive after its fence");
+    assert_eq!(target.shared().fenced.load(Ordering::Relaxed), 1);
+    let t0 = Instant::now();
+    while target.shared().served.lock().unwrap().contains_key(&id) {
+        assert!(t0.elapsed() < Duration::from_secs(1), "session still served after its fence");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    // The old rail learns it from the session socket at once.
+    let t0 = Instant::now();
+    let mut done = Vec::new();
+    let err = loop {
+        if let Err(e) = old.progress(&mut done, Duration::from_millis(50), Duration::from_secs(5)) {
+            break e;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(3), "fenced rail still healthy");
+    };
+    eprintln!("fenced rail: {err} after {:?}", t0.elapsed());
+    assert!(old.post(2, true, ib, tr.id, 0, 8).is_err());
+    old.abort();
+    assert!(old.take_unfinished().is_empty());
+
+    // A new session works.
+    let new = open(&init, &target);
+    new.post(3, true, ib + 4096, tr.id, 4096, 8192).unwrap();
+    new.post(4, false, ib + 20000, tr.id, 0, 4096).unwrap();
+    let mut got = collect(&new, 2);
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, vec![(3, Ok(())), (4, Ok(()))]);
+    assert_eq!(&tbuf[4096..12288], &ibuf[4096..12288]);
+    drop(new);
+    drop(old);
+    init.close();
+    target.close();
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_target_closed_fails_the_rail_and_close_ends_sessions() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let ibuf = vec![0u8; 65536];
+    let tbuf = pattern(5, 65536);
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = open(&init, &target);
+    let _second = open(&init, &target);
+    rail.post(1, false, ibuf.as_ptr() as u64, tr.id, 0, 65536).unwrap();
+    assert_eq!(collect(&rail, 1), vec![(1, Ok(()))]);
+    assert_eq!(ibuf, tbuf);
+    assert_eq!(target.shared().open_conns.load(Ordering::SeqCst), 2);
+    let t0 = Instant::now();
+    drop(tr);
+    target.close();
+    eprintln!("target close with 2 sessions took {:?}", t0.elapsed());
+    assert_eq!(target.shared().open_conns.load(Ordering::SeqCst), 0, "sessions still running after close");
+    assert_eq!(target.shared().ucx.as_ref().unwrap().sessions(), 0);
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    let stall = Duration::from_secs(2);
+    let t0 = Instant::now();
+    let mut done = Vec::new();
+    let err = loop {
+        if let Err(e) = rail.progress(&mut done, Duration::from_millis(50), stall) {
+            break e;
+        }
+        assert!(t0.elapsed() < stall, "rail still healthy {:?} after its target closed", t0.elapsed());
+    };
+    eprintln!("after target close: {err} ({:?})", t0.elapsed());
+    rail.abort();
+    drop(target);
+    init.close();
+}
+
+/// A target that answers the session, progresses its worker through the wire-up, then stops
+/// progressing (hung, sockets open): UCX reports nothing; the stall clock must.
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let ucx = Ucx::load_with(&LoadOptions::from_env()).unwrap();
+    let ctx = Context::new(&ucx, &ContextConfig::new().tls("tcp").net_devices("lo").wakeup(true)).unwrap();
+    let tbuf = vec![0u8; 65536];
+    // SAFETY: `tbuf` outlives the mapping (dropped at the end of the test).
+    let tmap = unsafe { ctx.map(tbuf.as_ptr() as *mut u8, tbuf.len()) }.unwrap();
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let hang = Arc::new(AtomicBool::new(false));
+    let h2 = hang.clone();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut tick = |_: bool| Ok(());
+        let Body::UcxOpen { .. } = wire::read_frame(&mut s, &mut tick).unwrap().1 else { panic!("no UcxOpen") };
+        let w = Worker::new(&ctx, ThreadMode::Serialized).unwrap();
+        let regions = vec![UcxRegion { id: 1, base: tmap.addr(), len: 65536, rkey: tmap.pack_rkey().unwrap().into_bytes() }];
+        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions }, 0, &mut tick).unwrap();
+        while !h2.load(Ordering::Acquire) {
+            let _ = w.wait_for_events(Duration::from_millis(10));
+        }
+        // Hung: no progress, socket and worker kept until told to go.
+        while h2.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        drop((s, w, tmap));
+    });
+    let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], T).unwrap();
+    let ibuf = vec![0u8; 65536];
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    rail.post(1, false, ibuf.as_ptr() as u64, 1, 0, 4096).unwrap();
+    assert_eq!(collect(&rail, 1), vec![(1, Ok(()))]);
+    hang.store(true, Ordering::Release);
+    std::thread::sleep(Duration::from_millis(50));
+    rail.post(2, false, ibuf.as_ptr() as u64, 1, 0, 65536).unwrap();
+    rail.post(3, true, ibuf.as_ptr() as u64, 1, 0, 65536).unwrap();
+    let stall = Duration::from_millis(500);
+    let t0 = Instant::now();
+    let mut done = Vec::new();
+    let err = loop {
+        if let Err(e) = rail.progress(&mut done, Duration::from_millis(50), stall) {
+            break e;
+        }
+        assert!(t0.elapsed() < stall * 4, "hung target not detected");
+    };
+    eprintln!("hung target: {err} after {:?}; reported {done:?}", t0.elapsed());
+    assert!(err.contains("no ucx completion"), "{err}");
+    assert!(t0.elapsed() >= stall - Duration::from_millis(60));
+    assert_eq!(rail.outstanding(), 2);
+    rail.abort();
+    let mut lost = rail.take_unfinished();
+    lost.sort_unstable();
+    assert_eq!(lost, vec![2, 3]);
+    hang.store(false, Ordering::Release);
+    drop(rail);
+    fake.join().unwrap();
+    init.close();
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_idle_rail_sleeps() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let rail = open(&init, &target);
+    let mut done = Vec::new();
+    let (c0, t0) = (thread_cpu(), Instant::now());
+    for _ in 0..20 {
+        rail.progress(&mut done, Duration::from_millis(50), Duration::from_secs(5)).unwrap();
+    }
+    let (cpu, wall) = (thread_cpu() - c0, t0.elapsed());
+    eprintln!("idle: 20 x progress(50 ms): wall {wall:?}, cpu {cpu:?}");
+    assert!(done.is_empty());
+    assert!(wall >= Duration::from_millis(950), "{wall:?}");
+    assert!(cpu < Duration::from_millis(100), "idle progress burned {cpu:?}");
+    // A post from another thread wakes the sleeping progress at once.
+    let buf = vec![0u8; 4096];
+    let tbuf = vec![7u8; 4096];
+    let _r = init.register(buf.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = Arc::new(rail);
+    let r2 = rail.clone();
+    let addr = buf.as_ptr() as u64;
+    let id = tr.id;
+    let poster = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        r2.post(1, false, addr, id, 0, 4096).unwrap();
+    });
+    let t0 = Instant::now();
+    while done.is_empty() {
+        rail.progress(&mut done, Duration::from_secs(2), Duration::from_secs(5)).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(3));
+    }
+    poster.join().unwrap();
+    eprintln!("posted-while-sleeping chunk done after {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_millis(1000));
+    assert_eq!(buf, tbuf);
+    drop(rail);
+    init.close();
+    target.close();
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_session_refused_by_an_agent_without_ucx() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("tcp-target", TransportKind::Tcp);
+    let e = try_open(&init, &target).err().expect("refused");
+    assert!(e.to_string().contains("does not run the ucx transport"), "{e}");
+    // A rail the target does not have.
+    let ucx_target = agent("ucx-target", TransportKind::Ucx);
+    let sh = init.shared();
+    let (s, id) = dial_id(&sh.ctx.identity(), None, rail_addr(&ucx_target), Role::UcxSession, None, T).unwrap();
+    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, s, id, T).err().expect("refused");
+    assert!(e.to_string().contains("no rail 5"), "{e}");
+    assert_eq!(ucx_target.shared().ucx.as_ref().unwrap().sessions(), 0);
+    ucx_target.close();
+    init.close();
+    target.close();
+}
