@@ -74,29 +74,50 @@ def _default_dir(nixl: dict[str, Any]) -> Path:
     return base / "multirail" / f"nixl-plugins-{nixl['module']}-{nixl['version'] or 'unknown'}"
 
 
+def _link(link: Path, src: Path) -> None:
+    if link.is_symlink():
+        if Path(os.readlink(link)) == src:
+            return
+        link.unlink()
+    elif link.exists():
+        raise PluginError(f"{link} exists and is not a link: refusing to replace it")
+    link.symlink_to(src)
+
+
 def make_dir(target: str | os.PathLike[str] | None = None) -> Path:
-    """Create (or refresh) the NIXL_PLUGIN_DIR directory; returns it."""
+    """Create (or refresh) a directory for NIXL_PLUGIN_DIR; returns it.
+
+    NIXL's own plugins find their libraries through `$ORIGIN/..` and
+    `$ORIGIN/../../nixl_cu12.libs`, and `$ORIGIN` is the directory they are loaded from, so a
+    flat directory of links would not load them. The directory made therefore mirrors the
+    wheel's layout with links: BASE/nixl_cu12.libs, BASE/.nixl_cu12.mesonpy.libs/<its files>,
+    and BASE/.nixl_cu12.mesonpy.libs/plugins/ (returned) holding our plugin and NIXL's."""
     plugin = plugin_path()
     nixl = find_nixl()
-    own = nixl["plugins"]
-    d = Path(target) if target else _default_dir(nixl)
+    own: Path | None = nixl["plugins"]
+    base = Path(target) if target else _default_dir(nixl)
+    if own is None:
+        d = base / "plugins"
+        d.mkdir(parents=True, exist_ok=True)
+        _link(d / PLUGIN_NAME, plugin)
+        return d
+    libs, site = own.parent, own.parent.parent
+    mirror = base / libs.name
+    d = mirror / own.name
     d.mkdir(parents=True, exist_ok=True)
-    want: dict[str, Path] = {}
-    if own is not None:
-        for f in sorted(own.iterdir()):
-            if f.name.endswith(".so") and f.name != PLUGIN_NAME:
-                want[f.name] = f.resolve()
+    for f in site.iterdir():  # e.g. nixl_cu12.libs, which NIXL's plugins reach as ../../nixl_cu12.libs
+        if f.name.startswith(nixl["module"]) and f.name.endswith(".libs") and f.is_dir():
+            _link(base / f.name, f.resolve())
+    for f in libs.iterdir():
+        if f.name != own.name:
+            _link(mirror / f.name, f.resolve())
+    want = {f.name: f.resolve() for f in sorted(own.iterdir()) if f.name.endswith(".so") and f.name != PLUGIN_NAME}
     want[PLUGIN_NAME] = plugin
     for f in d.iterdir():
         if f.is_symlink() and f.name not in want:
             f.unlink()
     for name, src in want.items():
-        link = d / name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and Path(os.readlink(link)) == src:
-                continue
-            link.unlink()
-        link.symlink_to(src)
+        _link(d / name, src)
     return d
 
 
@@ -168,10 +189,15 @@ from multirail.nixl_plugin import host_check
 cfg = api.nixl_agent_config(backends=[])
 a = api.nixl_agent("mr-check-a", cfg)
 plugins = a.get_plugin_list()
-if "MULTIRAIL" not in plugins:
-    ok, why = host_check(plugin)
-    say("load", False, why if not ok else "NIXL did not list MULTIRAIL (plugins: %s); see NIXL's log above" % plugins)
 ok, what = host_check(plugin)
+if not ok:
+    say("load", False, what)
+if "MULTIRAIL" not in plugins:
+    say("load", False, "NIXL did not find libplugin_MULTIRAIL.so in NIXL_PLUGIN_DIR (plugins: %s)" % plugins)
+try:
+    a.get_plugin_params("MULTIRAIL")
+except Exception as e:
+    say("load", False, "NIXL could not load the plugin (%s); see NIXL's log" % e)
 say("load", True, "NIXL lists %s; %s" % (", ".join(plugins), what))
 try:
     a.create_backend("MULTIRAIL", {})

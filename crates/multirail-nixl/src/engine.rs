@@ -42,18 +42,16 @@ pub fn status_of(e: &Error) -> i32 {
         Error::InvalidArgument(_) | Error::LengthMismatch { .. } => ERR_INVALID_PARAM,
         Error::UnknownPeer(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => ERR_NOT_FOUND,
         Error::Metadata(_) | Error::Decode { .. } | Error::StaleMetadata { .. } => ERR_MISMATCH,
-        Error::Remote { status: WireStatus::BadKey | WireStatus::UnknownRegion | WireStatus::ReadOnly | WireStatus::AuthFailed, .. }
+        Error::Remote {
+            status: WireStatus::BadKey | WireStatus::UnknownRegion | WireStatus::ReadOnly | WireStatus::AuthFailed, ..
+        }
         | Error::Auth { .. } => ERR_NOT_ALLOWED,
         Error::Remote { status: WireStatus::OutOfBounds, .. } => ERR_NOT_FOUND,
         Error::PeerLost { .. } => ERR_REMOTE_DISCONNECT,
-        Error::Io { kind, .. }
-            if matches!(
-                kind,
-                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted
-            ) =>
-        {
-            ERR_REMOTE_DISCONNECT
-        }
+        Error::Io {
+            kind: std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted,
+            ..
+        } => ERR_REMOTE_DISCONNECT,
         Error::Unavailable(_) => ERR_NOT_SUPPORTED,
         _ => ERR_BACKEND,
     }
@@ -180,7 +178,8 @@ impl Engine {
                 m.name, m.incarnation, r.meta.incarnation
             )));
         }
-        let [region] = <[_; 1]>::try_from(m.regions).map_err(|v: Vec<_>| Error::Metadata(format!("region metadata holds {} regions, not 1", v.len())))?;
+        let [region] = <[_; 1]>::try_from(m.regions)
+            .map_err(|v: Vec<_>| Error::Metadata(format!("region metadata holds {} regions, not 1", v.len())))?;
         let id = region.id;
         if r.regions.get(&id) != Some(&region) {
             r.regions.insert(id, region);
@@ -286,7 +285,13 @@ impl Engine {
         }
         let (dst_mem, src_mem) = if op == Op::Read { (lmem, rmem) } else { (rmem, lmem) };
         // The device whose copy engine runs the copies: the GPU side's (the local one's if both).
-        let vram_side = if lmem == MemType::Vram { local } else if rmem == MemType::Vram { remote } else { &[] };
+        let vram_side = if lmem == MemType::Vram {
+            local
+        } else if rmem == MemType::Vram {
+            remote
+        } else {
+            &[]
+        };
         let dev = vram_side.first().map_or(0, |d| d[2] as u32);
         Ok(Xfer::Local { copies, dst_mem, src_mem, dev, done: AtomicBool::new(false) })
     }
@@ -334,7 +339,11 @@ impl Engine {
                 done.store(false, Ordering::SeqCst);
                 if let Some(n) = notif {
                     if n.len() > multirail_proto::codec::MAX_NOTIF {
-                        return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", n.len(), multirail_proto::codec::MAX_NOTIF)));
+                        return Err(Error::InvalidArgument(format!(
+                            "notification of {} bytes exceeds {}",
+                            n.len(),
+                            multirail_proto::codec::MAX_NOTIF
+                        )));
                     }
                 }
                 self.run_local(copies, *dst_mem, *src_mem, *dev)?;

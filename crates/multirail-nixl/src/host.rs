@@ -49,7 +49,19 @@ fn loaded_objects() -> Vec<PathBuf> {
 /// The dist-info of the package that ships `lib`: site-packages holds `<dist>-<ver>.dist-info`
 /// and the library sits one or two directories below site-packages.
 fn dist_of(lib: &Path) -> Option<(String, String)> {
-    for dir in lib.ancestors().skip(1).take(3) {
+    // Lexically: the loader reports `site/nixl_cu12/../.nixl_cu12.mesonpy.libs/libnixl.so`, and
+    // `..` after a linked directory would lead the kernel elsewhere.
+    let mut norm = PathBuf::new();
+    for c in lib.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                norm.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => norm.push(c),
+        }
+    }
+    for dir in norm.ancestors().skip(1).take(3) {
         let Ok(rd) = std::fs::read_dir(dir) else { continue };
         let mut found = Vec::new();
         for e in rd.flatten() {
@@ -120,6 +132,8 @@ mod tests {
         std::fs::create_dir_all(&libs).unwrap();
         std::fs::create_dir_all(d.join("nixl_cu12-1.5.1.dist-info")).unwrap();
         assert_eq!(dist_of(&libs.join("libnixl.so")), Some(("nixl_cu12".into(), "1.5.1".into())));
+        let via_pkg = d.join("nixl_cu12").join("..").join(".nixl_cu12.mesonpy.libs").join("libnixl.so");
+        assert_eq!(dist_of(&via_pkg), Some(("nixl_cu12".into(), "1.5.1".into())));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

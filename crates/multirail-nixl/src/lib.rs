@@ -292,7 +292,13 @@ pub unsafe extern "C" fn mr_nixl_public_data(e: *const Engine, id: u64, sink: Si
 /// # Safety
 /// `e` is a live engine; the byte strings are readable.
 #[no_mangle]
-pub unsafe extern "C" fn mr_nixl_load_conn_info(e: *const Engine, agent: *const u8, agent_len: usize, blob: *const u8, blob_len: usize) -> c_int {
+pub unsafe extern "C" fn mr_nixl_load_conn_info(
+    e: *const Engine,
+    agent: *const u8,
+    agent_len: usize,
+    blob: *const u8,
+    blob_len: usize,
+) -> c_int {
     guard(ERR_UNKNOWN, "load_conn_info", || {
         let Some(e) = engine(e) else { return ERR_INVALID_PARAM };
         let Ok(agent) = text(agent, agent_len) else { return ERR_INVALID_PARAM };
