@@ -399,6 +399,30 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             check(np.array_equal(dst.host, sentinel), "memory was written after release/deletion")
             out["untouched"] = True
 
+    elif name in ("stripe", "raildown"):
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, False, None)
+        dst.reg(agent)
+        rd = agent.get_xfer_descs([(addrs["A"], size, 0)], mem)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), rd, "target")
+        t = time.monotonic()
+        s = agent.transfer(h)
+        (d / "posted").write_text("")
+        while s == "PROC" and time.monotonic() - t < 120:
+            s = agent.check_xfer_state(h)
+            time.sleep(0.001)
+        out["read_s"] = round(time.monotonic() - t, 3)
+        check(s == "DONE", f"READ {s}")
+        check(sha(dst.read()) == sha(A), "READ bytes differ")
+        agent.release_xfer_handle(h)
+        if name == "stripe":
+            dst.write(B)
+            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(dst.rows(1), mem), rd, "target")
+            t = time.monotonic()
+            check(wait(agent, h, 120) == "DONE", "WRITE")
+            out["write_s"] = round(time.monotonic() - t, 3)
+            check(digest_of_target(agent, d, "s1")["A"] == sha(B), "WRITE bytes differ at the target")
+
     elif name == "env":
         p = agent.get_backend_params("MULTIRAIL")
         out["params"] = p

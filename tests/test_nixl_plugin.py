@@ -61,22 +61,39 @@ def _env(plugin_dir: Path, extra: dict[str, str] | None = None) -> dict[str, str
 class Pair:
     """A target process; `run` starts an initiator scenario against it."""
 
-    def __init__(self, d: Path, plugin_dir: Path, cfg: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    def __init__(self, d: Path, plugin_dir: Path, cfg: dict[str, Any], env: dict[str, str] | None = None,
+                 wrap: Any = None) -> None:
         self.d, self.plugin_dir, self.cfg = d, plugin_dir, cfg
+        self.wrap = wrap or (lambda side, argv: argv)  # (side "a" target / "b" initiator, argv) -> argv
         self.env = _env(plugin_dir, env)
         self.log = open(d / "target.log", "w")
-        self.proc = subprocess.Popen([sys.executable, PEER, "target", str(d), json.dumps(cfg)], env=self.env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        argv = self.wrap("a", [sys.executable, PEER, "target", str(d), json.dumps(cfg)])
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
         t = time.monotonic()
         while not (d / "meta.bin").exists():
             if self.proc.poll() is not None or time.monotonic() - t > 60:
                 raise AssertionError(f"target did not start: {(d / 'target.log').read_text()[-3000:]}")
             time.sleep(0.02)
 
+    def start(self, scenario: str, cfg: dict[str, Any] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        argv = self.wrap("b", [sys.executable, PEER, "init", scenario, str(self.d),
+                               json.dumps({**self.cfg, **(cfg or {})})])
+        return subprocess.Popen(argv, env={**self.env, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+
     def run(self, scenario: str, cfg: dict[str, Any] | None = None, env: dict[str, str] | None = None,
             timeout: float = 120) -> dict[str, Any]:
-        res = subprocess.run([sys.executable, PEER, "init", scenario, str(self.d), json.dumps({**self.cfg, **(cfg or {})})],
-                             env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        return self.result(scenario, self.start(scenario, cfg, env), timeout)
+
+    def result(self, scenario: str, proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         last = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
         out = json.loads(last[-1]) if last else {"ok": False, "error": "no result"}
         assert res.returncode == 0 and out["ok"], (
@@ -263,3 +280,65 @@ def test_bad_settings_fail_create_backend_cleanly(plugin_dir: Path) -> None:
 @pytest.mark.parametrize("pair", [{"vram": True, "params": {"gpu": "standin"}}], indirect=True)
 def test_vram_through_the_gpu_paths_on_the_standin(pair: Pair) -> None:
     pair.run("basic")
+
+
+def _nic_bytes(tb: Any) -> list[int]:
+    """rx+tx bytes of each rail's device in namespace b (the initiator's)."""
+    out = []
+    for r in tb.rails:
+        dev = r.devs["b"]
+        cp = subprocess.run(tb.exec_argv("b", ["cat", f"/sys/class/net/{dev}/statistics/rx_bytes",
+                                               f"/sys/class/net/{dev}/statistics/tx_bytes"]),
+                            capture_output=True, text=True, timeout=10, check=True)
+        out.append(sum(int(x) for x in cp.stdout.split()))
+    return out
+
+
+@pytest.fixture
+def testbed_pair(tmp_path: Path, plugin_dir: Path) -> Iterator[tuple[Any, Pair]]:
+    """Target in namespace a, initiator in namespace b of a fresh 2 x 1 Gbit/s testbed, each
+    with MULTIRAIL_RAILS set to its side's rail addresses."""
+    import uuid
+
+    from conftest import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    from multirail.testbed import Testbed
+
+    tb = Testbed(f"nx{uuid.uuid4().hex[:6]}", rails=2, rate="1gbit")
+    with tb:
+        rails = {side: ",".join(tb.addrs(side)) for side in ("a", "b")}
+
+        def wrap(side: str, argv: list[str]) -> list[str]:
+            return tb.exec_argv(side, ["env", f"MULTIRAIL_RAILS={rails[side]}", *argv])
+
+        p = Pair(tmp_path, plugin_dir, {"size": 128 * MiB, "params": {"stall_timeout": "1"}}, wrap=wrap)
+        try:
+            yield tb, p
+        finally:
+            p.close()
+
+
+def test_testbed_rails_stripe_through_nixl(testbed_pair: tuple[Any, Pair]) -> None:
+    tb, pair = testbed_pair
+    before = _nic_bytes(tb)
+    out = pair.run("stripe")
+    moved = [b - a for a, b in zip(before, _nic_bytes(tb))]
+    total = sum(moved)
+    assert total >= 2 * 128 * MiB, moved
+    assert min(moved) / total >= 0.3, f"one rail idle: {moved} ({out})"
+
+
+def test_testbed_rail_down_mid_transfer_still_done(testbed_pair: tuple[Any, Pair]) -> None:
+    tb, pair = testbed_pair
+    proc = pair.start("raildown")
+    t = time.monotonic()
+    while not (pair.d / "posted").exists():
+        assert proc.poll() is None and time.monotonic() - t < 60, "the initiator never posted"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    tb.set_link(1, False, side="a")
+    out = pair.result("raildown", proc)
+    assert out["read_s"] > 0.3, out  # it was in flight when the rail went down
