@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 CARGO_PROFILE ?= release
 
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
-APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server
+APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server g++
 
 .PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check lint fuzz clean
 
@@ -28,8 +28,12 @@ deps:
 ## setup: system tools, .venv, the Rust extension (release) installed into .venv
 setup: deps $(VPY) build
 
-## build: rebuild the extension and the mr-pingpong baseline into .venv
+## build: rebuild the extension, the NIXL plugin and the mr-pingpong baseline into .venv
 build: $(VPY)
+	# The NIXL backend plugin (crates/multirail-nixl; needs g++ from `make deps`), placed in the
+	# Python package before maturin packs it: `multirail nixl-plugin dir` finds it there.
+	cargo build -q --release -p multirail-nixl
+	install -D -m 0755 target/release/libmultirail_nixl.so python/multirail/_nixl/libplugin_MULTIRAIL.so
 	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop -q --release
 	cargo build -q --release -p mr-pingpong
 

@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-TOOLS = ("bench", "doctor", "testbed", "fabric")
+TOOLS = ("bench", "doctor", "testbed", "fabric", "nixl_plugin")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,410 @@
+//! The backend engine behind the C ABI: one multirail [`Agent`] per NIXL backend instance,
+//! plus what NIXL's metadata model needs on top of it.
+//!
+//! NIXL's metadata comes in two parts, and so does ours:
+//! - the connection info (`getConnInfo`, read once when the backend is created): the agent's
+//!   multirail metadata *without* regions (name, incarnation, rails and their ports);
+//! - one public blob per registered region (`getPublicData`): the agent's metadata holding
+//!   just that region (its id, bounds, memory kind, access and key).
+//!
+//! On the loading side the regions of a peer accumulate (`loadRemoteMD`, one call per region
+//! of a metadata blob) and are installed into the runtime as one peer the next time the peer
+//! is used (`connect`, `prepXfer`, `genNotif`). A peer whose regions change after it was used
+//! is replaced by a new one; the old one keeps serving the handles prepared on it and is
+//! closed when NIXL disconnects the peer or the engine goes away.
+//!
+//! Transfers to the agent itself (NIXL's local transfers) are copies in this process: `memcpy`
+//! for host memory, a device copy for GPU memory.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use multirail::peer::Peer;
+use multirail::{Agent, Error, Op, XferHandle, XferState};
+use multirail_gpu::{CopyKind, Device, Gpu, GpuKind};
+use multirail_proto::codec::Status as WireStatus;
+use multirail_proto::{Access, AgentMeta, MemType};
+
+use crate::status::*;
+
+/// Peers replaced while handles prepared on them may still be in use; beyond this many per
+/// peer the oldest is closed (its handles then fail with a clear error instead of leaking).
+const MAX_RETIRED: usize = 8;
+
+pub fn log(msg: &str) {
+    eprintln!("[multirail-nixl] {msg}");
+}
+
+/// NIXL status of a runtime error.
+pub fn status_of(e: &Error) -> i32 {
+    match e {
+        Error::InvalidArgument(_) | Error::LengthMismatch { .. } => ERR_INVALID_PARAM,
+        Error::UnknownPeer(_) | Error::NotRegistered { .. } | Error::OutOfBounds { .. } => ERR_NOT_FOUND,
+        Error::Metadata(_) | Error::Decode { .. } | Error::StaleMetadata { .. } => ERR_MISMATCH,
+        Error::Remote {
+            status: WireStatus::BadKey | WireStatus::UnknownRegion | WireStatus::ReadOnly | WireStatus::AuthFailed, ..
+        }
+        | Error::Auth { .. } => ERR_NOT_ALLOWED,
+        Error::Remote { status: WireStatus::OutOfBounds, .. } => ERR_NOT_FOUND,
+        Error::PeerLost { .. } => ERR_REMOTE_DISCONNECT,
+        Error::Io {
+            kind: std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionAborted,
+            ..
+        } => ERR_REMOTE_DISCONNECT,
+        Error::Unavailable(_) => ERR_NOT_SUPPORTED,
+        _ => ERR_BACKEND,
+    }
+}
+
+/// A peer as NIXL loaded it: its connection info and the regions loaded so far.
+struct Remote {
+    meta: AgentMeta,
+    regions: BTreeMap<u64, multirail_proto::RegionMeta>,
+    /// Regions changed since the runtime's peer was (re)installed.
+    dirty: bool,
+    retired: Vec<Arc<Peer>>,
+}
+
+impl Remote {
+    fn close_retired(&mut self) {
+        for p in self.retired.drain(..) {
+            p.close();
+        }
+    }
+}
+
+pub struct Engine {
+    pub agent: Agent,
+    name: String,
+    gpu: GpuKind,
+    remotes: Mutex<HashMap<String, Remote>>,
+    /// Notifications from this agent to itself (local transfers, genNotif to self).
+    local_notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    /// Regions registered through NIXL: id -> memory kind, for local copies.
+    mems: Mutex<HashMap<u64, MemType>>,
+}
+
+/// A prepared transfer.
+pub enum Xfer {
+    Remote { h: XferHandle, reported: AtomicBool },
+    Local { copies: Vec<(u64, u64, u64)>, dst_mem: MemType, src_mem: MemType, dev: u32, done: AtomicBool },
+}
+
+fn mem_of(m: i32) -> Result<MemType, Error> {
+    match m {
+        0 => Ok(MemType::Dram),
+        1 => Ok(MemType::Vram),
+        other => Err(Error::InvalidArgument(format!("memory type {other} is not DRAM or VRAM (MULTIRAIL moves host and GPU memory)"))),
+    }
+}
+
+impl Engine {
+    pub fn new(name: &str, cfg: multirail::Config) -> Result<Engine, Error> {
+        let gpu = cfg.staging.gpu;
+        let agent = Agent::new(name, cfg)?;
+        Ok(Engine {
+            agent,
+            name: name.to_string(),
+            gpu,
+            remotes: Mutex::new(HashMap::new()),
+            local_notifs: Mutex::new(Vec::new()),
+            mems: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn register(&self, addr: u64, len: u64, dev: u64, mem: i32) -> Result<u64, Error> {
+        let mem = mem_of(mem)?;
+        let dev = u32::try_from(dev).map_err(|_| Error::InvalidArgument(format!("device id {dev} out of range")))?;
+        let id = self.agent.register(addr, len, dev, mem, Access::ReadWrite)?.id;
+        self.mems.lock().expect("mems lock").insert(id, mem);
+        Ok(id)
+    }
+
+    pub fn deregister(&self, id: u64) -> Result<(), Error> {
+        self.mems.lock().expect("mems lock").remove(&id);
+        self.agent.deregister(id)
+    }
+
+    pub fn conn_info(&self) -> Vec<u8> {
+        let mut m = self.agent.metadata();
+        m.regions.clear();
+        m.encode()
+    }
+
+    pub fn public_data(&self, id: u64) -> Result<Vec<u8>, Error> {
+        let mut m = self.agent.metadata();
+        m.regions.retain(|r| r.id == id);
+        if m.regions.is_empty() {
+            return Err(Error::InvalidArgument(format!("region {id} is not registered here")));
+        }
+        m.rails.clear();
+        Ok(m.encode())
+    }
+
+    fn decode(blob: &[u8]) -> Result<AgentMeta, Error> {
+        AgentMeta::decode(blob).map_err(|e| Error::Metadata(format!("not MULTIRAIL metadata: {e}")))
+    }
+
+    pub fn load_conn_info(&self, agent: &str, blob: &[u8]) -> Result<(), Error> {
+        let meta = Self::decode(blob)?;
+        if meta.name != agent {
+            return Err(Error::Metadata(format!("connection info names agent {:?}, NIXL loads it for {agent:?}", meta.name)));
+        }
+        if meta.name == self.name {
+            return Err(Error::Metadata("connection info is this agent's own".into()));
+        }
+        if !meta.regions.is_empty() {
+            return Err(Error::Metadata("connection info must not carry regions".into()));
+        }
+        let mut g = self.remotes.lock().expect("remotes lock");
+        if let Some(r) = g.get_mut(agent) {
+            if r.meta.incarnation == meta.incarnation && r.meta.rails == meta.rails {
+                return Ok(());
+            }
+            r.close_retired();
+        }
+        g.insert(agent.to_string(), Remote { meta, regions: BTreeMap::new(), dirty: true, retired: Vec::new() });
+        Ok(())
+    }
+
+    pub fn load_remote_md(&self, agent: &str, blob: &[u8]) -> Result<u64, Error> {
+        let m = Self::decode(blob)?;
+        let mut g = self.remotes.lock().expect("remotes lock");
+        let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
+        if m.name != agent || m.incarnation != r.meta.incarnation {
+            return Err(Error::Metadata(format!(
+                "region metadata is from agent {:?} incarnation {:#x}, not {agent:?} incarnation {:#x}",
+                m.name, m.incarnation, r.meta.incarnation
+            )));
+        }
+        let [region] = <[_; 1]>::try_from(m.regions)
+            .map_err(|v: Vec<_>| Error::Metadata(format!("region metadata holds {} regions, not 1", v.len())))?;
+        let id = region.id;
+        if r.regions.get(&id) != Some(&region) {
+            r.regions.insert(id, region);
+            r.dirty = true;
+        }
+        Ok(id)
+    }
+
+    pub fn unload_remote_md(&self, agent: &str, id: u64) {
+        if let Some(r) = self.remotes.lock().expect("remotes lock").get_mut(agent) {
+            if r.regions.remove(&id).is_some() {
+                r.dirty = true;
+            }
+        }
+    }
+
+    /// Forget a peer: close its links (transfers in flight on them fail) and drop its metadata.
+    pub fn disconnect(&self, agent: &str) {
+        if let Some(mut r) = self.remotes.lock().expect("remotes lock").remove(agent) {
+            r.close_retired();
+        }
+        let _ = self.agent.remove_remote(agent);
+    }
+
+    /// Install the peer's current regions into the runtime when they changed.
+    fn ensure_peer(&self, agent: &str) -> Result<(), Error> {
+        let mut g = self.remotes.lock().expect("remotes lock");
+        let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
+        if !r.dirty && self.agent.has_remote(agent) {
+            return Ok(());
+        }
+        let mut meta = r.meta.clone();
+        meta.regions = r.regions.values().cloned().collect();
+        let shared = self.agent.shared();
+        let old = shared.peers.write().expect("peers lock").remove(agent);
+        shared.add_remote(meta, None)?;
+        if let Some(old) = old {
+            if old.connected() {
+                r.retired.push(old);
+                if r.retired.len() > MAX_RETIRED {
+                    r.retired.remove(0).close();
+                }
+            } else {
+                old.close();
+            }
+        }
+        r.dirty = false;
+        Ok(())
+    }
+
+    pub fn connect(&self, agent: &str) -> Result<(), Error> {
+        if agent == self.name {
+            return Ok(());
+        }
+        self.ensure_peer(agent)?;
+        self.agent.peer(agent)?.link().map(|_| ())
+    }
+
+    pub fn prep(&self, op: i32, lmem: i32, local: &[[u64; 3]], rmem: i32, remote: &[[u64; 3]], agent: &str) -> Result<Xfer, Error> {
+        let op = match op {
+            0 => Op::Read,
+            1 => Op::Write,
+            other => return Err(Error::InvalidArgument(format!("operation {other} is neither READ nor WRITE"))),
+        };
+        let (lmem, rmem) = (mem_of(lmem)?, mem_of(rmem)?);
+        if agent == self.name {
+            return self.prep_local(op, lmem, local, rmem, remote);
+        }
+        self.ensure_peer(agent)?;
+        let h = self.agent.prepare(op, local, remote, agent, Vec::new())?;
+        Ok(Xfer::Remote { h, reported: AtomicBool::new(false) })
+    }
+
+    /// A transfer to this agent itself: pair the two segmentations into copies now.
+    fn prep_local(&self, op: Op, lmem: MemType, local: &[[u64; 3]], rmem: MemType, remote: &[[u64; 3]]) -> Result<Xfer, Error> {
+        self.agent.resolve_local(local)?;
+        self.agent.resolve_local(remote).map_err(|e| match e {
+            Error::NotRegistered { index, addr, len } => Error::OutOfBounds { peer: self.name.clone(), index, addr, len },
+            e => e,
+        })?;
+        let (lt, rt) = (local.iter().map(|d| d[1]).sum::<u64>(), remote.iter().map(|d| d[1]).sum::<u64>());
+        if lt != rt {
+            return Err(Error::LengthMismatch { local: lt, remote: rt });
+        }
+        let mut copies = Vec::new();
+        let (mut i, mut j, mut oi, mut oj) = (0, 0, 0u64, 0u64);
+        while i < local.len() && j < remote.len() {
+            let n = (local[i][1] - oi).min(remote[j][1] - oj);
+            if n > 0 {
+                let (l, r) = (local[i][0] + oi, remote[j][0] + oj);
+                copies.push(if op == Op::Read { (l, r, n) } else { (r, l, n) });
+            }
+            oi += n;
+            oj += n;
+            if oi == local[i][1] {
+                i += 1;
+                oi = 0;
+            }
+            if j < remote.len() && oj == remote[j][1] {
+                j += 1;
+                oj = 0;
+            }
+        }
+        let (dst_mem, src_mem) = if op == Op::Read { (lmem, rmem) } else { (rmem, lmem) };
+        // The device whose copy engine runs the copies: the GPU side's (the local one's if both).
+        let vram_side = if lmem == MemType::Vram {
+            local
+        } else if rmem == MemType::Vram {
+            remote
+        } else {
+            &[]
+        };
+        let dev = vram_side.first().map_or(0, |d| d[2] as u32);
+        Ok(Xfer::Local { copies, dst_mem, src_mem, dev, done: AtomicBool::new(false) })
+    }
+
+    fn run_local(&self, copies: &[(u64, u64, u64)], dst_mem: MemType, src_mem: MemType, dev: u32) -> Result<(), Error> {
+        if dst_mem == MemType::Dram && src_mem == MemType::Dram {
+            for &(d, s, n) in copies {
+                // SAFETY: both ranges were checked to lie inside memory registered with this
+                // agent when the transfer was prepared; NIXL keeps registrations alive while
+                // handles that use them exist. `copy` tolerates overlap.
+                unsafe { std::ptr::copy(s as *const u8, d as *mut u8, n as usize) };
+            }
+            return Ok(());
+        }
+        let kind = match (src_mem, dst_mem) {
+            (MemType::Dram, MemType::Vram) => CopyKind::HostToDevice,
+            (MemType::Vram, MemType::Dram) => CopyKind::DeviceToHost,
+            _ => CopyKind::DeviceToDevice,
+        };
+        let gerr = |e: multirail_gpu::DeviceError| Error::Gpu(format!("local copy: {e}"));
+        let g = Gpu::open(self.gpu, dev as i32).map_err(|e| Error::Gpu(format!("GPU {dev}: {e}")))?;
+        let stream = g.create_stream().map_err(gerr)?;
+        let ev = g.create_event().map_err(gerr)?;
+        for &(d, s, n) in copies {
+            // SAFETY: as above; the device ends were registered as this device's memory.
+            unsafe { g.copy_async(kind, d, s, n as usize, &stream) }.map_err(gerr)?;
+        }
+        g.record(&ev, &stream).map_err(gerr)?;
+        g.synchronize(&ev).map_err(gerr)
+    }
+
+    /// Post; returns the NIXL status (IN_PROG, SUCCESS or an error).
+    pub fn post(&self, x: &Xfer, notif: Option<&[u8]>) -> Result<i32, Error> {
+        match x {
+            Xfer::Remote { h, reported } => {
+                reported.store(false, Ordering::Relaxed);
+                // An empty message is "no notification" for the runtime.
+                match h.post(Some(notif.unwrap_or_default().to_vec()))? {
+                    XferState::Done => Ok(SUCCESS),
+                    XferState::Error => Err(h.error().unwrap_or(Error::Closed)),
+                    _ => Ok(IN_PROG),
+                }
+            }
+            Xfer::Local { copies, dst_mem, src_mem, dev, done } => {
+                done.store(false, Ordering::SeqCst);
+                if let Some(n) = notif {
+                    if n.len() > multirail_proto::codec::MAX_NOTIF {
+                        return Err(Error::InvalidArgument(format!(
+                            "notification of {} bytes exceeds {}",
+                            n.len(),
+                            multirail_proto::codec::MAX_NOTIF
+                        )));
+                    }
+                }
+                self.run_local(copies, *dst_mem, *src_mem, *dev)?;
+                done.store(true, Ordering::SeqCst);
+                if let Some(n) = notif {
+                    self.local_notifs.lock().expect("notif lock").push((self.name.clone(), n.to_vec()));
+                }
+                Ok(SUCCESS)
+            }
+        }
+    }
+
+    /// (status, error to log once).
+    pub fn check(&self, x: &Xfer) -> (i32, Option<Error>) {
+        match x {
+            Xfer::Remote { h, reported } => match h.progress() {
+                XferState::Done => (SUCCESS, None),
+                XferState::InProgress => (IN_PROG, None),
+                XferState::Idle => (ERR_NOT_POSTED, None),
+                XferState::Error => {
+                    let e = h.error().unwrap_or(Error::Closed);
+                    let first = !reported.swap(true, Ordering::Relaxed);
+                    (status_of(&e), first.then_some(e))
+                }
+            },
+            Xfer::Local { done, .. } => (if done.load(Ordering::SeqCst) { SUCCESS } else { ERR_NOT_POSTED }, None),
+        }
+    }
+
+    pub fn release(&self, x: Xfer) {
+        if let Xfer::Remote { h, .. } = x {
+            h.release();
+        }
+    }
+
+    pub fn gen_notif(&self, agent: &str, msg: &[u8]) -> Result<(), Error> {
+        if agent == self.name {
+            self.local_notifs.lock().expect("notif lock").push((self.name.clone(), msg.to_vec()));
+            return Ok(());
+        }
+        self.ensure_peer(agent)?;
+        self.agent.send_notif(agent, msg)
+    }
+
+    pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
+        let mut v = std::mem::take(&mut *self.local_notifs.lock().expect("notif lock"));
+        v.extend(self.agent.take_notifs());
+        v
+    }
+
+    pub fn mem_of_region(&self, id: u64) -> Option<MemType> {
+        self.mems.lock().expect("mems lock").get(&id).copied()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for (_, mut r) in self.remotes.lock().expect("remotes lock").drain() {
+            r.close_retired();
+        }
+        // Returns only once nothing of the agent touches registered memory any more.
+        self.agent.close();
+    }
+}

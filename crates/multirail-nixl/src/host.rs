@@ -1,0 +1,139 @@
+//! Which NIXL loaded us, and whether this plugin was built and tested for it.
+//!
+//! NIXL's plugin `api_version` has been 1 while the engine base class and its vtable changed,
+//! so it protects nothing. The plugin therefore finds the `libnixl.so` mapped into the process
+//! and the version of the package that installed it (the `*.dist-info` beside it in
+//! site-packages), and refuses anything but the versions it was tested with.
+//! `MULTIRAIL_NIXL_ALLOW_UNTESTED=1` loads it anyway (with a warning).
+
+use std::ffi::CStr;
+use std::path::{Path, PathBuf};
+
+/// NIXL versions whose engine ABI the shim was checked against (layout and vtable compared
+/// with the wheel's own plugins; tests/test_nixl_plugin.py run against it in CI).
+pub const SUPPORTED: &[&str] = &["1.5.1"];
+
+pub const ENV_ALLOW: &str = "MULTIRAIL_NIXL_ALLOW_UNTESTED";
+
+/// What was found about the host NIXL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    pub lib: Option<PathBuf>,
+    /// (distribution name, version) from the dist-info beside it.
+    pub dist: Option<(String, String)>,
+}
+
+/// Paths of every shared object mapped into this process.
+fn loaded_objects() -> Vec<PathBuf> {
+    unsafe extern "C" fn each(info: *mut libc::dl_phdr_info, _size: usize, data: *mut libc::c_void) -> libc::c_int {
+        // SAFETY: the loader hands a valid info for the duration of the call; `data` is the
+        // Vec below.
+        let v = &mut *(data as *mut Vec<PathBuf>);
+        let name = (*info).dlpi_name;
+        if !name.is_null() {
+            let s = CStr::from_ptr(name).to_string_lossy();
+            if !s.is_empty() {
+                v.push(PathBuf::from(s.into_owned()));
+            }
+        }
+        0
+    }
+    let mut v: Vec<PathBuf> = Vec::new();
+    // SAFETY: the callback only reads the entries and pushes into `v`, which outlives the call.
+    unsafe {
+        libc::dl_iterate_phdr(Some(each), &mut v as *mut Vec<PathBuf> as *mut libc::c_void);
+    }
+    v
+}
+
+/// The dist-info of the package that ships `lib`: site-packages holds `<dist>-<ver>.dist-info`
+/// and the library sits one or two directories below site-packages.
+fn dist_of(lib: &Path) -> Option<(String, String)> {
+    // Lexically: the loader reports `site/nixl_cu12/../.nixl_cu12.mesonpy.libs/libnixl.so`, and
+    // `..` after a linked directory would lead the kernel elsewhere.
+    let mut norm = PathBuf::new();
+    for c in lib.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                norm.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => norm.push(c),
+        }
+    }
+    for dir in norm.ancestors().skip(1).take(3) {
+        let Ok(rd) = std::fs::read_dir(dir) else { continue };
+        let mut found = Vec::new();
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if let Some(stem) = n.strip_suffix(".dist-info") {
+                if let Some((dist, ver)) = stem.rsplit_once('-') {
+                    if dist == "nixl" || dist.starts_with("nixl_cu") {
+                        found.push((dist.to_string(), ver.to_string()));
+                    }
+                }
+            }
+        }
+        found.sort();
+        found.dedup();
+        if let Some(f) = found.into_iter().next() {
+            return Some(f);
+        }
+    }
+    None
+}
+
+pub fn detect() -> Host {
+    let lib = loaded_objects().into_iter().find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libnixl.so")));
+    let dist = lib.as_deref().and_then(dist_of);
+    Host { lib, dist }
+}
+
+/// Ok(description) when the plugin may run in this NIXL; Err(the reason) otherwise.
+pub fn verdict(host: &Host, allow_untested: bool) -> Result<String, String> {
+    let what = match (&host.lib, &host.dist) {
+        (None, _) => "no libnixl.so is loaded in this process".to_string(),
+        (Some(l), None) => format!("NIXL at {} has no package version beside it (not a nixl wheel)", l.display()),
+        (Some(l), Some((d, v))) => {
+            if SUPPORTED.contains(&v.as_str()) {
+                return Ok(format!("{d} {v} ({})", l.display()));
+            }
+            format!("NIXL {v} ({d}, {}) is not a version this plugin was built and tested for", l.display())
+        }
+    };
+    let msg = format!("{what}; supported: {}", SUPPORTED.join(", "));
+    if allow_untested {
+        Ok(format!("{msg}; loading anyway because {ENV_ALLOW}=1"))
+    } else {
+        Err(format!("{msg}. Set {ENV_ALLOW}=1 to load it anyway (at your own risk: the engine ABI may differ)"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        let ok = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.5.1".into())) };
+        assert!(verdict(&ok, false).is_ok());
+        let old = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.4.0".into())) };
+        let e = verdict(&old, false).unwrap_err();
+        assert!(e.contains("1.4.0") && e.contains("1.5.1") && e.contains(ENV_ALLOW), "{e}");
+        assert!(verdict(&old, true).unwrap().contains("anyway"));
+        let none = Host { lib: None, dist: None };
+        assert!(verdict(&none, false).unwrap_err().contains("no libnixl.so"));
+    }
+
+    #[test]
+    fn dist_info_beside_the_library() {
+        let d = std::env::temp_dir().join(format!("mrnixl-{}", std::process::id()));
+        let libs = d.join(".nixl_cu12.mesonpy.libs");
+        std::fs::create_dir_all(&libs).unwrap();
+        std::fs::create_dir_all(d.join("nixl_cu12-1.5.1.dist-info")).unwrap();
+        assert_eq!(dist_of(&libs.join("libnixl.so")), Some(("nixl_cu12".into(), "1.5.1".into())));
+        let via_pkg = d.join("nixl_cu12").join("..").join(".nixl_cu12.mesonpy.libs").join("libnixl.so");
+        assert_eq!(dist_of(&via_pkg), Some(("nixl_cu12".into(), "1.5.1".into())));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -1,0 +1,459 @@
+"""Two-process driver for tests/test_nixl_plugin.py: NIXL's own Python API (the nixl-cu12
+wheel) with the MULTIRAIL backend plugin, in a target process and an initiator process.
+
+    python nixl_plugin_peer.py target DIR CONFIG_JSON
+    python nixl_plugin_peer.py init SCENARIO DIR CONFIG_JSON
+
+The target registers two buffers (A and B, SIZE bytes each, a seeded pattern), writes its full
+metadata to DIR/meta.bin and partial metadata (A only, with connection info) to
+DIR/partial.bin, then serves notifications until "quit" or its deadline: every notification is
+appended to DIR/notifs.jsonl; "digest:TAG" writes the sha256 of A (and B) to DIR/TAG;
+"ping" loads DIR/init.bin and answers "pong" with genNotif. The initiator runs one scenario
+and exits 0 when every check passed (the failing check otherwise, exit 1).
+
+CONFIG_JSON: {"size": bytes, "params": {MULTIRAIL backend params}, "backends": [...],
+"vram": bool (registers stand-in GPU memory through the plugin), "listen_port": int}.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from nixl_cu12 import nixl_agent, nixl_agent_config
+
+DEADLINE = time.monotonic() + 90
+
+
+def fail(msg: str) -> None:
+    print(json.dumps({"ok": False, "error": msg}), flush=True)
+    sys.exit(1)
+
+
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        fail(msg)
+
+
+def pattern(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+class Plugin:
+    """The plugin's own GPU helpers (the stand-in GPU lives in the plugin's copy of the runtime)."""
+
+    def __init__(self) -> None:
+        path = Path(os.environ["NIXL_PLUGIN_DIR"]) / "libplugin_MULTIRAIL.so"
+        self.lib = ctypes.CDLL(str(path.resolve()))
+        self.lib.mr_nixl_gpu_alloc.restype = ctypes.c_uint64
+        self.lib.mr_nixl_gpu_alloc.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_size_t]
+        self.lib.mr_nixl_gpu_copy.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint64,
+                                              ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int]
+
+    def alloc(self, n: int) -> int:
+        p = self.lib.mr_nixl_gpu_alloc(b"standin", 7, 0, n)
+        check(p != 0, "stand-in GPU allocation failed")
+        return p
+
+    def copy(self, dst: int, src: int, n: int, direction: int) -> None:
+        check(self.lib.mr_nixl_gpu_copy(b"standin", 7, 0, dst, src, n, direction) == 0, "stand-in GPU copy failed")
+
+
+class Buf:
+    """SIZE bytes of host memory, or of stand-in GPU memory with a host mirror."""
+
+    def __init__(self, size: int, vram: bool, plugin: Plugin | None, fill: np.ndarray | None = None) -> None:
+        self.size, self.vram, self.plugin = size, vram, plugin
+        self.host = np.zeros(size, np.uint8) if fill is None else fill.copy()
+        self.addr = self.host.ctypes.data
+        if vram:
+            assert plugin is not None
+            self.addr = plugin.alloc(size)
+            plugin.copy(self.addr, self.host.ctypes.data, size, 0)
+
+    @property
+    def mem(self) -> str:
+        return "VRAM" if self.vram else "DRAM"
+
+    def read(self) -> np.ndarray:
+        if self.vram:
+            assert self.plugin is not None
+            self.plugin.copy(self.host.ctypes.data, self.addr, self.size, 1)
+        return self.host
+
+    def write(self, data: np.ndarray) -> None:
+        self.host[:] = data
+        if self.vram:
+            assert self.plugin is not None
+            self.plugin.copy(self.addr, self.host.ctypes.data, self.size, 0)
+
+    def rows(self, n: int) -> list[tuple[int, int, int]]:
+        r = self.size // n
+        return [(self.addr + i * r, r, 0) for i in range(n)]
+
+    def reg(self, agent: Any, backends: list[str] | None = None) -> Any:
+        return agent.register_memory([(self.addr, self.size, 0, "")], self.mem, backends=backends or [])
+
+
+def make_agent(name: str, cfg: dict[str, Any], telemetry: bool = False) -> nixl_agent:
+    backends = cfg.get("backends", ["MULTIRAIL"])
+    port = cfg.get("listen_port", 0)
+    conf = nixl_agent_config(enable_listen_thread=bool(port), listen_port=port or 8888, capture_telemetry=telemetry,
+                             backends=[])
+    a = nixl_agent(name, conf)
+    for b in backends:
+        a.create_backend(b, cfg.get("params", {}) if b == "MULTIRAIL" else {})
+    return a
+
+
+def wait(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
+    t = time.monotonic()
+    s = agent.transfer(h)
+    while s == "PROC" and time.monotonic() - t < timeout:
+        try:
+            s = agent.check_xfer_state(h)
+        except Exception as e:  # the binding raises the status's exception on some errors
+            return f"ERR ({type(e).__name__}: {e})"
+        time.sleep(0.0005)
+    return s
+
+
+def target(d: Path, cfg: dict[str, Any]) -> None:
+    size = cfg["size"]
+    plugin = Plugin() if cfg.get("vram") else None
+    agent = make_agent("target", cfg)
+    a = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 1))
+    b = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 2))
+    ra, _rb = a.reg(agent), b.reg(agent)
+    (d / "addrs.json").write_text(json.dumps({"A": a.addr, "B": b.addr}))
+    (d / "partial.tmp").write_bytes(agent.get_partial_agent_metadata(ra, True))
+    (d / "partial.tmp").rename(d / "partial.bin")
+    (d / "meta.tmp").write_bytes(agent.get_agent_metadata())
+    (d / "meta.tmp").rename(d / "meta.bin")
+    log = open(d / "notifs.jsonl", "a")
+    while time.monotonic() < DEADLINE:
+        if (d / "kill-now").exists():
+            os.kill(os.getpid(), 9)  # a peer process that dies mid-transfer
+        for peer, msgs in agent.get_new_notifs().items():
+            for m in msgs:
+                log.write(json.dumps({"from": peer, "msg": m.decode(errors="replace")}) + "\n")
+                log.flush()
+                if m == b"quit":
+                    return
+                if m.startswith(b"digest:"):
+                    out = {"A": hashlib.sha256(a.read().tobytes()).hexdigest(),
+                           "B": hashlib.sha256(b.read().tobytes()).hexdigest()}
+                    (d / "digest.tmp").write_text(json.dumps(out))
+                    (d / "digest.tmp").rename(d / m[7:].decode())
+                if m == b"ping":
+                    agent.add_remote_agent((d / "init.bin").read_bytes())
+                    agent.send_notif(peer, b"pong")
+        time.sleep(0.002)
+
+
+def digest_of_target(agent: nixl_agent, d: Path, tag: str) -> dict[str, str]:
+    agent.send_notif("target", f"digest:{tag}".encode())
+    t = time.monotonic()
+    while not (d / tag).exists():
+        check(time.monotonic() - t < 20, f"target did not answer digest:{tag}")
+        time.sleep(0.005)
+    return json.loads((d / tag).read_text())
+
+
+def notifs_of_target(d: Path) -> list[str]:
+    p = d / "notifs.jsonl"
+    return [json.loads(x)["msg"] for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def wait_notif_at_target(d: Path, msg: str) -> None:
+    t = time.monotonic()
+    while msg not in notifs_of_target(d):
+        check(time.monotonic() - t < 20, f"target never got notification {msg!r}: {notifs_of_target(d)}")
+        time.sleep(0.005)
+
+
+def sha(x: np.ndarray) -> str:
+    return hashlib.sha256(x.tobytes()).hexdigest()
+
+
+def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    size = cfg["size"]
+    vram = bool(cfg.get("vram"))
+    plugin = Plugin() if vram else None
+    out: dict[str, Any] = {}
+    agent = make_agent("init", cfg, telemetry=True)
+    addrs = json.loads((d / "addrs.json").read_text())
+    ra_rows = [(addrs["A"] + i * (size // 16), size // 16, 0) for i in range(16)]
+    mem = "VRAM" if vram else "DRAM"
+    A, B = pattern(size, 1), pattern(size, 2)
+
+    if name == "basic":
+        check(agent.add_remote_agent((d / "meta.bin").read_bytes()) == b"target", "add_remote_agent name")
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(16), mem),
+                                  agent.get_xfer_descs(ra_rows, mem), "target", b"read-done")
+        check(agent.query_xfer_backend(h) == "MULTIRAIL", f"backend {agent.query_xfer_backend(h)}")
+        s = wait(agent, h)
+        check(s == "DONE", f"READ state {s}")
+        check(sha(dst.read()) == sha(A), "READ bytes differ")
+        wait_notif_at_target(d, "read-done")
+        tel = agent.get_xfer_telemetry(h)
+        check(tel.totalBytes == size and tel.descCount >= 1, f"telemetry {tel.totalBytes} {tel.descCount}")
+        # repost the same handle
+        dst.write(np.zeros(size, np.uint8))
+        s = wait(agent, h)
+        check(s == "DONE" and sha(dst.read()) == sha(A), f"reposted READ {s}")
+        agent.release_xfer_handle(h)
+        # WRITE B's pattern into the target's A
+        dst.write(B)
+        h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(dst.rows(16), mem),
+                                  agent.get_xfer_descs(ra_rows, mem), "target", b"write-done")
+        s = wait(agent, h)
+        check(s == "DONE", f"WRITE state {s}")
+        wait_notif_at_target(d, "write-done")
+        check(digest_of_target(agent, d, "w1")["A"] == sha(B), "WRITE bytes differ at the target")
+        agent.release_xfer_handle(h)
+        # genNotif both ways
+        (d / "init.tmp").write_bytes(agent.get_agent_metadata())
+        (d / "init.tmp").rename(d / "init.bin")
+        agent.send_notif("target", b"ping")
+        t, got = time.monotonic(), {}
+        while not got and time.monotonic() - t < 20:
+            got = agent.get_new_notifs()
+            time.sleep(0.005)
+        check(got == {"target": [b"pong"]}, f"genNotif answer {got}")
+        # a local transfer (within this agent)
+        loc = Buf(size, vram, plugin)
+        loc.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(loc.rows(8), mem),
+                                  agent.get_xfer_descs(dst.rows(8), mem), "init", b"self")
+        s = wait(agent, h)
+        check(s == "DONE" and sha(loc.read()) == sha(B), f"local READ {s}")
+        check(agent.get_new_notifs() == {"init": [b"self"]}, "local notification")
+        agent.release_xfer_handle(h)
+        out["telemetry_bytes"] = tel.totalBytes
+
+    elif name == "prepped":
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", dst.rows(16), mem)
+        rp = agent.prep_xfer_dlist("target", ra_rows, mem)
+        h = agent.make_prepped_xfer("READ", lp, [0, 2, 4], rp, [1, 3, 5], b"prepped")
+        s = wait(agent, h)
+        check(s == "DONE", f"prepped READ {s}")
+        r = size // 16
+        got = dst.read()
+        for li, ri in ((0, 1), (2, 3), (4, 5)):
+            check(np.array_equal(got[li * r:(li + 1) * r], A[ri * r:(ri + 1) * r]), f"row {li} <- {ri}")
+        check(not got[r:2 * r].any(), "a row that was not asked for was written")
+        wait_notif_at_target(d, "prepped")
+        agent.release_xfer_handle(h)
+        # indices as a numpy array, WRITE, then the same handle reposted
+        h = agent.make_prepped_xfer("WRITE", lp, np.array([0, 2]), rp, np.array([14, 15]))
+        check(wait(agent, h) == "DONE", "prepped WRITE")
+        dig = digest_of_target(agent, d, "p1")
+        want = A.copy()
+        want[14 * r:15 * r] = A[1 * r:2 * r]
+        want[15 * r:16 * r] = A[3 * r:4 * r]
+        check(dig["A"] == sha(want), "prepped WRITE bytes at the target")
+        check(wait(agent, h) == "DONE", "prepped WRITE reposted")
+        agent.release_xfer_handle(h)
+        # NIXL 1.5's strided descriptors: (addr, len, dev, stride, count) rows
+        try:
+            lst = np.array([[dst.addr, r, 0, r, 16]], dtype=np.uint64)
+            rst = np.array([[addrs["B"], r, 0, r, 16]], dtype=np.uint64)
+            ls = agent.prep_xfer_dlist("NIXL_INIT_AGENT", lst, mem)
+            rs = agent.prep_xfer_dlist("target", rst, mem)
+        except Exception as e:  # noqa: BLE001
+            out["strided"] = f"not available in this NIXL: {e}"
+        else:
+            h = agent.make_prepped_xfer("READ", ls, list(range(16)), rs, list(range(16)))
+            check(wait(agent, h) == "DONE", "strided READ")
+            check(sha(dst.read()) == sha(B), "strided READ bytes")
+            agent.release_xfer_handle(h)
+            out["strided"] = "ok"
+        agent.release_dlist_handle(lp)
+        agent.release_dlist_handle(rp)
+
+    elif name == "metadata":
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        ldesc = agent.get_xfer_descs(dst.rows(1), mem)
+        # partial metadata: region A only, with connection info
+        check(agent.add_remote_agent((d / "partial.bin").read_bytes()) == b"target", "partial add")
+        s = wait(agent, agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target"))
+        check(s == "DONE" and sha(dst.read()) == sha(A), f"READ from A after partial metadata: {s}")
+        try:
+            agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["B"], size, 0)], mem), "target")
+            fail("B was readable with only A's metadata loaded")
+        except Exception as e:  # noqa: BLE001
+            out["b_before_full"] = type(e).__name__
+        # full metadata adds B
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        h = agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["B"], size, 0)], mem), "target")
+        check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(B), "READ from B after full metadata")
+        agent.release_xfer_handle(h)
+        # invalidation: the peer is forgotten, then loaded again
+        agent.remove_remote_agent("target")
+        check(not agent.check_remote_metadata("target"), "metadata still there after remove_remote_agent")
+        try:
+            agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+            fail("transfer to an invalidated peer was accepted")
+        except Exception as e:  # noqa: BLE001
+            out["after_invalidate"] = type(e).__name__
+        # NIXL's socket listener (the target listens on listen_port)
+        port = cfg.get("target_port")
+        if port:
+            agent.fetch_remote_metadata("target", "127.0.0.1", port)
+            t = time.monotonic()
+            while not agent.check_remote_metadata("target"):
+                check(time.monotonic() - t < 20, "metadata never arrived through NIXL's listener")
+                time.sleep(0.01)
+        else:
+            agent.add_remote_agent((d / "meta.bin").read_bytes())
+        agent.make_connection("target")
+        h = agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ after reload")
+        agent.release_xfer_handle(h)
+
+    elif name == "malformed":
+        good = (d / "meta.bin").read_bytes()
+        for bad in (b"", b"garbage", good[: len(good) // 2]):
+            try:
+                agent.add_remote_agent(bad)
+                fail(f"malformed metadata of {len(bad)} bytes was accepted")
+            except Exception as e:  # noqa: BLE001
+                out.setdefault("errors", []).append(type(e).__name__)
+        # a well-formed NIXL blob whose MULTIRAIL connection info is corrupt
+        i = good.find(b"MRMD")
+        check(i >= 0, "no MULTIRAIL metadata magic in the blob")
+        for corrupt in (good[:i] + b"XXXX" + good[i + 4:], good[:i + 6] + bytes([good[i + 6] ^ 0xFF]) + good[i + 7:]):
+            try:
+                agent.add_remote_agent(corrupt)
+                fail("corrupt MULTIRAIL connection info was accepted")
+            except Exception as e:  # noqa: BLE001
+                out.setdefault("errors", []).append(type(e).__name__)
+        check(agent.add_remote_agent(good) == b"target", "good metadata after bad ones")
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ after malformed metadata")
+
+    elif name == "ucx_and_multirail":
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        for bk, which, want in (("MULTIRAIL", "A", A), ("UCX", "B", B)):
+            dst.write(np.zeros(size, np.uint8))
+            h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                      agent.get_xfer_descs([(addrs[which], size, 0)], mem), "target", backends=[bk])
+            check(agent.query_xfer_backend(h) == bk, f"backend {agent.query_xfer_backend(h)} != {bk}")
+            s = wait(agent, h)
+            check(s == "DONE" and sha(dst.read()) == sha(want), f"{bk} READ {s}")
+            agent.release_xfer_handle(h)
+
+    elif name in ("release", "kill", "delete"):
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, False, None)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                  agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        s = agent.transfer(h)
+        check(s == "PROC", f"the slowed transfer finished at once ({s})")
+        time.sleep(0.05)
+        check(agent.check_xfer_state(h) == "PROC", "the slowed transfer was not in flight")
+        if name == "kill":
+            (d / "kill-now").write_text("")
+            t = time.monotonic()
+            s = "PROC"
+            while s == "PROC" and time.monotonic() - t < 20:
+                try:
+                    s = agent.check_xfer_state(h)
+                except Exception as e:  # noqa: BLE001
+                    s = f"ERR ({type(e).__name__})"
+                time.sleep(0.005)
+            out["state"], out["seconds"] = s, round(time.monotonic() - t, 3)
+            check(s.startswith("ERR"), f"state {s} after the peer was killed")
+            agent.release_xfer_handle(h)
+        else:
+            if name == "release":
+                agent.release_xfer_handle(h)
+            else:
+                del h
+                agent = None  # type: ignore[assignment]
+                gc.collect()
+            # nothing may touch the destination any more
+            sentinel = np.full(size, 0x5A, np.uint8)
+            dst.host[:] = sentinel
+            time.sleep(0.5)
+            check(np.array_equal(dst.host, sentinel), "memory was written after release/deletion")
+            out["untouched"] = True
+
+    elif name in ("stripe", "raildown"):
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, False, None)
+        dst.reg(agent)
+        rd = agent.get_xfer_descs([(addrs["A"], size, 0)], mem)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), rd, "target")
+        t = time.monotonic()
+        s = agent.transfer(h)
+        (d / "posted").write_text("")
+        while s == "PROC" and time.monotonic() - t < 120:
+            s = agent.check_xfer_state(h)
+            time.sleep(0.001)
+        out["read_s"] = round(time.monotonic() - t, 3)
+        check(s == "DONE", f"READ {s}")
+        check(sha(dst.read()) == sha(A), "READ bytes differ")
+        agent.release_xfer_handle(h)
+        if name == "stripe":
+            dst.write(B)
+            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(dst.rows(1), mem), rd, "target")
+            t = time.monotonic()
+            check(wait(agent, h, 120) == "DONE", "WRITE")
+            out["write_s"] = round(time.monotonic() - t, 3)
+            check(digest_of_target(agent, d, "s1")["A"] == sha(B), "WRITE bytes differ at the target")
+
+    elif name == "env":
+        p = agent.get_backend_params("MULTIRAIL")
+        out["params"] = p
+        for k, v in cfg.get("expect", {}).items():
+            check(p.get(k) == v, f"backend param {k}={p.get(k)!r}, expected {v!r}")
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ with env settings")
+
+    else:
+        fail(f"unknown scenario {name}")
+    if agent is not None and not cfg.get("keep"):
+        try:
+            agent.send_notif("target", b"quit")
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def main() -> None:
+    role = sys.argv[1]
+    if role == "target":
+        d, cfg = Path(sys.argv[2]), json.loads(sys.argv[3])
+        target(d, cfg)
+    else:
+        name, d, cfg = sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
+        out = scenario(name, d, cfg)
+        print(json.dumps({"ok": True, **out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
