@@ -368,6 +368,11 @@ def main() -> int:
     ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
+    if a.role and os.environ.get("MR_FAN_LOG_DIR"):
+        # Debugging aid: each role's stderr (engine messages) into its own file.
+        fd = os.open(os.path.join(os.environ["MR_FAN_LOG_DIR"], f"{a.agent_name}.log"),
+                     os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 2)
     if a.role == "target":
         return role_target(a)
     if a.role == "initiator":

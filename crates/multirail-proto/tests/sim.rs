@@ -258,7 +258,8 @@ fn concurrent_transfers_share_the_rails() {
 #[test]
 fn stalled_rail_is_detected_and_work_moves() {
     let rails = vec![RailSpec::steady(gbit(2.0)), RailSpec::steady(gbit(2.0)).rate_at(ms(30.0), 0.0).rate_at(ms(60.0), gbit(2.0))];
-    let mut sim = Sim::new(PlannerConfig { stall_timeout: ms(10.0), ..weighted() }, rails, 1);
+    // The tcp runtime's evidence: bytes moving on a rail count as progress.
+    let mut sim = Sim::new(PlannerConfig { stall_timeout: ms(10.0), byte_progress: true, ..weighted() }, rails, 1);
     sim.submit(XferSpec::contiguous(1, Duration::ZERO, 64 * MIB));
     let rep = sim.run();
     let down = rep.events.iter().find_map(|(t, e)| match e {
