@@ -343,7 +343,7 @@ const STARTS: [Start; 8] =
     [Start::Exact, Start::Equal, Start::Unknown, Start::Inverted, Start::Low, Start::High, Start::Cold, Start::Noisy];
 
 /// Uneven rail sets, in Gbit/s: the 2 + 1 both ways round, 4 + 1 and three rails.
-const UNEVEN: [&[f64]; 4] = [&[2.0, 1.0], &[1.0, 2.0], &[4.0, 1.0], &[4.0, 2.0, 1.0]];
+const UNEVEN: [&[f64]; 5] = [&[2.0, 1.0], &[1.0, 2.0], &[4.0, 1.0], &[4.0, 2.0, 1.0], &[2.0, 1.0, 0.5]];
 
 /// Rails of the given rates (5% jitter on every chunk) seeded and started as `start` says.
 fn started_rails(gbits: &[f64], start: Start, latency: Duration) -> Vec<RailSpec> {
