@@ -13,7 +13,7 @@ mod simnet;
 use std::time::Duration;
 
 use multirail_proto::{Event, PlannerConfig, XferId};
-use simnet::{gbit, ms, RailSpec, Report, Sim, XorShift, XferSpec};
+use simnet::{gbit, ms, RailSpec, Report, Sim, XferSpec, XorShift};
 
 const MIB: u64 = 1 << 20;
 const KIB: u64 = 1 << 10;
