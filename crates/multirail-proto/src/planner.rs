@@ -317,8 +317,18 @@ impl Rail {
     /// and `window_time` of margin, a queue of about `window_time` at the rail. `probe` is 1
     /// unless the window has been found too small (see [`Rail::add_sample`]).
     fn window(&self, cfg: &PlannerConfig) -> u64 {
-        let t = cfg.window_time + self.rtt();
-        let w = (cfg.chunk_size as f64 + self.rate * t.as_secs_f64()).max(cfg.min_window as f64) * self.probe;
+        let mut cover = self.rate * self.rtt().as_secs_f64();
+        if self.est_secs == 0.0 {
+            // No sample yet: the rate is a seed, and the excess of a chunk's time in flight over
+            // its service time at a seed that is too high is mostly the chunk's own service,
+            // not a round trip. Cover at most two chunks' worth of it until the rate is known.
+            // Issue 22: a 0.5 Gbit/s rail seeded at a veth's 10 Gbit/s saw 16 ms of "round
+            // trip" in its first chunk, and a 24 MiB window at the seed took 19 chunks at once,
+            // 4x its share: the first 64 MiB READ over 2 + 1 + 0.5 Gbit/s ran at 33% in the
+            // simulator, 47% on the testbed.
+            cover = cover.min(2.0 * cfg.chunk_size as f64);
+        }
+        let w = (cfg.chunk_size as f64 + self.rate * cfg.window_time.as_secs_f64() + cover).max(cfg.min_window as f64) * self.probe;
         (w as u64).min(cfg.max_window.max(cfg.min_window))
     }
 
