@@ -523,9 +523,9 @@ fn uneven_rails_on_a_noisy_host() {
 /// speed), and what it commits before its first sample is committed at that seed. Before the
 /// fix a 0.5 Gbit/s rail seeded at 10 Gbit/s took its first chunk's slow service for a 16 ms
 /// round trip, sized its window from it at the seed (24 MiB) and took 19 chunks at once: the
-/// first 64 MiB over 2 + 1 + 0.5 Gbit/s ran at 33% (seeded ten times high: 62%). Every seed now
-/// >= 97% in each of 10 seeds; a cold start (one rail 20 ms late, every rail in slow start from
-/// 1/32 of its rate) >= 92%. Both against the capacity the rails really had while carrying it.
+/// first 64 MiB over 2 + 1 + 0.5 Gbit/s ran at 33% (seeded ten times high: 62%). Now every
+/// seed reaches 97% in each of 10 seeds, and a cold start (one rail 20 ms late, every rail in
+/// slow start from 1/32 of its rate) 92%, against the capacity the rails really had.
 #[test]
 fn first_transfer_on_uneven_rails() {
     let mut out = String::new();
