@@ -165,15 +165,23 @@ fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
     tcp_info(fd).map(|i| i.tcpi_last_data_recv.min(i.tcpi_last_ack_recv))
 }
 
-/// Whether the connection is held back on this host: every byte it sent is acknowledged (the
-/// path owes it nothing), it has bytes it has not sent, and it is in congestion window
-/// reduction, which a drop by the local qdisc puts it in (it then retries on the zero-window
-/// probe timer, backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows'
-/// packets). Seen on the 32-initiator fan-in (issue 22): `unacked 0, notsent 2 MB, ca_state
-/// CWR, probes 1` on every connection the old stall rule took for dead.
+/// Whether the connection is held back on this host: it is in congestion window reduction,
+/// which a drop by the local qdisc puts it in (it then retries on the zero-window probe timer,
+/// backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows' packets), no
+/// retransmission timed out (that would put it in Loss), and the path owes it nothing: every
+/// byte it sent is acknowledged with bytes still unsent, or what is unacknowledged went out
+/// less than a retransmission timeout ago (the retry that just got through). Seen on the
+/// 32-initiator fan-in (issue 22): `unacked 0, notsent 2 MB, ca_state CWR, probes 1` on every
+/// connection the old stall rule took for dead, and once `unacked 1, last sent 4 ms ago` after
+/// a 1.2 s hold. A blackholed path is not held for long: its first retransmission timeout
+/// moves the connection to Loss.
 fn held_locally(fd: std::os::fd::RawFd) -> bool {
     const TCP_CA_CWR: u8 = 2;
-    tcp_info(fd).is_some_and(|i| i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 && i.tcpi_ca_state == TCP_CA_CWR)
+    tcp_info(fd).is_some_and(|i| {
+        let owes_nothing = (i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0)
+            || (i.tcpi_unacked > 0 && u64::from(i.tcpi_last_data_sent) * 1000 < u64::from(i.tcpi_rto));
+        i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing
+    })
 }
 
 fn tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
