@@ -62,6 +62,11 @@ pub type RailId = usize;
 /// Largest window gain of a rail whose window holds it back (see [`Rail::add_sample`]).
 const MAX_PROBE: f64 = 16.0;
 
+/// Without progress evidence below chunk level, a rail may be silent for this many times the
+/// service time of the chunk at the head of its queue (at its measured rate) before it counts
+/// as stalled (see [`Planner::stall_deadline`]).
+const STALL_CHUNKS: f64 = 4.0;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct XferId(pub u64);
 
@@ -130,8 +135,21 @@ pub struct PlannerConfig {
     pub ewma_alpha: f64,
     /// Shortest stretch of a busy period that yields a rate sample.
     pub sample_interval: Duration,
-    /// A rail with work in flight and no completion for this long is declared down.
+    /// A rail with work in flight and no progress for this long is declared down (see
+    /// [`Planner::poll_stalled`] for what counts as progress and when the deadline is longer).
     pub stall_timeout: Duration,
+    /// The driver reports progress below chunk level ([`Planner::handle_progress`]: bytes
+    /// received, or sent bytes acknowledged) whenever a rail moved bytes within
+    /// `stall_timeout`. Then silence is measured in bytes and the deadline is `stall_timeout`
+    /// whatever the chunk size. Without it, only a completed chunk shows progress, and a rail
+    /// may stay silent for up to `STALL_CHUNKS` (4) service times of its head chunk at its
+    /// measured rate: a rail shared by many peers serves each one's chunks slowly.
+    pub byte_progress: bool,
+    /// A rail whose driver reports it held back on this host ([`Planner::handle_held`]: every
+    /// byte it sent was acknowledged and the rest waits in this host's own full queue, which
+    /// TCP retries on a backing-off timer) is not stalled until it has made no progress for
+    /// this long: a path that answered everything it was asked is not dead.
+    pub held_timeout: Duration,
     pub policy: Policy,
 }
 
@@ -148,6 +166,8 @@ impl Default for PlannerConfig {
             ewma_alpha: 0.1,
             sample_interval: Duration::from_millis(10),
             stall_timeout: Duration::from_millis(500),
+            byte_progress: false,
+            held_timeout: Duration::from_secs(5),
             policy: Policy::Weighted,
         }
     }
@@ -214,6 +234,8 @@ struct Rail {
     /// Window gain, doubled while the window holds the rail back (see [`Rail::add_sample`]).
     probe: f64,
     last_progress: Instant,
+    /// When the driver last reported the rail held back on this host (`handle_held`).
+    last_held: Option<Instant>,
     /// Declared stalled (`poll_stalled`) and not yet down: no new work, its chunks stay in
     /// flight until the driver has stopped the rail's paths and calls `handle_rail_down`.
     failing: bool,
@@ -295,8 +317,18 @@ impl Rail {
     /// and `window_time` of margin, a queue of about `window_time` at the rail. `probe` is 1
     /// unless the window has been found too small (see [`Rail::add_sample`]).
     fn window(&self, cfg: &PlannerConfig) -> u64 {
-        let t = cfg.window_time + self.rtt();
-        let w = (cfg.chunk_size as f64 + self.rate * t.as_secs_f64()).max(cfg.min_window as f64) * self.probe;
+        let mut cover = self.rate * self.rtt().as_secs_f64();
+        if self.est_secs == 0.0 {
+            // No sample yet: the rate is a seed, and the excess of a chunk's time in flight over
+            // its service time at a seed that is too high is mostly the chunk's own service,
+            // not a round trip. Cover at most two chunks' worth of it until the rate is known.
+            // Issue 22: a 0.5 Gbit/s rail seeded at a veth's 10 Gbit/s saw 16 ms of "round
+            // trip" in its first chunk, and a 24 MiB window at the seed took 19 chunks at once,
+            // 4x its share: the first 64 MiB READ over 2 + 1 + 0.5 Gbit/s ran at 33% in the
+            // simulator, 47% on the testbed.
+            cover = cover.min(2.0 * cfg.chunk_size as f64);
+        }
+        let w = (cfg.chunk_size as f64 + self.rate * cfg.window_time.as_secs_f64() + cover).max(cfg.min_window as f64) * self.probe;
         (w as u64).min(cfg.max_window.max(cfg.min_window))
     }
 
@@ -503,6 +535,7 @@ impl Planner {
             starved: false,
             probe: 1.0,
             last_progress: now,
+            last_held: None,
             failing: false,
             idle_trip: None,
             bytes_done: 0,
@@ -716,6 +749,7 @@ impl Planner {
             r.clear_sample();
             r.starved = false;
             r.last_progress = now;
+            r.last_held = None;
         }
         let starved = r.starved;
         r.inflight_chunks += 1;
@@ -798,6 +832,7 @@ impl Planner {
         }
         r.up = false;
         r.failing = false;
+        r.last_held = None;
         r.down_reason = Some(reason.clone());
         r.inflight_bytes = 0;
         r.inflight_chunks = 0;
@@ -854,6 +889,7 @@ impl Planner {
                 r.up = true;
                 r.down_reason = None;
                 r.last_progress = now;
+                r.last_held = None;
                 // The path may have changed: measure the round trip afresh.
                 r.idle_trip = None;
                 r.probe = 1.0;
@@ -872,35 +908,97 @@ impl Planner {
         self.events.pop_front()
     }
 
-    /// When the driver should call [`Planner::poll_stalled`] next.
+    /// When the driver should call [`Planner::poll_stalled`] next (after gathering its
+    /// evidence of progress: [`Planner::handle_progress`], [`Planner::handle_held`]).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.rails.iter().filter(|r| r.up && !r.failing && r.inflight_chunks > 0).map(|r| r.last_progress + self.cfg.stall_timeout).min()
+        self.rails.iter().filter(|r| r.up && !r.failing && r.inflight_chunks > 0).map(|r| self.check_at(r)).min()
     }
 
-    /// The driver saw bytes arrive on `rail` (a large chunk is progressing, not yet done): the
-    /// stall clock restarts. Chunk completions restart it too.
-    pub fn handle_progress(&mut self, rail: RailId, now: Instant) {
+    /// The driver saw bytes move on `rail` at `at` (data received, or sent data acknowledged:
+    /// a large chunk is progressing, not yet done): the stall clock restarts. Chunk
+    /// completions restart it too.
+    pub fn handle_progress(&mut self, rail: RailId, at: Instant) {
         if let Some(r) = self.rails.get_mut(rail) {
-            if r.inflight_chunks > 0 && now > r.last_progress {
-                r.last_progress = now;
+            if r.inflight_chunks > 0 && at > r.last_progress {
+                r.last_progress = at;
             }
         }
     }
 
-    /// The one stall decision, for the runtime and the simulator alike: rails with work in
-    /// flight and no progress for `stall_timeout` are declared failing and returned, each once,
-    /// with the reason. A failing rail takes no new work; its chunks stay in flight (their
-    /// memory may still be touched) until the driver has stopped the rail's paths, fenced them
-    /// if they wrote, and called [`Planner::handle_rail_down`], which requeues them.
-    pub fn poll_stalled(&mut self, now: Instant) -> Vec<(RailId, String)> {
-        let t = self.cfg.stall_timeout;
-        let mut out = Vec::new();
-        for (i, r) in self.rails.iter_mut().enumerate() {
-            if r.up && !r.failing && r.inflight_chunks > 0 && now.saturating_duration_since(r.last_progress) >= t {
-                r.failing = true;
-                r.stalls += 1;
-                out.push((i, format!("stalled: no progress for {t:?}")));
+    /// The driver saw `rail` held back on this host at `at`: its paths have had every byte
+    /// they sent acknowledged, and what is left waits in this host's own queue (TCP: the
+    /// egress queue dropped its packets and it retries on a backing-off timer, while the
+    /// queue is full of other flows). The path owes nothing, so the silence is not a stall;
+    /// the rail gets up to `held_timeout` without progress while the evidence keeps coming.
+    pub fn handle_held(&mut self, rail: RailId, at: Instant) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            if r.inflight_chunks > 0 && r.last_held.is_none_or(|h| at > h) {
+                r.last_held = Some(at);
             }
+        }
+    }
+
+    /// How long `r` may go without progress before it counts as stalled, ignoring holds:
+    /// `stall_timeout`, or without byte-level progress evidence at least `STALL_CHUNKS`
+    /// service times of its head chunk at its measured rate (a chunk completes only once all
+    /// of it arrived, and a rail shared by many peers serves each one slowly).
+    fn stall_deadline(&self, r: &Rail) -> Duration {
+        let t = self.cfg.stall_timeout;
+        if self.cfg.byte_progress || r.inflight_chunks == 0 {
+            return t;
+        }
+        let head = r.inflight_bytes.min(self.cfg.chunk_size) as f64 / r.rate;
+        t.max(Duration::from_secs_f64((STALL_CHUNKS * head).min(3600.0)))
+    }
+
+    /// Whether a hold reported for `r` is recent enough to vouch for it at `now`.
+    fn held_now(&self, r: &Rail, now: Instant) -> bool {
+        r.last_held.is_some_and(|h| now.saturating_duration_since(h) < self.cfg.stall_timeout)
+    }
+
+    /// When `r` (busy, up) must next be judged: at its stall deadline; while it is held, when
+    /// the hold evidence needs renewing (every `stall_timeout`) or `held_timeout` has passed.
+    fn check_at(&self, r: &Rail) -> Instant {
+        let plain = r.last_progress + self.stall_deadline(r);
+        match r.last_held {
+            Some(h) if h + self.cfg.stall_timeout > plain => {
+                plain.max((h + self.cfg.stall_timeout).min(r.last_progress + self.cfg.held_timeout))
+            }
+            _ => plain,
+        }
+    }
+
+    /// The one stall decision, for the runtime and the simulator alike: a rail with work in
+    /// flight is declared failing when it has made no progress (no chunk completed, no bytes
+    /// moved per `handle_progress`) for its deadline: `stall_timeout` (with `byte_progress`;
+    /// without, at least `STALL_CHUNKS` head-chunk times at its rate), or `held_timeout` while
+    /// the driver keeps reporting it held back on this host (`handle_held`, renewed within
+    /// every `stall_timeout`). Rails are returned each once, with the reason. A failing rail
+    /// takes no new work; its chunks stay in flight (their memory may still be touched) until
+    /// the driver has stopped the rail's paths, fenced them if they wrote, and called
+    /// [`Planner::handle_rail_down`], which requeues them.
+    pub fn poll_stalled(&mut self, now: Instant) -> Vec<(RailId, String)> {
+        let mut out = Vec::new();
+        for i in 0..self.rails.len() {
+            let r = &self.rails[i];
+            if !r.up || r.failing || r.inflight_chunks == 0 {
+                continue;
+            }
+            let silent = now.saturating_duration_since(r.last_progress);
+            let deadline = self.stall_deadline(r);
+            let held = self.held_now(r, now);
+            if silent < deadline || (held && silent < self.cfg.held_timeout) {
+                continue;
+            }
+            let why = if held {
+                format!("stalled: held back on this host, no progress for {} ms", silent.as_millis())
+            } else {
+                format!("stalled: no progress for {} ms", silent.as_millis())
+            };
+            let r = &mut self.rails[i];
+            r.failing = true;
+            r.stalls += 1;
+            out.push((i, why));
         }
         out
     }

@@ -257,7 +257,10 @@ impl Link {
         if pairs.is_empty() {
             return Err(Error::Metadata(format!("peer {:?} publishes no rail this agent can reach", peer.name)));
         }
-        let mut planner = Planner::new(ctx.cfg.planner.clone());
+        // tcp reports bytes moving below chunk level (`quiet_for`): silence is then measured in
+        // bytes, not whole chunks (docs/planner.md, failure detection).
+        let byte_progress = kind == TransportKind::Tcp;
+        let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress, ..ctx.cfg.planner.clone() });
         let now = Instant::now();
         let io = (peer.rail_io)(pairs.len());
         let mut rails = Vec::new();
@@ -365,10 +368,12 @@ impl Link {
     }
 
     /// The stall watchdog: the one place a rail is declared stalled, by the planner's rule
-    /// (`Planner::poll_stalled`: work in flight, no chunk done for `stall_timeout`), the same
+    /// (`Planner::poll_stalled`: work in flight, no progress for `stall_timeout`), the same
     /// rule the simulator runs. The transport's `quiet_for` (bytes or ACKs received lately)
-    /// counts as progress: a large chunk on a slow rail is not a stall. A stalled rail is shut
-    /// (`rail_failed`); its chunks are requeued once its paths stopped (and were fenced).
+    /// counts as progress: a large chunk on a slow rail is not a stall; `held_back` (the rail
+    /// waits in this host's own full queue, the path owes nothing) gives it `held_timeout`.
+    /// A stalled rail is shut (`rail_failed`); its chunks are requeued once its paths stopped
+    /// (and were fenced).
     fn watchdog(self: Arc<Self>) {
         let stall = self.ctx.cfg.planner.stall_timeout;
         while !self.is_shutdown() {
@@ -382,10 +387,14 @@ impl Link {
             }
             // Evidence first, outside the lock (socket queries).
             let quiet: Vec<Option<Duration>> = (0..self.rails.len()).map(|ri| self.t.quiet_for(ri)).collect();
+            let held: Vec<bool> = (0..self.rails.len()).map(|ri| self.t.held_back(ri)).collect();
             let mut g = self.sched.lock().expect("sched lock");
             for (ri, q) in quiet.iter().enumerate() {
                 if let Some(q) = q.filter(|q| *q < stall) {
                     g.planner.handle_progress(ri, now.checked_sub(q).unwrap_or(now));
+                }
+                if held[ri] {
+                    g.planner.handle_held(ri, now);
                 }
             }
             let stalled = g.planner.poll_stalled(now);

@@ -108,6 +108,11 @@ pub struct RailSpec {
     /// A noisy host: with probability `.0` a chunk also holds its pipe for `.1` (the sender was
     /// descheduled).
     pub hiccups: Option<(f64, Duration)>,
+    /// `[from, until)` stretches in which the pipe moves nothing because this host's own queue
+    /// is full of other flows (TCP: its packets were dropped locally and it retries on a
+    /// backing-off timer): the rate is 0 there and, with `byte_progress`, the driver reports the
+    /// rail held (`handle_held`) instead of nothing.
+    pub holds: Vec<(Duration, Duration)>,
 }
 
 impl RailSpec {
@@ -122,7 +127,23 @@ impl RailSpec {
             start: Duration::ZERO,
             slow_start: None,
             hiccups: None,
+            holds: Vec::new(),
         }
+    }
+
+    /// The pipe moves nothing in `[at, until)` and the driver reports the rail held back on
+    /// this host meanwhile (see `holds`).
+    pub fn held(mut self, at: Duration, until: Duration) -> Self {
+        let after = self.rate(until);
+        self.rates.retain(|r| r.0 < at || r.0 > until);
+        self = self.rate_at(at, 0.0).rate_at(until, after);
+        self.holds.push((at, until));
+        self
+    }
+
+    /// True inside a hold.
+    pub fn in_hold(&self, t: Duration) -> bool {
+        self.holds.iter().any(|&(a, u)| a <= t && t < u)
     }
 
     /// The driver polls the rail from `at` on (it is cold until then).
@@ -638,8 +659,10 @@ impl Sim {
                 self.handle(w);
             }
             if self.planner.poll_timeout().is_some_and(|t| t <= self.at()) {
-                // The runtime's sequence: the planner decides, the driver stops the rail's paths
-                // (here: drops what is in its pipe), then reports it down.
+                // The runtime's sequence: evidence from below chunk level first, then the
+                // planner decides, the driver stops the rail's paths (here: drops what is in its
+                // pipe), then reports it down.
+                self.evidence();
                 for (rail, reason) in self.planner.poll_stalled(self.at()) {
                     self.drop_pipe(rail);
                     self.planner.handle_rail_down(rail, reason, self.at());
@@ -666,6 +689,27 @@ impl Sim {
             serving: self.pipes.iter().map(|p| p.serving).collect(),
             submitted: self.submitted,
             trace: self.trace,
+        }
+    }
+
+    /// The watchdog's evidence, as the tcp transport gives it (only with `byte_progress`): a
+    /// rail whose pipe is moving bytes of ours progressed (its acknowledgements arrive a round
+    /// trip later); one in a hold with work queued is held back on this host.
+    fn evidence(&mut self) {
+        if !self.planner.config().byte_progress {
+            return;
+        }
+        let now = self.at();
+        for rail in 0..self.specs.len() {
+            let (spec, pipe) = (&self.specs[rail], &self.pipes[rail]);
+            if pipe.broken || pipe.busy_until <= self.now {
+                continue;
+            }
+            if spec.in_hold(self.now) {
+                self.planner.handle_held(rail, now);
+            } else if spec.rate(self.now) > 0.0 {
+                self.planner.handle_progress(rail, now.checked_sub(2 * spec.latency).unwrap_or(now));
+            }
         }
     }
 

@@ -135,6 +135,10 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.quiet_for(ri)
     }
 
+    fn held_back(&self, ri: usize) -> bool {
+        !self.active(ri).any(|(_, f)| f.kind == FaultKind::Blackhole) && self.inner.held_back(ri)
+    }
+
     fn verdict(&self, ri: usize) -> Verdict {
         let mut v = Verdict::Deliver;
         for (_, f) in self.active(ri) {

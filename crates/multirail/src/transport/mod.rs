@@ -176,6 +176,13 @@ pub(crate) trait Transport: Send + Sync {
     fn quiet_for(&self, _ri: usize) -> Option<Duration> {
         None
     }
+    /// Whether rail `ri` is held back on this host: a path with work has had every byte it
+    /// sent acknowledged and the rest waits in this host's own full queue (TCP: its packets
+    /// were dropped by the local qdisc and it retries on a backing-off timer). Its silence is
+    /// then no sign of a dead path (`Planner::handle_held`). False when the transport cannot tell.
+    fn held_back(&self, _ri: usize) -> bool {
+        false
+    }
     /// What to do with a completion on rail `ri` (only `Faulty` says other than Deliver).
     fn verdict(&self, _ri: usize) -> Verdict {
         Verdict::Deliver

@@ -168,12 +168,35 @@ impl Conn {
 /// data, or an ACK of data sent (a large WRITE chunk on a slow rail is progress) - from
 /// TCP_INFO, if it can say.
 fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
+    tcp_info(fd).map(|i| i.tcpi_last_data_recv.min(i.tcpi_last_ack_recv))
+}
+
+/// Whether the connection is held back on this host: it is in congestion window reduction,
+/// which a drop by the local qdisc puts it in (it then retries on the zero-window probe timer,
+/// backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows' packets), no
+/// retransmission timed out (that would put it in Loss), and the path owes it nothing: every
+/// byte it sent is acknowledged with bytes still unsent, or what is unacknowledged went out
+/// less than a retransmission timeout ago (the retry that just got through). Seen on the
+/// 32-initiator fan-in (issue 22): `unacked 0, notsent 2 MB, ca_state CWR, probes 1` on every
+/// connection the old stall rule took for dead, and once `unacked 1, last sent 4 ms ago` after
+/// a 1.2 s hold. A blackholed path is not held for long: its first retransmission timeout
+/// moves the connection to Loss.
+fn held_locally(fd: std::os::fd::RawFd) -> bool {
+    const TCP_CA_CWR: u8 = 2;
+    tcp_info(fd).is_some_and(|i| {
+        let owes_nothing = (i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0)
+            || (i.tcpi_unacked > 0 && u64::from(i.tcpi_last_data_sent) * 1000 < u64::from(i.tcpi_rto));
+        i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing
+    })
+}
+
+fn tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
     // SAFETY: `tcp_info` is plain old data; getsockopt writes at most `len` bytes into it.
     unsafe {
         let mut info: libc::tcp_info = std::mem::zeroed();
         let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
         let r = libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, &mut info as *mut libc::tcp_info as *mut libc::c_void, &mut len);
-        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info.tcpi_last_data_recv.min(info.tcpi_last_ack_recv))
+        (r == 0 && len as usize >= std::mem::size_of::<libc::tcp_info>()).then_some(info)
     }
 }
 
@@ -394,6 +417,11 @@ impl Transport for TcpRails {
             .filter_map(|c| ms_since_progress(c.fd))
             .min()
             .map(|ms| Duration::from_millis(ms as u64))
+    }
+
+    fn held_back(&self, ri: usize) -> bool {
+        let conns = self.rails[ri].conns.read().expect("rail lock");
+        conns.iter().filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0).any(|c| held_locally(c.fd))
     }
 
     fn wake(&self) {
