@@ -338,13 +338,7 @@ impl Engine {
             Xfer::Local { copies, dst_mem, src_mem, dev, done } => {
                 done.store(false, Ordering::SeqCst);
                 if let Some(n) = notif {
-                    if n.len() > multirail_proto::codec::MAX_NOTIF {
-                        return Err(Error::InvalidArgument(format!(
-                            "notification of {} bytes exceeds {}",
-                            n.len(),
-                            multirail_proto::codec::MAX_NOTIF
-                        )));
-                    }
+                    multirail::xfer::check_notif(n)?;
                 }
                 self.run_local(copies, *dst_mem, *src_mem, *dev)?;
                 done.store(true, Ordering::SeqCst);

@@ -392,6 +392,14 @@ fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
     })
 }
 
+/// Refuses a notification longer than the protocol carries (`MAX_NOTIF`).
+pub fn check_notif(n: &[u8]) -> Result<()> {
+    if n.len() > multirail_proto::codec::MAX_NOTIF {
+        return Err(Error::InvalidArgument(format!("notification of {} bytes exceeds {}", n.len(), multirail_proto::codec::MAX_NOTIF)));
+    }
+    Ok(())
+}
+
 /// A prepared transfer: post it with [`XferHandle::post`], as often as needed.
 #[derive(Clone)]
 pub struct XferHandle(pub(crate) Arc<XferShared>);
@@ -423,13 +431,7 @@ impl XferHandle {
 
     fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>) -> Result<XferState> {
         if let Some(n) = notif {
-            if n.len() > multirail_proto::codec::MAX_NOTIF {
-                return Err(Error::InvalidArgument(format!(
-                    "notification of {} bytes exceeds {}",
-                    n.len(),
-                    multirail_proto::codec::MAX_NOTIF
-                )));
-            }
+            check_notif(&n)?;
             *self.0.notif.lock().expect("xfer lock") = n;
         }
         if self.0.has_local_vram() {
