@@ -1,12 +1,24 @@
-"""NIXL+MULTIRAIL against NIXL+UCX on the emulated testbed, in one run (issue 20, partial).
+"""NIXL+MULTIRAIL, NIXL+UCX and multirail's native API on the emulated testbed, in one run (issue 20).
 
-    sudo .venv/bin/python benchmarks/nixl_backends.py [--rails 2] [--rate 1gbit] [--size-mib 128] [--runs 5]
+    sudo .venv/bin/python benchmarks/nixl_backends.py [--shapes 2x2gbit,4x1gbit] [--size-mib 128] [--runs 5]
 
-Per run: a fresh target (namespace a) and initiator (namespace b) of tests/nixl_plugin_peer.py,
-NIXL's own Python API, one READ and one WRITE of SIZE through the named backend; MULTIRAIL gets
-MULTIRAIL_RAILS set to each side's rail addresses. Prints READ/WRITE Gbit/s per backend (median
-and worst of the runs) and the MULTIRAIL/UCX ratio of each run. Not yet: iperf3 per rail, the
-native-API column, NIC-counter splits (docs/nixl-plugin.md).
+Per shape (N rails x rate, a fresh testbed `mrnx2<hex>`):
+  * iperf3 per rail (one stream per rail, each alone, `-t 3`): the ceiling, and their sum.
+Per run (every process fresh; same SIZE buffers, same rails for every column):
+  * native: `multirail bench local --testbed` READ and WRITE of one SIZE block (2 timed iterations);
+  * NIXL+MULTIRAIL and NIXL+UCX: tests/nixl_plugin_peer.py's target (namespace a) and initiator
+    (namespace b), NIXL's own Python API: one READ and one WRITE of SIZE, byte-checked
+    (`stripe`); the split over the rails from the initiator side's NIC counters (rx+tx bytes of
+    each rail device, /sys/class/net, read around the run);
+  * 4 KiB READ p50/p99 through each backend (`lat`: 1,000 reposts of one prepped handle after
+    100 untimed);
+  * prepare + post of 65,536 x 16 KiB prepped READ descriptors through each backend (`prep`:
+    prep_xfer_dlist on both sides + make_prepped_xfer + transfer; the transfer is then awaited
+    untimed and checked).
+MULTIRAIL gets MULTIRAIL_RAILS = each side's rail addresses; UCX gets UCX_TLS=tcp and
+UCX_NET_DEVICES = every rail device (without them UCX would use shared memory between the
+namespaces). Prints per shape the median and worst of the runs, and the ratios of each run
+(worst and median). docs/benchmarks.md records a run.
 """
 
 from __future__ import annotations
@@ -20,70 +32,162 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "python"), str(REPO / "tests")]
 PEER = str(REPO / "tests" / "nixl_plugin_peer.py")
 
 
-def one(tb, plugin_dir: Path, backend: str, size: int) -> dict:
+def counters(tb: Any, side: str) -> dict[str, int]:
+    """rx+tx bytes of each rail device on `side` (sysfs as seen inside the namespace)."""
+    script = "; ".join(f"cat /sys/class/net/{r.devs[side]}/statistics/rx_bytes "
+                       f"/sys/class/net/{r.devs[side]}/statistics/tx_bytes" for r in tb.rails)
+    out = subprocess.run(tb.exec_argv(side, ["sh", "-c", script]), capture_output=True, text=True, timeout=20)
+    v = [int(x) for x in out.stdout.split()]
+    return {r.devs[side]: v[2 * i] + v[2 * i + 1] for i, r in enumerate(tb.rails)}
+
+
+def split(before: dict[str, int], after: dict[str, int]) -> list[float]:
+    d = [after[k] - before[k] for k in before]
+    tot = sum(d) or 1
+    return [x / tot for x in d]
+
+
+def peer(tb: Any, plugin_dir: Path, backend: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
     rails = {s: ",".join(tb.addrs(s)) for s in ("a", "b")}
     env = {"NIXL_PLUGIN_DIR": str(plugin_dir), "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'tests'}"}
-    cfg = {"size": size, "backends": [backend], "params": {}}
+    cfg = {**cfg, "backends": [backend], "params": {}}
     with tempfile.TemporaryDirectory() as d:
-        def argv(side, rest):
+        def argv(side: str, rest: list[str]) -> list[str]:
             e = [f"{k}={v}" for k, v in env.items()] + [f"MULTIRAIL_RAILS={rails[side]}"]
             if backend == "UCX":
-                # both namespaces share one kernel: without this UCX moves the bytes through shared
-                # memory and never touches the rails
                 e += ["UCX_TLS=tcp", "UCX_NET_DEVICES=" + ",".join(r.devs[side] for r in tb.rails)]
             return tb.exec_argv(side, ["env", *e, sys.executable, PEER, *rest])
-        tgt = subprocess.Popen(argv("a", ["target", d, json.dumps(cfg)]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tgt = subprocess.Popen(argv("a", ["target", d, json.dumps(cfg)]), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
         try:
             t = time.monotonic()
             while not (Path(d) / "meta.bin").exists():
                 if tgt.poll() is not None or time.monotonic() - t > 60:
-                    raise RuntimeError("target did not start")
+                    raise RuntimeError(f"{backend} target did not start")
                 time.sleep(0.02)
-            res = subprocess.run(argv("b", ["init", "stripe", d, json.dumps(cfg)]), capture_output=True, text=True, timeout=300)
-            out = json.loads([x for x in res.stdout.splitlines() if x.startswith("{")][-1])
+            c0 = counters(tb, "b")
+            res = subprocess.run(argv("b", ["init", scenario, d, json.dumps(cfg)]), capture_output=True, text=True,
+                                 timeout=300)
+            c1 = counters(tb, "b")
+            lines = [x for x in res.stdout.splitlines() if x.startswith("{")]
+            out = json.loads(lines[-1]) if lines else {}
             if not out.get("ok"):
-                raise RuntimeError(f"{backend}: {out} {res.stderr[-2000:]}")
+                raise RuntimeError(f"{backend} {scenario}: {out} {res.stderr[-2000:]}")
+            out["split"] = split(c0, c1)
             return out
         finally:
             tgt.kill()
             tgt.wait()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rails", type=int, default=2)
-    p.add_argument("--rate", default="1gbit")
-    p.add_argument("--size-mib", type=int, default=128)
-    p.add_argument("--runs", type=int, default=5)
-    a = p.parse_args()
-    from multirail.nixl_plugin import make_dir
+def native(tb: Any, op: str, size: int) -> float:
+    res = subprocess.run([sys.executable, "-m", "multirail", "bench", "local", "--testbed", tb.name, "--op", op,
+                          "--start-block-size", str(size), "--max-block-size", str(size), "--num-iter", "2",
+                          "--warmup-iter", "1", "--json", "-"], capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(REPO / "python"), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    if res.returncode != 0:
+        raise RuntimeError(f"native {op}: {res.stderr[-2000:]}")
+    return float(json.loads(res.stdout)["rows"][0]["gbps"])
+
+
+def iperf3(tb: Any, seconds: int = 3) -> list[float]:
+    out = []
+    for i, r in enumerate(tb.rails):
+        port = 5301 + i
+        srv = subprocess.Popen(tb.exec_argv("a", ["iperf3", "-s", "-1", "-B", r.addrs["a"], "-p", str(port)]),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.5)
+            res = subprocess.run(tb.exec_argv("b", ["iperf3", "-c", r.addrs["a"], "-p", str(port), "-t", str(seconds),
+                                                    "-J"]), capture_output=True, text=True, timeout=seconds + 30)
+            out.append(json.loads(res.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
+        finally:
+            srv.kill()
+            srv.wait()
+    return out
+
+
+def med_worst(v: list[float], low_is_worse: bool = True) -> str:
+    w = min(v) if low_is_worse else max(v)
+    return f"{statistics.median(v):.2f} / {w:.2f}"
+
+
+def shape_run(spec: str, size: int, runs: int, plugin_dir: Path) -> dict[str, Any]:
     from multirail.testbed import Testbed
 
-    size = a.size_mib << 20
-    plugin_dir = make_dir(tempfile.mkdtemp(prefix="nixl-plugins-"))
-    res: dict[str, dict[str, list[float]]] = {b: {"READ": [], "WRITE": []} for b in ("MULTIRAIL", "UCX")}
-    ratios = []
-    with Testbed(f"nb{uuid.uuid4().hex[:6]}", rails=a.rails, rate=a.rate) as tb:
-        for _ in range(a.runs):
-            run = {}
+    n, rate = spec.split("x", 1)
+    r: dict[str, list[Any]] = {}
+
+    def add(k: str, v: Any) -> None:
+        r.setdefault(k, []).append(v)
+
+    with Testbed(f"mrnx2{uuid.uuid4().hex[:4]}", rails=int(n), rate=rate) as tb:
+        ip = iperf3(tb)
+        for _ in range(runs):
+            for op in ("READ", "WRITE"):
+                add(f"native {op}", native(tb, op, size))
             for b in ("MULTIRAIL", "UCX"):
-                o = one(tb, plugin_dir, b, size)
-                run[b] = {op: size * 8 / o[k] / 1e9 for op, k in (("READ", "read_s"), ("WRITE", "write_s"))}
-                for op in run[b]:
-                    res[b][op].append(run[b][op])
-            ratios.append({op: run["MULTIRAIL"][op] / run["UCX"][op] for op in ("READ", "WRITE")})
-    print(f"testbed {a.rails} x {a.rate}, {a.size_mib} MiB, {a.runs} fresh runs (Gbit/s: median / worst)")
-    for b, ops in res.items():
-        print(f"  NIXL+{b:9s} " + "  ".join(f"{op} {statistics.median(v):.2f} / {min(v):.2f}" for op, v in ops.items()))
+                o = peer(tb, plugin_dir, b, "stripe", {"size": size})
+                add(f"{b} READ", size * 8 / o["read_s"] / 1e9)
+                add(f"{b} WRITE", size * 8 / o["write_s"] / 1e9)
+                add(f"{b} split", o["split"])
+                o = peer(tb, plugin_dir, b, "lat", {"size": 1 << 20, "iters": 1000})
+                add(f"{b} p50", o["p50_us"])
+                add(f"{b} p99", o["p99_us"])
+                o = peer(tb, plugin_dir, b, "prep", {"size": 64 << 20, "count": 65536, "desc": 16384})
+                add(f"{b} prep", o["prep_post_s"] * 1e3)
+    return {"spec": spec, "iperf3": ip, "r": r}
+
+
+def report(s: dict[str, Any], size_mib: int, runs: int) -> None:
+    r, ip = s["r"], s["iperf3"]
+    isum = sum(ip)
+    print(f"\n== {s['spec']}: {size_mib} MiB, {runs} fresh runs; median / worst ==")
+    print("iperf3 per rail (Gbit/s): " + ", ".join(f"{x:.2f}" for x in ip) + f"; sum {isum:.2f}")
     for op in ("READ", "WRITE"):
-        r = [x[op] for x in ratios]
-        print(f"  MULTIRAIL/UCX {op}: median {statistics.median(r):.2f}x, worst {min(r):.2f}x")
+        print(f"{op:5s} Gbit/s: native {med_worst(r[f'native {op}'])}, NIXL+MULTIRAIL {med_worst(r[f'MULTIRAIL {op}'])}, "
+              f"NIXL+UCX {med_worst(r[f'UCX {op}'])}")
+        pairs = list(zip(r[f"MULTIRAIL {op}"], r[f"native {op}"], r[f"UCX {op}"]))
+        print(f"      NIXL+MULTIRAIL / iperf3 sum {med_worst([m / isum for m, _, _ in pairs])}; "
+              f"/ native {med_worst([m / n for m, n, _ in pairs])}; / NIXL+UCX {med_worst([m / u for m, _, u in pairs])}")
+    for b in ("MULTIRAIL", "UCX"):
+        sp = r[f"{b} split"]
+        cols = list(zip(*sp))
+        print(f"NIC-counter split NIXL+{b} (initiator rails, rx+tx, median per rail): "
+              + ", ".join(f"{100 * statistics.median(c):.0f}%" for c in cols)
+              + "; least-used rail worst " + f"{100 * min(min(x) for x in sp):.0f}%")
+    print(f"4 KiB READ us: NIXL+MULTIRAIL p50 {med_worst(r['MULTIRAIL p50'], False)} p99 "
+          f"{med_worst(r['MULTIRAIL p99'], False)}; NIXL+UCX p50 {med_worst(r['UCX p50'], False)} p99 "
+          f"{med_worst(r['UCX p99'], False)}")
+    print("      MULTIRAIL/UCX p50 " + med_worst([m / u for m, u in zip(r["MULTIRAIL p50"], r["UCX p50"])], False)
+          + ", p99 " + med_worst([m / u for m, u in zip(r["MULTIRAIL p99"], r["UCX p99"])], False))
+    print(f"prep+post 65,536 x 16 KiB (ms): NIXL+MULTIRAIL {med_worst(r['MULTIRAIL prep'], False)}, "
+          f"NIXL+UCX {med_worst(r['UCX prep'], False)}; MULTIRAIL/UCX "
+          + med_worst([m / u for m, u in zip(r["MULTIRAIL prep"], r["UCX prep"])], False))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="2x2gbit,4x1gbit", help="comma-separated RAILSxRATE (default 2x2gbit,4x1gbit)")
+    p.add_argument("--size-mib", type=int, default=128)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--json", metavar="FILE", help="also write the raw results")
+    a = p.parse_args()
+    from multirail.nixl_plugin import make_dir
+
+    plugin_dir = make_dir(tempfile.mkdtemp(prefix="nixl-plugins-"))
+    res = [shape_run(s, a.size_mib << 20, a.runs, plugin_dir) for s in a.shapes.split(",")]
+    for s in res:
+        report(s, a.size_mib, a.runs)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res))
     return 0
 
 

@@ -37,11 +37,12 @@ dtype: bf16
 """
 
 
-def kv(*args: str, timeout: float = 120, py: str | None = None) -> subprocess.CompletedProcess[str]:
+def kv(*args: str, timeout: float = 120, py: str | None = None,
+       env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     # A generous stall timeout: a loaded 2-core machine (a build next door) can starve a rail for 0.5 s.
     stall = [] if "--listen" in args else ["--stall-timeout", "3"]
     return subprocess.run([py or ENGINE_PY or sys.executable, "-m", "multirail", "bench", "kv", *args, *stall],
-                          env=ENV, capture_output=True, text=True, timeout=timeout)
+                          env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -242,6 +243,10 @@ def test_plot_without_matplotlib_is_a_usage_error(monkeypatch: pytest.MonkeyPatc
     (["--model", "llama-3.1-70b", "--isl", "128", "--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"],
      "exclude each other"),
     (["--model", "/nonexistent/m.yaml", "--isl", "128"], "does not exist"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "GDS"], "invalid choice: 'GDS'"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "UCX", "--no-nixl"], "exclude each other"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "MULTIRAIL", "--connect", "127.0.0.1:1"],
+     "does not combine with --listen/--connect"),
 ])
 def test_cli_usage_errors(args: list[str], needle: str) -> None:
     res = kv(*args, py=sys.executable)
@@ -392,6 +397,72 @@ def test_nixl_kv_row(tiny: str) -> None:
     assert doc["ratio_to_nixl"] is not None
 
 
+def _why_no_nixl_plugin() -> str | None:
+    if not _nixl():
+        return "NIXL is not installed (pip install nixl-cu12)"
+    from multirail.nixl_plugin import PluginError, plugin_path
+
+    try:
+        plugin_path()
+    except PluginError as e:
+        return str(e)
+    return None
+
+
+needs_nixl_plugin = pytest.mark.skipif(_why_no_nixl_plugin() is not None, reason=_why_no_nixl_plugin() or "")
+
+
+@pytest.fixture
+def plugin_env(tmp_path: Path) -> dict[str, str]:
+    """NIXL_PLUGIN_DIR: a `multirail nixl-plugin dir` directory of this test's own (the default one
+    in ~/.cache is shared with other checkouts)."""
+    from multirail.nixl_plugin import make_dir
+
+    return {"NIXL_PLUGIN_DIR": str(make_dir(tmp_path / "plugins"))}
+
+
+@needs_nixl_plugin
+def test_nixl_kv_backends_byte_checked(tiny: str, plugin_env: dict[str, str]) -> None:
+    """`--nixl-backend MULTIRAIL --nixl-backend UCX`: the kv workload through NIXL's own agent with
+    each backend (MULTIRAIL from a `multirail nixl-plugin dir` directory), every page of every
+    request verified by the decode side."""
+    res = kv("--model", tiny, "--isl", "64", "--requests", "3", "--concurrency", "2", "--check-consistency",
+             "--nixl-backend", "MULTIRAIL", "--nixl-backend", "UCX", "--json", "-", timeout=300, env=plugin_env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = _doc(res)
+    assert doc["consistency"] == "ok", doc["rows"]
+    rows = {r["worker"]: r for r in doc["rows"]}
+    assert {"multirail kv", "nixl-multirail kv", "nixl-ucx(tcp) kv"} <= set(rows)
+    for w in ("nixl-multirail kv", "nixl-ucx(tcp) kv"):
+        r = rows[w]
+        assert r["consistency"] == "ok" and r["requests"] == 3 and r["descs"] == 3 * 16 and r["gbps"] > 0
+        assert r["rails"] and r["rails"][0]["name"] == "lo" and r["rails"][0]["bytes"] >= 3 * 16 * 2048
+    assert doc["nixl_multirail_to_native"] and doc["ratio_to_nixl"]
+    assert "NIXL+MULTIRAIL kv / multirail kv" in res.stderr
+
+
+@needs_nixl_plugin
+def test_nixl_kv_check_catches_a_wrong_mapping(tiny: str, plugin_env: dict[str, str]) -> None:
+    """The NIXL run's byte check is real: a request announced with the wrong decode pages fails."""
+    res = kv("--model", tiny, "--isl", "64", "--requests", "2", "--check-consistency", "--corrupt-mapping",
+             "--nixl-backend", "MULTIRAIL", "--json", "-", timeout=300, env=plugin_env)
+    assert res.returncode == 1, res.stderr[-1500:]
+    doc = _doc(res)
+    r = next(r for r in doc["rows"] if r["worker"] == "nixl-multirail kv")
+    assert r["consistency"].startswith("FAILED") and "bad pages" in r["consistency"]
+    assert "Traceback" not in res.stderr
+
+
+@needs_nixl_plugin
+def test_nixl_kv_named_backend_that_cannot_load_fails(tiny: str, tmp_path: Path) -> None:
+    """A backend named with --nixl-backend that NIXL cannot create is an error, not a skipped row."""
+    empty = tmp_path / "no-plugins"
+    empty.mkdir()
+    res = kv("--model", tiny, "--isl", "64", "--requests", "1", "--nixl-backend", "MULTIRAIL", "--json", "-",
+             timeout=300, env={"NIXL_PLUGIN_DIR": str(empty)})
+    assert res.returncode != 0 and "MULTIRAIL" in res.stderr and "Traceback" not in res.stderr, res.stderr[-1500:]
+
+
 # -- testbed (root, network namespaces) ---------------------------------------------------------------
 
 def _why_no_testbed() -> str | None:
@@ -421,3 +492,20 @@ def test_testbed_kv_stripes_and_checks(testbed: Any) -> None:
     assert [r["name"] for r in k["rails"]] == [r.devs["b"] for r in testbed.rails]
     assert all(r["bytes"] > 0 for r in k["rails"])  # both rails carried pages
     assert k["capacity_gbps"] == pytest.approx(2.0) and k["pct_of_capacity"] is not None
+
+
+@pytest.mark.root
+@pytest.mark.skipif((_why_no_testbed() or _why_no_nixl_plugin()) is not None,
+                    reason=_why_no_testbed() or _why_no_nixl_plugin() or "")
+def test_testbed_nixl_multirail_kv_stripes(testbed: Any, plugin_env: dict[str, str]) -> None:
+    """`bench kv --testbed --nixl-backend MULTIRAIL`: NIXL's agent with the MULTIRAIL backend over
+    both rails (MULTIRAIL_RAILS from the testbed), byte-checked, each rail's NIC counter moving."""
+    res = kv("--testbed", testbed.name, "--model", "llama-3.1-8b", "--isl", "256", "--requests", "3",
+             "--check-consistency", "--nixl-backend", "MULTIRAIL", "--json", "-", timeout=300, env=plugin_env)
+    assert res.returncode == 0, res.stderr[-1500:]
+    doc = _doc(res)
+    r = next(r for r in doc["rows"] if r["worker"] == "nixl-multirail kv")
+    assert r["consistency"] == "ok" and r["requests"] == 3
+    assert [x["name"] for x in r["rails"]] == [x.devs["b"] for x in testbed.rails]
+    total = sum(x["bytes"] for x in r["rails"])
+    assert all(x["bytes"] > 0.2 * total for x in r["rails"]), r["rails"]  # striped over both

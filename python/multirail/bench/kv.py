@@ -128,6 +128,11 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
                         "handles prepared once per slot and layer and reposted")
     w.add_argument("--check-consistency", action="store_true",
                    help="the decode side verifies every page of every request (timings then include it)")
+    w.add_argument("--nixl-backend", action="append", choices=("UCX", "MULTIRAIL"), metavar="UCX|MULTIRAIL",
+                   help="also run the workload through NIXL's own agent with this backend (repeatable; MULTIRAIL: "
+                        "multirail's NIXL plugin from `multirail nixl-plugin dir`). Named explicitly, a failed "
+                        "NIXL run fails the command. Default: UCX when NIXL is installed, skipped with a note "
+                        "otherwise")
     w.add_argument("--no-nixl", action="store_true", help="skip the NIXL run even when NIXL is installed")
     w.add_argument("--json", metavar="FILE", help="write results as JSON ('-' for stdout)")
     w.add_argument("--plot", metavar="FILE.png", help="draw the latency CDF and per-rail throughput (matplotlib)")
@@ -153,6 +158,11 @@ def plan_from_args(args: argparse.Namespace) -> KvPlan:
                          "--isl, --concurrency and --pool-pages")
     if sum(x is not None and x is not False for x in (args.listen, args.connect, args.testbed)) > 1:
         raise UsageError("--listen, --connect and --testbed exclude each other")
+    if args.nixl_backend and args.no_nixl:
+        raise UsageError("--no-nixl and --nixl-backend exclude each other")
+    if args.nixl_backend and (args.listen or args.connect):
+        raise UsageError("--nixl-backend runs both NIXL sides itself (on loopback or --testbed): it does not "
+                         "combine with --listen/--connect")
     if args.child and not (args.connect and args.json and args.json != "-"):
         raise UsageError("--child is internal (bench kv --testbed): it needs --connect and --json FILE")
     return make_plan(args.model, args.isl, args.page_tokens, args.tp, args.layout, args.requests,
@@ -298,26 +308,40 @@ def _row_from_json(d: dict[str, Any]) -> KvRow:
 
 
 def _nixl(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> None:
+    """The NIXL rows. Implicit (no --nixl-backend): UCX, skipped with a note when it cannot run.
+    Named: every backend named runs, and one that cannot is an error (BenchFailure)."""
+    named = list(dict.fromkeys(args.nixl_backend or []))
     if args.no_nixl:
         return
+
+    def skip(why: str) -> None:
+        if named:
+            raise BenchFailure(f"NIXL kv run ({', '.join(named)}): {why}")
+        doc["problems"].append(f"NIXL kv run skipped: {why}")
+
     if uses_vram(args):
-        doc["problems"].append("NIXL kv run skipped: the bench runs NIXL on DRAM only")
-        return
+        return skip("the bench runs NIXL on DRAM only")
     from multirail.bench.kv_nixl import run_nixl_kv
     from multirail.bench.nixl_latency import nixl_available
 
     if not nixl_available():
-        doc["problems"].append("NIXL kv run skipped: NIXL is not installed (pip install nixl-cu12)")
-        return
+        return skip("NIXL is not installed (pip install nixl-cu12)")
     tb = doc.get("testbed")
-    try:
-        row = run_nixl_kv(plan, args.warmup_requests, args.seed, tb, timeout_s=args.duration)
-    except BenchFailure as e:
-        doc["problems"].append(f"NIXL kv run skipped: {e}")
-        return
-    if tb:
-        row.set_capacity([float(r) / 1e9 if r else None for r in tb["rates_bps"]])
-    doc["rows"].append(row)
+    from multirail.bench import _engine_kwargs
+
+    engine = _engine_kwargs(args)
+    for backend in named or ["UCX"]:
+        try:
+            row = run_nixl_kv(plan, args.warmup_requests, args.seed, tb, timeout_s=args.duration, backend=backend,
+                              check=args.check_consistency, engine=engine, corrupt=args.corrupt_mapping)
+        except BenchFailure as e:
+            if named:
+                raise
+            doc["problems"].append(f"NIXL kv run skipped: {e}")
+            return
+        if tb:
+            row.set_capacity([float(r) / 1e9 if r else None for r in tb["rates_bps"]])
+        doc["rows"].append(row)
 
 
 def _fmt_rate(x: float | None) -> str:
@@ -343,8 +367,9 @@ def format_kv_table(rows: list[KvRow]) -> str:
 def summary(rows: list[KvRow]) -> dict[str, Any]:
     kv = next((r for r in rows if r.worker == "multirail kv"), None)
     contig = next((r for r in rows if r.worker == "multirail contiguous"), None)
-    nixl = next((r for r in rows if r.worker.startswith("nixl")), None)
-    out: dict[str, Any] = {"ratio_to_contiguous": None, "ratio_to_nixl": None}
+    nixl = next((r for r in rows if r.worker.startswith("nixl-ucx")), None)
+    nixl_mr = next((r for r in rows if r.worker == "nixl-multirail kv"), None)
+    out: dict[str, Any] = {"ratio_to_contiguous": None, "ratio_to_nixl": None, "nixl_multirail_to_native": None}
     if kv and contig and contig.gbps > 0:
         out["ratio_to_contiguous"] = kv.gbps / contig.gbps
         out["contiguous_text"] = (f"kv / contiguous = {100 * kv.gbps / contig.gbps:.1f}% ({kv.gbps:.3f} vs "
@@ -355,6 +380,13 @@ def summary(rows: list[KvRow]) -> dict[str, Any]:
         out["nixl_text"] = (f"kv multirail / {nixl.worker} = {kv.gbps / nixl.gbps:.2f}x Gbps ({kv.gbps:.3f} vs "
                             f"{nixl.gbps:.3f}); p50 {kv.lat_p50_us / 1e3:.2f} vs {nixl.lat_p50_us / 1e3:.2f} ms; "
                             f"desc/s {_fmt_rate(kv.descs_per_s)} vs {_fmt_rate(nixl.descs_per_s)}")
+    if kv and nixl_mr and kv.gbps > 0:
+        out["nixl_multirail_to_native"] = nixl_mr.gbps / kv.gbps
+        out["nixl_mr_text"] = (f"NIXL+MULTIRAIL kv / multirail kv = {nixl_mr.gbps / kv.gbps:.2f}x Gbps "
+                               f"({nixl_mr.gbps:.3f} vs {kv.gbps:.3f}); p50 {nixl_mr.lat_p50_us / 1e3:.2f} vs "
+                               f"{kv.lat_p50_us / 1e3:.2f} ms")
+        if nixl and nixl is not nixl_mr and nixl.gbps > 0:
+            out["nixl_mr_text"] += f"; NIXL+MULTIRAIL / {nixl.worker} = {nixl_mr.gbps / nixl.gbps:.2f}x Gbps"
     if kv:
         out.update(lat_p50_us=kv.lat_p50_us, lat_p99_us=kv.lat_p99_us, gbps=kv.gbps, descs_per_s=kv.descs_per_s,
                    pct_of_capacity=kv.pct_of_capacity, capacity_gbps=kv.capacity_gbps)
@@ -384,7 +416,7 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     print(format_transport(transport) + " (multirail rows)", file=text_out)
     print(format_memory(memory, transport), file=text_out)
     summ = summary(rows)
-    for key in ("contiguous_text", "capacity_text", "descs_text", "nixl_text"):
+    for key in ("contiguous_text", "capacity_text", "descs_text", "nixl_text", "nixl_mr_text"):
         if key in summ:
             print(summ[key], file=text_out)
     problems = list(doc.get("problems", []))
