@@ -68,3 +68,22 @@ def agents():
     yield make
     for a in made:
         a.close()
+
+
+def pattern(n: int, seed: int):
+    """`n` reproducible random bytes (a uint8 numpy array)."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture
+def standin_pair():
+    """A target and an initiator agent on the stand-in GPU device, closed at teardown."""
+    import multirail
+
+    t = multirail.Agent("target", {"gpu": "standin"})
+    i = multirail.Agent("initiator", {"gpu": "standin", "timeout": 5.0, "stall_timeout": 2.0})
+    yield t, i
+    i.close()
+    t.close()

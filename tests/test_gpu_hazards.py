@@ -7,12 +7,12 @@ that were in the buffer before the producer's copy landed."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from conftest import engine_available
+from conftest import engine_available, pattern
 from gpu_peer import Target as _Target
 
 pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
@@ -26,17 +26,9 @@ MiB = 1 << 20
 SI = "standin"
 
 
-def pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
 @pytest.fixture
-def pair() -> Iterator[tuple[Any, Any]]:
-    t = multirail.Agent("target", {"gpu": SI})
-    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0, "stall_timeout": 2.0})
-    yield t, i
-    i.close()
-    t.close()
+def pair(standin_pair: tuple[Any, Any]) -> tuple[Any, Any]:
+    return standin_pair
 
 
 def produce_later(b: DeviceBuffer, data: np.ndarray, delay: float = 0.4) -> "gpu.Stream":

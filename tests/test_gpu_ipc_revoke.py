@@ -161,7 +161,14 @@ def _wait_stopped(pid: int) -> None:
 def test_ipc_maps_the_exporters_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch, here: str, expect: list[int]) -> None:
     """The target sees physical GPUs "1,0" and exports from its GPU 0 (physical 1): this
     process opens the handle on its GPU with that UUID, whatever its number here."""
-    n = MiB + 3
+    pc, _ = _read_from_gpu_1_of_2(monkeypatch, here, MiB + 3)
+    assert pc["ipc_transfers"] == 1 and pc["ipc_devices"] == expect, pc
+
+
+def _read_from_gpu_1_of_2(monkeypatch: pytest.MonkeyPatch, here: str, n: int) -> tuple[dict, list]:
+    """READ `n` bytes, byte-checked, from a target process that sees the stand-in's GPUs as
+    "1,0" and exports from its GPU 0, with this process seeing `here`; returns the initiator's
+    peer counters and rail stats."""
     monkeypatch.setenv("MULTIRAIL_STANDIN_VISIBLE_DEVICES", here)
     tgt = Target(n, env={"MULTIRAIL_STANDIN_VISIBLE_DEVICES": "1,0"})
     i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
@@ -171,8 +178,7 @@ def test_ipc_maps_the_exporters_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch, her
         i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
         _xfer(i, "READ", [local], i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM"))
         assert _sha(local) == tgt.ask("digest")
-        pc = i.peer_counters("target")
-        assert pc["ipc_transfers"] == 1 and pc["ipc_devices"] == expect, pc
+        return i.peer_counters("target"), i.rail_stats("target")
     finally:
         i.close()
         tgt.close()
@@ -180,20 +186,8 @@ def test_ipc_maps_the_exporters_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch, her
 
 def test_no_local_gpu_with_the_exporters_uuid_stages_and_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     n = MiB + 5
-    monkeypatch.setenv("MULTIRAIL_STANDIN_VISIBLE_DEVICES", "0")
-    tgt = Target(n, env={"MULTIRAIL_STANDIN_VISIBLE_DEVICES": "1,0"})
-    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
-    try:
-        local = np.zeros(n, np.uint8)
-        i.register_memory(local)
-        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
-        _xfer(i, "READ", [local], i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM"))
-        assert _sha(local) == tgt.ask("digest")
-        pc = i.peer_counters("target")
-        assert pc["ipc_transfers"] == 0 and pc["ipc_regions_mapped"] == 0, pc
-        # The stand-in's physical GPU 1.
-        assert "GPU-6d722d73-7461-6e64-696e-2d2d00000001" in pc["ipc_fallback_reason"], pc
-        assert i.rail_stats("target")[0]["bytes"] == n
-    finally:
-        i.close()
-        tgt.close()
+    pc, rails = _read_from_gpu_1_of_2(monkeypatch, "0", n)
+    assert pc["ipc_transfers"] == 0 and pc["ipc_regions_mapped"] == 0, pc
+    # The stand-in's physical GPU 1.
+    assert "GPU-6d722d73-7461-6e64-696e-2d2d00000001" in pc["ipc_fallback_reason"], pc
+    assert rails[0]["bytes"] == n

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from conftest import engine_available
+from conftest import engine_available, pattern
 from gpu_peer import Target as _Target
 
 pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
@@ -37,10 +37,6 @@ if engine_available():
 
 MiB = 1 << 20
 SI = "standin"
-
-
-def pattern(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 def buf(kind: str, data: np.ndarray) -> Any:
@@ -66,12 +62,8 @@ def run(i: Any, op: str, local: Any, remote: Any, timeout: float = 30) -> None:
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[Any, Any]]:
-    t = multirail.Agent("target", {"gpu": SI})
-    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0, "stall_timeout": 2.0})
-    yield t, i
-    i.close()
-    t.close()
+def pair(standin_pair: tuple[Any, Any]) -> tuple[Any, Any]:
+    return standin_pair
 
 
 @pytest.mark.parametrize("n", [1, 4095, MiB + 7, 16 * MiB + 3])
