@@ -38,22 +38,24 @@ _spec.loader.exec_module(cr)
 tbm = cr.tbm
 
 
-def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0) -> dict[str, Any]:
+def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
+               transport: str = "tcp") -> dict[str, Any]:
     """One fresh target + initiator pair: the 64 MiB row of `multirail bench initiator`."""
     a_addrs, b_addrs = ",".join(tb.addrs("a")), ",".join(tb.addrs("b"))
     listen = f"{tb.addrs('a')[0]}:{cr.MR_PORT}"
     mr = [sys.executable, "-m", "multirail", "bench"]
+    tr = ["--transport", transport]
     servers = cr.Servers()
     with tempfile.TemporaryDirectory(prefix="uneven-rails-") as tmp:
         out_json = Path(tmp) / "bench.json"
         try:
             target = servers.start(tb.exec_argv("a", [*mr, "target", "--listen", listen, "--rails", a_addrs,
-                                                      "--duration", str(int(timeout_s)), "--idle-timeout", "60"]),
+                                                      "--duration", str(int(timeout_s)), "--idle-timeout", "60", *tr]),
                                    stdout=subprocess.PIPE)
             cr.wait_listening(tb, cr.MR_PORT, target)
             cp = cr.run(tb.exec_argv("b", [*mr, "initiator", "--connect", listen, "--rails", b_addrs, "--op", op,
                                            "--start-block-size", "64MiB", "--max-block-size", "64MiB",
-                                           "--num-iter", str(iters), "--warmup-iter", str(warmup), "--json", str(out_json)]),
+                                           "--num-iter", str(iters), "--warmup-iter", str(warmup), "--json", str(out_json), *tr]),
                         timeout=timeout_s, check=False)
             if cp.returncode != 0:
                 raise RuntimeError(f"multirail bench initiator failed ({cp.returncode}): {cp.stderr.strip()[-400:]}")
@@ -72,6 +74,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=0,
                     help="untimed 64 MiB transfers before the timed ones (default 0: the first "
                          "timed transfer includes the convergence)")
+    ap.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
+                    help="what carries the engine's rails (default tcp; ucx needs a UCX library)")
     ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail (default 3)")
     ap.add_argument("--floor", type=float, default=97.0)
     ap.add_argument("--json", metavar="FILE")
@@ -83,14 +87,14 @@ def main() -> int:
     except tbm.TestbedError as e:
         print(f"uneven_rails: {e}", file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"rates": a.rates, "runs": {}}
+    results: dict[str, Any] = {"rates": a.rates, "transport": a.transport, "runs": {}}
     try:
         rails = list(range(tb.n_rails))
         cap0 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
         rows: dict[str, list[dict[str, Any]]] = {op: [] for op in a.ops.split(",")}
         for k in range(a.runs):
             for op in rows:
-                rows[op].append(engine_run(tb, op, a.iters, 300, a.warmup))
+                rows[op].append(engine_run(tb, op, a.iters, 300, a.warmup, a.transport))
                 r = rows[op][-1]
                 print(f"run {k + 1}/{a.runs} {op}: {r['gbps']:.3f} Gbps", file=sys.stderr, flush=True)
         cap1 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
@@ -102,7 +106,7 @@ def main() -> int:
     want = [c / total for c in cap]
     print(f"\n{tb.n_rails} rails ({a.rates}); per-rail iperf3 (mean of before/after): "
           f"{', '.join(f'{c / 1e9:.3f}' for c in cap)} Gbps = {total / 1e9:.3f} Gbps; "
-          f"{a.runs} fresh engines x {a.iters} x 64 MiB, "
+          f"{a.runs} fresh {a.transport} engines x {a.iters} x 64 MiB, "
           f"{f'{a.warmup} warm-up' if a.warmup else 'no warm-up'}\n")
     ok = True
     for op, rs in rows.items():
