@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+# The multirail build this process uses (--build gives children another one, e.g. a copy of
+# main's python/ tree with its _core extension, for before/after in one run).
+sys.path.insert(0, os.environ.get("MR_CPB_PYROOT") or str(ROOT / "python"))
 
 from multirail.bench.core import parse_size  # noqa: E402
 
@@ -72,8 +74,9 @@ def cpu_seconds(pid: int) -> float:
 
 # -- child processes -----------------------------------------------------------------------------
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def _env(pyroot: str | None = None) -> dict[str, str]:
+    root = pyroot or str(ROOT / "python")
+    return {**os.environ, "MR_CPB_PYROOT": root, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def _read_event(proc: subprocess.Popen[str], want: str, timeout: float, who: str) -> dict[str, Any]:
@@ -129,8 +132,10 @@ def _tail(f: IO[str] | None) -> str:
     return f.read().strip()[-600:]
 
 
-def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, Any]) -> dict[str, Any]:
-    """One fresh target + initiator pair; CPU of both over the timed loop only."""
+def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, Any],
+                  build: tuple[str, str | None] = ("", None)) -> dict[str, Any]:
+    """One fresh target + initiator pair (of `build`: (label, python root)); CPU of both over
+    the timed loop only."""
     import tempfile
 
     from multirail.bench.target import launch, stop
@@ -142,7 +147,7 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
                               "--duration", str(a.child_timeout), "--idle-timeout", str(a.child_timeout)] + engine
     tcmd += ["--rails", net["t_rails"]] if net["t_rails"] else []
     try:
-        target, ready, terr = launch(tcmd, env=_env())
+        target, ready, terr = launch(tcmd, env=_env(build[1]))
     except RuntimeError as e:
         raise Failure(str(e)) from None
     init: subprocess.Popen[str] | None = None
@@ -155,7 +160,7 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
                                   "--progress", progress, "--child-timeout", str(a.child_timeout)]
         icmd += ["--rails", net["i_rails"]] if net["i_rails"] else []
         init = subprocess.Popen(icmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=ierr, text=True,
-                                env=_env())
+                                env=_env(build[1]))
         try:
             ev = _read_event(init, "ready", a.child_timeout, "initiator")
         except Failure as e:
@@ -179,7 +184,7 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
     ini, tgt = c1[0] - c0[0], c1[1] - c0[1]
     # READ: the target sends the bulk bytes; WRITE: the initiator does.
     send, recv = (tgt, ini) if op == "READ" else (ini, tgt)
-    return {"worker": f"multirail-{progress}", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]),
+    return {"worker": f"multirail-{progress}{build[0]}", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]),
             "iters": int(done["iters"]), "initiator_cpu_s": ini, "target_cpu_s": tgt,
             "cpu_per_gb": (ini + tgt) / (nbytes / GB), "send_cpu_per_gb": send / (nbytes / GB),
             "recv_cpu_per_gb": recv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9}
@@ -299,7 +304,10 @@ def initiator_main(a: argparse.Namespace) -> int:
         return 1
     finally:
         if w is not None:
-            w.close()
+            try:
+                w.finish_size()  # releases the handle, so the region can be deregistered
+            finally:
+                w.close()
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -335,6 +343,9 @@ def main() -> int:
     ap.add_argument("--rails", default=None, help="with --testbed: rail indices, e.g. 0,1")
     ap.add_argument("--deadline", type=float, default=900.0, help="start no new run after this many s")
     ap.add_argument("--child-timeout", type=float, default=120.0, help=argparse.SUPPRESS)
+    ap.add_argument("--build", action="append", default=[], metavar="LABEL=DIR",
+                    help="also run the multirail build whose python/ tree (package + _core extension) is DIR, "
+                         "as workers multirail-MODE@LABEL (repeatable; e.g. a copy of main's for before/after)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--role", default="driver", choices=["driver", "initiator"], help=argparse.SUPPRESS)
     ap.add_argument("--connect", help=argparse.SUPPRESS)
@@ -352,8 +363,15 @@ def main() -> int:
         ap.error("--progress takes adaptive, poll and/or block")
     if a.rails and not a.testbed:
         ap.error("--rails is for --testbed (loopback has one rail)")
+    builds: dict[str, tuple[str, str | None]] = {"": ("", None)}
+    for spec in a.build:
+        label, sep, d = spec.partition("=")
+        if not sep or not label or not (Path(d) / "multirail" / "__init__.py").is_file():
+            ap.error(f"--build {spec!r}: want LABEL=DIR with DIR/multirail/__init__.py")
+        builds["@" + label] = ("@" + label, str(Path(d).resolve()))
     net = _network(a)
-    workers = [(op, w) for op in ops for w in ["iperf3"] + [f"multirail-{m}" for m in modes]]
+    names = [f"multirail-{m}{b}" for b in builds for m in modes]
+    workers = [(op, w) for op in ops for w in ["iperf3"] + names]
     runs: list[list[dict[str, Any]]] = []
     t_begin = time.monotonic()
     for r in range(a.runs):
@@ -363,7 +381,11 @@ def main() -> int:
         k = r % len(workers)
         rows = []
         for op, w in workers[k:] + workers[:k]:
-            row = run_iperf3(a, op, net) if w == "iperf3" else run_multirail(a, op, w.split("-", 1)[1], net)
+            if w == "iperf3":
+                row = run_iperf3(a, op, net)
+            else:
+                mode, _, label = w.split("-", 1)[1].partition("@")
+                row = run_multirail(a, op, mode, net, builds["@" + label if label else ""])
             rows.append(row)
             print(f"run {r + 1}/{a.runs}  {_fmt(row)}", file=sys.stderr, flush=True)
         runs.append(rows)
@@ -375,8 +397,7 @@ def main() -> int:
     print(f"{'op':<5} {'worker':<20} {'CPU/GB med':>10} {'ratio med':>9} {'ratio worst':>11} "
           f"{'send x':>7} {'recv x':>7} {'Gbit/s':>7}")
     for op in ops:
-        for m in modes:
-            w = f"multirail-{m}"
+        for w in names:
             ratios, sends, recvs, cpg, rates = [], [], [], [], []
             for rows in runs:
                 base = next(x for x in rows if x["op"] == op and x["worker"] == "iperf3")
