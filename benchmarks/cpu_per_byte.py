@@ -338,7 +338,7 @@ def main() -> int:
     ap.add_argument("--iperf3-skip", type=float, default=0.5, help="iperf3 seconds not counted at its start")
     ap.add_argument("--connections", type=int, default=1, help="connections per rail = iperf3 -P (default 1)")
     ap.add_argument("--chunk-size", default="1MiB")
-    ap.add_argument("--testbed", nargs="?", const="mr-testbed", default=None, metavar="NAME",
+    ap.add_argument("--testbed", nargs="?", const="mrtb", default=None, metavar="NAME",
                     help="run in the testbed's namespaces (root; `multirail testbed up` first)")
     ap.add_argument("--rails", default=None, help="with --testbed: rail indices, e.g. 0,1")
     ap.add_argument("--deadline", type=float, default=900.0, help="start no new run after this many s")
