@@ -18,6 +18,11 @@ iperf3 the same /proc deltas of both PIDs are taken over its steady part (from -
 after the client starts, for about --seconds), and the bytes of that window come from iperf3's own
 per-interval report (0.1 s intervals). CPU per GB = (initiator + target CPU s) / (bytes / 1e9).
 
+The kernel may defer loopback/veth receive processing to its ksoftirqd threads when the host is
+loaded; that CPU is charged to no measured process, so each row also shows the ksoftirqd CPU of
+its window per GB (system-wide: other load counts there too). A run where it is large for one
+worker and not the other is skewed.
+
 Prints every run, then per op and progress mode the median and the worst ratio (multirail CPU/GB
 over iperf3 CPU/GB of the same op, same run), and the split by side (the side that sends the bulk
 bytes and the side that receives them, against iperf3's sender and receiver).
@@ -70,6 +75,25 @@ def cpu_seconds(pid: int) -> float:
     # comm may hold spaces or parentheses: the fields start after the last ')'.
     fields = stat[stat.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
+
+
+def ksoftirqd_seconds() -> float:
+    """CPU seconds of the kernel's ksoftirqd threads so far. Loopback and veth receive
+    processing runs in softirq context, normally charged to the process that sent, but on a
+    loaded host the kernel defers it to ksoftirqd, charged to no process measured here: the
+    delta over a window (system-wide, so other load counts too) shows how much went there."""
+    total = 0.0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                if not f.read().startswith("ksoftirqd"):
+                    continue
+            total += cpu_seconds(int(d))
+        except (OSError, ValueError):
+            continue
+    return total
 
 
 # -- child processes -----------------------------------------------------------------------------
@@ -166,6 +190,7 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
         except Failure as e:
             raise Failure(f"{e}: {_tail(ierr)}") from None
         ipid, tpid = int(ev["pid"]), int(ready["pid"])
+        k0 = ksoftirqd_seconds()
         c0 = (cpu_seconds(ipid), cpu_seconds(tpid))
         assert init.stdin is not None
         init.stdin.write("go\n")
@@ -175,6 +200,7 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
         except Failure as e:
             raise Failure(f"{e}: {_tail(ierr)}") from None
         c1 = (cpu_seconds(ipid), cpu_seconds(tpid))
+        k1 = ksoftirqd_seconds()
     finally:
         _stop(init)
         stop(target)
@@ -187,7 +213,8 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
     return {"worker": f"multirail-{progress}{build[0]}", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]),
             "iters": int(done["iters"]), "initiator_cpu_s": ini, "target_cpu_s": tgt,
             "cpu_per_gb": (ini + tgt) / (nbytes / GB), "send_cpu_per_gb": send / (nbytes / GB),
-            "recv_cpu_per_gb": recv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9}
+            "recv_cpu_per_gb": recv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9,
+            "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
 
 
 def _free_port(host: str, prefix: list[str]) -> int:
@@ -226,9 +253,11 @@ def run_iperf3(a: argparse.Namespace, op: str, net: dict[str, Any]) -> dict[str,
         client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         t_start = time.monotonic()
         time.sleep(a.iperf3_skip)
+        k0 = ksoftirqd_seconds()
         c0 = (cpu_seconds(client.pid), cpu_seconds(server.pid), time.monotonic() - t_start)
         time.sleep(a.seconds)
         c1 = (cpu_seconds(client.pid), cpu_seconds(server.pid), time.monotonic() - t_start)
+        k1 = ksoftirqd_seconds()
         try:
             out, err = client.communicate(timeout=total + 30)
         except subprocess.TimeoutExpired:
@@ -260,7 +289,8 @@ def run_iperf3(a: argparse.Namespace, op: str, net: dict[str, Any]) -> dict[str,
     return {"worker": "iperf3", "op": op, "bytes": int(nbytes), "wall_s": t_b - t_a, "client_cpu_s": cli,
             "server_cpu_s": srv, "cpu_per_gb": (cli + srv) / (nbytes / GB), "send_cpu_per_gb": send / (nbytes / GB),
             "recv_cpu_per_gb": recv / (nbytes / GB), "gbps": nbytes * 8 / (t_b - t_a) / 1e9,
-            "iperf3_own_cpu_pct": {"host": own.get("host_total"), "remote": own.get("remote_total")}}
+            "iperf3_own_cpu_pct": {"host": own.get("host_total"), "remote": own.get("remote_total")},
+            "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
 
 
 # -- the initiator child -------------------------------------------------------------------------
@@ -324,7 +354,8 @@ def _network(a: argparse.Namespace) -> dict[str, Any]:
 
 def _fmt(r: dict[str, Any]) -> str:
     return (f"{r['op']:<5} {r['worker']:<20} {r['cpu_per_gb']:6.3f} CPU-s/GB  (send {r['send_cpu_per_gb']:.3f}, "
-            f"recv {r['recv_cpu_per_gb']:.3f})  {r['gbps']:6.2f} Gbit/s over {r['wall_s']:.2f} s")
+            f"recv {r['recv_cpu_per_gb']:.3f}; ksoftirqd {r['ksoftirqd_per_gb']:.3f})  {r['gbps']:6.2f} Gbit/s "
+            f"over {r['wall_s']:.2f} s")
 
 
 def main() -> int:
@@ -395,10 +426,10 @@ def main() -> int:
     print(f"\nCPU seconds per GB (initiator + target; iperf3 client + server), {len(runs)} fresh run(s), "
           f"{a.size} blocks, {a.seconds:g} s windows, {'testbed ' + a.testbed if a.testbed else 'loopback'}")
     print(f"{'op':<5} {'worker':<20} {'CPU/GB med':>10} {'ratio med':>9} {'ratio worst':>11} "
-          f"{'send x':>7} {'recv x':>7} {'Gbit/s':>7}")
+          f"{'send x':>7} {'recv x':>7} {'Gbit/s':>7} {'ksoftirqd/GB':>12}")
     for op in ops:
         for w in names:
-            ratios, sends, recvs, cpg, rates = [], [], [], [], []
+            ratios, sends, recvs, cpg, rates, ksi = [], [], [], [], [], []
             for rows in runs:
                 base = next(x for x in rows if x["op"] == op and x["worker"] == "iperf3")
                 mine = next(x for x in rows if x["op"] == op and x["worker"] == w)
@@ -407,16 +438,18 @@ def main() -> int:
                 recvs.append(mine["recv_cpu_per_gb"] / base["recv_cpu_per_gb"])
                 cpg.append(mine["cpu_per_gb"])
                 rates.append(mine["gbps"])
+                ksi.append(mine["ksoftirqd_per_gb"])
             summary[f"{op}/{w}"] = {"ratio_median": statistics.median(ratios), "ratio_worst": max(ratios),
                                    "ratios": ratios, "cpu_per_gb_median": statistics.median(cpg),
                                    "send_ratio_median": statistics.median(sends),
                                    "recv_ratio_median": statistics.median(recvs)}
             print(f"{op:<5} {w:<20} {statistics.median(cpg):10.3f} {statistics.median(ratios):8.2f}x "
                   f"{max(ratios):10.2f}x {statistics.median(sends):6.2f}x {statistics.median(recvs):6.2f}x "
-                  f"{statistics.median(rates):7.2f}")
+                  f"{statistics.median(rates):7.2f} {statistics.median(ksi):12.3f}")
         base = [next(x for x in rows if x["op"] == op and x["worker"] == "iperf3") for rows in runs]
         print(f"{op:<5} {'iperf3':<20} {statistics.median(b['cpu_per_gb'] for b in base):10.3f} {'1.00x':>9} "
-              f"{'':>11} {'':>7} {'':>7} {statistics.median(b['gbps'] for b in base):7.2f}")
+              f"{'':>11} {'':>7} {'':>7} {statistics.median(b['gbps'] for b in base):7.2f} "
+              f"{statistics.median(b['ksoftirqd_per_gb'] for b in base):12.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), "runs": runs, "summary": summary}, indent=1))
     return 0
