@@ -900,6 +900,79 @@ def test_concurrent_small_and_bulk_transfers_share_connections(pair):
     assert np.array_equal(dst, src)
 
 
+@pytest.mark.parametrize("progress", ["adaptive", "block", "poll"])
+def test_bulk_caller_and_async_transfers_on_one_connection(progress: str):
+    """One connection, 1 MiB chunks (bulk: adaptive callers do not spin for them): a thread
+    drives bulk READs and WRITEs with transfer_sync (its caller owns the connection, the
+    receiver stays parked meanwhile) while another posts asynchronous transfers on the same
+    connection and polls them. Every byte lands and every transfer completes: the caller that
+    leaves with the other's responses still due kicks the parked receiver, which reads them."""
+    t = Agent("target")
+    i = Agent("initiator", {"connections": 1, "chunk_size": 1 << 20, "progress": progress, "timeout": 10.0})
+    try:
+        bulk, small = 8 * MiB, 64 << 10
+        src = pattern(2 * bulk + 16 * small, 11)
+        dst = np.zeros(src.size, np.uint8)
+        t.register_memory(src)
+        i.register_memory(dst)
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        deadline = time.monotonic() + 10
+        while not i.check_remote_metadata("target"):
+            assert time.monotonic() < deadline, "metadata never arrived"
+            time.sleep(0.01)
+        base_s, base_d = src.ctypes.data, dst.ctypes.data
+        errs: list[BaseException] = []
+
+        def bulk_worker() -> None:
+            try:
+                rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
+                # WRITE the READ's bytes back into the target's second half, then read it back.
+                wr = i.initialize_xfer("WRITE", [(base_d, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+                back = i.initialize_xfer("READ", [(base_d + bulk, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+                for _ in range(6):
+                    i.transfer_sync(rd, timeout=30)
+                    i.transfer_sync(wr, timeout=30)
+                    i.transfer_sync(back, timeout=30)
+                for h in (rd, wr, back):
+                    i.release_xfer_handle(h)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errs.append(e)
+
+        def async_worker() -> None:
+            try:
+                off = 2 * bulk
+                hs = [i.initialize_xfer("READ", [(base_d + off + k * small, small, 0)],
+                                        [(base_s + off + k * small, small, 0)], "target") for k in range(16)]
+                for _ in range(10):
+                    for h in hs:
+                        i.transfer(h)
+                    for h in hs:
+                        deadline = time.monotonic() + 30
+                        while i.check_xfer_state(h) == XferState.IN_PROGRESS:
+                            assert time.monotonic() < deadline, "an asynchronous READ never finished"
+                            time.sleep(0.0005)
+                        assert i.check_xfer_state(h) == XferState.DONE
+                for h in hs:
+                    i.release_xfer_handle(h)
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        threads = [threading.Thread(target=bulk_worker), threading.Thread(target=async_worker)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not any(th.is_alive() for th in threads), "a transfer thread hung"
+        assert not errs, errs[0]
+        assert np.array_equal(dst[:bulk], src[:bulk])
+        assert np.array_equal(src[bulk:2 * bulk], src[:bulk]), "the WRITEs did not land"
+        assert np.array_equal(dst[bulk:2 * bulk], src[:bulk])
+        assert np.array_equal(dst[2 * bulk:], src[2 * bulk:])
+    finally:
+        i.close()
+        t.close()
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_wait_on_a_transfer_spread_over_connections_returns_promptly(sync: bool):
     """A transfer striped over several connections: the waiting caller drives one of them and

@@ -95,6 +95,10 @@ def _corrupt(buf: BenchMem, offset: int | None, limit: int) -> None:
         buf.flip(offset)
 
 
+#: the control loop's sleep between looks at notifications: while busy, and after QUIET_S without one
+POLL_BUSY_S, POLL_QUIET_S, QUIET_S = 0.002, 0.02, 0.2
+
+
 def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
           corrupt_offset: int | None, mr: Any) -> str:
     start = last = time.monotonic()
@@ -124,7 +128,10 @@ def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
             except mr.UnknownPeerError:
                 pending.append((peer, reply))  # its metadata has not arrived yet: retry
         outbox = pending
-        time.sleep(0.002)
+        # 2 ms between looks while messages come, 20 ms once quiet for QUIET_S: a timed loop
+        # (no control messages) then costs this process 50 wake-ups a second, not 500 - its
+        # CPU counts in benchmarks/cpu_per_byte.py.
+        time.sleep(POLL_BUSY_S if outbox or time.monotonic() - last < QUIET_S else POLL_QUIET_S)
 
 
 def _handle(kind: str, body: dict[str, Any], buf: BenchMem, corrupt_offset: int | None,

@@ -40,7 +40,7 @@ struct Sent {
 const OWNER_NONE: u8 = 0;
 const OWNER_RECEIVER: u8 = 1;
 const OWNER_CALLER: u8 = 2;
-/// How long the receiver stays away while a caller drives its connection.
+/// How long the receiver stays away when the connection hung up while a caller drives it.
 const CALLER_YIELD: Duration = Duration::from_micros(200);
 /// For this long after a caller last drove a connection, the receiver leaves its responses to
 /// callers ("parked"): it watches the socket for hang-up and its kick eventfd only, so a
@@ -613,22 +613,18 @@ fn receive_loop(link: &dyn Host, c: &Arc<Conn>) -> Option<String> {
         if c.dead.load(Ordering::Acquire) {
             return Some("connection shut".into());
         }
-        if c.owner.load(Ordering::Acquire) == OWNER_CALLER {
-            // A caller is reading; look again shortly (no handoff signal on its path).
-            std::thread::sleep(CALLER_YIELD);
-            continue;
-        }
+        let caller_owns = c.owner.load(Ordering::Acquire) == OWNER_CALLER;
         let since_caller = link.now_us().saturating_sub(c.caller_at.load(Ordering::Acquire));
-        if since_caller < CALLER_GRACE.as_micros() as u64 {
-            // Callers are driving this connection round trip after round trip: stay out of
-            // their way until kicked, the socket hangs up (read below, which sees the
-            // failure), or the grace period ends.
+        if caller_owns || since_caller < CALLER_GRACE.as_micros() as u64 {
+            // A caller is reading, or callers are driving this connection round trip after
+            // round trip: stay out of their way until kicked (a caller that leaves with
+            // requests outstanding kicks), the socket hangs up (read below, which sees the
+            // failure), or the grace period ends. Parked, not napping: a bulk transfer a caller
+            // drives costs this thread no wake-up per response (issue 22 item 5: the 200 µs
+            // naps it took before were a thousand wake-ups a second).
+            let wait = if caller_owns { TICK } else { CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)) };
             c.parked.store(true, Ordering::SeqCst);
-            let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks {
-                (false, true)
-            } else {
-                park(fd, kick_fd, CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)))
-            };
+            let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks { (false, true) } else { park(fd, kick_fd, wait) };
             c.parked.store(false, Ordering::SeqCst);
             if kicked {
                 seen_kicks = c.kicks.load(Ordering::SeqCst);
@@ -637,6 +633,15 @@ fn receive_loop(link: &dyn Host, c: &Arc<Conn>) -> Option<String> {
                 unsafe {
                     libc::read(kick_fd, &mut buf as *mut u64 as *mut libc::c_void, 8);
                 }
+                if c.owner.load(Ordering::Acquire) == OWNER_CALLER {
+                    // Still the caller's (it kicks again if it leaves work behind).
+                    continue;
+                }
+            } else if hup && c.owner.load(Ordering::Acquire) == OWNER_CALLER {
+                // The caller reads the hang-up itself (and marks the connection dead); do
+                // not spin on it meanwhile.
+                std::thread::sleep(CALLER_YIELD);
+                continue;
             } else if !hup {
                 continue;
             }
@@ -864,15 +869,33 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
     Ok(())
 }
 
+/// In `Progress::Adaptive`, a response to a chunk larger than this is not busy-polled for: its
+/// bytes take longer on any wire than the scheduler wake-up a spin saves (1 MiB is 84 µs at
+/// 100 Gbit/s), so spinning would only burn CPU per byte while the connection's window keeps
+/// the pipe full (issue 22 item 5). Small chunks (pages, round trips) still spin.
+pub(crate) const SPIN_MAX_CHUNK: u64 = 256 << 10;
+
+/// Whether an adaptive caller busy-polls for the response to the oldest request in flight, of
+/// `head` bytes (None: nothing known in flight; the spin ends at once then anyway).
+fn adaptive_spins_for(head: Option<u64>) -> bool {
+    head.is_none_or(|len| len <= SPIN_MAX_CHUNK)
+}
+
 /// Busy-poll `c` for the next response before the read that would sleep in the kernel, as
-/// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`), or until the
-/// caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
+/// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`; not for a bulk
+/// chunk: `SPIN_MAX_CHUNK`), or until the caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
 /// the spin ends early when nothing is outstanding on `c`.
 fn spin_for_response(link: &dyn Host, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
     let cfg = link.cfg();
     let budget = match cfg.progress {
         Progress::Block => return Ok(()),
-        Progress::Adaptive => c.spin.get(),
+        Progress::Adaptive => {
+            let head = c.inflight.lock().expect("conn lock").front().map(|s| s.chunk.piece.len);
+            if !adaptive_spins_for(head) {
+                return Ok(());
+            }
+            c.spin.get()
+        }
         Progress::Poll => deadline.map_or(Duration::from_secs(3600), |d| d.saturating_duration_since(Instant::now())),
     };
     let how = wire::spin_readable(c.fd, budget, || {
@@ -883,4 +906,43 @@ fn spin_for_response(link: &dyn Host, c: &Conn, clock: &mut Clock, deadline: Opt
     })?;
     c.spin.record(how);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Adaptive callers spin for responses to small chunks (round trips, pages) and not for
+    /// bulk chunks, whose bytes take longer than the wake-up a spin would save.
+    #[test]
+    fn adaptive_spins_for_small_chunks_only() {
+        assert!(adaptive_spins_for(None));
+        assert!(adaptive_spins_for(Some(4096)));
+        assert!(adaptive_spins_for(Some(SPIN_MAX_CHUNK)));
+        assert!(!adaptive_spins_for(Some(SPIN_MAX_CHUNK + 1)));
+        assert!(!adaptive_spins_for(Some(1 << 20)));
+    }
+
+    /// A parked receiver wakes for its kick and for the socket's hang-up, not for data.
+    #[test]
+    fn park_wakes_for_a_kick_or_a_hang_up_but_not_for_data() {
+        use std::io::Write;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut w = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (r, _) = l.accept().expect("accept");
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&r);
+        let kick = eventfd().expect("eventfd");
+        let kfd = std::os::fd::AsRawFd::as_raw_fd(&kick);
+        w.write_all(b"data the parked receiver must not wake for").expect("write");
+        assert_eq!(park(fd, kfd, Duration::from_millis(30)), (false, false));
+        let one: u64 = 1;
+        // SAFETY: an 8-byte write to our own eventfd.
+        assert_eq!(unsafe { libc::write(kfd, &one as *const u64 as *const libc::c_void, 8) }, 8);
+        assert_eq!(park(fd, kfd, Duration::from_secs(10)), (false, true));
+        let mut buf = 0u64;
+        // SAFETY: an 8-byte read from our own eventfd (drains it).
+        unsafe { libc::read(kfd, &mut buf as *mut u64 as *mut libc::c_void, 8) };
+        w.shutdown(Shutdown::Write).expect("shutdown");
+        assert_eq!(park(fd, kfd, Duration::from_secs(10)), (true, false));
+    }
 }
