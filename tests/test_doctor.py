@@ -143,7 +143,9 @@ VARIANTS: dict[str, tuple[list[Mutation], dict[tuple[str, str | None], Status], 
     "rdma-port-down": ([write(f"{IB0}/state", "1: DOWN")], {("rdma-mapping", R0): Status.FAIL}, []),
     "peermem-missing": ([write("proc/modules", MODULES_NO_PEERMEM), rm("sys/module/nvidia_peermem")],
                         {("gpudirect", None): Status.WARN}, []),
-    "ucx-missing": ([rm(".cmd/ucx_info_-v.out")], {("ucx", None): Status.FAIL}, []),
+    # No UCX: transport=auto leaves the RDMA rails on tcp, and says why and what to install.
+    "ucx-missing": ([rm(".cmd/ucx_info_-v.out")],
+                    {("ucx", None): Status.FAIL, ("transport", R0): Status.WARN, ("transport", R1): Status.WARN}, []),
     "ucx-peer-mismatch": ([], {("ucx-peer", None): Status.FAIL}, ["--peer-ucx-version", "1.21.0"]),
     "ucx-peer-patch": ([], {("ucx-peer", None): Status.WARN}, ["--peer-ucx-version", "1.16.1"]),
     "pfc-off": ([write(f".cmd/mlnx_qos_-i_{R0}.out", "PFC configuration:\n\tpriority 0 1 2 3 4 5 6 7\n"
