@@ -109,12 +109,7 @@ pub struct FallbackPolicy {
 
 impl Default for FallbackPolicy {
     fn default() -> Self {
-        FallbackPolicy {
-            after: 3,
-            cooldown: Duration::from_secs(5),
-            max_cooldown: Duration::from_secs(300),
-            max_switches: 8,
-        }
+        FallbackPolicy { after: 3, cooldown: Duration::from_secs(5), max_cooldown: Duration::from_secs(300), max_switches: 8 }
     }
 }
 
@@ -239,7 +234,9 @@ impl Fault {
     }
 
     pub fn parse(s: &str) -> std::result::Result<Fault, String> {
-        let bad = || format!("fault {s:?} is not RAIL:KIND@AT[+DUR] or RAIL/TRANSPORT:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY; TRANSPORT: tcp, ucx)");
+        let bad = || {
+            format!("fault {s:?} is not RAIL:KIND@AT[+DUR] or RAIL/TRANSPORT:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY; TRANSPORT: tcp, ucx)")
+        };
         let (rail, rest) = s.split_once(':').ok_or_else(bad)?;
         let (rail, transport) = match rail.split_once('/') {
             Some((r, t)) => (r, Some(TransportKind::parse(t.trim()).filter(|t| *t != TransportKind::Auto).ok_or_else(bad)?)),
@@ -278,12 +275,25 @@ mod tests {
             f[0],
             Fault { rail: 1, transport: None, kind: FaultKind::Kill, at: Duration::from_millis(200), dur: Some(Duration::from_secs(1)) }
         );
-        assert_eq!(f[1], Fault { rail: 0, transport: None, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None });
+        assert_eq!(
+            f[1],
+            Fault { rail: 0, transport: None, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None }
+        );
         assert_eq!(f[2].kind, FaultKind::Blackhole);
         assert_eq!(f[2].at, Duration::from_millis(1500));
         let u = Fault::parse("1/ucx:kill@0.5s+2s").unwrap();
         assert_eq!((u.rail, u.transport, u.kind), (1, Some(TransportKind::Ucx), FaultKind::Kill));
-        for bad in ["kill@1s", "x:kill@1s", "1:boom@1s", "1:kill", "1:kill@-1s", "1:slow=@1s", "1:kill@1s+forever", "1/rdma:kill@1s", "1/auto:kill@1s"] {
+        for bad in [
+            "kill@1s",
+            "x:kill@1s",
+            "1:boom@1s",
+            "1:kill",
+            "1:kill@-1s",
+            "1:slow=@1s",
+            "1:kill@1s+forever",
+            "1/rdma:kill@1s",
+            "1/auto:kill@1s",
+        ] {
             assert!(Fault::parse(bad).is_err(), "{bad} accepted");
         }
     }
