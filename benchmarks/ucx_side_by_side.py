@@ -13,6 +13,9 @@ one with the same spec is up, and then left as it was), in one run:
      each side's rail devices (as bench/kv_nixl.py drives it);
    * ``multirail-ucx``: ``multirail.Agent(..., transport="ucx")`` over every rail;
    * ``multirail-tcp``: the same with ``transport="tcp"``;
+   * ``multirail-mixed`` (``--workers ...,mr-mixed``, issue 21): one link of mixed rails,
+     ``transport="ucx,tcp"``: rail 0 over UCX (its tcp transport here, asked for by name), rail 1
+     over multirail's tcp, striped by one planner;
    * ``multirail-ucx 1 rail`` (``--single-rail-baseline``, on by default): rail 0 only, for
      "2 rails >= 1.9x one".
    Each worker is a target process in namespace a (one buffer of ``--size``, filled with a
@@ -409,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--single-rail-baseline", action=argparse.BooleanOptionalAction, default=True,
                    help="also run multirail-ucx on rail 0 alone (default on)")
     p.add_argument("--workers", default="nixl,mr-ucx,mr-tcp",
-                   help="comma-separated subset of nixl, mr-ucx, mr-tcp (default all)")
+                   help="comma-separated subset of nixl, mr-ucx, mr-tcp, mr-mixed (default: the first three)")
     p.add_argument("--name", default="ucxsbs", help="testbed name (default ucxsbs)")
     p.add_argument("--keep", action="store_true", help="leave the testbed up")
     p.add_argument("--json", metavar="PATH", help="write everything as JSON")
@@ -423,8 +426,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.rounds < 1 or a.iters < 1 or a.warmup < 0 or a.lat_iters < 1:
         p.error("--rounds, --iters, --lat-iters must be >= 1, --warmup >= 0")
     a.workers = [w.strip() for w in a.workers.split(",") if w.strip()]
-    if not a.workers or any(w not in ("nixl", "mr-ucx", "mr-tcp") for w in a.workers):
-        p.error("--workers takes nixl, mr-ucx, mr-tcp")
+    if not a.workers or any(w not in ("nixl", "mr-ucx", "mr-tcp", "mr-mixed") for w in a.workers):
+        p.error("--workers takes nixl, mr-ucx, mr-tcp, mr-mixed")
     return a
 
 
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     all_rails = list(range(tb.n_rails))
     workers: list[dict[str, Any]] = []
     names = {"nixl": ("nixl-ucx", "nixl", ""), "mr-ucx": ("multirail-ucx", "mr", "ucx"),
-             "mr-tcp": ("multirail-tcp", "mr", "tcp")}
+             "mr-tcp": ("multirail-tcp", "mr", "tcp"), "mr-mixed": ("multirail-mixed", "mr", "ucx,tcp")}
     for w in a.workers:
         label, kind, transport = names[w]
         workers.append({"name": label, "kind": kind, "transport": transport, "rails": all_rails})
@@ -501,6 +504,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if met else 'NOT met'}{' ' + note if note else ''}")
 
     print()
+    mx = by.get("multirail-mixed")
+    if mx and mx["ok_runs"]:
+        # Issue 21: one ucx + one tcp rail, the median and the worst of the fresh runs.
+        for op in ("READ", "WRITE"):
+            check(f"multirail-mixed {op} % of per-rail iperf3 sum (median)", mx[op]["pct_capacity"], 95.0, "%")
+            worst = 100.0 * mx[op]["min"] * 1e9 / cap_sum if mx[op]["min"] is not None and cap_sum else None
+            check(f"multirail-mixed {op} % of per-rail iperf3 sum (worst of {mx['ok_runs']})", worst, 95.0, "%")
     if u and u["ok_runs"]:
         for op in ("READ", "WRITE"):
             check(f"multirail-ucx {op} % of per-rail iperf3 sum", u[op]["pct_capacity"], 95.0, "%")

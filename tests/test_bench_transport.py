@@ -1,4 +1,4 @@
-"""`multirail bench --transport tcp|ucx` (issue 9): the option reaches every agent of a run,
+"""`multirail bench --transport auto|tcp|ucx|ucx,tcp` (issues 9, 21): the option reaches every agent of a run,
 the result names the transport of every rail, a bad value is refused, and a ucx run where UCX
 cannot load stops with the engine's TransportUnavailableError message. Fast (< 30 s)."""
 
@@ -42,7 +42,7 @@ def _ucx_unavailable(py: str) -> str | None:
 def test_transport_bogus_is_refused() -> None:
     cp = bench("local", "--transport", "bogus", *SMALL)
     assert cp.returncode == 2, cp.stderr
-    assert "--transport" in cp.stderr and "invalid choice: 'bogus'" in cp.stderr, cp.stderr
+    assert "invalid --transport 'bogus'" in cp.stderr, cp.stderr
     assert "tcp" in cp.stderr and "ucx" in cp.stderr, cp.stderr  # names the valid values
 
 
@@ -68,13 +68,36 @@ def test_bench_local_ucx_names_the_transport() -> None:
 
 
 @needs_engine
-def test_bench_local_tcp_default_names_tcp() -> None:
-    cp = bench("local", *SMALL, "--json", "-", py=ENGINE_PY)
+def test_bench_local_default_is_auto_which_is_tcp_here() -> None:
+    env = {k: v for k, v in ENV.items() if k != "MULTIRAIL_TRANSPORT"}
+    cp = bench("local", *SMALL, "--json", "-", py=ENGINE_PY, env=env)
     assert cp.returncode == 0, cp.stderr
     doc = json.loads(cp.stdout)
-    assert doc["transport"]["transport"] == "tcp" and doc["transport"]["engine"] == "tcp", doc["transport"]
-    assert all(r["transport"] == "tcp" for r in doc["transport"]["rails"]), doc["transport"]
-    assert doc["transport"]["target_transport"] == "tcp"
+    assert doc["transport"]["transport"] == "auto" and doc["transport"]["engine"] == "auto", doc["transport"]
+    assert all(r["transport"] == "tcp" and r["transport_reason"] == "auto: no RDMA device"
+               for r in doc["transport"]["rails"]), doc["transport"]
+    assert doc["transport"]["target_transport"] == "auto [tcp]"
+    assert "=tcp (auto: no RDMA device)" in cp.stderr, cp.stderr
+
+
+@needs_engine
+def test_bench_local_mixed_rails_name_each_transport() -> None:
+    """--transport ucx,tcp over two loopback rails: one link, rail 0 over UCX, rail 1 over tcp;
+    the output says what each runs and why, and the bytes check out."""
+    assert ENGINE_PY is not None
+    why = _ucx_unavailable(ENGINE_PY)
+    if why:
+        pytest.skip(why)
+    cp = bench("local", "--rails", "127.0.0.1,127.0.0.1", "--transport", "ucx,tcp", *SMALL[:-2], "--json", "-",
+               py=ENGINE_PY)
+    assert cp.returncode == 0, cp.stderr
+    doc = json.loads(cp.stdout)
+    tr = doc["transport"]
+    assert [r["transport"] for r in tr["rails"]] == ["ucx/tcp", "tcp"], tr
+    assert tr["rails"][1]["transport_reason"] == "explicit", tr
+    assert tr["target_transport"].startswith("auto [ucx, tcp]"), tr
+    (row,) = doc["rows"]
+    assert row["consistency"] == "ok", row
 
 
 @needs_engine

@@ -143,7 +143,9 @@ VARIANTS: dict[str, tuple[list[Mutation], dict[tuple[str, str | None], Status], 
     "rdma-port-down": ([write(f"{IB0}/state", "1: DOWN")], {("rdma-mapping", R0): Status.FAIL}, []),
     "peermem-missing": ([write("proc/modules", MODULES_NO_PEERMEM), rm("sys/module/nvidia_peermem")],
                         {("gpudirect", None): Status.WARN}, []),
-    "ucx-missing": ([rm(".cmd/ucx_info_-v.out")], {("ucx", None): Status.FAIL}, []),
+    # No UCX: transport=auto leaves the RDMA rails on tcp, and says why and what to install.
+    "ucx-missing": ([rm(".cmd/ucx_info_-v.out")],
+                    {("ucx", None): Status.FAIL, ("transport", R0): Status.WARN, ("transport", R1): Status.WARN}, []),
     "ucx-peer-mismatch": ([], {("ucx-peer", None): Status.FAIL}, ["--peer-ucx-version", "1.21.0"]),
     "ucx-peer-patch": ([], {("ucx-peer", None): Status.WARN}, ["--peer-ucx-version", "1.16.1"]),
     "pfc-off": ([write(f".cmd/mlnx_qos_-i_{R0}.out", "PFC configuration:\n\tpriority 0 1 2 3 4 5 6 7\n"
@@ -479,3 +481,30 @@ def test_malformed_recordings_give_findings_not_tracebacks(tmp_path: Path, capsy
     assert by[("policy-routing", R0)] == "skip"  # `ip -j rule show` unusable
     assert by[("ucx", None)] == "fail" and by[("roce-mtu", R0)] == "skip"
     assert by[("mtu-consistency", None)] == "fail" and rc == 1
+
+
+# --- transport: what each rail would run (issue 21) -------------------------------------------
+
+
+def test_transport_check_names_each_rails_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """Healthy RoCE rails with a UCX found: auto picks ucx, saying why; tcp asked per rail stands."""
+    _, rep = run_json(capsys, "--root", str(HEALTHY), "--transport", "auto,tcp")
+    tr = {r["rail"]: r for r in rep["results"] if r["name"] == "transport"}
+    assert tr[R0]["status"] == "ok" and "ucx (auto: RDMA device mlx5_0, UCX has ib)" in tr[R0]["evidence"], tr
+    assert tr[R1]["status"] == "ok" and "tcp (explicit)" in tr[R1]["evidence"], tr
+
+
+def test_transport_check_warns_for_ucx_without_rdma(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ucx asked for by name where the UCX found has no RDMA transport (none found here): UCX
+    over tcp, which checks no memory bounds: a warning with the fix, on each rail."""
+    tree = make_variant(tmp_path, [rm(".cmd/ucx_info_-v.out")])
+    _, rep = run_json(capsys, "--root", str(tree), "--transport", "ucx")
+    tr = [r for r in rep["results"] if r["name"] == "transport"]
+    assert [r["status"] for r in tr] == ["warn", "warn"], tr
+    assert all("no memory bounds" in r["evidence"] and "SECURITY.md" in r["evidence"] for r in tr), tr
+    assert all("'auto' or 'tcp'" in r["fix"] for r in tr), tr
+
+
+def test_transport_check_refuses_a_bad_list(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = doctor.main(["--root", str(HEALTHY), "--transport", "ucx,tcp,tcp"])
+    assert rc == 2 and "3 transports for 2 rails" in capsys.readouterr().err

@@ -530,3 +530,43 @@ def test_gpu_staging_metrics_on_both_sides(agents: Callable[..., Any]) -> None:
     t, got = _scrape_until(target.metrics_url, "multirail_served_staged_bytes_total", n, peer=init.name, stage="d2h")
     assert got == n
     assert _served(t, "multirail_served_staged_bytes_total", peer=init.name, stage="h2d") == n
+
+
+def test_rail_transport_and_fallback_metrics(agents: Callable[..., Any]) -> None:
+    """Issue 21: per rail, what carries it and why, and its ucx -> tcp fallbacks and switches
+    (rail 0's ucx path killed 200 ms in and refused 1 s: it falls back after 2 failures and
+    stays on tcp here, its retry 30 s away)."""
+    import multirail
+
+    try:
+        probe = multirail.Agent("mprobe", {"transport": "ucx"})
+        probe.close()
+    except multirail.errors.TransportUnavailableError as e:
+        pytest.skip(f"UCX cannot be loaded here: {e}")
+    rails = ["127.0.0.1", "127.0.0.1"]
+    target = agents(f"mt-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails})
+    init = agents(f"mi-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails, "metrics_port": 0,
+                                                "faults": "0/ucx:kill@200ms+1s", "fallback_after": 2,
+                                                "fallback_cooldown": 30.0, "stall_timeout": 0.5})
+    n = 16 << 20
+    src, dst = np.full(n, 3, np.uint8), np.zeros(n, np.uint8)
+    target.register_memory(src)
+    init.register_memory(dst)
+    init.fetch_remote_metadata(target.name, "127.0.0.1", target.port)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        h = init.initialize_xfer("READ", [dst], [src], target.name)
+        init.transfer(h)
+        init.wait(h, 20)
+        if init.rail_stats(target.name)[0]["fallbacks"] >= 1:
+            break
+    assert np.array_equal(dst, src)
+    s = scrape(init.metrics_url)
+    lab = {"agent": init.name, "peer": target.name}
+    tr = {(d["transport"], d["reason"]) for d, _ in s["multirail_rail_transport"] if d["peer"] == target.name}
+    assert tr == {("tcp", "fallback after 2 ucx failures"), ("tcp", "explicit")}, tr
+    assert sorted(v for d, v in s["multirail_rail_transport_fallbacks_total"] if d["peer"] == target.name) == [0, 1]
+    assert sorted(v for d, v in s["multirail_rail_transport_switches_total"] if d["peer"] == target.name) == [0, 1]
+    retry = sorted(v for d, v in s["multirail_rail_ucx_retry_seconds"] if d["peer"] == target.name)
+    assert retry[0] == -1 and 0 < retry[1] <= 30, retry
+    assert value(s, "multirail_rail_up", **lab) is not None

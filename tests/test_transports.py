@@ -1,6 +1,7 @@
 """Transport conformance (issue 9): the same behaviour, checked the same way, for every transport
-behind the seam (crates/multirail/src/transport/): "tcp" and "ucx" (UCX's tcp transport here;
-no RDMA NIC on this machine).
+behind the seam (crates/multirail/src/transport/): "tcp", "ucx" (UCX's tcp transport here;
+no RDMA NIC on this machine), and "mixed" (issue 21): a link of two rails, rail 0 forced over
+UCX (its tcp transport) and rail 1 over multirail's tcp, striped by one planner.
 
 What every transport must do (docs/transports.md):
 * READ and WRITE byte-exact for odd sizes, scattered descriptors, large transfers, mixed with
@@ -49,7 +50,32 @@ def _ucx_unavailable() -> str | None:
 
 
 _UCX_SKIP = _ucx_unavailable()
-TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=_UCX_SKIP or ""))]
+_NEEDS_UCX = pytest.mark.skipif(_UCX_SKIP is not None, reason=_UCX_SKIP or "")
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=_NEEDS_UCX), pytest.param("mixed", marks=_NEEDS_UCX)]
+LOOP2 = ["127.0.0.1", "127.0.0.1"]
+
+
+def agent_cfg(tr: str) -> dict[str, Any]:
+    """An agent's config for transport `tr` ("mixed": two loopback rails, ucx + tcp)."""
+    if tr == "mixed":
+        return {"transport": ["ucx", "tcp"], "rails": LOOP2}
+    return {"transport": tr}
+
+
+def tr_spec(tr: str) -> str:
+    """`tr` as a --transport / MULTIRAIL_TRANSPORT value (per rail, comma-separated)."""
+    return "ucx,tcp" if tr == "mixed" else tr
+
+
+def rail_kinds(tr: str, n: int) -> list[str]:
+    """What each of `n` rails of a link runs under `tr`."""
+    return ["ucx", "tcp"][:n] if tr == "mixed" else [tr] * n
+
+
+def assert_rails_run(stats: list[dict[str, Any]], tr: str, wrapped: str = "") -> None:
+    """Each rail's transport string names the transport it is meant to run (inside `faulty(`)."""
+    for s, kind in zip(stats, rail_kinds(tr, len(stats)), strict=True):
+        assert s["transport"].startswith(wrapped + kind), stats
 
 
 def pattern(n: int, seed: int = 1) -> np.ndarray:
@@ -61,8 +87,8 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, str]]:
     import multirail
 
     tr = request.param
-    t = multirail.Agent("target", {"transport": tr})
-    i = multirail.Agent("initiator", {"transport": tr, "timeout": 5.0, "stall_timeout": 1.0})
+    t = multirail.Agent("target", agent_cfg(tr))
+    i = multirail.Agent("initiator", {**agent_cfg(tr), "timeout": 5.0, "stall_timeout": 1.0})
     yield t, i, tr
     i.close()
     t.close()
@@ -160,15 +186,25 @@ def test_rail_stats_name_the_transport(pair: Any) -> None:
     i.transfer(h)
     i.wait(h, 10)
     stats = i.rail_stats("target")
-    assert stats and all(s["transport"].startswith(tr) for s in stats), stats
+    assert stats
+    assert_rails_run(stats, tr)
     info = i.transport_info()
-    assert info["transport"] == tr, info
-    if tr == "ucx":
+    assert info["transport"] == ("auto" if tr == "mixed" else tr), info
+    assert [r["transport"] for r in info["rails"]] == rail_kinds(tr, len(stats)), info
+    if tr != "tcp":
         assert stats[0]["transport"] == "ucx/tcp", stats  # the wheel has no RDMA; lo is not one
         assert info["ucx_version"] and info["ucx_version"].startswith("1."), info
         assert "lo" in info["ucx_rails"], info
+        # Asked for by name, without RDMA: said so, per rail.
+        assert stats[0]["transport_reason"].startswith("explicit (no RDMA device"), stats
+        assert info["rails"][0]["unprotected"], info
     else:
         assert info["ucx_version"] is None, info
+        assert stats[0]["transport_reason"] == "explicit", stats
+    if tr == "mixed":
+        assert stats[1]["transport"] == "tcp" and stats[1]["transport_reason"] == "explicit", stats
+        assert not info["rails"][1]["unprotected"], info
+    assert all(s["fallbacks"] == 0 and s["transport_switches"] == 0 for s in stats), stats
     assert sum(s["bytes_read"] for s in stats) == MiB
 
 
@@ -191,9 +227,9 @@ def test_close_mid_transfer_then_memory_is_left_alone(pair: Any) -> None:
 
 
 TARGET_SCRIPT = r"""
-import sys, time, numpy as np, multirail
-n, tr = int(sys.argv[1]), sys.argv[2]
-t = multirail.Agent("target", {"transport": tr})
+import json, sys, time, numpy as np, multirail
+n, cfg = int(sys.argv[1]), json.loads(sys.argv[2])
+t = multirail.Agent("target", cfg)
 buf = np.full(n, 5, np.uint8)
 t.register_memory(buf)
 print(t.port, buf.ctypes.data, flush=True)
@@ -206,10 +242,13 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(tr: str) -> None:
     import multirail
 
     n = 256 * MiB
-    p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), tr], stdout=subprocess.PIPE, text=True)
+    import json
+
+    p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), json.dumps(agent_cfg(tr))], stdout=subprocess.PIPE,
+                         text=True)
     try:
         port, addr = map(int, p.stdout.readline().split())
-        with multirail.Agent("initiator", {"transport": tr, "timeout": 3.0, "stall_timeout": 0.5}) as i:
+        with multirail.Agent("initiator", {**agent_cfg(tr), "timeout": 3.0, "stall_timeout": 0.5}) as i:
             dst = np.zeros(n, np.uint8)
             i.register_memory(dst)
             i.fetch_remote_metadata("target", "127.0.0.1", port)
@@ -265,7 +304,7 @@ def testbed(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 def _env(tr: str) -> dict[str, str]:
-    return {**os.environ, "MULTIRAIL_TRANSPORT": tr}
+    return {**os.environ, "MULTIRAIL_TRANSPORT": tr_spec(tr)}
 
 
 @pytest.mark.parametrize("tr", TRANSPORTS)
@@ -277,14 +316,14 @@ def test_rail_dies_mid_transfer_completes_byte_exact(testbed: Any, tr: str, op: 
     from multirail.bench.drill import run_drill
 
     out = run_drill(testbed, {"mode": "failover", "op": op, "size": 128 * MiB, "rail": 1, "how": how,
-                              "stall_timeout": STALL_S, "transport": tr}, timeout=120, env=_env(tr))
+                              "stall_timeout": STALL_S, "transport": tr_spec(tr)}, timeout=120, env=_env(tr))
     for step in ("baseline", "failover", "one_rail", "after_readmit"):
         assert out[step]["ok"] and out[step]["corrupt"] is None, (step, out[step])
     fo = out["failover"]
     assert fo["bytes_before_down"] > 0
     assert fo["detect_s"] is not None and fo["detect_s"] <= STALL_S + 2.0, fo["detect_s"]
     assert fo["rail_stats"][1]["up"] is False and fo["rail_stats"][1]["down_reason"], fo["rail_stats"]
-    assert all(s["transport"].startswith(tr) for s in fo["rail_stats"]), fo["rail_stats"]
+    assert_rails_run(fo["rail_stats"], tr)
     assert out["one_rail"]["bytes_on_down_rail"] == 0
     assert out["readmit_s"] is not None and out["readmit_s"] <= 6.0, out["readmit_s"]
     assert min(out["after_readmit"]["rail_bytes"]) >= 0.3 * out["size"], out["after_readmit"]
@@ -298,7 +337,7 @@ def test_stale_write_does_not_land_after_the_link_returns(testbed: Any, tr: str)
     from multirail.bench.drill import run_drill
 
     out = run_drill(testbed, {"mode": "stale_write", "op": "WRITE", "size": 64 * MiB,
-                              "stall_timeout": STALL_S, "transport": tr}, timeout=120, env=_env(tr))
+                              "stall_timeout": STALL_S, "transport": tr_spec(tr)}, timeout=120, env=_env(tr))
     assert out["first"]["ok"] and out["first"]["corrupt"] is None, out["first"]
     assert out["second"]["ok"] and out["second"]["corrupt"] is None, out["second"]
     assert out["second_reverified"] is None, out["second_reverified"]
@@ -307,13 +346,12 @@ def test_stale_write_does_not_land_after_the_link_returns(testbed: Any, tr: str)
 
 # ---------------------------------------------------------------------------- Faulty<T>
 
-def _faulty_pair(tr: str, faults: str, stall: float = 0.3) -> tuple[Any, Any]:
+def _faulty_pair(tr: str, faults: str, stall: float = 0.3, **extra: Any) -> tuple[Any, Any]:
     import multirail
 
-    rails = ["127.0.0.1", "127.0.0.1"]
-    t = multirail.Agent("target", {"transport": tr, "rails": rails})
-    i = multirail.Agent("initiator", {"transport": tr, "rails": rails, "faults": faults, "timeout": 5.0,
-                                      "stall_timeout": stall, "chunk_size": 256 << 10})
+    t = multirail.Agent("target", {"transport": tr_spec(tr), "rails": LOOP2})
+    i = multirail.Agent("initiator", {"transport": tr_spec(tr), "rails": LOOP2, "faults": faults, "timeout": 5.0,
+                                      "stall_timeout": stall, "chunk_size": 256 << 10, **extra})
     return t, i
 
 
@@ -352,7 +390,7 @@ def test_faulty_kill_then_readmit(tr: str) -> None:
         assert any(not s[1]["up"] and "fault injected" in (s[1]["down_reason"] or "") for s in snaps), snaps[-1]
         end = snaps[-1]
         assert end[1]["up"] and end[1]["times_down"] >= 1 and end[1]["readmissions"] >= 1, end
-        assert end[0]["transport"].startswith("faulty(" + tr), end
+        assert_rails_run(end, tr, wrapped="faulty(")
         down_at = next(j for j, s in enumerate(snaps) if not s[1]["up"])
         assert end[1]["bytes"] > snaps[down_at][1]["bytes"], "rail 1 carried nothing after readmission"
     finally:
@@ -397,3 +435,143 @@ def test_faulty_schedule_is_validated() -> None:
 
     with pytest.raises(ValueError, match="RAIL:KIND@AT"):
         multirail.Agent("x", {"faults": "1:explode@1s"})
+
+
+# ---------------------------------------------------------------------------- fallback (issue 21)
+
+UCX_LINKS = [pytest.param("ucx", marks=_NEEDS_UCX), pytest.param("mixed", marks=_NEEDS_UCX)]
+
+
+@pytest.mark.parametrize("tr", UCX_LINKS)
+def test_ucx_rail_falls_back_to_tcp_and_retries_ucx_after_a_cooldown(tr: str) -> None:
+    """Rail 0's ucx path (only it: `0/ucx:`) is killed 300 ms in and refused for 1.5 s, while the
+    rail's IP path works: after 3 failures (the kill and two refused reopens) the rail is reopened
+    over tcp on the same addresses; 1 s later it retries ucx (the fault is over: it stays). A
+    second kill right after: one failure of a retried path falls back at once, and the next
+    cool-down is 2 s. Every transfer meanwhile is byte-exact (READs and WRITEs, fenced as for any
+    rail failure); rail_stats says what the rail ran and why at each step."""
+    t, i = _faulty_pair(tr, "0/ucx:kill@300ms+1500ms,0/ucx:kill@2600ms+500ms", stall=0.5,
+                        fallback_after=3, fallback_cooldown=1.0, fallback_max_switches=8)
+    try:
+        snaps = _run_until(i, t, 6.5)
+        on_tcp = [s[0] for s in snaps if s[0]["transport"] == "tcp"]
+        assert on_tcp, [s[0]["transport"] for s in snaps]
+        assert on_tcp[0]["transport_reason"] == "fallback after 3 ucx failures", on_tcp[0]
+
+        def waits(k: int) -> list[float]:
+            """Time to the retry seen while on tcp after fallback k (None once the retry began)."""
+            return [s["next_ucx_retry_s"] for s in on_tcp if s["fallbacks"] == k and s["next_ucx_retry_s"] is not None]
+
+        assert waits(1) and max(waits(1)) <= 1.0, on_tcp
+        # The second fallback waits twice as long.
+        assert waits(2) and max(waits(2)) > 1.0, on_tcp
+        end = snaps[-1]
+        assert end[0]["transport"].startswith("ucx"), [s[0]["transport"] for s in snaps]
+        assert end[0]["up"] and end[0]["fallbacks"] == 2 and end[0]["transport_switches"] == 4, end[0]
+        assert end[0]["transport_reason"].startswith("ucx retried after a cool-down"), end[0]
+        # Rail 0 carried data over tcp, and again over ucx after the last retry.
+        back = max(j for j, s in enumerate(snaps) if s[0]["transport"] == "tcp")
+        assert end[0]["bytes"] > snaps[back][0]["bytes"], "rail 0 carried nothing after ucx came back"
+        # The other rail never switched.
+        assert all(s[1]["transport_switches"] == 0 for s in snaps), snaps[-1][1]
+        assert_rails_run([end[1]], "tcp" if tr == "mixed" else "ucx")
+        ev = i.events()
+        assert any("reopening it over tcp" in e or "fallback after 3 ucx failures" in e for e in ev), ev[-20:]
+    finally:
+        i.close()
+        t.close()
+
+
+@pytest.mark.parametrize("tr", UCX_LINKS)
+def test_fallback_bounded_by_max_switches(tr: str) -> None:
+    """With one switch allowed, the rail falls back once and stays on tcp (no retry left)."""
+    t, i = _faulty_pair(tr, "0/ucx:kill@200ms+1s", stall=0.5, fallback_after=2, fallback_cooldown=0.2,
+                        fallback_max_switches=1)
+    try:
+        end = _run_until(i, t, 2.5)[-1]
+        assert end[0]["transport"] == "tcp" and end[0]["up"], end[0]
+        assert (end[0]["fallbacks"], end[0]["transport_switches"]) == (1, 1), end[0]
+        assert end[0]["next_ucx_retry_s"] is None and "switch limit 1 reached" in end[0]["transport_reason"], end[0]
+    finally:
+        i.close()
+        t.close()
+
+
+@pytest.mark.parametrize("tr", UCX_LINKS)
+def test_no_fallback_when_the_ip_path_is_down_too(tr: str) -> None:
+    """A rail killed whatever it runs (no `/ucx`): its reopens fail over tcp as well, so they do
+    not count against ucx, and the rail comes back on ucx."""
+    t, i = _faulty_pair(tr, "0:kill@200ms+1200ms", stall=0.5, fallback_after=2, fallback_cooldown=0.5)
+    try:
+        snaps = _run_until(i, t, 2.5)
+        assert any(not s[0]["up"] for s in snaps), snaps[-1]
+        end = snaps[-1]
+        assert end[0]["up"] and end[0]["transport"].startswith("faulty(ucx"), end[0]
+        assert end[0]["fallbacks"] == 0, end[0]
+    finally:
+        i.close()
+        t.close()
+
+
+def test_auto_is_tcp_without_rdma_and_loads_no_ucx() -> None:
+    import multirail
+
+    with multirail.Agent("a", {"transport": "auto", "rails": LOOP2}) as a:
+        info = a.transport_info()
+        assert info["transport"] == "auto" and info["ucx_version"] is None, info
+        assert info["rails"] == [{"transport": "tcp", "reason": "auto: no RDMA device", "unprotected": False}] * 2, info
+    # The default is auto.
+    env = {k: v for k, v in os.environ.items() if k != "MULTIRAIL_TRANSPORT"}
+    out = subprocess.run([sys.executable, "-c", "import multirail; a = multirail.Agent('d'); "
+                          "print(a.transport_info()['transport'], a.transport_info()['rails'][0]['reason']); a.close()"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split("\n")[0] == "auto auto: no RDMA device", (out.stdout, out.stderr)
+
+
+def test_per_rail_transport_by_index_name_or_list_and_bad_keys_refused() -> None:
+    if _UCX_SKIP:
+        pytest.skip(_UCX_SKIP)
+    import multirail
+
+    for spec in ({0: "ucx", 1: "tcp"}, {"*": "tcp", 0: "ucx"}, ["ucx", "tcp"], "ucx,tcp"):
+        with multirail.Agent("a", {"transport": spec, "rails": LOOP2}) as a:
+            assert [r["transport"] for r in a.transport_info()["rails"]] == ["ucx", "tcp"], spec
+    with pytest.raises(multirail.errors.InvalidArgumentError, match="not one of this agent's rails"):
+        multirail.Agent("a", {"transport": {"eth9": "ucx"}, "rails": LOOP2})
+    with pytest.raises(multirail.errors.InvalidArgumentError, match="2 rails"):
+        multirail.Agent("a", {"transport": ["ucx", "tcp", "tcp"], "rails": LOOP2})
+    with pytest.raises(ValueError, match="transport"):
+        multirail.Agent("a", {"transport": {0: "rdma"}, "rails": LOOP2})
+
+
+def test_explicit_ucx_without_rdma_warns_once() -> None:
+    """Two rails over UCX's tcp, asked for by name: one warning for the agent, naming the risk
+    and both rails; a tcp rail is not named."""
+    if _UCX_SKIP:
+        pytest.skip(_UCX_SKIP)
+    import multirail
+
+    with multirail.Agent("a", {"transport": ["ucx", "ucx", "tcp"], "rails": LOOP2 + ["127.0.0.1"]}) as a:
+        warns = [e for e in a.events() if "check no memory bounds" in e]
+        assert len(warns) == 1, a.events()
+        assert "rail(s) 0 (lo), 1 (lo) run UCX without RDMA" in warns[0] and "SECURITY.md" in warns[0], warns
+    with multirail.Agent("b", {"transport": "tcp"}) as b:
+        assert not [e for e in b.events() if "memory bounds" in e], b.events()
+
+
+def test_a_tcp_rail_refuses_ucx_sessions() -> None:
+    """The target runs rail 0 over tcp (auto, no RDMA): a peer asking for ucx there is refused,
+    clearly (no UCX over TCP without asking)."""
+    if _UCX_SKIP:
+        pytest.skip(_UCX_SKIP)
+    import multirail
+
+    with multirail.Agent("target", {"transport": ["tcp", "ucx"], "rails": LOOP2}) as t, \
+            multirail.Agent("initiator", {"transport": "ucx", "rails": LOOP2, "timeout": 3.0,
+                                          "rail_map": [(0, 0)], "fallback_after": 0}) as i:
+        remote, local = pattern(MiB), np.zeros(MiB, np.uint8)
+        connect(t, i, remote, local)
+        with pytest.raises(multirail.errors.ProtocolError, match="does not run the ucx transport on rail 0"):
+            h = i.initialize_xfer("READ", [local], [remote], "target")
+            i.transfer(h)
+            i.wait(h, 10)

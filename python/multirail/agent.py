@@ -65,13 +65,22 @@ class AgentConfig:
     (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/2 s, deleted by close())
     and fetch peers by name; None (default): side channel only. docs/etcd.md.
     metadata_ttl: lease TTL, seconds: a killed agent's key disappears within it.
-    transport: what carries the rails. "tcp" (default): multirail's own TCP connections;
+    transport: what carries each rail (docs/transports.md). "auto" (default): ucx on a rail whose
+    NIC has an RDMA device and whose loaded UCX has an RDMA transport for it, tcp elsewhere (so
+    tcp on hosts without RDMA; never UCX over TCP). "tcp": multirail's own TCP connections.
     "ucx": UCX one-sided get/put, one UCP context per rail restricted to the rail's device (RDMA
-    when the rail has an RDMA device and the loaded UCX can drive it, else UCX's tcp). Needs a
-    UCX library: `pip install "multirail[ucx]"` (the libucx wheel, tcp only), a system libucp
-    (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB. The default is $MULTIRAIL_TRANSPORT, else
-    "tcp". A ucx agent also serves tcp peers; a tcp agent refuses ucx sessions, clearly.
-    docs/transports.md.
+    when the rail has an RDMA device and the loaded UCX can drive it, else UCX's tcp, which checks
+    no memory bounds: a warning says so). Per rail: a dict by interface name, address or index
+    ({"eth0": "ucx", "eth1": "tcp"}; "*" for the rest) or a list with one entry per rail
+    (["ucx", "tcp"], also written "ucx,tcp"). UCX comes from `pip install "multirail[ucx]"` (the
+    libucx wheel, tcp only), a system libucp (`apt-get install libucx0`), or MULTIRAIL_UCX_LIB.
+    The default is $MULTIRAIL_TRANSPORT, else "auto". A ucx agent also serves tcp peers; an agent
+    refuses UCX sessions on rails it runs over tcp, clearly. `transport_info()["rails"]` and
+    `rail_stats()` say what each rail runs and why.
+    fallback_after, fallback_cooldown, fallback_max_switches: a ucx rail whose ucx path fails
+    `fallback_after` times (default 3; 0: never) while its IP path works is reopened over tcp on
+    the same addresses; ucx is tried again after `fallback_cooldown` seconds (default 5), doubling
+    with each fallback, at most `fallback_max_switches` switches per rail (default 8).
     faults: fault injection for testing failover without a network to break (docs/transports.md):
     "RAIL:KIND@AT[+DUR]", comma-separated, KIND one of kill, blackhole, slow=DELAY; e.g.
     "1:kill@200ms+1s" shuts rail 1 200 ms after the link opens and keeps it down for 1 s.
@@ -103,7 +112,10 @@ class AgentConfig:
     bind_device: bool = True
     progress: str = "adaptive"
     spin_us: float = 200.0
-    transport: str = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "tcp"))
+    transport: Any = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "auto"))
+    fallback_after: int = 3
+    fallback_cooldown: float = 5.0
+    fallback_max_switches: int = 8
     faults: str = ""
     gpu: str | None = None
     staging_buffers: int = 4
@@ -221,6 +233,36 @@ def _resolve_rails(spec: Any) -> list[tuple]:
                  -1 if iface.numa_node is None else iface.numa_node, iface.rdma_dev or "", True)
             )
     return rows
+
+
+def _resolve_transport(spec: Any, rows: list[tuple]) -> tuple[str, list[str]]:
+    """The `transport` setting as (default kind, per-rail kinds: "" = the default) for the
+    resolved rail rows (an agent without rails has one rail, "default")."""
+    names = [r[0] for r in rows] or ["default"]
+    addrs = [r[1] for r in rows] or [""]
+    if isinstance(spec, str) and "," in spec:
+        spec = [t.strip() for t in spec.split(",")]
+    if isinstance(spec, str):
+        return spec, []
+    if isinstance(spec, (list, tuple)):
+        kinds = [str(t).strip() for t in spec]
+        if len(kinds) != len(names):
+            raise InvalidArgumentError(f"transport lists {len(kinds)} entries for {len(names)} rails {names}")
+        return "auto", kinds
+    if isinstance(spec, dict):
+        default = str(spec.get("*", spec.get("default", "auto")))
+        per = [""] * len(names)
+        for key, kind in spec.items():
+            if key in ("*", "default"):
+                continue
+            hits = [i for i in range(len(names))
+                    if key == i or (isinstance(key, str) and (key == names[i] or key == addrs[i]))]
+            if not hits:
+                raise InvalidArgumentError(f"transport names rail {key!r}, which is not one of this agent's rails {names}")
+            for i in hits:
+                per[i] = str(kind)
+        return default, per
+    raise InvalidArgumentError(f"transport must be a string, a list or a dict, not {type(spec).__name__}")
 
 
 # ---------------------------------------------------------------- buffers and descriptors
@@ -521,14 +563,18 @@ class Agent:
         if not cfg.bind_device:
             rails = [r[:7] + (False,) for r in rails]
         self.config = cfg
+        transport, rail_transports = _resolve_transport(cfg.transport, rails)
         args = (
             name, cfg.host, int(cfg.port), int(cfg.connections), rails, list(cfg.rail_map or []),
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
-            float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
+            float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), transport,
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
-            bool(cfg.gpu_ipc),
+            bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
+            int(cfg.fallback_max_switches),
         )
-        if cfg.transport == "ucx":
+        if {transport, *rail_transports} & {"ucx", "auto"}:
+            # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with
+            # InfiniBand); under "auto" UCX is loaded only when a rail has an RDMA device.
             _offer_ucx_wheel()
         self._core = _core.Agent(*args)
         _LIVE.add(self)
@@ -888,7 +934,10 @@ class Agent:
     # introspection
     def rail_stats(self, peer: str) -> list[dict]:
         """Per rail to `peer`: name, addresses, connections, transport ("tcp", "ucx/tcp",
-        "ucx/rc_mlx5", ...), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
+        "ucx/rc_mlx5", ...), transport_reason (why: "auto: no RDMA device", "explicit",
+        "fallback after 3 ucx failures", ...), fallbacks and transport_switches (ucx -> tcp
+        fallbacks and all changes of transport on this link), next_ucx_retry_s (seconds until a
+        fallen-back rail tries ucx again; None), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
         reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
         chunks_read/chunks_written, readmissions, stalls. GPU memory (docs/gpu.md): gpu_path
         ("direct" on ucx rails with GPUDirect RDMA, else "staged": through pinned buffers,
@@ -899,10 +948,13 @@ class Agent:
         return self._core.rail_stats(peer)
 
     def transport_info(self) -> dict:
-        """{"transport": "tcp"|"ucx", "ucx_version": e.g. "1.22.0 (wheel /path/libucp.so.0)" or
-        None, "ucx_rails": each rail's UCX device restriction or None}."""
+        """{"transport": what was asked ("auto"|"tcp"|"ucx"), "ucx_version": e.g. "1.22.0 (wheel
+        /path/libucp.so.0)" or None (no rail runs ucx), "ucx_rails": each ucx rail's UCX device
+        restriction or None, "rails": per local rail {"transport": "tcp"|"ucx", "reason",
+        "unprotected": UCX without RDMA, no memory bounds checked (docs/SECURITY.md)}}."""
         kind, version, rails = self._core.transport_info()
-        return {"transport": kind, "ucx_version": version, "ucx_rails": rails}
+        per = [{"transport": t, "reason": why, "unprotected": bare} for t, why, bare in self._core.rail_transports()]
+        return {"transport": kind, "ucx_version": version, "ucx_rails": rails, "rails": per}
 
     def peer_counters(self, peer: str) -> dict:
         """transfers_done, transfers_failed (posts to `peer` by outcome), fenced_connections

@@ -35,6 +35,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from multirail.netinfo import (
@@ -114,6 +115,8 @@ class Context:
     selection: str
     peers: dict[str, str]  # rail name -> peer IPv4 address
     peer_ucx_version: str | None = None
+    transport: str = "auto"  # what an agent on these rails is asked to run (AgentConfig.transport)
+    live: bool = True  # the real host (False: a --root fixture tree)
 
     @cached_property
     def has_rdma(self) -> bool:
@@ -135,6 +138,18 @@ class Context:
     @cached_property
     def ucx_version(self) -> str | None:
         return parse_ucx_version(self.ucx_info.stdout) if self.ucx_info.ok else None
+
+    @cached_property
+    def ucx_facts(self) -> tuple[str, str, list[str]]:
+        """UCX as an agent would load it: ("loaded", label, transport modules) or ("failed", why,
+        []). On a fixture tree, from its recorded `ucx_info -v` (a UCX found there is taken to
+        be a system build, which has the ib transports; the libucx wheel has no ucx_info)."""
+        if not self.live:
+            ver = self.ucx_version
+            return ("loaded", f"{ver} (system)", ["ib"]) if ver else ("failed", "no UCX found (`ucx_info -v`)", [])
+        from multirail import _core
+
+        return _core.ucx_facts()
 
     def rule_for(self, addr: str) -> RuleMatch:
         """The first (lowest priority number) non-main rule whose `from` covers addr."""
@@ -663,6 +678,47 @@ def check_ucx(ctx: Context) -> list[CheckResult]:
                "apt-get install ucx-utils libucx0  # or build UCX and put its bin/ on PATH and lib/ on LD_LIBRARY_PATH")]
 
 
+def _asked_per_rail(spec: str, n: int) -> list[str]:
+    kinds = [t.strip() for t in str(spec).split(",")]
+    if len(kinds) == 1:
+        return kinds * n
+    if len(kinds) != n:
+        raise DoctorError(f"--transport lists {len(kinds)} transports for {n} rails")
+    return kinds
+
+
+def check_transport(ctx: Context) -> list[CheckResult]:
+    """What each rail would run under --transport (default auto) and why: the agent's own rule
+    (`_core.choose_transport`, crates/multirail/src/transport/select.rs). Warns where an RDMA NIC
+    would run tcp for want of an RDMA-capable UCX, and where ucx asked for by name would run
+    over UCX's tcp transport, which checks no memory bounds (docs/SECURITY.md)."""
+    try:
+        from multirail import _core
+    except ImportError as e:
+        return [_r("transport", Status.SKIP, None, f"the engine is not built ({e}): `make setup`")]
+    asked = _asked_per_rail(ctx.transport, len(ctx.rails))
+    needs = any(a == "ucx" or (a == "auto" and r.rdma_dev) for a, r in zip(asked, ctx.rails))
+    facts = ctx.ucx_facts if needs else None
+    out = []
+    for rail, a in zip(ctx.rails, asked):
+        try:
+            kind, why, bare = _core.choose_transport(a, rail.rdma_dev or "", facts)
+        except ValueError as e:
+            raise DoctorError(f"--transport: {e}") from e
+        ev = f"transport={a}: {kind} ({why})"
+        if bare:
+            out.append(_r("transport", Status.WARN, rail, ev + ": UCX's tcp transport checks no memory bounds, a "
+                          "peer holding this agent's rkeys can reach outside its exported regions (docs/SECURITY.md)",
+                          "transport='auto' or 'tcp' on this rail, or an RDMA-capable UCX "
+                          "(apt-get install libucx0, or MULTIRAIL_UCX_LIB=/path/to/libucp.so.0)"))
+        elif a == "auto" and rail.rdma_dev and kind == "tcp":
+            out.append(_r("transport", Status.WARN, rail, ev,
+                          "apt-get install libucx0  # or DOCA/MLNX_OFED UCX; or MULTIRAIL_UCX_LIB=/path/to/libucp.so.0"))
+        else:
+            out.append(_r("transport", Status.OK, rail, ev))
+    return out
+
+
 def _vtuple(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split("."))
 
@@ -776,6 +832,7 @@ CHECKS: list[tuple[str, GlobalCheck]] = [
     ("gpudirect", check_gpudirect),
     ("ucx", check_ucx),
     ("ucx-peer", check_ucx_peer),
+    ("transport", check_transport),
     ("pfc", _per_rail(check_pfc)),
     ("ecn", _per_rail(check_ecn)),
     ("counters", _per_rail(check_counters)),
@@ -819,7 +876,8 @@ class Report:
 
 
 def run_doctor(root: str = "/", rails: list[str] | None = None, peers: list[str] | None = None,
-               peer_ucx_version: str | None = None, probe: Probe | None = None) -> Report:
+               peer_ucx_version: str | None = None, probe: Probe | None = None,
+               transport: str | None = None) -> Report:
     """Run every check. Raises DoctorError for usage errors."""
     if not os.path.isdir(os.path.join(root, "sys", "class", "net")):
         raise DoctorError(f"--root {root}: no sys/class/net under it (expected a tree laid out like /)")
@@ -830,7 +888,9 @@ def run_doctor(root: str = "/", rails: list[str] | None = None, peers: list[str]
     all_ifs = {i.name: i for i in interfaces(root, probe)}
     rail_ifs, selection = select_rails(sysfs, all_ifs, rails)
     peer_addrs = [_resolve_ipv4(p) for p in (peers or [])]
-    ctx = Context(sysfs, probe, all_ifs, rail_ifs, selection, pair_peers(rail_ifs, peer_addrs), peer_ucx_version)
+    ctx = Context(sysfs, probe, all_ifs, rail_ifs, selection, pair_peers(rail_ifs, peer_addrs), peer_ucx_version,
+                  transport or os.environ.get("MULTIRAIL_TRANSPORT") or "auto",
+                  live=Path(root).resolve() == Path("/"))
     results = check_rail_selection(ctx, explicit=bool(rails))
     if rail_ifs:
         for _name, fn in CHECKS:
@@ -879,6 +939,7 @@ def _cmd(args: argparse.Namespace) -> int:
             rails=_split_list(args.rails),
             peers=_split_list(args.peer),
             peer_ucx_version=args.peer_ucx_version,
+            transport=args.transport,
         )
     except DoctorError as e:
         print(f"multirail doctor: error: {e}", file=sys.stderr)
@@ -912,6 +973,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="read /sys and /proc under DIR and recorded command outputs from DIR/.cmd (fixtures)")
     p.add_argument("--rails", metavar="IF1,IF2", help="rail interfaces (default: auto-detect, reported)")
     p.add_argument("--peer-ucx-version", metavar="X.Y.Z", help="the peer's UCX version (`ucx_info -v` there)")
+    p.add_argument("--transport", metavar="KIND[,KIND...]",
+                   help="what an agent on these rails is asked to run: auto (default, or $MULTIRAIL_TRANSPORT), tcp, "
+                   "ucx, or one per rail; the transport check says what each rail would run and why")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -81,6 +81,19 @@ class AgentCollector:
             "conns": GaugeMetricFamily("multirail_rail_connections", "Open TCP connections on the rail", labels=rail),
             "info": GaugeMetricFamily(
                 "multirail_rail_info", "Rail identity (value 1)", labels=rail + ["index", "local_addr", "remote_addr"]),
+            "transport": GaugeMetricFamily(
+                "multirail_rail_transport", "What carries the rail now (value 1): transport (tcp, ucx/rc_mlx5, "
+                "ucx/tcp, ...) and reason (auto: no RDMA device, explicit, fallback after N ucx failures, ...)",
+                labels=rail + ["transport", "reason"]),
+            "fallbacks": CounterMetricFamily(
+                "multirail_rail_transport_fallbacks", "Times the rail fell back from ucx to tcp (its ucx path kept "
+                "failing while its IP path worked), on the current link", labels=rail),
+            "switches": CounterMetricFamily(
+                "multirail_rail_transport_switches", "Changes of the rail's transport (fallbacks to tcp and retries "
+                "of ucx after a cool-down), on the current link", labels=rail),
+            "retry": GaugeMetricFamily(
+                "multirail_rail_ucx_retry_seconds", "Seconds until a fallen-back rail tries ucx again (-1: no retry "
+                "pending)", labels=rail),
             "xfers": CounterMetricFamily(
                 "multirail_peer_transfers", "Transfers this agent posted to the peer, by outcome (counted when the "
                 "outcome is seen: wait, transfer_sync, check_xfer_state, xfer_error, re-post or release)",
@@ -225,6 +238,11 @@ class AgentCollector:
                 fam["weight"].add_metric(lab, (float(s.get("rate_gbps", 0.0)) / total_up) if up and total_up > 0 else 0.0)
                 fam["conns"].add_metric(lab, int(s.get("connections", 0)))
                 fam["info"].add_metric(lab + [str(i), str(s.get("local_addr", "")), str(s.get("remote_addr", ""))], 1)
+                fam["transport"].add_metric(lab + [str(s.get("transport", "")), str(s.get("transport_reason", ""))], 1)
+                fam["fallbacks"].add_metric(lab, int(s.get("fallbacks") or 0))
+                fam["switches"].add_metric(lab, int(s.get("transport_switches") or 0))
+                retry = s.get("next_ucx_retry_s")
+                fam["retry"].add_metric(lab, float(retry) if retry is not None else -1.0)
                 for stage, st in _stages(s):
                     fam["stage_bytes"].add_metric(lab + [stage], int(st.get("bytes", 0)))
                     fam["stage_busy"].add_metric(lab + [stage], float(st.get("busy_s", 0.0)))

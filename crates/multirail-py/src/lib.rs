@@ -117,7 +117,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -141,6 +141,10 @@ impl PyAgent {
         staging_buffers: usize,
         staging_buffer_size: u64,
         gpu_ipc: bool,
+        rail_transports: Vec<String>,
+        fallback_after: u32,
+        fallback_cooldown_s: f64,
+        fallback_max_switches: u32,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -165,8 +169,22 @@ impl PyAgent {
             return Err(PyValueError::new_err("spin_us must be between 0 and 1,000,000"));
         }
         cfg.spin = Duration::from_secs_f64(spin_us / 1e6);
-        cfg.transport = multirail::config::TransportKind::parse(transport)
-            .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp' or 'ucx', not {transport:?}")))?;
+        let kind = |t: &str| {
+            multirail::config::TransportKind::parse(t)
+                .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp', 'ucx' or 'auto', not {t:?}")))
+        };
+        cfg.transport = kind(transport)?;
+        cfg.rail_transports =
+            rail_transports.iter().map(|t| if t.is_empty() { Ok(None) } else { kind(t).map(Some) }).collect::<PyResult<_>>()?;
+        if !(0.001..=86_400.0).contains(&fallback_cooldown_s) {
+            return Err(PyValueError::new_err("fallback_cooldown must be between 1 ms and a day"));
+        }
+        cfg.fallback = multirail::config::FallbackPolicy {
+            after: fallback_after,
+            cooldown: Duration::from_secs_f64(fallback_cooldown_s),
+            max_cooldown: Duration::from_secs_f64(fallback_cooldown_s).max(Duration::from_secs(300)),
+            max_switches: fallback_max_switches,
+        };
         cfg.faults = multirail::transport::faulty::Fault::parse_list(faults).map_err(PyValueError::new_err)?;
         cfg.staging.gpu = gpu::kind(gpu)?;
         if !(2..=64).contains(&staging_buffers) {
@@ -271,6 +289,11 @@ impl PyAgent {
         self.0.transport_info()
     }
 
+    /// Per local rail: (transport, reason, unprotected: UCX without RDMA).
+    fn rail_transports(&self) -> Vec<(String, String, bool)> {
+        self.0.rail_transports()
+    }
+
     fn rail_stats<'py>(&self, py: Python<'py>, peer: &str) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
         for r in self.0.rail_stats(peer).map_err(to_py)? {
@@ -280,6 +303,10 @@ impl PyAgent {
             d.set_item("remote_addr", r.remote_addr)?;
             d.set_item("connections", r.connections)?;
             d.set_item("transport", r.transport)?;
+            d.set_item("transport_reason", r.choice.reason)?;
+            d.set_item("fallbacks", r.choice.fallbacks)?;
+            d.set_item("transport_switches", r.choice.switches)?;
+            d.set_item("next_ucx_retry_s", r.choice.next_retry.map(|d| d.as_secs_f64()))?;
             d.set_item("one_sided", r.caps.one_sided)?;
             d.set_item("remote_vram", r.caps.remote_vram)?;
             d.set_item("gpu_path", r.caps.gpu.as_str())?;
@@ -447,8 +474,39 @@ fn deserialize_descs<'py>(py: Python<'py>, blob: &[u8]) -> PyResult<(&'static st
     Ok((mem_name(d.mem), PyBytes::new(py, &out)))
 }
 
+/// What transport `asked` ("auto", "tcp", "ucx") gives a rail whose RDMA device is `rdma_dev`
+/// ("" for none), with UCX as `ucx` describes it (`ucx_facts()`; None: not loaded): (transport,
+/// reason, unprotected). The agent's own rule (`transport::select::choose`), for `doctor`.
+#[pyfunction]
+#[pyo3(signature = (asked, rdma_dev, ucx=None))]
+fn choose_transport(asked: &str, rdma_dev: &str, ucx: Option<(String, String, Vec<String>)>) -> PyResult<(String, String, bool)> {
+    use multirail::transport::select::{choose, RailFacts, UcxFacts};
+    let kind = multirail::config::TransportKind::parse(asked)
+        .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp', 'ucx' or 'auto', not {asked:?}")))?;
+    let facts = match ucx {
+        None => UcxFacts::NotTried,
+        Some((state, label, modules)) if state == "loaded" => UcxFacts::Loaded { label, modules },
+        Some((_, why, _)) => UcxFacts::Failed(why),
+    };
+    let c = choose(kind, RailFacts { rdma_dev }, &facts);
+    Ok((c.kind.as_str().to_string(), c.reason, c.unprotected))
+}
+
+/// Load UCX as an agent would: ("loaded", "1.22.0 (libucx wheel)", modules) or ("failed", why, []).
+#[pyfunction]
+fn ucx_facts(py: Python<'_>) -> (String, String, Vec<String>) {
+    use multirail::transport::select::{load_ucx, UcxFacts};
+    match py.allow_threads(load_ucx) {
+        Ok((_, UcxFacts::Loaded { label, modules })) => ("loaded".into(), label, modules),
+        Ok(_) => ("failed".into(), "no UCX".into(), Vec::new()),
+        Err(e) => ("failed".into(), e.to_string(), Vec::new()),
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(choose_transport, m)?)?;
+    m.add_function(wrap_pyfunction!(ucx_facts, m)?)?;
     m.add_class::<PyAgent>()?;
     m.add_class::<PyXfer>()?;
     m.add_function(wrap_pyfunction!(serialize_descs, m)?)?;

@@ -16,6 +16,7 @@ use crate::net::{dial, status_error};
 use crate::peer::{resolve_in, Peer, RailReport};
 use crate::registry::{random_bytes, Region, Registry};
 use crate::server;
+use crate::transport::select;
 use crate::transport::ucx::UcxAgent;
 use crate::wire::{self, WireError};
 use crate::xfer::{Desc, Op, XferHandle};
@@ -125,10 +126,7 @@ impl Agent {
             served_rails.extend(rails_meta.iter().enumerate().map(|(i, r)| server::ServedRail { name: r.name.clone(), index: Some(i) }));
         }
         let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
-        let ucx = match cfg.transport {
-            TransportKind::Tcp => None,
-            TransportKind::Ucx => Some(Arc::new(UcxAgent::new(&rails, &rails_meta)?)),
-        };
+        let (choices, ucx, ucx_notes) = choose_transports(&cfg, &rails, &mut rails_meta)?;
         let ctx = Arc::new(Ctx {
             name: name.to_string(),
             incarnation: u64::from_le_bytes(random_bytes()),
@@ -139,6 +137,7 @@ impl Agent {
             started: Instant::now(),
             closed: AtomicBool::new(false),
             ucx: ucx.clone(),
+            choices,
         });
         let shared = Arc::new(Shared {
             ctx,
@@ -157,10 +156,14 @@ impl Agent {
         });
         if let Some(u) = &shared.ucx {
             shared.ctx.log(&format!("ucx transport: {}", u.describe()));
-            if let Some(w) = u.rdma_warning() {
-                shared.ctx.log(&w);
-                eprintln!("multirail: warning: {w}");
-            }
+        }
+        for (i, c) in shared.ctx.choices.iter().enumerate() {
+            shared.ctx.log(&format!("rail {i} ({}): {} ({})", shared.rails_meta[i].name, c.kind.as_str(), c.reason));
+        }
+        // Loud, once per agent: RDMA NICs that UCX cannot drive, and UCX over TCP on purpose.
+        for w in ucx_notes {
+            shared.ctx.log(&w);
+            eprintln!("multirail: warning: {w}");
         }
         let mut handles = Vec::new();
         for (i, l) in listeners.into_iter().enumerate() {
@@ -340,8 +343,15 @@ impl Agent {
         std::mem::take(&mut *self.shared.notifs.lock().expect("notif lock"))
     }
 
-    /// The transport this agent runs ("tcp", "ucx") and, for ucx, the loaded UCX (version,
-    /// where it came from) and each rail's device restriction.
+    /// Per local rail: the transport it runs ("tcp", "ucx"), why, and whether it is UCX without
+    /// RDMA (no memory bounds checked: docs/SECURITY.md).
+    pub fn rail_transports(&self) -> Vec<(String, String, bool)> {
+        self.shared.ctx.choices.iter().map(|c| (c.kind.as_str().to_string(), c.reason.clone(), c.unprotected)).collect()
+    }
+
+    /// The transport this agent was asked to run ("tcp", "ucx", "auto"; per rail:
+    /// [`Agent::rail_transports`]) and, when a rail runs ucx, the loaded UCX (version, where it
+    /// came from) and each ucx rail's device restriction.
     pub fn transport_info(&self) -> (String, Option<String>, Option<String>) {
         let kind = self.shared.ctx.cfg.transport.as_str().to_string();
         match &self.shared.ucx {
@@ -406,6 +416,57 @@ impl Agent {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// The per-rail transport choice (`transport::select::choose`) for the agent's rails; UCX is
+/// loaded only when a rail may use it, and contexts are made only for the rails that run ucx.
+/// Also returns the warnings to print once: RDMA devices the loaded UCX cannot drive, and rails
+/// that run UCX over TCP because they were asked to. Fills in `rdma_dev` of rails given by
+/// name or address only, from sysfs.
+#[allow(clippy::type_complexity)]
+fn choose_transports(
+    cfg: &Config,
+    rails: &[LocalRail],
+    rails_meta: &mut [RailInfo],
+) -> Result<(Vec<select::Choice>, Option<Arc<UcxAgent>>, Vec<String>)> {
+    for (m, r) in rails_meta.iter_mut().zip(rails) {
+        if m.rdma_dev.is_empty() {
+            m.rdma_dev = select::rdma_dev_of(&r.device).unwrap_or_default();
+        }
+    }
+    let asked: Vec<(TransportKind, &str)> = rails_meta.iter().enumerate().map(|(i, m)| (cfg.asked(i), m.rdma_dev.as_str())).collect();
+    let (lib, facts) = if select::needs_ucx(&asked) {
+        match select::load_ucx() {
+            Ok((u, facts)) => (Some(u), facts),
+            // Asked for by name: the agent cannot run as configured.
+            Err(e) if asked.iter().any(|(k, _)| *k == TransportKind::Ucx) => return Err(e),
+            Err(e) => (None, select::UcxFacts::Failed(e.to_string())),
+        }
+    } else {
+        (None, select::UcxFacts::NotTried)
+    };
+    let choices: Vec<select::Choice> =
+        asked.iter().map(|(k, dev)| select::choose(*k, select::RailFacts { rdma_dev: dev }, &facts)).collect();
+    let mut notes = Vec::new();
+    if let Some(w) = lib.as_ref().and_then(|u| u.info().rdma_warning()) {
+        notes.push(w);
+    }
+    let bare: Vec<String> =
+        choices.iter().enumerate().filter(|(_, c)| c.unprotected).map(|(i, _)| format!("{i} ({})", rails_meta[i].name)).collect();
+    if !bare.is_empty() {
+        notes.push(format!(
+            "rail(s) {} run UCX without RDMA, over UCX's tcp transport, as asked: UCX's tcp and shm transports check no \
+             memory bounds, so a peer holding this agent's rkeys can read and write outside the regions it exports \
+             (docs/SECURITY.md). Use transport \"auto\" or \"tcp\" on such rails unless every peer is trusted",
+            bare.join(", ")
+        ));
+    }
+    let on: Vec<bool> = choices.iter().map(|c| c.kind == TransportKind::Ucx).collect();
+    let ucx = match lib {
+        Some(u) if on.iter().any(|b| *b) => Some(Arc::new(UcxAgent::new(u, rails, rails_meta, &on)?)),
+        _ => None,
+    };
+    Ok((choices, ucx, notes))
 }
 
 impl Drop for Agent {

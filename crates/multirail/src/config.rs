@@ -57,7 +57,8 @@ impl Progress {
     }
 }
 
-/// Which data path carries READ/WRITE chunks (`Config::transport`).
+/// Which data path carries READ/WRITE chunks (`Config::transport`, per rail
+/// `Config::rail_transports`; docs/transports.md, "Per-rail choice").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TransportKind {
     /// multirail's own TCP connections.
@@ -67,6 +68,9 @@ pub enum TransportKind {
     /// UCX's tcp. Needs a UCX library at run time (`pip install "multirail[ucx]"`,
     /// `apt-get install libucx0`, or `MULTIRAIL_UCX_LIB`).
     Ucx,
+    /// Per rail: ucx where the rail's NIC has an RDMA device and the loaded UCX has an RDMA
+    /// transport for it, tcp elsewhere (`transport::select::choose`). Never UCX over TCP.
+    Auto,
 }
 
 impl TransportKind {
@@ -74,6 +78,7 @@ impl TransportKind {
         match s {
             "tcp" => Some(TransportKind::Tcp),
             "ucx" => Some(TransportKind::Ucx),
+            "auto" => Some(TransportKind::Auto),
             _ => None,
         }
     }
@@ -82,7 +87,29 @@ impl TransportKind {
         match self {
             TransportKind::Tcp => "tcp",
             TransportKind::Ucx => "ucx",
+            TransportKind::Auto => "auto",
         }
+    }
+}
+
+/// When a ucx rail falls back to tcp, and when it tries ucx again (`transport::mixed`,
+/// docs/transports.md, "Fallback").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FallbackPolicy {
+    /// Failures of a rail's ucx path (the rail failing, or ucx refusing to open) before it is
+    /// reopened over tcp on the same addresses; 0: never fall back.
+    pub after: u32,
+    /// How long a fallen-back rail stays on tcp before ucx is tried again; doubles with each
+    /// fallback of the rail, up to `max_cooldown`.
+    pub cooldown: Duration,
+    pub max_cooldown: Duration,
+    /// Most switches (ucx -> tcp and back) per rail of a link; once spent, the rail stays on tcp.
+    pub max_switches: u32,
+}
+
+impl Default for FallbackPolicy {
+    fn default() -> Self {
+        FallbackPolicy { after: 3, cooldown: Duration::from_secs(5), max_cooldown: Duration::from_secs(300), max_switches: 8 }
     }
 }
 
@@ -113,13 +140,24 @@ pub struct Config {
     /// Busy-poll budget per wait for `Progress::Adaptive` (callers and serving connections)
     /// and for serving connections under `Progress::Poll`.
     pub spin: Duration,
-    /// The data path (see [`TransportKind`]).
+    /// The data path of every rail not named in `rail_transports` (see [`TransportKind`]).
     pub transport: TransportKind,
+    /// Per local rail (by index), the transport asked for; None (or missing): `transport`.
+    pub rail_transports: Vec<Option<TransportKind>>,
+    /// When a failing ucx rail is reopened over tcp, and when ucx is tried again.
+    pub fallback: FallbackPolicy,
     /// Faults to inject on every link (testing failover; see `transport::faulty`). Empty: none.
     pub faults: Vec<Fault>,
     /// GPU memory: which device kind registers and stages VRAM, and the bounce pools' shape
     /// (per connection and direction).
     pub staging: crate::staging::StagingConfig,
+}
+
+impl Config {
+    /// The transport asked for on local rail `i`.
+    pub fn asked(&self, i: usize) -> TransportKind {
+        self.rail_transports.get(i).copied().flatten().unwrap_or(self.transport)
+    }
 }
 
 impl Default for Config {
@@ -138,13 +176,16 @@ impl Default for Config {
             progress: Progress::Adaptive,
             spin: Duration::from_micros(200),
             transport: TransportKind::Tcp,
+            rail_transports: Vec::new(),
+            fallback: FallbackPolicy::default(),
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
         }
     }
 }
 
-/// A fault schedule for `Faulty<T>` (`transport::faulty`): `RAIL:KIND@AT[+DUR]`, comma-separated.
+/// A fault schedule for `Faulty<T>` (`transport::faulty`): `RAIL[/TRANSPORT]:KIND@AT[+DUR]`,
+/// comma-separated.
 /// What a fault does to its rail (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FaultKind {
@@ -157,6 +198,10 @@ pub enum FaultKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     pub rail: usize,
+    /// Only the rail's path over this transport (`RAIL/ucx:...`): on a link of mixed rails the
+    /// fault hits the rail while it runs ucx and leaves its tcp fallback alone. None: the rail,
+    /// whatever carries it.
+    pub transport: Option<TransportKind>,
     pub kind: FaultKind,
     /// From when (after the link opened).
     pub at: Duration,
@@ -183,14 +228,20 @@ fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
 }
 
 impl Fault {
-    /// Parse a schedule: `RAIL:KIND@AT[+DUR]`, comma-separated (see the module docs).
+    /// Parse a schedule: `RAIL[/TRANSPORT]:KIND@AT[+DUR]`, comma-separated (see the module docs).
     pub fn parse_list(s: &str) -> std::result::Result<Vec<Fault>, String> {
         s.split(',').map(str::trim).filter(|f| !f.is_empty()).map(Fault::parse).collect()
     }
 
     pub fn parse(s: &str) -> std::result::Result<Fault, String> {
-        let bad = || format!("fault {s:?} is not RAIL:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY)");
+        let bad = || {
+            format!("fault {s:?} is not RAIL:KIND@AT[+DUR] or RAIL/TRANSPORT:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY; TRANSPORT: tcp, ucx)")
+        };
         let (rail, rest) = s.split_once(':').ok_or_else(bad)?;
+        let (rail, transport) = match rail.split_once('/') {
+            Some((r, t)) => (r, Some(TransportKind::parse(t.trim()).filter(|t| *t != TransportKind::Auto).ok_or_else(bad)?)),
+            None => (rail, None),
+        };
         let rail: usize = rail.trim().parse().map_err(|_| bad())?;
         let (kind, when) = rest.split_once('@').ok_or_else(bad)?;
         let kind = match kind.trim() {
@@ -205,7 +256,7 @@ impl Fault {
             Some((a, d)) => (parse_duration(a)?, Some(parse_duration(d)?)),
             None => (parse_duration(when)?, None),
         };
-        Ok(Fault { rail, kind, at, dur })
+        Ok(Fault { rail, transport, kind, at, dur })
     }
 
     pub(crate) fn active(&self, since: Duration) -> bool {
@@ -220,18 +271,36 @@ mod tests {
     #[test]
     fn parses_schedules() {
         let f = Fault::parse_list("1:kill@200ms+1s, 0:slow=2ms@0,2:blackhole@1.5s").unwrap();
-        assert_eq!(f[0], Fault { rail: 1, kind: FaultKind::Kill, at: Duration::from_millis(200), dur: Some(Duration::from_secs(1)) });
-        assert_eq!(f[1], Fault { rail: 0, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None });
+        assert_eq!(
+            f[0],
+            Fault { rail: 1, transport: None, kind: FaultKind::Kill, at: Duration::from_millis(200), dur: Some(Duration::from_secs(1)) }
+        );
+        assert_eq!(
+            f[1],
+            Fault { rail: 0, transport: None, kind: FaultKind::Slow(Duration::from_millis(2)), at: Duration::ZERO, dur: None }
+        );
         assert_eq!(f[2].kind, FaultKind::Blackhole);
         assert_eq!(f[2].at, Duration::from_millis(1500));
-        for bad in ["kill@1s", "x:kill@1s", "1:boom@1s", "1:kill", "1:kill@-1s", "1:slow=@1s", "1:kill@1s+forever"] {
+        let u = Fault::parse("1/ucx:kill@0.5s+2s").unwrap();
+        assert_eq!((u.rail, u.transport, u.kind), (1, Some(TransportKind::Ucx), FaultKind::Kill));
+        for bad in [
+            "kill@1s",
+            "x:kill@1s",
+            "1:boom@1s",
+            "1:kill",
+            "1:kill@-1s",
+            "1:slow=@1s",
+            "1:kill@1s+forever",
+            "1/rdma:kill@1s",
+            "1/auto:kill@1s",
+        ] {
             assert!(Fault::parse(bad).is_err(), "{bad} accepted");
         }
     }
 
     #[test]
     fn windows() {
-        let f = Fault { rail: 0, kind: FaultKind::Kill, at: Duration::from_secs(1), dur: Some(Duration::from_secs(2)) };
+        let f = Fault { rail: 0, transport: None, kind: FaultKind::Kill, at: Duration::from_secs(1), dur: Some(Duration::from_secs(2)) };
         assert!(!f.active(Duration::from_millis(999)));
         assert!(f.active(Duration::from_secs(1)));
         assert!(f.active(Duration::from_millis(2999)));

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use crate::config::Config;
 use crate::net::{Identity, LocalRail};
+use crate::transport::select::Choice;
 use crate::transport::ucx::UcxAgent;
 
 /// Immutable identity and configuration shared by every thread of an agent.
@@ -23,8 +24,10 @@ pub struct Ctx {
     /// Set first thing in `Agent::close`: no link is opened after it (a prepared handle that
     /// outlives the agent must not reconnect).
     pub closed: AtomicBool,
-    /// UCX state when `cfg.transport` is Ucx (also in `Shared::ucx`): links open rails with it.
+    /// UCX state when a rail runs ucx (also in `Shared::ucx`): links open ucx rails with it.
     pub(crate) ucx: Option<Arc<UcxAgent>>,
+    /// Per local rail: the transport it runs and why (`transport::select::choose`).
+    pub(crate) choices: Vec<Choice>,
 }
 
 impl Ctx {

@@ -20,13 +20,14 @@ use multirail_proto::codec::{Role, Status};
 use multirail_proto::planner::RailStats;
 use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, RailInfo, RegionKey, XferId};
 
-use crate::config::{Config, TransportKind};
+use crate::config::{Config, Fault, TransportKind};
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::net::{abort_socket, dial_id, link_down, status_error, LINK_CHECK};
 use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
-use crate::transport::{tcp::TcpRails, ucx::UcxRails, Active, Caps, Host, Transport, Verdict};
+use crate::transport::mixed::{Carrier, Mixed};
+use crate::transport::{tcp::TcpRails, ucx::UcxRails, Active, Caps, Host, RailChoice, Transport, Verdict};
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 
@@ -53,6 +54,8 @@ pub(crate) struct RailState {
     pub io: Arc<RailIo>,
     /// First failure cause since the rail was last opened.
     failure: Mutex<Option<String>>,
+    /// Why the rail runs its transport (the agent's choice; `Transport::choice` once it switched).
+    pub reason: String,
 }
 
 struct Sched {
@@ -71,6 +74,8 @@ pub struct Link {
     pub(crate) rails: Vec<RailState>,
     /// What carries the rails.
     t: Box<dyn Transport>,
+    /// Some rail runs ucx (GPU memory then goes through the peer's tcp link unless direct).
+    any_ucx: bool,
     sched: Mutex<Sched>,
     cond: Condvar,
     control: Mutex<Option<TcpStream>>,
@@ -170,6 +175,8 @@ pub struct RailReport {
     pub connections: usize,
     /// What carries the rail: "tcp", "ucx/tcp", "ucx/rc_mlx5", ...
     pub transport: String,
+    /// Why it runs that, and its switches between ucx and tcp (fallback).
+    pub choice: RailChoice,
     /// What the rail's transport can do.
     pub caps: Caps,
     /// Why GPU memory takes `caps.gpu` on this rail.
@@ -178,29 +185,22 @@ pub struct RailReport {
     pub io: RailIoSnapshot,
 }
 
-/// Why a rail moves GPU memory the way it does (`RailReport::gpu_reason`).
-fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config, detail: Option<String>) -> String {
+/// Why a rail moves GPU memory the way it does (`RailReport::gpu_reason`). `ucx`: the link has
+/// ucx rails (its GPU memory then goes through the peer's tcp link unless direct).
+fn gpu_reason(path: crate::transport::GpuPath, cfg: &crate::config::Config, detail: Option<String>, ucx: bool) -> String {
     use crate::transport::GpuPath;
     let pool = cfg.staging.pool;
     match path {
         GpuPath::Staged => format!(
             "{}GPU memory is staged through {} x {} KiB pinned buffers per connection and direction ({} device){}",
-            match cfg.transport {
-                crate::config::TransportKind::Tcp => "tcp rails carry host memory only: ".to_string(),
-                other => format!(
-                    "{} rails cannot take GPU memory directly ({}): ",
-                    other.as_str(),
-                    detail.as_deref().unwrap_or("no GPUDirect RDMA")
-                ),
+            match ucx {
+                false => "tcp rails carry host memory only: ".to_string(),
+                true => format!("ucx rails cannot take GPU memory directly ({}): ", detail.as_deref().unwrap_or("no GPUDirect RDMA")),
             },
             pool.buffers,
             pool.buffer_size >> 10,
             cfg.staging.gpu.as_str(),
-            if cfg.transport == crate::config::TransportKind::Tcp {
-                ""
-            } else {
-                ", over the same rails through multirail's tcp connections"
-            }
+            if ucx { ", over the same rails through multirail's tcp connections" } else { "" }
         ),
         GpuPath::Direct => "the rail's NIC addresses GPU memory (GPUDirect RDMA)".into(),
     }
@@ -249,17 +249,25 @@ fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
 }
 
 impl Link {
-    /// A link to `peer` over `kind`: the agent's transport, or tcp for the GPU memory a ucx
-    /// agent cannot move directly (`Peer::gpu_link`).
-    pub(crate) fn connect_with(peer: &PeerInfo<'_>, kind: TransportKind) -> Result<Arc<Link>> {
+    /// A link to `peer`: each rail over the transport the agent chose for it (a link of mixed
+    /// rails, or one whose ucx rails may fall back to tcp, runs `Mixed`), or with `all_tcp`
+    /// every rail over tcp (for the GPU memory ucx rails cannot move directly: `Peer::gpu_link`).
+    pub(crate) fn connect_with(peer: &PeerInfo<'_>, all_tcp: bool) -> Result<Arc<Link>> {
         let ctx = peer.ctx.clone();
         let pairs = rail_pairs(&ctx, &peer.meta.rails);
         if pairs.is_empty() {
             return Err(Error::Metadata(format!("peer {:?} publishes no rail this agent can reach", peer.name)));
         }
+        let choice = |li: usize| ctx.choices.get(li).filter(|_| !all_tcp);
+        let carriers: Vec<Carrier> = pairs
+            .iter()
+            .map(|&(li, _)| if choice(li).is_some_and(|c| c.kind == TransportKind::Ucx) { Carrier::Ucx } else { Carrier::Tcp })
+            .collect();
+        let any_ucx = carriers.contains(&Carrier::Ucx);
         // tcp reports bytes moving below chunk level (`quiet_for`): silence is then measured in
-        // bytes, not whole chunks (docs/planner.md, failure detection).
-        let byte_progress = kind == TransportKind::Tcp;
+        // bytes, not whole chunks (docs/planner.md, failure detection). The rule is the link's:
+        // with any ucx rail, whole chunks.
+        let byte_progress = !any_ucx;
         let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress, ..ctx.cfg.planner.clone() });
         let now = Instant::now();
         let io = (peer.rail_io)(pairs.len());
@@ -284,16 +292,13 @@ impl Link {
                 readmit: Mutex::new(()),
                 io: io[rails.len()].clone(),
                 failure: Mutex::new(None),
+                reason: match choice(li) {
+                    Some(c) => c.reason.clone(),
+                    None => "GPU memory staged over tcp (the agent's ucx rails cannot take it directly)".into(),
+                },
             });
         }
-        let faults = ctx.cfg.faults.clone();
-        let t: Box<dyn Transport> = match (kind, &ctx.ucx) {
-            (TransportKind::Tcp, _) if faults.is_empty() => Box::new(TcpRails::new(rails.len())),
-            (TransportKind::Tcp, _) => Box::new(Faulty::new(TcpRails::new(rails.len()), faults)),
-            (TransportKind::Ucx, Some(u)) if faults.is_empty() => Box::new(UcxRails::new(u.clone(), rails.len())),
-            (TransportKind::Ucx, Some(u)) => Box::new(Faulty::new(UcxRails::new(u.clone(), rails.len()), faults)),
-            (TransportKind::Ucx, None) => return Err(Error::Unavailable("this agent was not started with the ucx transport".into())),
-        };
+        let t = transport_for(&ctx, &carriers, &rails)?;
         let link = Arc::new_cyclic(|me| Link {
             me: me.clone(),
             peer_name: peer.name.to_string(),
@@ -302,6 +307,7 @@ impl Link {
             keys: peer.keys.clone(),
             rails,
             t,
+            any_ucx,
             sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1 }),
             cond: Condvar::new(),
             control: Mutex::new(None),
@@ -381,6 +387,10 @@ impl Link {
             let now = Instant::now();
             let nap = next.map_or(WATCH_IDLE, |t| t.saturating_duration_since(now)).clamp(WATCH_MIN, WATCH_IDLE);
             std::thread::sleep(nap);
+            if !self.is_shutdown() {
+                // Time-driven work of the transport (a fallen-back rail's retry of ucx).
+                self.t.tick(&*self);
+            }
             let now = Instant::now();
             if self.is_shutdown() || self.sched.lock().expect("sched lock").planner.poll_timeout().is_none_or(|t| t > now) {
                 continue;
@@ -905,6 +915,12 @@ impl Link {
         Err(last.unwrap_or_else(|| Error::PeerLost { peer: self.peer_name.clone(), reason: "no rail to connect on".into() }))
     }
 
+    /// Whether some rail of this link runs ucx (GPU memory then goes through the peer's tcp
+    /// link unless the rails take it directly).
+    pub(crate) fn has_ucx_rails(&self) -> bool {
+        self.any_ucx
+    }
+
     /// What the transport can do (GPU path included).
     pub(crate) fn caps(&self) -> Caps {
         self.t.caps()
@@ -921,8 +937,9 @@ impl Link {
                 remote_addr: r.remote.to_string(),
                 connections: self.t.paths(i),
                 transport: self.t.describe(i),
-                caps: self.t.caps(),
-                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail()),
+                choice: self.t.choice(i).unwrap_or_else(|| RailChoice { reason: r.reason.clone(), ..RailChoice::default() }),
+                caps: self.t.rail_caps(i),
+                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
                 stats: g.planner.rail_stats(i),
                 io: r.io.snapshot(),
             })
@@ -1040,4 +1057,44 @@ impl Host for Link {
     fn tick_faults(&self) {
         self.t.tick_faults(self)
     }
+
+    fn log(&self, msg: &str) {
+        self.ctx.log(&format!("peer {}: {msg}", self.peer_name))
+    }
+}
+
+/// `t`, with the faults scheduled for it (if any).
+fn faulty<T: Transport + 'static>(t: T, faults: Vec<Fault>) -> Box<dyn Transport> {
+    if faults.is_empty() {
+        Box::new(t)
+    } else {
+        Box::new(Faulty::new(t, faults))
+    }
+}
+
+/// What carries a link's rails: tcp alone, ucx alone (when no fallback is configured), or
+/// `Mixed`, each with the fault schedule meant for it. A fault naming a transport
+/// (`1/ucx:kill@...`) wraps that transport inside `Mixed`; one naming none wraps the whole.
+fn transport_for(ctx: &Ctx, carriers: &[Carrier], rails: &[RailState]) -> Result<Box<dyn Transport>> {
+    let n = carriers.len();
+    let faults = &ctx.cfg.faults;
+    let only = |k: Option<TransportKind>| -> Vec<Fault> { faults.iter().filter(|f| f.transport == k).copied().collect() };
+    let with = |k: TransportKind| -> Vec<Fault> { faults.iter().filter(|f| f.transport.is_none_or(|t| t == k)).copied().collect() };
+    if !carriers.contains(&Carrier::Ucx) {
+        return Ok(faulty(TcpRails::new(n), with(TransportKind::Tcp)));
+    }
+    let Some(u) = &ctx.ucx else {
+        return Err(Error::Unavailable("this agent was not started with the ucx transport".into()));
+    };
+    if carriers.iter().all(|c| *c == Carrier::Ucx) && ctx.cfg.fallback.after == 0 {
+        return Ok(faulty(UcxRails::new(u.clone(), n), with(TransportKind::Ucx)));
+    }
+    let why = rails.iter().zip(carriers).map(|(r, c)| (*c, r.reason.clone())).collect();
+    let mixed = Mixed::new(
+        faulty(TcpRails::new(n), only(Some(TransportKind::Tcp))),
+        faulty(UcxRails::new(u.clone(), n), only(Some(TransportKind::Ucx))),
+        why,
+        ctx.cfg.fallback,
+    );
+    Ok(faulty(mixed, only(None)))
 }

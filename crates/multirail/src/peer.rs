@@ -12,7 +12,7 @@ use multirail_proto::codec::Status;
 use multirail_proto::planner::{pair_rows, pair_segments};
 use multirail_proto::{AgentMeta, Body, MemType, Pair, RegionKey, RegionMeta};
 
-use crate::config::{Progress, TransportKind};
+use crate::config::Progress;
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::link::{Link, PeerInfo};
@@ -95,12 +95,12 @@ impl Peer {
 
     /// The live link, connecting first if needed.
     pub fn link(&self) -> Result<Arc<Link>> {
-        self.open_link(&self.link, self.ctx.cfg.transport)
+        self.open_link(&self.link, false)
     }
 
     /// The tcp link that stages GPU memory for an agent whose transport cannot take it.
     pub(crate) fn gpu_link(&self) -> Result<Arc<Link>> {
-        self.open_link(&self.gpu_link, TransportKind::Tcp)
+        self.open_link(&self.gpu_link, true)
     }
 
     fn slot(&self, x: &XferShared) -> &Mutex<Option<Arc<Link>>> {
@@ -111,7 +111,7 @@ impl Peer {
         }
     }
 
-    fn open_link(&self, slot: &Mutex<Option<Arc<Link>>>, kind: TransportKind) -> Result<Arc<Link>> {
+    fn open_link(&self, slot: &Mutex<Option<Arc<Link>>>, all_tcp: bool) -> Result<Arc<Link>> {
         let mut g = slot.lock().expect("peer lock");
         // Checked under the lock that `close` takes: a link is never opened after the agent's
         // close has passed this peer.
@@ -140,7 +140,7 @@ impl Peer {
             unfenced: &self.unfenced,
             counters: &self.counters,
         };
-        let l = Link::connect_with(&info, kind)?;
+        let l = Link::connect_with(&info, all_tcp)?;
         *g = Some(l.clone());
         Ok(l)
     }
@@ -308,8 +308,10 @@ impl Peer {
         // GPU memory: tcp stages it; another transport takes it directly (GPUDirect RDMA) or
         // hands it to a tcp link over the same rails, which stages it.
         let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
-        let via_gpu_link =
-            gpu && self.ctx.cfg.transport != TransportKind::Tcp && self.link()?.caps().gpu != crate::transport::GpuPath::Direct;
+        let via_gpu_link = gpu && {
+            let l = self.link()?;
+            l.has_ucx_rails() && l.caps().gpu != crate::transport::GpuPath::Direct
+        };
         let pairs = self.pair(&local, &remote)?;
         let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.

@@ -51,7 +51,7 @@ from multirail.bench.worker import (BenchFailure, EngineWorker, format_memory, f
 from multirail.errors import AuthenticationError, MultirailError
 
 LATENCY_SIZE = 4096
-TRANSPORTS = ("tcp", "ucx")  # AgentConfig.transport values the bench offers
+TRANSPORTS = ("tcp", "ucx", "auto")  # AgentConfig.transport values the bench offers (or one per rail: "ucx,tcp")
 DEFAULT_TESTBED = "mrtb"  # multirail.testbed.DEFAULT_NAME (not imported: keeps `bench` light)
 
 
@@ -84,11 +84,13 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
                    help="how waiting threads wait: busy-poll up to --spin-us then sleep (adaptive, "
                         "default), busy-poll until done (poll), or sleep at once (block)")
     p.add_argument("--spin-us", type=float, default=200.0, help="busy-poll budget, microseconds (default 200)")
-    p.add_argument("--transport", default=os.environ.get("MULTIRAIL_TRANSPORT") or "tcp", choices=list(TRANSPORTS),
-                   help="what carries the rails (default: $MULTIRAIL_TRANSPORT, else tcp): tcp (multirail's own connections) or ucx (UCX "
+    p.add_argument("--transport", default=os.environ.get("MULTIRAIL_TRANSPORT") or "auto",
+                   help="what carries the rails (default: $MULTIRAIL_TRANSPORT, else auto): auto (ucx on rails with an "
+                        "RDMA device and an RDMA-capable UCX, tcp elsewhere), tcp (multirail's own connections), ucx (UCX "
                         "one-sided get/put, one UCP context per rail; needs a UCX library: pip install "
-                        "'multirail[ucx]', apt-get install libucx0, or MULTIRAIL_UCX_LIB). Every agent of the run, "
-                        "target processes included, uses it; the output names each rail's transport")
+                        "'multirail[ucx]', apt-get install libucx0, or MULTIRAIL_UCX_LIB), or one per rail, comma-separated "
+                        "in --rails order (ucx,tcp: a link of mixed rails). Every agent of the run, "
+                        "target processes included, uses it; the output names each rail's transport and why")
     p.add_argument("--target-name", default=proto.DEFAULT_TARGET_NAME, help="agent name of the target")
     p.add_argument("--total-buffer-size", help="buffer size (default: max block x batch)")
     p.add_argument("--secret", default=None,
@@ -242,9 +244,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _transport(args: argparse.Namespace) -> str:
-    t = getattr(args, "transport", "tcp")
-    if t not in TRANSPORTS:  # argparse's choices catch the CLI; this guards programmatic callers
-        raise UsageError(f"invalid --transport {t!r}: expected one of {', '.join(TRANSPORTS)}")
+    t = str(getattr(args, "transport", "auto")).replace(" ", "")
+    if not t or any(k not in TRANSPORTS for k in t.split(",")):
+        raise UsageError(f"invalid --transport {t!r}: expected one of {', '.join(TRANSPORTS)}, "
+                         "or one per rail, comma-separated (ucx,tcp)")
     return t
 
 
@@ -252,7 +255,7 @@ def check_transport(args: argparse.Namespace) -> None:
     """Fail fast, in this process, when the chosen transport cannot run here (ucx without a
     loadable UCX): the engine's TransportUnavailableError, before any child process is started
     (whose own error would otherwise arrive as the tail of its stderr)."""
-    if _transport(args) != "ucx":
+    if "ucx" not in _transport(args).split(","):
         return
     import multirail  # lazy: the tool must import without the extension
 

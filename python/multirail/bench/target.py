@@ -81,12 +81,16 @@ def run_served(name: str, buffer_size: int, engine: dict[str, Any],
 
 
 def _transport_of(agent: Any) -> str | None:
-    """What the serving agent runs: "tcp", or "ucx (UCX 1.22.0 (wheel ...))"."""
+    """What the serving agent runs: "tcp", "ucx (UCX 1.22.0 (wheel ...))", and per rail when that
+    differs from what was asked: "auto [tcp, tcp]", "auto [ucx, tcp] (UCX ...)"."""
     try:
         info = agent.transport_info()
     except Exception:  # noqa: BLE001 - an older engine without transport_info
         return None
     kind = info.get("transport")
+    per = [r.get("transport") for r in info.get("rails") or []]
+    if per and any(p != kind for p in per):
+        kind = f"{kind} [{', '.join(map(str, per))}]"
     return f"{kind} (UCX {info['ucx_version']})" if info.get("ucx_version") else kind
 
 

@@ -366,6 +366,8 @@ def transport_report(agent: Any, peer: str, configured: str) -> dict[str, Any]:
         pass
     try:
         out["rails"] = [{"name": str(s.get("name", i)), "transport": s.get("transport"),
+                         "transport_reason": s.get("transport_reason"), "fallbacks": s.get("fallbacks"),
+                         "transport_switches": s.get("transport_switches"),
                          "gpu_path": s.get("gpu_path"), "gpu_path_reason": s.get("gpu_path_reason")}
                         for i, s in enumerate(agent.rail_stats(peer))]
     except Exception:  # noqa: BLE001 - no link (yet) to the peer
@@ -467,13 +469,23 @@ def label_rail_transports(rows: list[Any], report: dict[str, Any]) -> None:
 
 
 def format_transport(report: dict[str, Any]) -> str:
-    """One human line: `transport: ucx (UCX 1.13.1 ...); rails: r0=ucx/tcp, r1=ucx/tcp`."""
+    """One human line: `transport: auto (UCX 1.13.1 ...); rails: r0=ucx/rc_mlx5 (auto: RDMA device
+    mlx5_0, UCX has ib), r1=tcp (auto: no RDMA device)`; a rail that switched says how often."""
     line = f"transport: {report.get('transport')}"
     if report.get("ucx_version"):
         line += f" (UCX {report['ucx_version']})"
     rails = report.get("rails") or []
+
+    def one(r: dict[str, Any]) -> str:
+        txt = f"{r.get('name')}={r.get('transport')}"
+        if r.get("transport_reason"):
+            txt += f" ({r['transport_reason']})"
+        if r.get("transport_switches"):
+            txt += f" [{r.get('fallbacks') or 0} fallback(s), {r['transport_switches']} switch(es)]"
+        return txt
+
     if rails:
-        line += "; rails: " + ", ".join(f"{r.get('name')}={r.get('transport')}" for r in rails)
+        line += "; rails: " + ", ".join(one(r) for r in rails)
     if report.get("target_transport"):
         line += f"; target: {report['target_transport']}"
     return line

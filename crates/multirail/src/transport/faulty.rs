@@ -9,7 +9,9 @@
 //!   shows no progress: only the planner's stall rule can find it (as a path that silently drops).
 //! - `slow=D`: every completion on the rail is reported D late (a slow or congested rail).
 //!
-//! Written `RAIL:KIND@AT[+DUR]`, comma-separated: `1:kill@200ms+1s,0:slow=2ms@0`.
+//! Written `RAIL:KIND@AT[+DUR]`, comma-separated: `1:kill@200ms+1s,0:slow=2ms@0`. On a link of
+//! mixed rails, `RAIL/TRANSPORT:...` (`1/ucx:kill@200ms+2s`) wraps only that transport inside
+//! `Mixed`: the rail's ucx path is killed and refused while its tcp fallback works.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,8 +44,10 @@ impl<T: Transport> Faulty<T> {
         self.faults.iter().enumerate().filter(move |(_, f)| f.rail == ri && f.active(since))
     }
 
-    /// Carry out kills that are due (from the timer thread).
-    fn tick(&self, link: &dyn Host) {
+    /// Carry out kills that are due (from the timer thread). A rail this transport does not
+    /// carry now (a mixed link's rail on its other transport) is left alone: its reopening
+    /// here is refused while the fault lasts.
+    fn kill_due(&self, link: &dyn Host) {
         for ri in 0..link.rails() {
             for (i, f) in self.active(ri) {
                 if f.kind == FaultKind::Kill {
@@ -51,7 +55,9 @@ impl<T: Transport> Faulty<T> {
                     if !k.contains(&i) {
                         k.push(i);
                         drop(k);
-                        link.rail_failed(ri, "fault injected: rail killed".into());
+                        if self.inner.is_up(ri) {
+                            link.rail_failed(ri, "fault injected: rail killed".into());
+                        }
                     }
                 }
             }
@@ -62,6 +68,18 @@ impl<T: Transport> Faulty<T> {
 impl<T: Transport + 'static> Transport for Faulty<T> {
     fn caps(&self) -> Caps {
         self.inner.caps()
+    }
+
+    fn rail_caps(&self, ri: usize) -> Caps {
+        self.inner.rail_caps(ri)
+    }
+
+    fn choice(&self, ri: usize) -> Option<super::RailChoice> {
+        self.inner.choice(ri)
+    }
+
+    fn tick(&self, link: &dyn Host) {
+        self.inner.tick(link)
     }
 
     fn gpu_detail(&self) -> Option<String> {
@@ -152,7 +170,8 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
     }
 
     fn tick_faults(&self, link: &dyn Host) {
-        self.tick(link)
+        self.kill_due(link);
+        self.inner.tick_faults(link)
     }
 
     fn wake(&self) {

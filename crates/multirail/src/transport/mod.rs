@@ -32,6 +32,8 @@
 //! docs/transports.md is the guide for writing a new one.
 
 pub mod faulty;
+pub mod mixed;
+pub mod select;
 pub(crate) mod tcp;
 pub(crate) mod ucx;
 
@@ -88,6 +90,8 @@ pub(crate) trait Host: Send + Sync {
     fn path_stopped(&self, ri: usize, last: &mut dyn FnMut() -> bool);
     /// Carry out the transport's scheduled faults that are due (`Transport::tick_faults`).
     fn tick_faults(&self);
+    /// Record an event in the agent's log (rail switches), naming the peer.
+    fn log(&self, msg: &str);
 }
 
 /// One thread counted as touching registered memory through a link (see [`Host::enter`]).
@@ -129,6 +133,19 @@ impl GpuPath {
     }
 }
 
+/// How a rail came to run its transport, for `rail_stats()` (`Transport::choice`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RailChoice {
+    /// Why ("auto: no RDMA device", "explicit", "fallback after 3 ucx failures", ...).
+    pub reason: String,
+    /// Times the rail fell back from ucx to tcp (on this link).
+    pub fallbacks: u64,
+    /// Changes of transport (fallbacks and retries of ucx).
+    pub switches: u64,
+    /// When ucx is tried again, if the rail is on tcp after a fallback and a retry is left.
+    pub next_retry: Option<Duration>,
+}
+
 /// What the link does with a chunk's completion (`Transport::verdict`; fault injection).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
@@ -142,6 +159,10 @@ pub(crate) enum Verdict {
 /// The rails of one link over one transport.
 pub(crate) trait Transport: Send + Sync {
     fn caps(&self) -> Caps;
+    /// What rail `ri` can do (a link of mixed rails differs per rail).
+    fn rail_caps(&self, _ri: usize) -> Caps {
+        self.caps()
+    }
     /// Why GPU memory takes the path `caps().gpu` says, beyond what the path implies (for
     /// `rail_stats()`'s `gpu_path_reason`).
     fn gpu_detail(&self) -> Option<String> {
@@ -189,6 +210,14 @@ pub(crate) trait Transport: Send + Sync {
     }
     /// Carry out scheduled faults that are due (only `Faulty`).
     fn tick_faults(&self, _link: &dyn Host) {}
+    /// Called by the link's watchdog every 100 ms or less: time-driven work of the transport
+    /// (`Mixed` retries ucx after a cool-down by failing the rail's tcp paths).
+    fn tick(&self, _link: &dyn Host) {}
+    /// How rail `ri` came to run this transport, when the transport decides it per rail
+    /// (`Mixed`); None: the agent's choice stands.
+    fn choice(&self, _ri: usize) -> Option<RailChoice> {
+        None
+    }
     /// Work may be waiting for rails whose threads do not wait on the link's condition (a rail
     /// went down and its chunks were requeued, a rail came back): look again.
     fn wake(&self);

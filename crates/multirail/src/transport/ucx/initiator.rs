@@ -147,10 +147,9 @@ impl UcxRail {
         timeout: Duration,
     ) -> Result<UcxRail> {
         let who = session.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-        let rail = agent
-            .rails
-            .get(local_rail)
-            .ok_or_else(|| Error::InvalidArgument(format!("no local rail {local_rail} (this agent has {})", agent.rails.len())))?;
+        let rail = agent.rail(local_rail).ok_or_else(|| {
+            Error::InvalidArgument(format!("local rail {local_rail} does not run ucx (this agent has {} rails)", agent.rails.len()))
+        })?;
         let ucx_err = |what: &str, e: multirail_ucx::Error| match e {
             multirail_ucx::Error::Timeout { .. } => Error::Timeout(format!("ucx session with {who}: {what}: {e}")),
             e => Error::PeerLost { peer: who.clone(), reason: format!("ucx session: {what}: {e}") },

@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use multirail_proto::codec::UcxRegion;
 use multirail_proto::{Access, RailInfo};
-use multirail_ucx::{Context, ContextConfig, LoadOptions, MemRegion, PackedRkey, Ucx};
+use multirail_ucx::{Context, ContextConfig, MemRegion, PackedRkey, Ucx};
 
 use crate::error::{Error, Result};
 use crate::net::LocalRail;
@@ -67,7 +67,8 @@ struct Mapped {
     base: u64,
     len: u64,
     exported: bool,
-    per_rail: Vec<(MemRegion, Option<PackedRkey>)>,
+    /// None on rails without a UCX context (they run tcp).
+    per_rail: Vec<Option<(MemRegion, Option<PackedRkey>)>>,
 }
 
 /// Region id -> mapping; shared with the rails (they find local memory handles in it).
@@ -78,16 +79,18 @@ fn find_local(maps: &Maps, rail: usize, addr: u64, len: u64) -> Option<(MemRegio
     let g = maps.read().unwrap_or_else(PoisonError::into_inner);
     g.values()
         .find(|m| m.base <= addr && end <= m.base + m.len)
-        .and_then(|m| m.per_rail.get(rail).map(|(mr, _)| (mr.clone(), (addr - m.base) as usize)))
+        .and_then(|m| m.per_rail.get(rail)?.as_ref().map(|(mr, _)| (mr.clone(), (addr - m.base) as usize)))
 }
 
-/// Per-agent UCX state: UCX loaded once; one UCP context (with WAKEUP) per local rail,
+/// Per-agent UCX state: UCX loaded once; one UCP context (with WAKEUP) per local rail that runs
+/// ucx (a rail chosen tcp has none, and refuses UCX sessions),
 /// restricted to that rail (`NET_DEVICES` = its RDMA device:port, else its netdev with
 /// `TLS=tcp`); UCX's own multi-rail splitting off (`MAX_RNDV_RAILS=1`, `MAX_EAGER_LANES=1`):
 /// multirail stripes itself. Every registered region is `ucp_mem_map`ed once per rail context.
 pub(crate) struct UcxAgent {
     ucx: Ucx,
-    rails: Vec<RailCtx>,
+    /// By local rail index; None where the rail runs tcp.
+    rails: Vec<Option<RailCtx>>,
     maps: Arc<Maps>,
     /// Target-side session workers alive now.
     sessions: std::sync::atomic::AtomicUsize,
@@ -96,17 +99,22 @@ pub(crate) struct UcxAgent {
 }
 
 impl UcxAgent {
-    pub fn new(rails: &[LocalRail], rail_meta: &[RailInfo]) -> Result<UcxAgent> {
-        let ucx = Ucx::load_with(&LoadOptions::from_env()).map_err(|e| Error::Unavailable(format!("cannot load UCX: {e}")))?;
+    /// Contexts for the rails with `on[i]` (the others run tcp and get none).
+    pub fn new(ucx: Ucx, rails: &[LocalRail], rail_meta: &[RailInfo], on: &[bool]) -> Result<UcxAgent> {
         let mut ctxs = Vec::with_capacity(rails.len());
         for (i, r) in rails.iter().enumerate() {
+            if !on.get(i).copied().unwrap_or(false) {
+                ctxs.push(None);
+                continue;
+            }
             let rdma = rail_meta.get(i).map(|m| m.rdma_dev.as_str()).unwrap_or("");
             let (cfg, devices) = rail_config(i, r, rdma);
             let ctx = Context::new(&ucx, &cfg)
                 .map_err(|e| Error::Unavailable(format!("UCX context for rail {i} ({devices}) with {}: {e}", ucx.info())))?;
-            ctxs.push(RailCtx { ctx, devices });
+            ctxs.push(Some(RailCtx { ctx, devices }));
         }
-        let infos: Vec<(String, &str)> = ctxs.iter().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
+        let infos: Vec<(String, &str)> =
+            ctxs.iter().flatten().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
         let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/sys/module"));
         Ok(UcxAgent { ucx, rails: ctxs, maps: Arc::new(RwLock::new(HashMap::new())), sessions: Default::default(), gpu_direct })
     }
@@ -117,11 +125,20 @@ impl UcxAgent {
         self.gpu_direct.as_ref().map(|_| ()).map_err(String::as_str)
     }
 
+    /// Rail `i`'s context, if it runs ucx.
+    fn rail(&self, i: usize) -> Option<&RailCtx> {
+        self.rails.get(i)?.as_ref()
+    }
+
     /// Map a newly registered region in every rail context (and pack its rkey when exported).
     pub fn map(&self, region: &Region) -> Result<()> {
         let exported = region.access != Access::Local;
         let mut per_rail = Vec::with_capacity(self.rails.len());
         for (i, r) in self.rails.iter().enumerate() {
+            let Some(r) = r else {
+                per_rail.push(None);
+                continue;
+            };
             // SAFETY: the caller registered [base, base+len) with the agent and keeps it
             // allocated while registered; it is unmapped at deregistration, after the registry
             // saw no holder (a request still pending keeps its own mapping alive until done).
@@ -135,7 +152,7 @@ impl UcxAgent {
                 } else {
                     None
                 };
-            per_rail.push((m, packed));
+            per_rail.push(Some((m, packed)));
         }
         let mapped = Arc::new(Mapped { base: region.base, len: region.len, exported, per_rail });
         self.maps.write().unwrap_or_else(PoisonError::into_inner).insert(region.id, mapped);
@@ -161,13 +178,9 @@ impl UcxAgent {
 
     /// The library and each rail's restriction, for the start-up log.
     pub fn describe(&self) -> String {
-        let rails: Vec<String> = self.rails.iter().enumerate().map(|(i, r)| format!("rail {i}: {}", r.devices)).collect();
+        let rails: Vec<String> =
+            self.rails.iter().enumerate().filter_map(|(i, r)| r.as_ref().map(|r| format!("rail {i}: {}", r.devices))).collect();
         format!("{}; {}", self.ucx.info(), rails.join("; "))
-    }
-
-    /// The loud warning for a host with RDMA devices and a UCX without InfiniBand.
-    pub fn rdma_warning(&self) -> Option<String> {
-        self.ucx.info().rdma_warning()
     }
 
     /// Exported regions with their rkeys packed in `rail`'s context (all, or those in `ids`).
@@ -177,7 +190,7 @@ impl UcxAgent {
             if !m.exported {
                 return None;
             }
-            let packed = m.per_rail.get(rail)?.1.as_ref()?;
+            let packed = m.per_rail.get(rail)?.as_ref()?.1.as_ref()?;
             Some(UcxRegion { id, base: m.base, len: m.len, rkey: packed.as_bytes().to_vec() })
         };
         match ids {

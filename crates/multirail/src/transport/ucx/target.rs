@@ -11,6 +11,9 @@ use multirail_proto::{Body, Status};
 use multirail_ucx::{ThreadMode, Worker};
 
 use super::UcxAgent;
+
+/// A refused session's message when the asked rail does not run ucx on this agent.
+pub(crate) const NOT_ON_RAIL: &str = "this agent does not run the ucx transport on rail";
 use crate::config::{Config, Progress};
 use crate::wire::{self, WireError};
 
@@ -62,8 +65,12 @@ pub(crate) fn serve_session(
         Err(WireError::GaveUp(m)) => return Err((Status::Malformed, m)),
         Err(WireError::Io(_)) => return Err((Status::Ok, String::new())),
     };
-    let Some(rc) = agent.rails.get(rail) else {
+    if rail >= agent.rails.len() {
         return Err((Status::Unexpected, format!("no rail {rail} here (this agent has {})", agent.rails.len())));
+    }
+    let Some(rc) = agent.rail(rail) else {
+        // Chosen tcp here (auto without RDMA, or explicit): no UCX over TCP without asking.
+        return Err((Status::Unexpected, format!("{NOT_ON_RAIL} {rail} (it runs tcp there)")));
     };
     let worker = Worker::new(&rc.ctx, ThreadMode::Serialized).map_err(|e| (Status::Internal, format!("ucx session worker: {e}")))?;
     agent.sessions.fetch_add(1, Ordering::SeqCst);
@@ -90,7 +97,7 @@ fn session_loop(
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("UcxReady not sent within {timeout:?}"));
-    let rc = &agent.rails[rail];
+    let Some(rc) = agent.rail(rail) else { return Err((Status::Internal, format!("rail {rail} has no UCX context"))) };
     let addr = worker.address().map_err(|e| (Status::Internal, format!("ucx session worker address: {e}")))?;
     let ready = Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None) };
     if wire::send(s, &ready, 0, &mut tick).is_err() {
