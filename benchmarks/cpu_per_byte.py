@@ -412,11 +412,15 @@ def main() -> int:
         k = r % len(workers)
         rows = []
         for op, w in workers[k:] + workers[:k]:
-            if w == "iperf3":
-                row = run_iperf3(a, op, net)
-            else:
-                mode, _, label = w.split("-", 1)[1].partition("@")
-                row = run_multirail(a, op, mode, net, builds["@" + label if label else ""])
+            try:
+                if w == "iperf3":
+                    row = run_iperf3(a, op, net)
+                else:
+                    mode, _, label = w.split("-", 1)[1].partition("@")
+                    row = run_multirail(a, op, mode, net, builds["@" + label if label else ""])
+            except Failure as e:
+                print(f"cpu_per_byte: run {r + 1}, {op} {w}: {e}", file=sys.stderr)
+                return 1
             rows.append(row)
             print(f"run {r + 1}/{a.runs}  {_fmt(row)}", file=sys.stderr, flush=True)
         runs.append(rows)

@@ -56,7 +56,9 @@ class AgentConfig:
     declared down and its chunks are reissued (a local link that loses carrier is declared down
     within about 0.1 s regardless).
     progress: how threads wait for data. "adaptive" (default): waiting callers and serving
-    connections busy-poll for up to `spin_us` before sleeping in the kernel; "poll": a waiting
+    connections busy-poll for up to `spin_us` before sleeping in the kernel (over tcp a caller
+    does not busy-poll for the answer to a chunk over 256 KiB: bulk bytes take longer than the
+    wake-up a spin saves); "poll": a waiting
     caller busy-polls until its transfer completes or times out (serving connections as in
     adaptive); "block": sleep in the kernel at once (least CPU; every round trip then pays a
     scheduler wake-up). docs/benchmarks.md has what each costs and buys.

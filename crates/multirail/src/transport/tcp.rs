@@ -244,6 +244,10 @@ impl TcpRails {
             }
             let Ok(mut rx) = c.rx.try_lock() else {
                 c.owner.store(OWNER_NONE, Ordering::Release);
+                if c.inflight_n.load(Ordering::Acquire) > 0 {
+                    // The receiver may have parked on seeing this caller own the connection.
+                    c.kick();
+                }
                 return false;
             };
             c.caller_at.store(link.now_us(), Ordering::Release);

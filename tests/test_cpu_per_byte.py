@@ -1,0 +1,79 @@
+"""benchmarks/cpu_per_byte.py (issue 22 item 5): its CPU accounting reads every thread of a
+process from /proc, and one short run on loopback measures both multirail processes and both
+iperf3 processes over a window and reports per-GB numbers and ratios (no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import engine_available
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "cpu_per_byte.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("cpu_per_byte", SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_seconds_counts_every_thread_of_the_process():
+    mod = _module()
+    before = mod.cpu_seconds(os.getpid())
+    stop = time.monotonic() + 30
+
+    def burn() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3 and time.monotonic() < stop:
+            pass
+
+    th = threading.Thread(target=burn)
+    th.start()
+    th.join(60)
+    # The thread has exited: its CPU still counts in the process's total (0.3 s burnt, clock
+    # ticks of 1/CLK_TCK s).
+    assert mod.cpu_seconds(os.getpid()) - before >= 0.2
+    with pytest.raises(OSError):
+        mod.cpu_seconds(2**22 + 7)  # above any pid_max: no such process
+
+
+def test_build_must_name_a_python_tree(tmp_path: Path):
+    p = subprocess.run([sys.executable, str(SCRIPT), "--build", f"x={tmp_path}"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "LABEL=DIR" in p.stderr, p.stderr
+
+
+@pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 is not installed")
+def test_one_short_run_measures_both_sides_of_both_workers(tmp_path: Path):
+    out = tmp_path / "cpb.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--runs", "1", "--ops", "WRITE", "--progress", "block",
+                        "--size", "4MiB", "--seconds", "0.5", "--warmup", "1", "--iperf3-skip", "0.2",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (rows,) = doc["runs"]
+    by = {r["worker"]: r for r in rows}
+    assert set(by) == {"iperf3", "multirail-block"}
+    mr, ip = by["multirail-block"], by["iperf3"]
+    assert mr["bytes"] >= 4 << 20 and mr["bytes"] % (4 << 20) == 0  # whole transfers only
+    assert mr["initiator_cpu_s"] > 0 and mr["target_cpu_s"] > 0
+    assert ip["bytes"] > 0 and ip["client_cpu_s"] + ip["server_cpu_s"] > 0
+    for r in (mr, ip):
+        assert r["cpu_per_gb"] == pytest.approx(r["send_cpu_per_gb"] + r["recv_cpu_per_gb"])
+    s = doc["summary"]["WRITE/multirail-block"]
+    assert s["ratio_worst"] == pytest.approx(mr["cpu_per_gb"] / ip["cpu_per_gb"])
+    assert "WRITE multirail-block" in p.stdout
