@@ -116,7 +116,7 @@ def options_from_args(args: argparse.Namespace) -> ChaosOptions:
         flap_rails=parse_rail_list(args.flap_rails) if args.flap_rails else None,
         how=args.flap_how or "link", connections=args.connections, policy=args.policy, chunk_size=args.chunk_size,
         stall_timeout=args.stall_timeout, timeout=args.timeout, secret=args.secret,
-        transport=getattr(args, "transport", "tcp"))
+        transport=str(getattr(args, "transport", "auto")).replace(" ", ""))
     check(opts)
     return opts
 
@@ -133,8 +133,8 @@ def check(opts: ChaosOptions) -> None:
                          f"(needs at least --flap-up-s/2 + --flap-down-s = {opts.up_s / 2 + opts.down_s:g} s)")
     if opts.timeout <= 0 or opts.stall_timeout <= 0 or opts.connections < 1:
         raise UsageError("--timeout and --stall-timeout must be positive, --connections at least 1")
-    if opts.transport not in ("tcp", "ucx"):
-        raise UsageError(f"--transport must be tcp or ucx, not {opts.transport!r}")
+    if not opts.transport or any(k not in ("tcp", "ucx", "auto") for k in str(opts.transport).split(",")):
+        raise UsageError(f"--transport must be tcp, ucx, auto or one per rail (ucx,tcp), not {opts.transport!r}")
     parse_size(opts.chunk_size)
 
 
