@@ -54,9 +54,10 @@ def split(before: dict[str, int], after: dict[str, int]) -> list[float]:
     return [x / tot for x in d]
 
 
-def peer(tb: Any, plugin_dir: Path, backend: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def peer(tb: Any, plugin_dir: Path, backend: str, scenario: str, cfg: dict[str, Any],
+         extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     rails = {s: ",".join(tb.addrs(s)) for s in ("a", "b")}
-    env = {"NIXL_PLUGIN_DIR": str(plugin_dir), "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'tests'}"}
+    env = {"NIXL_PLUGIN_DIR": str(plugin_dir), "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'tests'}", **(extra_env or {})}
     cfg = {**cfg, "backends": [backend], "params": {}}
     with tempfile.TemporaryDirectory() as d:
         def argv(side: str, rest: list[str]) -> list[str]:
