@@ -136,6 +136,12 @@ def target(d: Path, cfg: dict[str, Any]) -> None:
     (d / "addrs.json").write_text(json.dumps({"A": a.addr, "B": b.addr, "pid": os.getpid()}))
     (d / "partial.tmp").write_bytes(agent.get_partial_agent_metadata(ra, True))
     (d / "partial.tmp").rename(d / "partial.bin")
+    if cfg.get("etcd"):
+        # NIXL's etcd (NIXL_ETCD_ENDPOINTS in the environment): the full metadata, then A's
+        # alone (with connection info) under the label "partial"
+        agent.send_local_metadata()
+        agent.send_partial_agent_metadata(agent.get_reg_descs([(a.addr, size, 0, "")], a.mem), True,
+                                          ["MULTIRAIL"], label="partial")
     (d / "meta.tmp").write_bytes(agent.get_agent_metadata())
     (d / "meta.tmp").rename(d / "meta.bin")
     log = open(d / "notifs.jsonl", "a")
@@ -340,6 +346,53 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         h = agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
         check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ after reload")
         agent.release_xfer_handle(h)
+
+    elif name == "etcd":
+        # metadata through NIXL's etcd only (the target published it there): partial (A only)
+        # by label, then the full metadata, invalidation, and a fetch again
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        ldesc = agent.get_xfer_descs(dst.rows(1), mem)
+
+        def fetch(label: str = "") -> None:
+            agent.fetch_remote_metadata("target", label=label) if label else agent.fetch_remote_metadata("target")
+            t = time.monotonic()
+            while not agent.check_remote_metadata("target"):
+                check(time.monotonic() - t < 20, f"metadata {label or 'full'} never arrived through etcd")
+                time.sleep(0.01)
+
+        def read(which: str, want: np.ndarray) -> None:
+            dst.write(np.zeros(size, np.uint8))
+            h = agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs[which], size, 0)], mem), "target")
+            check(agent.query_xfer_backend(h) == "MULTIRAIL", f"backend {agent.query_xfer_backend(h)}")
+            s = wait(agent, h)
+            check(s == "DONE" and sha(dst.read()) == sha(want), f"READ from {which} after etcd metadata: {s}")
+            agent.release_xfer_handle(h)
+
+        fetch("partial")
+        read("A", A)
+        try:
+            agent.initialize_xfer("READ", ldesc, agent.get_xfer_descs([(addrs["B"], size, 0)], mem), "target")
+            fail("B was readable with only A's metadata loaded from etcd")
+        except Exception as e:  # noqa: BLE001
+            out["b_before_full"] = type(e).__name__
+        t = time.monotonic()
+        agent.fetch_remote_metadata("target")
+        while True:  # the full metadata adds B
+            try:
+                read("B", B)
+                break
+            except SystemExit:
+                raise
+            except Exception:  # noqa: BLE001  (not loaded yet)
+                check(time.monotonic() - t < 20, "full metadata never arrived through etcd")
+                time.sleep(0.02)
+        agent.remove_remote_agent("target")
+        check(not agent.check_remote_metadata("target"), "metadata still there after remove_remote_agent")
+        fetch()
+        agent.make_connection("target")
+        read("A", A)
+        out["etcd"] = "ok"
 
     elif name == "malformed":
         good = (d / "meta.bin").read_bytes()

@@ -222,6 +222,29 @@ def test_metadata_partial_invalidate_and_listener(tmp_path: Path, plugin_dir: Pa
     assert out["b_before_full"].startswith("nixl") and out["after_invalidate"].startswith("nixl"), out
 
 
+def test_metadata_through_nixls_etcd(tmp_path: Path, plugin_dir: Path) -> None:
+    """NIXL's own etcd metadata path (NIXL_ETCD_ENDPOINTS): the target publishes its full and
+    partial metadata with send_local_metadata / send_partial_agent_metadata(label=...), the
+    initiator gets them only with fetch_remote_metadata; a real etcd on loopback."""
+    import uuid
+
+    from etcd_server import ETCD_MISSING, EtcdServer
+
+    if ETCD_MISSING:
+        pytest.skip(ETCD_MISSING)
+    srv = EtcdServer(tmp_path / "etcd")
+    try:
+        env = {"NIXL_ETCD_ENDPOINTS": srv.http, "NIXL_ETCD_NAMESPACE": f"/mrtest-{uuid.uuid4().hex[:8]}/"}
+        p = Pair(tmp_path, plugin_dir, {"size": 4 * MiB, "etcd": True}, env)
+        try:
+            out = p.run("etcd")
+        finally:
+            p.close()
+    finally:
+        srv.stop()
+    assert out["etcd"] == "ok" and out["b_before_full"].startswith("nixl"), out
+
+
 def test_malformed_metadata_is_an_error_not_a_crash(pair: Pair) -> None:
     out = pair.run("malformed")
     assert len(out["errors"]) == 5, out
