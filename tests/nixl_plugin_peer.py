@@ -519,6 +519,24 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             check(digest_of_target(agent, d, "s1")["A"] == sha(B), "WRITE bytes differ at the target")
             agent.release_xfer_handle(h)
 
+    elif name == "unpolled":
+        # a small transfer posted for polling (checkXfer reads its response) whose caller stops
+        # polling right after the post: the receiver must still complete it (its notification
+        # reaches the target) without another checkXfer
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(4096, False, None)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs([(dst.addr, 4096, 0)], mem),
+                                  agent.get_xfer_descs([(addrs["A"], 4096, 0)], mem), "target")
+        for i in range(50):  # polled round trips: the receiver parks for the polling caller
+            check(wait(agent, h) == "DONE", f"polled READ {i}")
+        for i in range(3):
+            dst.write(np.zeros(4096, np.uint8))
+            check(agent.transfer(h, f"unpolled-{i}".encode()) in ("PROC", "DONE"), "post")
+            wait_notif_at_target(d, f"unpolled-{i}")  # no check_xfer_state meanwhile
+            check(agent.check_xfer_state(h) == "DONE" and sha(dst.read()) == sha(A[:4096]), "unpolled READ")
+        agent.release_xfer_handle(h)
+
     elif name == "lat":
         # benchmarks/nixl_backends.py: `iters` 4 KiB READs through one prepped handle, reposted;
         # each timed from transfer() to DONE (busy polling, as NIXL's users do)

@@ -252,6 +252,12 @@ def test_nixl_captured_telemetry_counts_multirail_transfers(tmp_path: Path, pair
     assert not [n for n, _ in events if n.startswith("agent_err")], events
 
 
+def test_small_transfer_completes_when_its_caller_stops_polling(pair: Pair) -> None:
+    # small transfers are read by checkXfer itself; one whose caller stops polling after the
+    # post is still completed (by the receiver) and its notification delivered
+    pair.run("unpolled")
+
+
 def test_prepped_lists_with_indices_and_strided(pair: Pair) -> None:
     out = pair.run("prepped")
     assert out["strided"] == "ok", out
