@@ -7,11 +7,16 @@ Per shape (N rails x rate, a fresh testbed `mrnx2<hex>`):
 Per run (every process fresh; same SIZE buffers, same rails for every column):
   * native: `multirail bench local --testbed` READ and WRITE of one SIZE block (2 timed iterations);
   * NIXL+MULTIRAIL and NIXL+UCX: tests/nixl_plugin_peer.py's target (namespace a) and initiator
-    (namespace b), NIXL's own Python API: one READ and one WRITE of SIZE, byte-checked
-    (`stripe`); the split over the rails from the initiator side's NIC counters (rx+tx bytes of
-    each rail device, /sys/class/net, read around the run);
+    (namespace b), NIXL's own Python API (`stripe`), measured as `bench local` measures the
+    native API: connect (one 4 KiB READ), one untimed READ of SIZE, then 2 timed READs of SIZE
+    back to back; the same for WRITE; byte-checked; check_xfer_state polled every 1 ms. The
+    untimed first READ/WRITE (the first bulk transfer of a fresh connection) is reported on
+    its own line. The split over the rails from the initiator side's NIC counters (rx+tx bytes
+    of each rail device, /sys/class/net, read around the run);
   * 4 KiB READ p50/p99 through each backend (`lat`: 1,000 reposts of one prepped handle after
-    100 untimed);
+    100 untimed, check_xfer_state busy-polled), and the thread wake-ups per READ (voluntary
+    context switches of every thread of the initiator and of the target process: a measure the
+    host's load does not move the way it moves microseconds);
   * prepare + post of 65,536 x 16 KiB prepped READ descriptors through each backend (`prep`:
     prep_xfer_dlist on both sides + make_prepped_xfer + transfer; the transfer is then awaited
     untimed and checked).
@@ -54,9 +59,10 @@ def split(before: dict[str, int], after: dict[str, int]) -> list[float]:
     return [x / tot for x in d]
 
 
-def peer(tb: Any, plugin_dir: Path, backend: str, scenario: str, cfg: dict[str, Any]) -> dict[str, Any]:
+def peer(tb: Any, plugin_dir: Path, backend: str, scenario: str, cfg: dict[str, Any],
+         extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     rails = {s: ",".join(tb.addrs(s)) for s in ("a", "b")}
-    env = {"NIXL_PLUGIN_DIR": str(plugin_dir), "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'tests'}"}
+    env = {"NIXL_PLUGIN_DIR": str(plugin_dir), "PYTHONPATH": f"{REPO / 'python'}:{REPO / 'tests'}", **(extra_env or {})}
     cfg = {**cfg, "backends": [backend], "params": {}}
     with tempfile.TemporaryDirectory() as d:
         def argv(side: str, rest: list[str]) -> list[str]:
@@ -137,10 +143,13 @@ def shape_run(spec: str, size: int, runs: int, plugin_dir: Path) -> dict[str, An
                 o = peer(tb, plugin_dir, b, "stripe", {"size": size})
                 add(f"{b} READ", size * 8 / o["read_s"] / 1e9)
                 add(f"{b} WRITE", size * 8 / o["write_s"] / 1e9)
+                add(f"{b} first READ", size * 8 / o["first_read_s"] / 1e9)
+                add(f"{b} first WRITE", size * 8 / o["first_write_s"] / 1e9)
                 add(f"{b} split", o["split"])
                 o = peer(tb, plugin_dir, b, "lat", {"size": 1 << 20, "iters": 1000})
                 add(f"{b} p50", o["p50_us"])
                 add(f"{b} p99", o["p99_us"])
+                add(f"{b} wakeups", (o["switches_per_op"], o["target_switches_per_op"]))
                 o = peer(tb, plugin_dir, b, "prep", {"size": 64 << 20, "count": 65536, "desc": 16384})
                 add(f"{b} prep", o["prep_post_s"] * 1e3)
     return {"spec": spec, "iperf3": ip, "r": r}
@@ -157,6 +166,9 @@ def report(s: dict[str, Any], size_mib: int, runs: int) -> None:
         pairs = list(zip(r[f"MULTIRAIL {op}"], r[f"native {op}"], r[f"UCX {op}"]))
         print(f"      NIXL+MULTIRAIL / iperf3 sum {med_worst([m / isum for m, _, _ in pairs])}; "
               f"/ native {med_worst([m / n for m, n, _ in pairs])}; / NIXL+UCX {med_worst([m / u for m, _, u in pairs])}")
+    print("first bulk transfer after connecting (untimed above), Gbit/s: " + "; ".join(
+        f"NIXL+{b} READ {med_worst(r[f'{b} first READ'])} WRITE {med_worst(r[f'{b} first WRITE'])}"
+        for b in ("MULTIRAIL", "UCX")))
     for b in ("MULTIRAIL", "UCX"):
         sp = r[f"{b} split"]
         cols = list(zip(*sp))
@@ -168,6 +180,9 @@ def report(s: dict[str, Any], size_mib: int, runs: int) -> None:
           f"{med_worst(r['UCX p99'], False)}")
     print("      MULTIRAIL/UCX p50 " + med_worst([m / u for m, u in zip(r["MULTIRAIL p50"], r["UCX p50"])], False)
           + ", p99 " + med_worst([m / u for m, u in zip(r["MULTIRAIL p99"], r["UCX p99"])], False))
+    print("      thread wake-ups per 4 KiB READ (initiator / target, median): " + "; ".join(
+        f"NIXL+{b} {statistics.median(w[0] for w in r[f'{b} wakeups']):.2f} / "
+        f"{statistics.median(w[1] for w in r[f'{b} wakeups']):.2f}" for b in ("MULTIRAIL", "UCX")))
     print(f"prep+post 65,536 x 16 KiB (ms): NIXL+MULTIRAIL {med_worst(r['MULTIRAIL prep'], False)}, "
           f"NIXL+UCX {med_worst(r['UCX prep'], False)}; MULTIRAIL/UCX "
           + med_worst([m / u for m, u in zip(r["MULTIRAIL prep"], r["UCX prep"])], False))

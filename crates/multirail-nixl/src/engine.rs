@@ -83,6 +83,8 @@ pub struct Engine {
     local_notifs: Mutex<Vec<(String, Vec<u8>)>>,
     /// Regions registered through NIXL: id -> memory kind, for local copies.
     mems: Mutex<HashMap<u64, MemType>>,
+    /// Transfers smaller than this are polled to completion by checkXfer (`is_small`).
+    small_below: u64,
 }
 
 /// A prepared transfer.
@@ -102,6 +104,7 @@ fn mem_of(m: i32) -> Result<MemType, Error> {
 impl Engine {
     pub fn new(name: &str, cfg: multirail::Config) -> Result<Engine, Error> {
         let gpu = cfg.staging.gpu;
+        let small_below = cfg.planner.stripe_threshold;
         let agent = Agent::new(name, cfg)?;
         Ok(Engine {
             agent,
@@ -110,6 +113,7 @@ impl Engine {
             remotes: Mutex::new(HashMap::new()),
             local_notifs: Mutex::new(Vec::new()),
             mems: Mutex::new(HashMap::new()),
+            small_below,
         })
     }
 
@@ -329,7 +333,12 @@ impl Engine {
             Xfer::Remote { h, reported } => {
                 reported.store(false, Ordering::Relaxed);
                 // An empty message is "no notification" for the runtime.
-                match h.post(Some(notif.unwrap_or_default().to_vec()))? {
+                let msg = Some(notif.unwrap_or_default().to_vec());
+                // A small transfer is polled to completion by NIXL's checkXfer, which reads its
+                // response itself (no thread wake-up on the round trip); a large one is carried
+                // by the rails' receiver threads, and checkXfer only looks (see `check`).
+                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post(msg)? };
+                match posted {
                     XferState::Done => Ok(SUCCESS),
                     XferState::Error => Err(h.error().unwrap_or(Error::Closed)),
                     _ => Ok(IN_PROG),
@@ -350,12 +359,26 @@ impl Engine {
         }
     }
 
+    /// Whether `h` is a small transfer: one that stays on one rail (below the stripe
+    /// threshold) and that NIXL's checkXfer polls to completion itself (`post_polled`).
+    fn is_small(&self, h: &XferHandle) -> bool {
+        h.total_bytes() < self.small_below
+    }
+
     /// (status, error to log once).
     pub fn check(&self, x: &Xfer) -> (i32, Option<Error>) {
         match x {
-            Xfer::Remote { h, reported } => match h.progress() {
+            Xfer::Remote { h, reported } => match if self.is_small(h) { h.progress() } else { h.state() } {
                 XferState::Done => (SUCCESS, None),
-                XferState::InProgress => (IN_PROG, None),
+                XferState::InProgress => {
+                    if !self.is_small(h) {
+                        // A caller spinning on checkXfer must not starve the receiver threads
+                        // that move a large transfer (2 cores: a busy-polling caller halved
+                        // READ throughput): give up the rest of the time slice to them.
+                        std::thread::yield_now();
+                    }
+                    (IN_PROG, None)
+                }
                 XferState::Idle => (ERR_NOT_POSTED, None),
                 XferState::Error => {
                     let e = h.error().unwrap_or(Error::Closed);

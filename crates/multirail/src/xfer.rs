@@ -134,6 +134,11 @@ pub(crate) struct XferShared {
     /// Held by the GPU-order waiter while it hands a post to the link, and by `release`:
     /// a transfer released while its post waits for the application's stream never starts.
     post_gate: Mutex<()>,
+    /// Posted by [`XferHandle::post_polled`]: its caller polls it to completion with
+    /// [`XferHandle::progress`], so a poll that leaves its connection with responses still due
+    /// does not wake the receiver for them (the next poll reads them; a receiver parked for
+    /// callers looks again within `transport::tcp::POLL_PARK` should the polls stop).
+    pub(crate) polled: std::sync::atomic::AtomicBool,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -176,6 +181,7 @@ impl XferShared {
             current: AtomicU64::new(0),
             gpu_order: Mutex::new(GpuOrder::default()),
             post_gate: Mutex::new(()),
+            polled: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -407,14 +413,24 @@ pub struct XferHandle(pub(crate) Arc<XferShared>);
 impl XferHandle {
     /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, false, None)
+        self.post_inner(notif, false, None, false)
     }
 
     /// [`XferHandle::post`], ordered after the work queued on the application's CUDA `stream`
     /// (a raw `cudaStream_t`; the stream contract of docs/gpu.md). A plain `post` orders after
     /// each local GPU's legacy default stream.
     pub fn post_on(&self, notif: Option<Vec<u8>>, stream: Option<u64>) -> Result<XferState> {
-        self.post_inner(notif, false, stream)
+        self.post_inner(notif, false, stream, false)
+    }
+
+    /// [`XferHandle::post`] for a caller that polls the transfer to completion next with
+    /// [`XferHandle::progress`] (NIXL's `checkXfer` loop): its first chunks go out from this
+    /// thread and no receiver thread is woken for their responses; the polls read them, as
+    /// `post_wait` would, with no thread wake-up on the round trip. For small transfers: a
+    /// caller that stops polling leaves its responses to a receiver that looks again within
+    /// a millisecond (a large transfer's data would wait that long on each connection).
+    pub fn post_polled(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
+        self.post_inner(notif, true, None, true)
     }
 
     /// Post and wait in one call: the caller reads its own responses (no receiver wake-up on
@@ -425,11 +441,11 @@ impl XferHandle {
 
     /// [`XferHandle::post_wait`] on the application's `stream` (see [`XferHandle::post_on`]).
     pub fn post_wait_on(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>, stream: Option<u64>) -> Result<()> {
-        self.post_inner(notif, true, stream)?;
+        self.post_inner(notif, true, stream, false)?;
         self.wait(timeout)
     }
 
-    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>) -> Result<XferState> {
+    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, polled: bool) -> Result<XferState> {
         if let Some(n) = notif {
             check_notif(&n)?;
             *self.0.notif.lock().expect("xfer lock") = n;
@@ -441,6 +457,7 @@ impl XferHandle {
             self.0.record_gpu_order(self.0.peer.gpu_kind(), stream)?;
         }
         self.0.begin()?;
+        self.0.polled.store(polled, Ordering::Release);
         let x = self.0.clone();
         if !x.gpu_order_ready() {
             // The producer's work is still queued: the transfer enters the link (and the

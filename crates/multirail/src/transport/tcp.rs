@@ -48,6 +48,11 @@ const CALLER_YIELD: Duration = Duration::from_micros(200);
 /// round trip: measured, it was the whole 4 KiB p99). An asynchronous post, or a caller that
 /// stops driving with requests still outstanding, kicks it back to reading.
 const CALLER_GRACE: Duration = Duration::from_millis(50);
+/// A parked receiver looks again this often, and reads once requests are outstanding and no
+/// caller drove the connection for this long: a polling caller (`XferHandle::post_polled`)
+/// leaves without kicking it, and its responses must not wait the whole grace period should
+/// the polls stop.
+pub(crate) const POLL_PARK: Duration = Duration::from_millis(1);
 
 /// Wait up to `timeout` for `fd` to hang up or fail, or for `kick` to be written (data arriving
 /// on `fd` does not end the wait). Returns (hung up, kicked).
@@ -289,8 +294,9 @@ impl TcpRails {
             drop(rx);
             c.caller_at.store(link.now_us(), Ordering::Release);
             c.owner.store(OWNER_NONE, Ordering::Release);
-            if c.inflight_n.load(Ordering::Acquire) > 0 {
-                // Responses are still due and this caller is leaving: the receiver reads them.
+            if c.inflight_n.load(Ordering::Acquire) > 0 && !(poll_only && x.polled.load(Ordering::Acquire)) {
+                // Responses are still due and this caller is leaving: the receiver reads them
+                // (not for a polled transfer: its next poll does, see `POLL_PARK`).
                 c.kick();
             }
             if let Some(e) = failure {
@@ -619,14 +625,24 @@ fn receive_loop(link: &dyn Host, c: &Arc<Conn>) -> Option<String> {
         }
         let caller_owns = c.owner.load(Ordering::Acquire) == OWNER_CALLER;
         let since_caller = link.now_us().saturating_sub(c.caller_at.load(Ordering::Acquire));
-        if caller_owns || since_caller < CALLER_GRACE.as_micros() as u64 {
+        // Responses due and no caller polled for POLL_PARK: this receiver reads them.
+        let outstanding = c.inflight_n.load(Ordering::Acquire) > 0;
+        let callers_polling =
+            since_caller < CALLER_GRACE.as_micros() as u64 && !(outstanding && since_caller >= POLL_PARK.as_micros() as u64);
+        if caller_owns || callers_polling {
             // A caller is reading, or callers are driving this connection round trip after
             // round trip: stay out of their way until kicked (a caller that leaves with
             // requests outstanding kicks), the socket hangs up (read below, which sees the
             // failure), or the grace period ends. Parked, not napping: a bulk transfer a caller
             // drives costs this thread no wake-up per response (issue 22 item 5: the 200 µs
-            // naps it took before were a thousand wake-ups a second).
-            let wait = if caller_owns { TICK } else { CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)) };
+            // naps it took before were a thousand wake-ups a second). Without an owner, in naps
+            // of POLL_PARK at most: a request sent meanwhile without a kick (a polled post) is
+            // then looked after within two of them if its polls stop.
+            let wait = if caller_owns {
+                TICK
+            } else {
+                CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)).min(POLL_PARK)
+            };
             c.parked.store(true, Ordering::SeqCst);
             let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks { (false, true) } else { park(fd, kick_fd, wait) };
             c.parked.store(false, Ordering::SeqCst);
