@@ -85,6 +85,9 @@ class AgentConfig:
     IPC handle (which exposes the whole allocation holding the region to that authenticated
     peer: docs/SECURITY.md); a target with False hands out no handles. Falls back to staging
     over the rails, with the reason in `peer_counters()["ipc_fallback_reason"]`.
+    vectored: vectored requests (default True): many pages of one remote region per request,
+    packed by bytes up to chunk_size, over tcp to peers that speak them (docs/PROTOCOL.md).
+    False sends one request per contiguous piece, as before (a baseline for benchmarks).
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -109,6 +112,7 @@ class AgentConfig:
     staging_buffers: int = 4
     staging_buffer_size: int = 1 << 20
     gpu_ipc: bool = True
+    vectored: bool = True
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -526,7 +530,7 @@ class Agent:
             cfg.policy, int(cfg.chunk_size), int(cfg.stripe_threshold), float(cfg.timeout),
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), str(cfg.transport),
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
-            bool(cfg.gpu_ipc),
+            bool(cfg.gpu_ipc), bool(cfg.vectored),
         )
         if cfg.transport == "ucx":
             _offer_ucx_wheel()

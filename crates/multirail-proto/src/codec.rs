@@ -26,7 +26,7 @@ pub const HELLO_VECTORED: u16 = 2;
 pub const MAX_VEC_ENTRIES: usize = 16384;
 /// Most pieces one vectored request names once its strided entries are counted out (the
 /// target copies or sends each piece on its own).
-pub const MAX_VEC_PIECES: u64 = 1 << 20;
+pub const MAX_VEC_PIECES: u64 = 1 << 16;
 /// Largest encoded piece entry: u64 offset, u32 len, u32 count, u64 stride (the stride only
 /// when count > 1).
 const VEC_ENTRY_MAX: usize = 8 + 4 + 4 + 8;

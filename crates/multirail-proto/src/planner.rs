@@ -129,6 +129,27 @@ impl Run {
     }
 }
 
+/// The wire's piece table for a vectored chunk's runs (all in one region): a run of one piece
+/// is one entry, a strided run one strided entry (one plain entry when contiguous on the remote
+/// side), and entries that continue each other on the remote side are merged. The local side
+/// does not matter here: the initiator gathers or scatters its own pieces.
+pub fn vec_pieces(runs: &[Run]) -> Vec<crate::codec::VecPiece> {
+    use crate::codec::VecPiece;
+    let mut out: Vec<VecPiece> = Vec::with_capacity(runs.len());
+    for r in runs {
+        let p = if r.count == 1 || r.rstride == r.len {
+            VecPiece { offset: r.offset, len: r.len * r.count, count: 1, stride: 0 }
+        } else {
+            VecPiece { offset: r.offset, len: r.len, count: r.count, stride: r.rstride }
+        };
+        match out.last_mut() {
+            Some(q) if p.count == 1 && q.count == 1 && q.offset + q.len == p.offset => q.len += p.len,
+            _ => out.push(p),
+        }
+    }
+    out
+}
+
 /// A unit of work handed to one rail.
 ///
 /// `piece` names the chunk's first byte (local address, region, offset) and its length in

@@ -120,6 +120,9 @@ pub struct Config {
     /// GPU memory: which device kind registers and stages VRAM, and the bounce pools' shape
     /// (per connection and direction).
     pub staging: crate::staging::StagingConfig,
+    /// Vectored requests: chunks of many pieces of one region, to peers and over transports
+    /// that take them (docs/PROTOCOL.md). False: one request per contiguous piece.
+    pub vectored: bool,
 }
 
 impl Default for Config {
@@ -140,6 +143,7 @@ impl Default for Config {
             transport: TransportKind::Tcp,
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
+            vectored: true,
         }
     }
 }

@@ -23,7 +23,7 @@ use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, Rai
 use crate::config::{Config, TransportKind};
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
-use crate::net::{abort_socket, dial_id, link_down, status_error, LINK_CHECK};
+use crate::net::{abort_socket, dial_id, dial_v, link_down, status_error, LINK_CHECK};
 use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
 use crate::transport::{tcp::TcpRails, ucx::UcxRails, Active, Caps, Host, Transport, Verdict};
@@ -627,7 +627,7 @@ impl Link {
         g.next_xfer += 1;
         x.current.store(id.0, Ordering::Release);
         g.xfers.insert(id, x.clone());
-        g.planner.submit(id, x.pairs.as_ref().clone(), Instant::now());
+        g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, Instant::now());
         let done = self.drain_events(&mut g);
         drop(g);
         self.complete(done);
@@ -1000,6 +1000,17 @@ impl Host for Link {
         let rail = &self.rails[ri];
         let expect = Some((self.peer_name.as_str(), self.incarnation));
         dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
+    }
+
+    fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)> {
+        let rail = &self.rails[ri];
+        let expect = Some((self.peer_name.as_str(), self.incarnation));
+        dial_v(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
+            .map(|(s, id, v)| (s, id, v >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
+    }
+
+    fn set_vectored(&self, ri: usize, on: bool) {
+        self.sched.lock().expect("sched lock").planner.set_vectored(ri, on);
     }
 
     fn enter(&self) -> Option<Active<'_>> {

@@ -7,7 +7,7 @@
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{Role, Status};
+use multirail_proto::codec::{Role, Status, HELLO_VERSION};
 use multirail_proto::Body;
 
 use crate::auth;
@@ -105,6 +105,38 @@ pub(crate) fn dial_id(
     expect: Option<(&str, u64)>,
     timeout: Duration,
 ) -> Result<(TcpStream, [u8; 16])> {
+    dial_v(ctx, local, remote, role, expect, timeout).map(|(s, id, _)| (s, id))
+}
+
+/// [`dial_id`], and the `Hello` version the peer accepted: [`HELLO_VERSION`] first; a peer
+/// that answers `Error(VersionMismatch)` (a build from before vectored requests) is dialled
+/// again with version 1, and its connections carry no vectored request.
+pub(crate) fn dial_v(
+    ctx: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+) -> Result<(TcpStream, [u8; 16], u16)> {
+    match dial_version(ctx, local, remote, role, expect, timeout, HELLO_VERSION) {
+        Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) => {
+            dial_version(ctx, local, remote, role, expect, timeout, 1).map(|(s, id)| (s, id, 1))
+        }
+        r => r.map(|(s, id)| (s, id, HELLO_VERSION)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dial_version(
+    ctx: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+    version: u16,
+) -> Result<(TcpStream, [u8; 16])> {
     let who = format!("{remote}");
     let domain = socket2::Domain::for_address(remote);
     let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
@@ -135,7 +167,7 @@ pub(crate) fn dial_id(
         WireError::GaveUp(m) => Error::Timeout(m),
         WireError::Io(e) => Error::PeerLost { peer: who.clone(), reason: format!("handshake: {e}") },
     };
-    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.to_string(), nonce }, 0, &mut tick)
+    wire::send(&mut s, &Body::Hello { version, role, incarnation: ctx.incarnation, name: ctx.name.to_string(), nonce }, 0, &mut tick)
         .map_err(wire_err)?;
     let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
     let (auth_required, incarnation, server_nonce, server_name) = match b {

@@ -322,7 +322,8 @@ impl Peer {
         } else {
             None
         };
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, ipc, via_gpu_link)))
+        let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
+        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote)))
     }
 }
 
