@@ -941,7 +941,7 @@ mod tests {
         // Over the byte, piece and entry bounds.
         let big = VecPiece { offset: 0, len: 1 << 20, count: 65, stride: 1 << 20 };
         assert!(matches!(dec(vec![big]), Err(DecodeError::TooMany { .. })));
-        let tiny = VecPiece { offset: 0, len: 1, count: (MAX_VEC_PIECES + 1) as u64, stride: 1 };
+        let tiny = VecPiece { offset: 0, len: 1, count: MAX_VEC_PIECES + 1, stride: 1 };
         assert!(matches!(dec(vec![tiny]), Err(DecodeError::TooMany { .. })));
         let one = VecPiece { offset: 0, len: 1, count: 1, stride: 0 };
         let full = Body::ReadVReq(VecOp { region: 1, key, pieces: vec![one; MAX_VEC_ENTRIES] }).encode(0);

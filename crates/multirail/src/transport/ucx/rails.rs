@@ -103,8 +103,15 @@ fn pump(link: &dyn Host, ri: usize, p: &Path) {
         }
         let token = p.next_token.fetch_add(1, Ordering::Relaxed);
         let piece = chunk.piece;
+        // A vectored chunk: one batch of gets or puts and one flush.
+        let pieces: Option<Vec<(u64, u64, u64)>> =
+            chunk.vec.as_ref().map(|v| v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect());
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
-        if let Err(msg) = p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len) {
+        let posted = match &pieces {
+            Some(v) => p.rail.post_v(token, write, piece.region, v),
+            None => p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len),
+        };
+        if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
             if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
                 // Left in the planner's books for this rail: requeued when the rail stops.
@@ -197,6 +204,8 @@ impl Transport for UcxRails {
         let (s, id) = link.dial(ri, Role::UcxSession, timeout)?;
         let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
         let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, timeout)?;
+        // One-sided: the target parses nothing, so any peer takes batched gets and puts.
+        link.set_vectored(ri, link.cfg().vectored);
         let p = Arc::new(Path {
             rail,
             inflight: Mutex::new(HashMap::new()),
