@@ -118,6 +118,42 @@ def test_scattered_descriptors_both_ways(pair: Any) -> None:
     assert all(np.array_equal(lv[a], rv[b]) for a, b in zip(lp, rp))
 
 
+def test_strided_descriptors_both_ways(pair: Any) -> None:
+    """Issue 22: Nx5 strided descriptors (address, len, device, stride, count), K and V
+    planes interleaved differently on each side: every piece lands where its row says, whether
+    the rows pair up (kept compressed) or not (expanded)."""
+    t, i, tr = pair
+    page, n = 2048, 256
+    remote, local = pattern(page * n * 2, 41), np.zeros(page * n * 2, np.uint8)
+    connect(t, i, remote, local)
+    L, R = local.ctypes.data, remote.ctypes.data
+    # Local: K pages at even slots, V at odd; remote: K in the first half, V in the second.
+    lrows = np.array([[L, page, 0, 2 * page, n], [L + page, page, 0, 2 * page, n]], dtype=np.uint64)
+    rrows = np.array([[R, page, 0, page, n], [R + page * n, page, 0, page, n]], dtype=np.uint64)
+    lv, rv = local.reshape(2 * n, page), remote.reshape(2 * n, page)
+    want = lambda: np.array_equal(lv[0::2], rv[:n]) and np.array_equal(lv[1::2], rv[n:])  # noqa: E731
+    h = i.initialize_xfer_strided("READ", lrows, rrows, "target")
+    i.transfer(h)
+    i.wait(h, 30)
+    assert want()
+    local[:] = pattern(page * n * 2, 42)
+    w = i.initialize_xfer_strided("WRITE", lrows, rrows, "target")
+    for _ in range(2):  # reposted: the same compressed runs
+        i.transfer(w)
+        i.wait(w, 30)
+        assert want()
+    # Rows that do not pair (the remote side in 4 rows of half the count): expanded, same bytes.
+    r4 = np.array([[R, page, 0, page, n // 2], [R + page * n // 2, page, 0, page, n // 2],
+                   [R + page * n, page, 0, page, n // 2], [R + page * n * 3 // 2, page, 0, page, n // 2]], dtype=np.uint64)
+    local[:] = 0
+    h = i.initialize_xfer_strided("READ", lrows, r4, "target")
+    i.transfer(h)
+    i.wait(h, 30)
+    assert want()
+    with pytest.raises(Exception, match="Nx5"):
+        i.initialize_xfer_strided("READ", lrows[:, :3], rrows, "target")
+
+
 def test_many_transfers_in_flight_at_once(pair: Any) -> None:
     t, i, _ = pair
     n, k = 256 << 10, 32

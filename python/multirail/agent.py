@@ -756,6 +756,33 @@ class Agent:
             self._peers[peer] = None
         return XferHandle(h, op, peer, acct)
 
+    def initialize_xfer_strided(self, op: str, local: Any, remote: Any, peer: str, notif: bytes = b"") -> XferHandle:
+        """`initialize_xfer` from strided descriptors: two Nx5 integer arrays of rows (address,
+        len, device, stride, count), each row `count` pieces of `len` bytes at `address + k *
+        stride` (NIXL 1.5's strided form). Row i of each side pairs with row i of the other;
+        when their len and count match and each row's span lies in one host region, the row
+        stays one compressed run through the planner to the wire (one strided entry of a
+        vectored request), so prepare, post and repost cost nothing per piece. Otherwise the rows
+        are expanded and prepared as `initialize_xfer` would."""
+        if self._stale:
+            self._refuse_stale(peer)
+        arrs = []
+        for side, a in (("local", local), ("remote", remote)):
+            a = np.asarray(a)
+            if a.ndim != 2 or a.shape[1] != 5 or a.dtype.kind not in "ui":
+                raise InvalidArgumentError(f"{side} strided descriptors must be an Nx5 integer array")
+            if a.dtype.kind == "i" and len(a) and a.min() < 0:
+                raise InvalidArgumentError(f"{side} strided descriptors must not be negative")
+            arrs.append(np.ascontiguousarray(a, dtype=np.uint64))
+        lo, re = arrs
+        h = self._core.prepare_strided(str(op), lo.ctypes.data, len(lo), re.ctypes.data, len(re), peer, bytes(notif or b""))
+        op = str(op).upper()
+        acct = self._xstats.get((peer, op))
+        if acct is None:
+            acct = self._xstats.setdefault((peer, op), [0, 0, 0])
+            self._peers[peer] = None
+        return XferHandle(h, op, peer, acct)
+
     def prep_xfer_dlist(self, peer: str, descs: Any, mem_type: str | None = None) -> PreppedDescs:
         d = make_descs(descs, mem_type)
         if peer and peer != "NIXL_INIT_AGENT" and not self.check_remote_metadata(peer):
