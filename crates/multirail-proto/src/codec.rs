@@ -995,7 +995,8 @@ mod tests {
         long.push(0);
         assert!(Body::decode(Kind::UcxReady, &long).is_err());
         // An unknown role byte.
-        let mut hello = Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
+        let mut hello =
+            Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
         hello[HEADER_LEN + 2] = 5;
         assert_eq!(Body::decode(Kind::Hello, &hello[HEADER_LEN..]), Err(DecodeError::Malformed("unknown role")));
     }

@@ -252,7 +252,15 @@ fn rest(runs: &[Run], cur: Cursor) -> Vec<Run> {
     let mut elem = cur.elem;
     if cur.skip > 0 {
         let at = r.piece(elem);
-        out.push(Run { local: at.local + cur.skip, offset: at.offset + cur.skip, len: r.len - cur.skip, count: 1, lstride: 0, rstride: 0, ..*r });
+        out.push(Run {
+            local: at.local + cur.skip,
+            offset: at.offset + cur.skip,
+            len: r.len - cur.skip,
+            count: 1,
+            lstride: 0,
+            rstride: 0,
+            ..*r
+        });
         elem += 1;
     }
     if elem < r.count {
@@ -1368,7 +1376,10 @@ mod tests {
             p.handle_done(c.id, now);
         }
         let c = &chunks[2];
-        assert_eq!(c.vec.as_deref(), Some(&[Run { local: 1 << 30, region: 1, offset: 1 << 30, len: 4096, count: 256, lstride: 8192, rstride: 12288 }][..]));
+        assert_eq!(
+            c.vec.as_deref(),
+            Some(&[Run { local: 1 << 30, region: 1, offset: 1 << 30, len: 4096, count: 256, lstride: 8192, rstride: 12288 }][..])
+        );
         p.handle_done(c.id, now);
         assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(1))));
         p.set_vectored(r, false);

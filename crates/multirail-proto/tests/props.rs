@@ -250,7 +250,13 @@ fn packer_runs() -> impl Strategy<Value = Vec<Run>> {
         rows.into_iter()
             .map(|(region, len, count, lgap, rgap, contiguous)| {
                 let lstride = if count == 1 { 0 } else { len + lgap };
-                let rstride = if count == 1 { 0 } else if contiguous { len } else { len + rgap };
+                let rstride = if count == 1 {
+                    0
+                } else if contiguous {
+                    len
+                } else {
+                    len + rgap
+                };
                 let r = Run { local, region, offset: off[region as usize], len, count, lstride, rstride };
                 local += len * count + lgap * count + 1;
                 off[region as usize] += len * count + rgap * count + 7;
@@ -538,9 +544,8 @@ fn remote_op() -> impl Strategy<Value = RemoteOp> {
 
 /// A valid vectored request: 1..40 entries, some strided, within every bound.
 fn vec_op() -> impl Strategy<Value = VecOp> {
-    let piece = (0u64..1 << 50, 1u64..1 << 16, prop_oneof![Just(1u64), 2u64..64], 0u64..1 << 12).prop_map(|(offset, len, count, gap)| {
-        VecPiece { offset, len, count, stride: if count == 1 { 0 } else { len + gap } }
-    });
+    let piece = (0u64..1 << 50, 1u64..1 << 16, prop_oneof![Just(1u64), 2u64..64], 0u64..1 << 12)
+        .prop_map(|(offset, len, count, gap)| VecPiece { offset, len, count, stride: if count == 1 { 0 } else { len + gap } });
     (any::<u64>(), any::<[u8; 16]>(), prop::collection::vec(piece, 1..40)).prop_map(|(region, key, pieces)| VecOp {
         region,
         key: RegionKey(key),
@@ -659,7 +664,16 @@ fn write_fuzz_corpus() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
     let op = RemoteOp { region: 7, key: RegionKey([0x5a; 16]), offset: 4096, len: MIB };
     let frames: Vec<(&str, Body)> = vec![
-        ("hello", Body::Hello { version: multirail_proto::codec::HELLO_VERSION, role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] }),
+        (
+            "hello",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::Data,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [3; 16],
+            },
+        ),
         ("challenge", Body::Challenge { auth_required: true, incarnation: 9, nonce: [1; 16], name: "decode-1".into() }),
         ("auth", Body::Auth { mac: [2; 32] }),
         ("welcome", Body::Welcome { mac: [4; 32] }),
@@ -697,7 +711,16 @@ fn write_fuzz_corpus() {
         ("meta", Body::Meta(sample_meta().encode())),
         ("metaput", Body::MetaPut(sample_meta().encode())),
         ("error", Body::Error { status: Status::VersionMismatch, msg: "peer speaks 2".into() }),
-        ("hello_ucx", Body::Hello { version: multirail_proto::codec::HELLO_VERSION, role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [6; 16] }),
+        (
+            "hello_ucx",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::UcxSession,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [6; 16],
+            },
+        ),
         ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170] }),
         (
             "ucxready",
@@ -725,7 +748,16 @@ fn write_fuzz_corpus() {
                 alloc_len: 2 << 20,
             }]),
         ),
-        ("hello_ipcwatch", Body::Hello { version: multirail_proto::codec::HELLO_VERSION, role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [9; 16] }),
+        (
+            "hello_ipcwatch",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::IpcWatch,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [9; 16],
+            },
+        ),
         ("ipcrevoke", Body::IpcRevoke(vec![1, 2, 0x7fff_ffff_ffff])),
         ("ipcreleased", Body::IpcReleased(vec![1, 2, 0x7fff_ffff_ffff])),
     ];

@@ -847,7 +847,11 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
     // READ into GPU memory lands through the bounce pool, after the header.
     // A vectored READ's payload is scattered into its pieces after the header.
     let head = |c: &Conn| {
-        c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.chunk.vec.clone(), f.xfer.op, f.xfer.local_dev(f.chunk.piece.local)))
+        c.inflight
+            .lock()
+            .expect("conn lock")
+            .front()
+            .map(|f| (f.chunk.piece, f.chunk.vec.clone(), f.xfer.op, f.xfer.local_dev(f.chunk.piece.local)))
     };
     let front = head(c);
     let dst = match &front {

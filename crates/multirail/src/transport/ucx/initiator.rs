@@ -295,9 +295,8 @@ impl UcxRail {
             let (mem, off) = match hit {
                 Some((b, _, m)) => (m.clone(), (local - b) as usize),
                 None => {
-                    let (mem, off) = find_local(&self.maps, self.local_rail, local, len).ok_or_else(|| {
-                        format!("{op}: local range {local:#x} + {len} is not inside memory registered with this agent")
-                    })?;
+                    let (mem, off) = find_local(&self.maps, self.local_rail, local, len)
+                        .ok_or_else(|| format!("{op}: local range {local:#x} + {len} is not inside memory registered with this agent"))?;
                     let base = local - off as u64;
                     last = Some((base, base + mem.len() as u64, mem.clone()));
                     (mem, off)
