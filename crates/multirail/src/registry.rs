@@ -191,9 +191,10 @@ mod tests {
         let op = |pieces| VecOp { region: r.id, key: r.key, pieces };
         assert!(reg.check_vec(&op(vec![p(0, 4096, 1, 0), p(4096, 4096, 15, 4096)]), true).is_ok());
         // The last piece of a strided entry ends exactly at the region's end, then one past it.
-        assert!(reg.check_vec(&op(vec![p(0, 8, 1, 0), p(8192, 4096, 8, 7168)]), false).is_ok());
-        let past = op(vec![p(0, 8, 1, 0), p(8192, 4096, 8, 7169)]);
-        assert_eq!(reg.check_vec(&past, false).unwrap_err().0, Status::OutOfBounds);
+        assert!(reg.check_vec(&op(vec![p(0, 8, 1, 0), p(4096, 4096, 8, 8192)]), false).is_ok());
+        for past in [p(4097, 4096, 8, 8192), p(4096, 4096, 8, 8193), p(4096, 4097, 8, 8192)] {
+            assert_eq!(reg.check_vec(&op(vec![p(0, 8, 1, 0), past]), false).unwrap_err().0, Status::OutOfBounds);
+        }
         assert_eq!(reg.check_vec(&op(vec![p(u64::MAX, 2, 1, 0)]), false).unwrap_err().0, Status::OutOfBounds);
         assert_eq!(reg.check_vec(&op(vec![p(0, 1, u64::MAX, u64::MAX)]), false).unwrap_err().0, Status::OutOfBounds);
         let bad = VecOp { key: RegionKey([0; 16]), ..op(vec![p(0, 1, 1, 0)]) };
