@@ -13,6 +13,7 @@ import struct
 VERSION = 1
 HELLO, CHALLENGE, AUTH, WELCOME = 1, 2, 3, 4
 READ_REQ, WRITE_REQ, NOTIF, PING, FENCE = 10, 11, 12, 13, 14
+READ_VREQ, WRITE_VREQ = 15, 16
 RESP, META_GET, META, META_PUT, ERROR = 20, 30, 31, 32, 40
 STATUS = {0: "Ok", 1: "UnknownRegion", 2: "BadKey", 3: "OutOfBounds", 4: "ReadOnly", 5: "TooLarge",
           6: "Malformed", 7: "VersionMismatch", 8: "AuthFailed", 9: "Unexpected", 10: "Busy", 11: "Internal"}
@@ -50,12 +51,12 @@ def parse_status(body: bytes) -> tuple[str, int, str]:
 
 
 def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1",
-            nonce: bytes | None = None) -> socket.socket:
+            nonce: bytes | None = None, hello_version: int = VERSION) -> socket.socket:
     """Open a connection and complete an unauthenticated handshake. `nonce` (16 bytes, random
     by default) is the connection's id for FENCE."""
     s = socket.create_connection((host, port), timeout=5)
     nb = name.encode()
-    body = struct.pack("<HBQH", VERSION, role, 1234, len(nb)) + nb + (nonce if nonce is not None else os.urandom(16))
+    body = struct.pack("<HBQH", hello_version, role, 1234, len(nb)) + nb + (nonce if nonce is not None else os.urandom(16))
     s.sendall(frame(HELLO, body))
     kind, _, b = read_frame(s)
     assert kind == CHALLENGE, kind
@@ -67,6 +68,15 @@ def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1"
 
 def fence_body(ids: list[bytes]) -> bytes:
     return struct.pack("<H", len(ids)) + b"".join(ids)
+
+
+def vec_body(region: int, key: bytes, pieces: list[tuple[int, int, int, int]]) -> bytes:
+    """A ReadVReq / WriteVReq body: pieces (offset, len, count, stride); the stride is on the
+    wire only when count != 1."""
+    out = struct.pack("<Q", region) + key + struct.pack("<I", len(pieces))
+    for off, ln, count, stride in pieces:
+        out += struct.pack("<QII", off, ln, count) + (struct.pack("<Q", stride) if count != 1 else b"")
+    return out
 
 
 def op_body(region: int, key: bytes, offset: int, length: int) -> bytes:

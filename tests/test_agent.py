@@ -506,6 +506,61 @@ def test_forged_requests_on_the_wire(pair):
     assert np.array_equal(src, keep)
 
 
+def test_forged_vectored_requests_on_the_wire(pair):
+    """Issue 22: vectored READ/WRITE (Hello v2) from a raw client written from
+    docs/PROTOCOL.md: pieces land and come back as the document says; a piece past the region,
+    a wrong key or a read-only region is refused before anything is touched, the refused
+    WRITE's payload drained and the connection kept; malformed piece tables close it."""
+    t, i = pair
+    src = pattern(1 << 16)
+    t.register_memory(src)
+    r = rawpeer.parse_regions(t.get_agent_metadata())[0]
+    s = rawpeer.connect(t.port, hello_version=2)
+    # WRITE 3 strided 100-byte pieces and one plain piece, then READ them back in one stream.
+    pieces = [(1000, 100, 3, 4096), (60000, 7, 1, 0)]
+    data = bytes(range(256))[:107] * 3
+    data = data[:307]
+    s.sendall(rawpeer.frame(rawpeer.WRITE_VREQ, rawpeer.vec_body(r["id"], r["key"], pieces), 1) + data)
+    k, req, b = rawpeer.read_frame(s)
+    assert (k, req, rawpeer.parse_status(b)[:2]) == (rawpeer.RESP, 1, ("Ok", 0))
+    got = b"".join(src[o + j * st:o + j * st + n].tobytes() for o, n, c, st in pieces for j in range(c))
+    assert got == data
+    s.sendall(rawpeer.frame(rawpeer.READ_VREQ, rawpeer.vec_body(r["id"], r["key"], pieces), 2))
+    k, req, b = rawpeer.read_frame(s)
+    assert rawpeer.parse_status(b)[:2] == ("Ok", 307) and rawpeer.recv_exact(s, 307) == data
+    keep = src.copy()
+    # Refused: the last strided piece ends one byte past the region; a wrong key. The WRITEs'
+    # payloads are drained and nothing lands.
+    past = [(0, 8, 1, 0), ((1 << 16) - 4096 * 3, 4096, 2, 4097 * 1 + 4096)]
+    for n, (body, ln, want) in enumerate([
+        (rawpeer.vec_body(r["id"], r["key"], past), 8 + 8192, "OutOfBounds"),
+        (rawpeer.vec_body(r["id"], bytes(16), [(0, 64, 1, 0)]), 64, "BadKey"),
+        (rawpeer.vec_body(r["id"] + 99, r["key"], [(0, 64, 1, 0)]), 64, "UnknownRegion"),
+    ]):
+        s.sendall(rawpeer.frame(rawpeer.WRITE_VREQ, body, 10 + n) + b"\xEE" * ln)
+        k, req, b = rawpeer.read_frame(s)
+        assert (k, req, rawpeer.parse_status(b)[0]) == (rawpeer.RESP, 10 + n, want)
+        s.sendall(rawpeer.frame(rawpeer.READ_VREQ, body, 20 + n))
+        k, req, b = rawpeer.read_frame(s)
+        assert (k, req, rawpeer.parse_status(b)[:2]) == (rawpeer.RESP, 20 + n, (want, 0))
+    assert np.array_equal(src, keep)
+    s.close()
+    # Malformed tables close the connection: no entries, a zero-length piece, overlapping
+    # strided pieces, more entries than the body holds.
+    for body in (
+        rawpeer.vec_body(r["id"], r["key"], []),
+        rawpeer.vec_body(r["id"], r["key"], [(0, 0, 1, 0)]),
+        rawpeer.vec_body(r["id"], r["key"], [(0, 64, 2, 32)]),
+        rawpeer.vec_body(r["id"], r["key"], [(0, 64, 1, 0)])[:-4],
+    ):
+        s = rawpeer.connect(t.port, hello_version=2)
+        s.sendall(rawpeer.frame(rawpeer.READ_VREQ, body, 3))
+        k, _, b = rawpeer.read_frame(s)
+        assert k == rawpeer.ERROR and rawpeer.parse_status(b)[0] in ("Malformed", "TooLarge"), (k, b)
+        s.close()
+    assert np.array_equal(src, keep)
+
+
 @pytest.mark.parametrize("port_kind", ["side", "data"])
 @pytest.mark.parametrize(
     "name,payload,expect",

@@ -96,6 +96,9 @@ class AgentConfig:
     IPC handle (which exposes the whole allocation holding the region to that authenticated
     peer: docs/SECURITY.md); a target with False hands out no handles. Falls back to staging
     over the rails, with the reason in `peer_counters()["ipc_fallback_reason"]`.
+    vectored: vectored requests (default True): many pages of one remote region per request,
+    packed by bytes up to chunk_size, over tcp to peers that speak them (docs/PROTOCOL.md).
+    False sends one request per contiguous piece, as before (a baseline for benchmarks).
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -123,6 +126,7 @@ class AgentConfig:
     staging_buffers: int = 4
     staging_buffer_size: int = 1 << 20
     gpu_ipc: bool = True
+    vectored: bool = True
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -572,7 +576,7 @@ class Agent:
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), transport,
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
             bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
-            int(cfg.fallback_max_switches),
+            int(cfg.fallback_max_switches), bool(cfg.vectored),
         )
         if {transport, *rail_transports} & {"ucx", "auto"}:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with
@@ -796,6 +800,33 @@ class Agent:
         op = str(op).upper()
         acct = self._xstats.get((peer, op))
         if acct is None:  # setdefault: two threads preparing at once share one cell
+            acct = self._xstats.setdefault((peer, op), [0, 0, 0])
+            self._peers[peer] = None
+        return XferHandle(h, op, peer, acct)
+
+    def initialize_xfer_strided(self, op: str, local: Any, remote: Any, peer: str, notif: bytes = b"") -> XferHandle:
+        """`initialize_xfer` from strided descriptors: two Nx5 integer arrays of rows (address,
+        len, device, stride, count), each row `count` pieces of `len` bytes at `address + k *
+        stride` (NIXL 1.5's strided form). Row i of each side pairs with row i of the other;
+        when their len and count match and each row's span lies in one host region, the row
+        stays one compressed run through the planner to the wire (one strided entry of a
+        vectored request), so prepare, post and repost cost nothing per piece. Otherwise the rows
+        are expanded and prepared as `initialize_xfer` would."""
+        if self._stale:
+            self._refuse_stale(peer)
+        arrs = []
+        for side, a in (("local", local), ("remote", remote)):
+            a = np.asarray(a)
+            if a.ndim != 2 or a.shape[1] != 5 or a.dtype.kind not in "ui":
+                raise InvalidArgumentError(f"{side} strided descriptors must be an Nx5 integer array")
+            if a.dtype.kind == "i" and len(a) and a.min() < 0:
+                raise InvalidArgumentError(f"{side} strided descriptors must not be negative")
+            arrs.append(np.ascontiguousarray(a, dtype=np.uint64))
+        lo, re = arrs
+        h = self._core.prepare_strided(str(op), lo.ctypes.data, len(lo), re.ctypes.data, len(re), peer, bytes(notif or b""))
+        op = str(op).upper()
+        acct = self._xstats.get((peer, op))
+        if acct is None:
             acct = self._xstats.setdefault((peer, op), [0, 0, 0])
             self._peers[peer] = None
         return XferHandle(h, op, peer, acct)

@@ -15,6 +15,21 @@ pub const MAGIC: [u8; 2] = *b"MR";
 /// The protocol version this build speaks. A peer with another version gets
 /// [`Status::VersionMismatch`] and the connection is closed.
 pub const VERSION: u8 = 1;
+/// The newest `Hello` version this build speaks (the header byte stays [`VERSION`]). Version 2
+/// adds the vectored requests (`ReadVReq`, `WriteVReq`); a server accepts `Hello` versions 1
+/// and 2, and a client that offers 2 to an older server (answered `Error(VersionMismatch)`)
+/// dials again with 1 and sends no vectored request on that connection.
+pub const HELLO_VERSION: u16 = 2;
+/// The first `Hello` version whose connections may carry `ReadVReq` / `WriteVReq`.
+pub const HELLO_VECTORED: u16 = 2;
+/// Most piece entries in one vectored request (an entry is one piece or one strided run).
+pub const MAX_VEC_ENTRIES: usize = 16384;
+/// Most pieces one vectored request names once its strided entries are counted out (the
+/// target copies or sends each piece on its own).
+pub const MAX_VEC_PIECES: u64 = 1 << 16;
+/// Largest encoded piece entry: u64 offset, u32 len, u32 count, u64 stride (the stride only
+/// when count > 1).
+const VEC_ENTRY_MAX: usize = 8 + 4 + 4 + 8;
 pub const HEADER_LEN: usize = 16;
 /// Largest bulk payload one request may carry.
 pub const MAX_CHUNK: u64 = 64 << 20;
@@ -62,6 +77,12 @@ pub enum Kind {
     Welcome = 4,
     ReadReq = 10,
     WriteReq = 11,
+    /// Client -> server (`Hello` version >= 2): READ many pieces of one region; a successful
+    /// `Resp` carries them back to back as one bulk stream.
+    ReadVReq = 15,
+    /// Client -> server (`Hello` version >= 2): WRITE many pieces of one region; followed by
+    /// the pieces' bytes back to back.
+    WriteVReq = 16,
     Notif = 12,
     Ping = 13,
     /// Client -> server: stop applying anything from the listed connections of this peer (by
@@ -107,6 +128,8 @@ impl Kind {
             4 => Welcome,
             10 => ReadReq,
             11 => WriteReq,
+            15 => ReadVReq,
+            16 => WriteVReq,
             12 => Notif,
             13 => Ping,
             14 => Fence,
@@ -135,6 +158,7 @@ impl Kind {
             Auth => 32,
             Welcome => 32,
             ReadReq | WriteReq => 8 + 16 + 8 + 8,
+            ReadVReq | WriteVReq => 8 + 16 + 4 + VEC_ENTRY_MAX * MAX_VEC_ENTRIES,
             Notif => MAX_NOTIF,
             Ping => 0,
             Fence => 2 + 16 * MAX_FENCE,
@@ -316,10 +340,50 @@ pub struct RemoteOp {
     pub len: u64,
 }
 
+/// One entry of a vectored request: `count` pieces of `len` bytes, piece `k` at
+/// `offset + k * stride` of the region (`stride` is 0 and unused when `count` is 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VecPiece {
+    pub offset: u64,
+    pub len: u64,
+    pub count: u64,
+    pub stride: u64,
+}
+
+impl VecPiece {
+    /// Bytes of all its pieces (bounded at decode: at most [`MAX_CHUNK`] in a request).
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count)
+    }
+
+    /// One past the last byte it touches, or None on overflow.
+    pub fn end(&self) -> Option<u64> {
+        self.count.checked_sub(1)?.checked_mul(self.stride)?.checked_add(self.offset)?.checked_add(self.len)
+    }
+}
+
+/// A vectored one-sided request: many pieces of one region (at most [`MAX_VEC_ENTRIES`]
+/// entries, [`MAX_VEC_PIECES`] pieces and [`MAX_CHUNK`] bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VecOp {
+    pub region: u64,
+    pub key: RegionKey,
+    pub pieces: Vec<VecPiece>,
+}
+
+impl VecOp {
+    /// Bytes of all pieces: the bulk length of the request (WRITE) or its answer (READ).
+    pub fn total(&self) -> u64 {
+        self.pieces.iter().map(|p| p.bytes()).sum()
+    }
+}
+
 /// Decoded message bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Body {
     Hello {
+        /// The `Hello` version offered (1 or [`HELLO_VERSION`]).
+        version: u16,
         role: Role,
         incarnation: u64,
         name: String,
@@ -340,6 +404,9 @@ pub enum Body {
     ReadReq(RemoteOp),
     /// Followed on the wire by `op.len` bulk bytes.
     WriteReq(RemoteOp),
+    ReadVReq(VecOp),
+    /// Followed on the wire by `op.total()` bulk bytes, the pieces in order.
+    WriteVReq(VecOp),
     Notif(Vec<u8>),
     Ping,
     /// Hello nonces of this peer's connections to fence (at most [`MAX_FENCE`]).
@@ -395,6 +462,8 @@ impl Body {
             Body::Welcome { .. } => Kind::Welcome,
             Body::ReadReq(_) => Kind::ReadReq,
             Body::WriteReq(_) => Kind::WriteReq,
+            Body::ReadVReq(_) => Kind::ReadVReq,
+            Body::WriteVReq(_) => Kind::WriteVReq,
             Body::Notif(_) => Kind::Notif,
             Body::Ping => Kind::Ping,
             Body::Fence(_) => Kind::Fence,
@@ -418,8 +487,8 @@ impl Body {
         let mut out = Vec::with_capacity(HEADER_LEN + 64);
         out.extend_from_slice(&[0u8; HEADER_LEN]);
         match self {
-            Body::Hello { role, incarnation, name, nonce } => {
-                out.extend_from_slice(&(VERSION as u16).to_le_bytes());
+            Body::Hello { version, role, incarnation, name, nonce } => {
+                out.extend_from_slice(&version.to_le_bytes());
                 out.push(*role as u8);
                 out.extend_from_slice(&incarnation.to_le_bytes());
                 put_str16(&mut out, truncate(name, MAX_NAME));
@@ -437,6 +506,22 @@ impl Body {
                 out.extend_from_slice(&op.key.0);
                 out.extend_from_slice(&op.offset.to_le_bytes());
                 out.extend_from_slice(&op.len.to_le_bytes());
+            }
+            Body::ReadVReq(op) | Body::WriteVReq(op) => {
+                // The caller keeps within the bounds (the planner cuts chunks to them); a
+                // request over them is refused by the peer, never truncated here.
+                out.reserve(8 + 16 + 4 + 16 * op.pieces.len());
+                out.extend_from_slice(&op.region.to_le_bytes());
+                out.extend_from_slice(&op.key.0);
+                out.extend_from_slice(&(op.pieces.len() as u32).to_le_bytes());
+                for p in &op.pieces {
+                    out.extend_from_slice(&p.offset.to_le_bytes());
+                    out.extend_from_slice(&(p.len as u32).to_le_bytes());
+                    out.extend_from_slice(&(p.count as u32).to_le_bytes());
+                    if p.count != 1 {
+                        out.extend_from_slice(&p.stride.to_le_bytes());
+                    }
+                }
             }
             Body::Notif(b) | Body::Meta(b) | Body::MetaPut(b) => out.extend_from_slice(b),
             Body::Ping | Body::MetaGet => {}
@@ -533,9 +618,9 @@ impl Body {
         let mut r = Reader::new(body);
         let b = match kind {
             Kind::Hello => {
-                let v = r.u16()?;
-                if v != VERSION as u16 {
-                    return Err(DecodeError::VersionMismatch { got: v.min(255) as u8, want: VERSION });
+                let version = r.u16()?;
+                if !(1..=HELLO_VERSION).contains(&version) {
+                    return Err(DecodeError::VersionMismatch { got: version.min(255) as u8, want: HELLO_VERSION as u8 });
                 }
                 let role = match r.u8()? {
                     1 => Role::Control,
@@ -547,7 +632,15 @@ impl Body {
                 let incarnation = r.u64()?;
                 let name = r.str16("name bytes", MAX_NAME)?;
                 let nonce = r.array()?;
-                Body::Hello { role, incarnation, name, nonce }
+                Body::Hello { version, role, incarnation, name, nonce }
+            }
+            Kind::ReadVReq | Kind::WriteVReq => {
+                let op = decode_vec(&mut r)?;
+                if kind == Kind::ReadVReq {
+                    Body::ReadVReq(op)
+                } else {
+                    Body::WriteVReq(op)
+                }
             }
             Kind::Challenge => {
                 let auth_required = match r.u8()? {
@@ -681,6 +774,51 @@ impl Body {
     }
 }
 
+/// The body of a vectored request. Every entry is checked for shape here (a length and a
+/// count of at least 1, a stride for a count over 1 that keeps the pieces from overlapping)
+/// and the totals against the bounds, before anything is allocated for more than the entries
+/// the body holds; the target checks each entry against its region before forming a pointer.
+fn decode_vec(r: &mut Reader<'_>) -> Result<VecOp, DecodeError> {
+    let region = r.u64()?;
+    let key = RegionKey(r.array()?);
+    let n = r.u32()? as usize;
+    if n > MAX_VEC_ENTRIES {
+        return Err(DecodeError::TooMany { what: "vectored request entries", n: n as u64, max: MAX_VEC_ENTRIES as u64 });
+    }
+    if n == 0 {
+        return Err(DecodeError::Malformed("vectored request with no pieces"));
+    }
+    let mut pieces = Vec::with_capacity(n.min(r.remaining() / 16));
+    let (mut bytes, mut count) = (0u64, 0u64);
+    for _ in 0..n {
+        let offset = r.u64()?;
+        let len = r.u32()? as u64;
+        let k = r.u32()? as u64;
+        if len == 0 || k == 0 {
+            return Err(DecodeError::Malformed("vectored piece of no bytes"));
+        }
+        let stride = if k == 1 { 0 } else { r.u64()? };
+        if k > 1 && stride < len {
+            return Err(DecodeError::Malformed("strided pieces overlap"));
+        }
+        count += k;
+        if count > MAX_VEC_PIECES {
+            return Err(DecodeError::TooMany { what: "pieces in one request", n: count, max: MAX_VEC_PIECES });
+        }
+        // count <= 2^20 and len < 2^32: no overflow.
+        bytes += len * k;
+        if bytes > MAX_CHUNK {
+            return Err(DecodeError::TooMany { what: "bytes in one request", n: bytes, max: MAX_CHUNK });
+        }
+        let p = VecPiece { offset, len, count: k, stride };
+        if p.end().is_none() {
+            return Err(DecodeError::Malformed("vectored piece past the end of the address space"));
+        }
+        pieces.push(p);
+    }
+    Ok(VecOp { region, key, pieces })
+}
+
 /// A u32-length-prefixed byte string.
 fn put_blob32(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u32).to_le_bytes());
@@ -722,7 +860,7 @@ mod tests {
     #[test]
     fn every_kind_round_trips() {
         let op = RemoteOp { region: 7, key: RegionKey([9; 16]), offset: 4096, len: 1 << 20 };
-        roundtrip(Body::Hello { role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
+        roundtrip(Body::Hello { version: HELLO_VERSION, role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
         roundtrip(Body::Challenge { auth_required: true, incarnation: 1, nonce: [1; 16], name: "decode".into() });
         roundtrip(Body::Auth { mac: [2; 32] });
         roundtrip(Body::Welcome { mac: [4; 32] });
@@ -747,11 +885,11 @@ mod tests {
         roundtrip(Body::IpcRevoke(vec![]));
         roundtrip(Body::IpcRevoke(vec![3, u64::MAX]));
         roundtrip(Body::IpcReleased(vec![3]));
-        roundtrip(Body::Hello { role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
+        roundtrip(Body::Hello { version: HELLO_VERSION, role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
         roundtrip(Body::IpcHandles(vec![]));
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
-        roundtrip(Body::Hello { role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
+        roundtrip(Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
         roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300] });
         roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![] });
         roundtrip(Body::UcxReady {
@@ -763,6 +901,65 @@ mod tests {
         });
         roundtrip(Body::UcxRkeys(vec![]));
         roundtrip(Body::UcxRkeys(vec![1, u64::MAX]));
+    }
+
+    #[test]
+    fn vectored_requests_round_trip_and_are_bounded() {
+        let key = RegionKey([5; 16]);
+        let pieces = vec![
+            VecPiece { offset: 0, len: 4096, count: 1, stride: 0 },
+            VecPiece { offset: 1 << 20, len: 8192, count: 100, stride: 16384 },
+        ];
+        let op = VecOp { region: 3, key, pieces };
+        assert_eq!(op.total(), 4096 + 819200);
+        roundtrip(Body::ReadVReq(op.clone()));
+        roundtrip(Body::WriteVReq(op.clone()));
+        // An old peer's Hello (version 1) is still understood; version 3 is not.
+        roundtrip(Body::Hello { version: 1, role: Role::Data, incarnation: 1, name: "old".into(), nonce: [0; 16] });
+        let v3 = Body::Hello { version: 3, role: Role::Data, incarnation: 1, name: "new".into(), nonce: [0; 16] }.encode(0);
+        assert!(matches!(Body::decode(Kind::Hello, &v3[HEADER_LEN..]), Err(DecodeError::VersionMismatch { .. })));
+        // Every truncation and a trailing byte are refused.
+        let bytes = Body::WriteVReq(op.clone()).encode(0);
+        let body = &bytes[HEADER_LEN..];
+        for cut in 0..body.len() {
+            assert!(Body::decode(Kind::WriteVReq, &body[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(Body::decode(Kind::WriteVReq, &long).is_err());
+        let dec = |pieces: Vec<VecPiece>| {
+            let b = Body::ReadVReq(VecOp { region: 1, key, pieces }).encode(0);
+            Body::decode(Kind::ReadVReq, &b[HEADER_LEN..])
+        };
+        // Empty lists, empty pieces, overlapping strides, overflowing ends.
+        assert!(matches!(dec(vec![]), Err(DecodeError::Malformed(_))));
+        assert!(matches!(dec(vec![VecPiece { offset: 0, len: 0, count: 1, stride: 0 }]), Err(DecodeError::Malformed(_))));
+        assert!(matches!(dec(vec![VecPiece { offset: 0, len: 8, count: 0, stride: 8 }]), Err(DecodeError::Malformed(_))));
+        assert!(matches!(dec(vec![VecPiece { offset: 0, len: 8, count: 2, stride: 4 }]), Err(DecodeError::Malformed(_))));
+        assert!(matches!(dec(vec![VecPiece { offset: u64::MAX - 4, len: 8, count: 1, stride: 0 }]), Err(DecodeError::Malformed(_))));
+        assert!(matches!(dec(vec![VecPiece { offset: 0, len: 8, count: 3, stride: u64::MAX / 2 }]), Err(DecodeError::Malformed(_))));
+        // Over the byte, piece and entry bounds.
+        let big = VecPiece { offset: 0, len: 1 << 20, count: 65, stride: 1 << 20 };
+        assert!(matches!(dec(vec![big]), Err(DecodeError::TooMany { .. })));
+        let tiny = VecPiece { offset: 0, len: 1, count: MAX_VEC_PIECES + 1, stride: 1 };
+        assert!(matches!(dec(vec![tiny]), Err(DecodeError::TooMany { .. })));
+        let one = VecPiece { offset: 0, len: 1, count: 1, stride: 0 };
+        let full = Body::ReadVReq(VecOp { region: 1, key, pieces: vec![one; MAX_VEC_ENTRIES] }).encode(0);
+        assert!(Body::decode(Kind::ReadVReq, &full[HEADER_LEN..]).is_ok());
+        let mut over = 1u64.to_le_bytes().to_vec();
+        over.extend([0u8; 16]);
+        over.extend(((MAX_VEC_ENTRIES + 1) as u32).to_le_bytes());
+        assert!(matches!(Body::decode(Kind::ReadVReq, &over), Err(DecodeError::TooMany { .. })));
+        // A count that promises more entries than the body holds.
+        let mut short = 1u64.to_le_bytes().to_vec();
+        short.extend([0u8; 16]);
+        short.extend(1000u32.to_le_bytes());
+        short.extend([1u8; 16]);
+        assert!(matches!(Body::decode(Kind::ReadVReq, &short), Err(DecodeError::Truncated { .. })));
+        // The largest body (every entry strided) fits the kind's bound.
+        let s = VecPiece { offset: 0, len: 1, count: 2, stride: 1 };
+        let widest = Body::WriteVReq(VecOp { region: 1, key, pieces: vec![s; MAX_VEC_ENTRIES] }).encode(0);
+        assert_eq!(widest.len() - HEADER_LEN, Kind::WriteVReq.max_body());
     }
 
     #[test]
@@ -798,7 +995,8 @@ mod tests {
         long.push(0);
         assert!(Body::decode(Kind::UcxReady, &long).is_err());
         // An unknown role byte.
-        let mut hello = Body::Hello { role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
+        let mut hello =
+            Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 0, name: "a".into(), nonce: [0; 16] }.encode(0);
         hello[HEADER_LEN + 2] = 5;
         assert_eq!(Body::decode(Kind::Hello, &hello[HEADER_LEN..]), Err(DecodeError::Malformed("unknown role")));
     }
@@ -912,7 +1110,7 @@ mod tests {
             x ^= x << 17;
             let n = (x % 80) as usize;
             let bytes: Vec<u8> = (0..n).map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8).collect();
-            for k in [1u8, 2, 3, 4, 10, 11, 12, 13, 14, 20, 30, 31, 32, 40, 50, 51, 52, 53, 54, 55, 56] {
+            for k in [1u8, 2, 3, 4, 10, 11, 15, 16, 12, 13, 14, 20, 30, 31, 32, 40, 50, 51, 52, 53, 54, 55, 56] {
                 let _ = Body::decode(Kind::from_u8(k).unwrap(), &bytes);
             }
             if bytes.len() >= HEADER_LEN {

@@ -55,7 +55,10 @@
 //! docs/planner.md has the details and the simulator results that chose the defaults.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::codec::{MAX_VEC_ENTRIES, MAX_VEC_PIECES};
 
 pub type RailId = usize;
 
@@ -83,23 +86,214 @@ pub struct Pair {
     pub len: u64,
 }
 
-impl Pair {
-    fn split_front(&mut self, n: u64) -> Pair {
-        let head = Pair { len: n, ..*self };
-        self.local += n;
-        self.offset += n;
-        self.len -= n;
-        head
+/// `count` pieces of `len` bytes each, all in remote region `region`: piece `k` is at local
+/// address `local + k * lstride` and remote offset `offset + k * rstride`. A [`Pair`] is a run
+/// of one piece; a strided descriptor list (NIXL's Nx5 rows, the native strided form) stays
+/// one run from prepare to the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub local: u64,
+    pub region: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub count: u64,
+    pub lstride: u64,
+    pub rstride: u64,
+}
+
+impl From<Pair> for Run {
+    fn from(p: Pair) -> Run {
+        Run { local: p.local, region: p.region, offset: p.offset, len: p.len, count: 1, lstride: 0, rstride: 0 }
     }
 }
 
+impl Run {
+    /// Bytes of all its pieces.
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count)
+    }
+
+    /// Piece `k` as a pair.
+    pub fn piece(&self, k: u64) -> Pair {
+        Pair {
+            local: self.local.wrapping_add(k.wrapping_mul(self.lstride)),
+            region: self.region,
+            offset: self.offset.wrapping_add(k.wrapping_mul(self.rstride)),
+            len: self.len,
+        }
+    }
+
+    /// Its pieces, in order.
+    pub fn pieces(&self) -> impl Iterator<Item = Pair> + '_ {
+        (0..self.count).map(|k| self.piece(k))
+    }
+}
+
+/// The wire's piece table for a vectored chunk's runs (all in one region): a run of one piece
+/// is one entry, a strided run one strided entry (one plain entry when contiguous on the remote
+/// side), and entries that continue each other on the remote side are merged. The local side
+/// does not matter here: the initiator gathers or scatters its own pieces.
+pub fn vec_pieces(runs: &[Run]) -> Vec<crate::codec::VecPiece> {
+    use crate::codec::VecPiece;
+    let mut out: Vec<VecPiece> = Vec::with_capacity(runs.len());
+    for r in runs {
+        let p = if r.count == 1 || r.rstride == r.len {
+            VecPiece { offset: r.offset, len: r.len * r.count, count: 1, stride: 0 }
+        } else {
+            VecPiece { offset: r.offset, len: r.len, count: r.count, stride: r.rstride }
+        };
+        match out.last_mut() {
+            Some(q) if p.count == 1 && q.count == 1 && q.offset + q.len == p.offset => q.len += p.len,
+            _ => out.push(p),
+        }
+    }
+    out
+}
+
 /// A unit of work handed to one rail.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// `piece` names the chunk's first byte (local address, region, offset) and its length in
+/// bytes. When `vec` is None the chunk is that one contiguous piece. Otherwise it is a vectored
+/// chunk (only handed to rails marked with [`Planner::set_vectored`]): `vec` lists its runs in
+/// order, all in `piece.region`, `piece.len` bytes in all, within the protocol's vectored
+/// bounds ([`MAX_VEC_ENTRIES`] runs, [`MAX_VEC_PIECES`] pieces).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chunk {
     pub xfer: XferId,
     pub id: ChunkId,
     pub rail: RailId,
     pub piece: Pair,
+    pub vec: Option<Arc<[Run]>>,
+}
+
+impl Chunk {
+    /// The chunk's pieces, in order.
+    pub fn pieces(&self) -> Vec<Pair> {
+        match &self.vec {
+            None => vec![self.piece],
+            Some(v) => v.iter().flat_map(|r| r.pieces()).collect(),
+        }
+    }
+}
+
+/// Work cut from a transfer: a chunk's contents (see [`Chunk`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Work {
+    piece: Pair,
+    vec: Option<Arc<[Run]>>,
+}
+
+/// A position in a run list: run `idx`, its piece `elem`, `skip` bytes into that piece.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cursor {
+    idx: usize,
+    elem: u64,
+    skip: u64,
+}
+
+/// Cut at most `max` bytes (at least one when any is left) from `runs` at `cur`, advancing it.
+/// With `vec` the cut takes pieces of one region while they fit, whole strided runs (or whole
+/// pieces of them) staying one run, within the vectored bounds; without, it is one contiguous
+/// piece. Returns the work and its length; None when nothing is left.
+fn cut(runs: &[Run], cur: &mut Cursor, max: u64, vec: bool) -> Option<Work> {
+    let mut out: Vec<Run> = Vec::new();
+    let (mut bytes, mut elems) = (0u64, 0u64);
+    let mut region = None;
+    while cur.idx < runs.len() && bytes < max {
+        let r = &runs[cur.idx];
+        if r.len == 0 || cur.elem >= r.count {
+            *cur = Cursor { idx: cur.idx + 1, elem: 0, skip: 0 };
+            continue;
+        }
+        if region.is_some_and(|g| g != r.region) {
+            break;
+        }
+        if !out.is_empty() && (!vec || out.len() >= MAX_VEC_ENTRIES || elems >= MAX_VEC_PIECES) {
+            break;
+        }
+        region = Some(r.region);
+        let room = max - bytes;
+        let at = r.piece(cur.elem);
+        if cur.skip > 0 || room < r.len || !vec || r.count == 1 {
+            let n = (r.len - cur.skip).min(room);
+            out.push(Run { local: at.local + cur.skip, offset: at.offset + cur.skip, len: n, count: 1, lstride: 0, rstride: 0, ..*r });
+            bytes += n;
+            elems += 1;
+            cur.skip += n;
+            if cur.skip == r.len {
+                cur.skip = 0;
+                cur.elem += 1;
+            }
+        } else {
+            let k = (r.count - cur.elem).min(room / r.len).min(MAX_VEC_PIECES - elems);
+            let run = if k == 1 { Run { count: 1, lstride: 0, rstride: 0, ..*r } } else { Run { count: k, ..*r } };
+            out.push(Run { local: at.local, offset: at.offset, ..run });
+            bytes += k * r.len;
+            elems += k;
+            cur.elem += k;
+        }
+        if cur.elem >= r.count {
+            *cur = Cursor { idx: cur.idx + 1, elem: 0, skip: 0 };
+        }
+        if !vec {
+            break;
+        }
+    }
+    let first = out.first()?;
+    let piece = Pair { local: first.local, region: first.region, offset: first.offset, len: bytes };
+    let vec = if out.len() == 1 && out[0].count == 1 { None } else { Some(Arc::from(out)) };
+    Some(Work { piece, vec })
+}
+
+/// What is left of `runs` from `cur` on.
+fn rest(runs: &[Run], cur: Cursor) -> Vec<Run> {
+    let mut out = Vec::new();
+    let Some(r) = runs.get(cur.idx) else { return out };
+    let mut elem = cur.elem;
+    if cur.skip > 0 {
+        let at = r.piece(elem);
+        out.push(Run {
+            local: at.local + cur.skip,
+            offset: at.offset + cur.skip,
+            len: r.len - cur.skip,
+            count: 1,
+            lstride: 0,
+            rstride: 0,
+            ..*r
+        });
+        elem += 1;
+    }
+    if elem < r.count {
+        let at = r.piece(elem);
+        out.push(Run { local: at.local, offset: at.offset, count: r.count - elem, ..*r });
+    }
+    out.extend_from_slice(&runs[cur.idx + 1..]);
+    out
+}
+
+impl Work {
+    fn runs(&self) -> Vec<Run> {
+        match &self.vec {
+            None => vec![Run::from(self.piece)],
+            Some(v) => v.to_vec(),
+        }
+    }
+
+    /// Cut the front (at most `max` bytes; one contiguous piece unless `vec`) off this work:
+    /// the head, and the rest as works within the vectored bounds (in order). None when all
+    /// of it goes as it is.
+    fn split_front(&self, max: u64, vec: bool) -> Option<(Work, Vec<Work>)> {
+        if self.piece.len <= max && (vec || self.vec.is_none()) {
+            return None;
+        }
+        let runs = self.runs();
+        let mut cur = Cursor::default();
+        let head = cut(&runs, &mut cur, max, vec).expect("work is never empty");
+        let left = rest(&runs, cur);
+        let mut c2 = Cursor::default();
+        let tail = std::iter::from_fn(|| cut(&left, &mut c2, u64::MAX, true)).collect();
+        Some((head, tail))
+    }
 }
 
 /// How chunks are assigned to rails. A named public type so callers and the bench can pick it.
@@ -209,6 +403,8 @@ pub struct RailStats {
 #[derive(Debug)]
 struct Rail {
     up: bool,
+    /// Takes vectored chunks ([`Planner::set_vectored`]).
+    vectored: bool,
     /// Estimated delivery rate, bytes/s: the seed until the first sample, then
     /// `est_bytes / est_secs`.
     rate: f64,
@@ -255,10 +451,16 @@ struct Rail {
 #[derive(Debug)]
 struct Xfer {
     id: XferId,
-    pairs: Vec<Pair>,
-    idx: usize,
+    /// Shared with the prepared handle: a post copies nothing per piece.
+    runs: Arc<[Run]>,
+    /// Where the next fresh chunk starts.
+    cur: Cursor,
+    /// Bytes of `runs` not cut yet.
+    fresh: u64,
+    /// Chunks of this transfer may be vectored (on rails that take them).
+    vectored: bool,
     /// Pieces to do again (their rail failed); served before new pieces.
-    retry: VecDeque<Pair>,
+    retry: VecDeque<Work>,
     unassigned: u64,
     inflight: usize,
     pinned: Option<RailId>,
@@ -378,15 +580,16 @@ fn trip_excess(in_flight: Duration, len: u64, rate: f64) -> Duration {
 
 impl Xfer {
     fn has_work(&self) -> bool {
-        !self.retry.is_empty() || self.idx < self.pairs.len()
+        !self.retry.is_empty() || self.fresh > 0
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct InFlight {
     xfer: XferId,
     rail: RailId,
     piece: Pair,
+    vec: Option<Arc<[Run]>>,
     issued: Instant,
     /// Issued while its rail had nothing in flight: it met no queue.
     idle_start: bool,
@@ -523,6 +726,7 @@ impl Planner {
         let rate = rate_hint.filter(|r| *r > 0.0).unwrap_or(self.cfg.default_rate);
         self.rails.push(Rail {
             up: true,
+            vectored: false,
             rate,
             est_bytes: 0.0,
             est_secs: 0.0,
@@ -576,10 +780,28 @@ impl Planner {
         self.xfers.is_empty() && self.inflight.is_empty()
     }
 
-    /// Queue a transfer. An empty transfer completes at once.
+    /// Queue a transfer of contiguous pairs (never vectored). An empty transfer completes at
+    /// once.
     pub fn submit(&mut self, xfer: XferId, pairs: Vec<Pair>, now: Instant) {
-        let pairs: Vec<Pair> = pairs.into_iter().filter(|p| p.len > 0).collect();
-        let total: u64 = pairs.iter().map(|p| p.len).sum();
+        let runs: Arc<[Run]> = pairs.into_iter().filter(|p| p.len > 0).map(Run::from).collect();
+        let total = runs.iter().map(|r| r.len).sum();
+        self.submit_runs(xfer, runs, total, false, now);
+    }
+
+    /// Mark whether `rail` takes vectored chunks (its transport and the peer speak them).
+    pub fn set_vectored(&mut self, rail: RailId, on: bool) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            r.vectored = on;
+        }
+    }
+
+    /// Queue a transfer of `runs` (`total` bytes: the sum of their [`Run::bytes`], which the
+    /// caller computed once when it prepared them). With `vectored`, rails marked by
+    /// [`Planner::set_vectored`] get chunks of many pieces of one region, packed by bytes
+    /// (`chunk_size`), not by piece; other rails get one contiguous piece per chunk. The runs
+    /// are shared, not copied: reposting a prepared transfer costs nothing per piece.
+    pub fn submit_runs(&mut self, xfer: XferId, runs: Arc<[Run]>, total: u64, vectored: bool, now: Instant) {
+        debug_assert_eq!(total, runs.iter().map(|r| r.bytes()).sum::<u64>());
         if total == 0 {
             self.events.push_back(Event::XferDone(xfer));
             return;
@@ -600,8 +822,10 @@ impl Planner {
         let small = self.cfg.policy == Policy::Weighted && pinned.is_some();
         self.xfers.push_back(Xfer {
             id: xfer,
-            pairs,
-            idx: 0,
+            runs,
+            cur: Cursor::default(),
+            fresh: total,
+            vectored,
             retry: VecDeque::new(),
             unassigned: total,
             inflight: 0,
@@ -663,6 +887,13 @@ impl Planner {
     /// Hand `rail` its next chunk, or `None` when it has no window room, no eligible work, or
     /// (weighted policy, at the tail) another rail would finish the remaining bytes sooner.
     pub fn poll_work(&mut self, rail: RailId, now: Instant) -> Option<Chunk> {
+        self.poll_work_upto(rail, now, u64::MAX)
+    }
+
+    /// [`Planner::poll_work`], the chunk at most `cap` bytes (at least 1): a driver that sends
+    /// from a caller's thread takes a small first piece there and leaves the rest to its own
+    /// threads.
+    pub fn poll_work_upto(&mut self, rail: RailId, now: Instant, cap: u64) -> Option<Chunk> {
         let r = self.rails.get(rail)?;
         if !r.up || r.failing {
             return None;
@@ -675,7 +906,7 @@ impl Planner {
             self.rails[rail].starved = true;
             return None;
         };
-        Some(self.take(xi, rail, max_len, now))
+        Some(self.take(xi, rail, max_len.min(cap.max(1)), now))
     }
 
     /// Which transfer `rail` should serve next, and the largest piece it may take.
@@ -718,19 +949,25 @@ impl Planner {
 
     /// Cut the next piece (at most `max_len`) of transfer `xi` for `rail`.
     fn take(&mut self, xi: usize, rail: RailId, max_len: u64, now: Instant) -> Chunk {
+        let vec = self.rails[rail].vectored;
         let x = &mut self.xfers[xi];
-        let piece = if let Some(p) = x.retry.front_mut() {
-            let head = if p.len <= max_len { x.retry.pop_front().expect("front exists") } else { p.split_front(max_len) };
+        let vec = vec && x.vectored;
+        let Work { piece, vec } = if let Some(w) = x.retry.front() {
+            let head = match w.split_front(max_len, vec) {
+                Some((h, tail)) => {
+                    x.retry.pop_front();
+                    for t in tail.into_iter().rev() {
+                        x.retry.push_front(t);
+                    }
+                    h
+                }
+                None => x.retry.pop_front().expect("front exists"),
+            };
             self.rails[rail].chunks_reissued += 1;
             head
         } else {
-            let p = &mut x.pairs[x.idx];
-            let head = if p.len <= max_len {
-                x.idx += 1;
-                *p
-            } else {
-                p.split_front(max_len)
-            };
+            let head = cut(&x.runs, &mut x.cur, max_len, vec).expect("has_work: bytes are left");
+            x.fresh -= head.piece.len;
             x.rr_next += 1;
             head
         };
@@ -754,8 +991,8 @@ impl Planner {
         let starved = r.starved;
         r.inflight_chunks += 1;
         r.inflight_bytes += piece.len;
-        self.inflight.insert(id, InFlight { xfer, rail, piece, issued: now, idle_start, starved });
-        Chunk { xfer, id, rail, piece }
+        self.inflight.insert(id, InFlight { xfer, rail, piece, vec: vec.clone(), issued: now, idle_start, starved });
+        Chunk { xfer, id, rail, piece, vec }
     }
 
     /// A chunk finished on its rail. Returns false for a chunk the planner no longer tracks
@@ -844,7 +1081,7 @@ impl Planner {
             if let Some(x) = self.xfers.iter_mut().find(|x| x.id == f.xfer) {
                 x.inflight -= 1;
                 x.unassigned += f.piece.len;
-                x.retry.push_front(f.piece);
+                x.retry.push_front(Work { piece: f.piece, vec: f.vec.clone() });
                 if x.pinned == Some(rail) && !matches!(self.cfg.policy, Policy::Pinned(_)) {
                     // A small transfer pinned for latency moves to the stripe.
                     x.pinned = None;
@@ -1116,6 +1353,39 @@ mod tests {
         assert_eq!(covered, (10 << 20) + 5);
         assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(1))));
         assert!(p.is_idle());
+    }
+
+    #[test]
+    fn small_pages_pack_into_vectored_chunks_by_bytes() {
+        // 512 scattered 4 KiB pages (every other page on both sides) and a strided run: a
+        // vectored rail gets 1 MiB chunks of 256 pieces, the strided run stays one entry; a
+        // plain rail gets one page per chunk.
+        let now = Instant::now();
+        let mut runs: Vec<Run> = (0..512u64).map(|i| Run::from(Pair { local: i * 8192, region: 1, offset: i * 8192, len: 4096 })).collect();
+        runs.push(Run { local: 1 << 30, region: 1, offset: 1 << 30, len: 4096, count: 256, lstride: 8192, rstride: 12288 });
+        let runs: Arc<[Run]> = runs.into();
+        let total = 768 * 4096;
+        let mut p = Planner::new(PlannerConfig::default());
+        let r = p.add_rail(None, now);
+        p.set_vectored(r, true);
+        p.submit_runs(XferId(1), runs.clone(), total, true, now);
+        let chunks: Vec<Chunk> = std::iter::from_fn(|| p.poll_work(r, now)).collect();
+        assert_eq!(chunks.len(), 3);
+        assert!(chunks[..2].iter().all(|c| c.piece.len == 1 << 20 && c.vec.as_ref().unwrap().len() == 256));
+        for c in &chunks {
+            p.handle_done(c.id, now);
+        }
+        let c = &chunks[2];
+        assert_eq!(
+            c.vec.as_deref(),
+            Some(&[Run { local: 1 << 30, region: 1, offset: 1 << 30, len: 4096, count: 256, lstride: 8192, rstride: 12288 }][..])
+        );
+        p.handle_done(c.id, now);
+        assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(1))));
+        p.set_vectored(r, false);
+        p.submit_runs(XferId(2), runs, total, true, now);
+        let c = p.poll_work(r, now).unwrap();
+        assert_eq!((c.piece.len, c.vec.is_none()), (4096, true));
     }
 
     #[test]

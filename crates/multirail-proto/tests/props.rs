@@ -20,8 +20,8 @@ mod simnet;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use multirail_proto::codec::{IpcEntry, RemoteOp, Role, UcxRegion, HEADER_LEN};
-use multirail_proto::planner::{pair_rows, pair_segments};
+use multirail_proto::codec::{IpcEntry, RemoteOp, Role, UcxRegion, VecOp, VecPiece, HEADER_LEN, MAX_VEC_ENTRIES, MAX_VEC_PIECES};
+use multirail_proto::planner::{pair_rows, pair_segments, Run};
 use multirail_proto::{
     Access, AgentMeta, Body, ChunkId, DescList, Event, Header, MemType, Pair, PlannerConfig, Policy, RailInfo, RegionKey, RegionMeta,
     Status, XferId,
@@ -241,8 +241,138 @@ fn check(s: &Scenario, rep: &Report) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// A transfer of runs for the packer: explicit pages and strided runs over a few regions, local
+/// addresses increasing and disjoint (so every local byte names one remote byte).
+fn packer_runs() -> impl Strategy<Value = Vec<Run>> {
+    let run = (0u64..3, 1u64..20_000, prop_oneof![3 => Just(1u64), 1 => 2u64..300], 0u64..5000, 0u64..3000, any::<bool>());
+    prop::collection::vec(run, 1..60).prop_map(|rows| {
+        let (mut local, mut off) = (1u64 << 30, [0u64; 3]);
+        rows.into_iter()
+            .map(|(region, len, count, lgap, rgap, contiguous)| {
+                let lstride = if count == 1 { 0 } else { len + lgap };
+                let rstride = if count == 1 {
+                    0
+                } else if contiguous {
+                    len
+                } else {
+                    len + rgap
+                };
+                let r = Run { local, region, offset: off[region as usize], len, count, lstride, rstride };
+                local += len * count + lgap * count + 1;
+                off[region as usize] += len * count + rgap * count + 7;
+                r
+            })
+            .collect()
+    })
+}
+
+/// Checks the chunks a packer run accepted against the transfer: same mapping of local to
+/// remote bytes, each byte exactly once.
+fn covers_exactly(runs: &[Run], done: &[Pair]) -> Result<(), TestCaseError> {
+    let pieces: Vec<Pair> = runs.iter().flat_map(|r| r.pieces().collect::<Vec<_>>()).collect();
+    let mut got = done.to_vec();
+    got.sort_by_key(|p| p.local);
+    let mut covered = 0u64;
+    for w in got.windows(2) {
+        prop_assert!(w[0].local + w[0].len <= w[1].local, "overlap: {:?}", w);
+    }
+    for p in &got {
+        let i = pieces.partition_point(|e| e.local + e.len <= p.local);
+        let e = pieces.get(i).ok_or_else(|| TestCaseError::fail(format!("{p:?} outside the transfer")))?;
+        prop_assert!(e.local <= p.local && p.local + p.len <= e.local + e.len, "{:?} not inside one piece {:?}", p, e);
+        prop_assert_eq!((p.region, p.offset - e.offset), (e.region, p.local - e.local), "wrong remote bytes for {:?}", p);
+        covered += p.len;
+    }
+    prop_assert_eq!(covered, runs.iter().map(|r| r.bytes()).sum::<u64>());
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    /// The vectored packer: chunks stay within `chunk_size`, one region, the wire's entry and
+    /// piece bounds, are contiguous on rails that do not take vectors, and the accepted chunks
+    /// cover every byte of the transfer exactly once, through rails going down (their chunks
+    /// re-cut onto the other rails) and reposts of the same shared runs.
+    #[test]
+    fn packer_covers_exactly_within_bounds(
+        runs in packer_runs(),
+        chunk_k in prop_oneof![Just(4u64), Just(64), Just(1024)],
+        vec_rails in prop::collection::vec(any::<bool>(), 1..4),
+        weighted in any::<bool>(),
+        down_at in prop::option::of(0usize..40),
+    ) {
+        let chunk = chunk_k * KIB;
+        let cfg = PlannerConfig {
+            chunk_size: chunk,
+            min_chunk: chunk.min(64 * KIB),
+            policy: if weighted { Policy::Weighted } else { Policy::RoundRobin },
+            ..PlannerConfig::default()
+        };
+        let now = std::time::Instant::now();
+        let runs: std::sync::Arc<[Run]> = runs.into();
+        let total: u64 = runs.iter().map(|r| r.bytes()).sum();
+        let mut p = multirail_proto::Planner::new(cfg);
+        let rails: Vec<usize> = vec_rails.iter().map(|_| p.add_rail(Some(1e9), now)).collect();
+        for (r, v) in rails.iter().zip(&vec_rails) {
+            p.set_vectored(*r, *v);
+        }
+        // Post the same prepared runs twice, one after the other.
+        for post in 0..2u64 {
+            let xid = XferId(post);
+            p.submit_runs(xid, runs.clone(), total, true, now);
+            let mut done: Vec<Pair> = Vec::new();
+            let mut steps = 0usize;
+            let mut downed = false;
+            loop {
+                let mut any = false;
+                for (&r, &v) in rails.iter().zip(&vec_rails) {
+                    let mut mine = Vec::new();
+                    while let Some(c) = p.poll_work(r, now) {
+                        any = true;
+                        prop_assert!(c.piece.len <= chunk && c.piece.len > 0);
+                        let pieces = c.pieces();
+                        prop_assert_eq!(pieces.iter().map(|x| x.len).sum::<u64>(), c.piece.len);
+                        prop_assert!(pieces.iter().all(|x| x.region == c.piece.region), "one region per chunk");
+                        prop_assert_eq!((pieces[0].local, pieces[0].offset), (c.piece.local, c.piece.offset));
+                        match &c.vec {
+                            None => prop_assert_eq!(pieces.len(), 1),
+                            Some(vr) => {
+                                prop_assert!(v, "vectored chunk on a rail that takes none");
+                                prop_assert!(vr.len() <= MAX_VEC_ENTRIES && pieces.len() as u64 <= MAX_VEC_PIECES);
+                                prop_assert!(vr.len() > 1 || vr[0].count > 1);
+                            }
+                        }
+                        mine.push(c);
+                    }
+                    steps += 1;
+                    if !downed && down_at == Some(steps) && rails.len() > 1 && !mine.is_empty() {
+                        // Lose everything this rail holds; it comes back right away.
+                        downed = true;
+                        p.handle_rail_down(r, "test".into(), now);
+                        p.handle_rail_up(r, now);
+                        continue;
+                    }
+                    for c in mine {
+                        prop_assert!(p.handle_done(c.id, now));
+                        done.extend(c.pieces());
+                    }
+                }
+                if !any {
+                    break;
+                }
+            }
+            let mut ended = false;
+            while let Some(e) = p.poll_event() {
+                if e == Event::XferDone(xid) {
+                    ended = true;
+                }
+            }
+            prop_assert!(ended, "post {} never completed", post);
+            covers_exactly(&runs, &done)?;
+            prop_assert!(p.is_idle());
+        }
+    }
 
     #[test]
     fn planner_invariants_hold(s in scenario()) {
@@ -412,11 +542,32 @@ fn remote_op() -> impl Strategy<Value = RemoteOp> {
     })
 }
 
+/// A valid vectored request: 1..40 entries, some strided, within every bound.
+fn vec_op() -> impl Strategy<Value = VecOp> {
+    let piece = (0u64..1 << 50, 1u64..1 << 16, prop_oneof![Just(1u64), 2u64..64], 0u64..1 << 12)
+        .prop_map(|(offset, len, count, gap)| VecPiece { offset, len, count, stride: if count == 1 { 0 } else { len + gap } });
+    (any::<u64>(), any::<[u8; 16]>(), prop::collection::vec(piece, 1..40)).prop_map(|(region, key, pieces)| VecOp {
+        region,
+        key: RegionKey(key),
+        pieces,
+    })
+}
+
 fn body() -> impl Strategy<Value = Body> {
     prop_oneof![
-        (0u8..4, any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(|(r, incarnation, name, nonce)| {
-            Body::Hello { role: [Role::Control, Role::Data, Role::UcxSession, Role::IpcWatch][r as usize], incarnation, name, nonce }
-        }),
+        (1u16..=multirail_proto::codec::HELLO_VERSION, 0u8..4, any::<u64>(), name(255), any::<[u8; 16]>()).prop_map(
+            |(version, r, incarnation, name, nonce)| {
+                Body::Hello {
+                    version,
+                    role: [Role::Control, Role::Data, Role::UcxSession, Role::IpcWatch][r as usize],
+                    incarnation,
+                    name,
+                    nonce,
+                }
+            }
+        ),
+        vec_op().prop_map(Body::ReadVReq),
+        vec_op().prop_map(Body::WriteVReq),
         (any::<bool>(), any::<u64>(), any::<[u8; 16]>(), name(255)).prop_map(|(auth_required, incarnation, nonce, name)| Body::Challenge {
             auth_required,
             incarnation,
@@ -513,12 +664,45 @@ fn write_fuzz_corpus() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus");
     let op = RemoteOp { region: 7, key: RegionKey([0x5a; 16]), offset: 4096, len: MIB };
     let frames: Vec<(&str, Body)> = vec![
-        ("hello", Body::Hello { role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] }),
+        (
+            "hello",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::Data,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [3; 16],
+            },
+        ),
         ("challenge", Body::Challenge { auth_required: true, incarnation: 9, nonce: [1; 16], name: "decode-1".into() }),
         ("auth", Body::Auth { mac: [2; 32] }),
         ("welcome", Body::Welcome { mac: [4; 32] }),
         ("readreq", Body::ReadReq(op)),
         ("writereq", Body::WriteReq(op)),
+        (
+            "readvreq",
+            Body::ReadVReq(VecOp {
+                region: 7,
+                key: RegionKey([0x5a; 16]),
+                pieces: vec![
+                    VecPiece { offset: 0, len: 4096, count: 1, stride: 0 },
+                    VecPiece { offset: 65536, len: 8192, count: 16, stride: 16384 },
+                ],
+            }),
+        ),
+        (
+            "writevreq",
+            Body::WriteVReq(VecOp {
+                region: 7,
+                key: RegionKey([0x5a; 16]),
+                pieces: vec![
+                    VecPiece { offset: 8192, len: 4096, count: 1, stride: 0 },
+                    VecPiece { offset: 0, len: 4096, count: 1, stride: 0 },
+                    VecPiece { offset: 1 << 20, len: 512, count: 1000, stride: 4096 },
+                ],
+            }),
+        ),
+        ("hello_v1", Body::Hello { version: 1, role: Role::Data, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] }),
         ("notif", Body::Notif(b"kv-ready:layer=3".to_vec())),
         ("ping", Body::Ping),
         ("resp_ok", Body::Resp { status: Status::Ok, bulk_len: MIB, msg: String::new() }),
@@ -527,7 +711,16 @@ fn write_fuzz_corpus() {
         ("meta", Body::Meta(sample_meta().encode())),
         ("metaput", Body::MetaPut(sample_meta().encode())),
         ("error", Body::Error { status: Status::VersionMismatch, msg: "peer speaks 2".into() }),
-        ("hello_ucx", Body::Hello { role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [6; 16] }),
+        (
+            "hello_ucx",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::UcxSession,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [6; 16],
+            },
+        ),
         ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170] }),
         (
             "ucxready",
@@ -555,7 +748,16 @@ fn write_fuzz_corpus() {
                 alloc_len: 2 << 20,
             }]),
         ),
-        ("hello_ipcwatch", Body::Hello { role: Role::IpcWatch, incarnation: 5, name: "prefill-0".into(), nonce: [9; 16] }),
+        (
+            "hello_ipcwatch",
+            Body::Hello {
+                version: multirail_proto::codec::HELLO_VERSION,
+                role: Role::IpcWatch,
+                incarnation: 5,
+                name: "prefill-0".into(),
+                nonce: [9; 16],
+            },
+        ),
         ("ipcrevoke", Body::IpcRevoke(vec![1, 2, 0x7fff_ffff_ffff])),
         ("ipcreleased", Body::IpcReleased(vec![1, 2, 0x7fff_ffff_ffff])),
     ];

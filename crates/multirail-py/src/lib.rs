@@ -105,6 +105,20 @@ unsafe fn rows<'a>(ptr: usize, n: usize) -> Cow<'a, [[u64; 3]]> {
     }
 }
 
+/// `rows` for Nx5 uint64 arrays (strided descriptors: address, len, device, stride, count).
+///
+/// # Safety
+/// As `rows`: `ptr` addresses `n` rows of 5 u64 that stay alive and unchanged meanwhile.
+unsafe fn rows5<'a>(ptr: usize, n: usize) -> Cow<'a, [[u64; 5]]> {
+    if n == 0 {
+        Cow::Borrowed(&[])
+    } else if (ptr as *const [u64; 5]).is_aligned() {
+        Cow::Borrowed(std::slice::from_raw_parts(ptr as *const [u64; 5], n))
+    } else {
+        Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((ptr as *const [u64; 5]).add(i))).collect())
+    }
+}
+
 /// (interface, address, prefix length, speed Mbit/s, MTU, NUMA node, RDMA device, bind device)
 type RailRow = (String, String, u8, u64, u32, i32, String, bool);
 
@@ -117,7 +131,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -145,6 +159,7 @@ impl PyAgent {
         fallback_after: u32,
         fallback_cooldown_s: f64,
         fallback_max_switches: u32,
+        vectored: bool,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -195,6 +210,7 @@ impl PyAgent {
         }
         cfg.staging.pool = multirail_gpu::PoolConfig { buffers: staging_buffers, buffer_size: staging_buffer_size };
         cfg.staging.ipc = gpu_ipc;
+        cfg.vectored = vectored;
         let name = name.to_string();
         py.allow_threads(|| Agent::new(&name, cfg)).map(PyAgent).map_err(to_py)
     }
@@ -274,6 +290,25 @@ impl PyAgent {
         // SAFETY: see `rows`; the Python layer holds both arrays until this returns.
         let (local, remote) = unsafe { (rows(lptr, ln), rows(rptr, rn)) };
         py.allow_threads(|| self.0.prepare(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
+    }
+
+    /// `prepare` from two Nx5 strided descriptor arrays, kept compressed.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_strided(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        lptr: usize,
+        ln: usize,
+        rptr: usize,
+        rn: usize,
+        peer: &str,
+        notif: Vec<u8>,
+    ) -> PyResult<PyXfer> {
+        let op = Op::parse(op).map_err(to_py)?;
+        // SAFETY: see `rows5`; the Python layer holds both arrays until this returns.
+        let (local, remote) = unsafe { (rows5(lptr, ln), rows5(rptr, rn)) };
+        py.allow_threads(|| self.0.prepare_strided(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
     }
 
     fn send_notif(&self, py: Python<'_>, peer: &str, msg: Vec<u8>) -> PyResult<()> {

@@ -328,6 +328,13 @@ impl Agent {
         peer.prepare(op, local, &self.shared.registry.snapshot(), remote, notif)
     }
 
+    /// `prepare` from strided descriptors (Nx5 rows: address, len, device, stride, count),
+    /// kept compressed (see `Peer::prepare_strided`).
+    pub fn prepare_strided(&self, op: Op, local: &[[u64; 5]], remote: &[[u64; 5]], peer: &str, notif: Vec<u8>) -> Result<XferHandle> {
+        let peer = self.peer(peer)?;
+        peer.prepare_strided(op, local, &self.shared.registry.snapshot(), remote, notif)
+    }
+
     pub fn send_notif(&self, peer: &str, msg: &[u8]) -> Result<()> {
         if msg.len() > multirail_proto::codec::MAX_NOTIF {
             return Err(Error::InvalidArgument(format!(

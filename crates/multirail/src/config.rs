@@ -151,6 +151,9 @@ pub struct Config {
     /// GPU memory: which device kind registers and stages VRAM, and the bounce pools' shape
     /// (per connection and direction).
     pub staging: crate::staging::StagingConfig,
+    /// Vectored requests: chunks of many pieces of one region, to peers and over transports
+    /// that take them (docs/PROTOCOL.md). False: one request per contiguous piece.
+    pub vectored: bool,
 }
 
 impl Config {
@@ -180,6 +183,7 @@ impl Default for Config {
             fallback: FallbackPolicy::default(),
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
+            vectored: true,
         }
     }
 }

@@ -23,7 +23,7 @@ use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, Rai
 use crate::config::{Config, Fault, TransportKind};
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
-use crate::net::{abort_socket, dial_id, link_down, status_error, LINK_CHECK};
+use crate::net::{abort_socket, dial_id, dial_v, link_down, status_error, LINK_CHECK};
 use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
 use crate::transport::mixed::{Carrier, Mixed};
@@ -428,8 +428,12 @@ impl Link {
     /// The next chunk the planner has for rail `ri`, with its transfer; None when there is
     /// nothing for the rail now (or its rail window is full: a completion wakes the senders).
     pub(crate) fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
+        self.next_chunk_upto(ri, u64::MAX)
+    }
+
+    pub(crate) fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)> {
         let mut g = self.sched.lock().expect("sched lock");
-        let chunk = g.planner.poll_work(ri, Instant::now())?;
+        let chunk = g.planner.poll_work_upto(ri, Instant::now(), cap)?;
         match g.xfers.get(&chunk.xfer).cloned() {
             Some(x) => Some((chunk, x)),
             None => {
@@ -637,7 +641,7 @@ impl Link {
         g.next_xfer += 1;
         x.current.store(id.0, Ordering::Release);
         g.xfers.insert(id, x.clone());
-        g.planner.submit(id, x.pairs.as_ref().clone(), Instant::now());
+        g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, Instant::now());
         let done = self.drain_events(&mut g);
         drop(g);
         self.complete(done);
@@ -1019,6 +1023,17 @@ impl Host for Link {
         dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
     }
 
+    fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)> {
+        let rail = &self.rails[ri];
+        let expect = Some((self.peer_name.as_str(), self.incarnation));
+        dial_v(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
+            .map(|(s, id, v)| (s, id, v >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
+    }
+
+    fn set_vectored(&self, ri: usize, on: bool) {
+        self.sched.lock().expect("sched lock").planner.set_vectored(ri, on);
+    }
+
     fn enter(&self) -> Option<Active<'_>> {
         Link::enter(self)
     }
@@ -1033,6 +1048,10 @@ impl Host for Link {
 
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
         Link::next_chunk(self, ri)
+    }
+
+    fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)> {
+        Link::next_chunk_upto(self, ri, cap)
     }
 
     fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)> {

@@ -7,7 +7,7 @@
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{Role, Status};
+use multirail_proto::codec::{Role, Status, HELLO_VERSION};
 use multirail_proto::Body;
 
 use crate::auth;
@@ -105,6 +105,38 @@ pub(crate) fn dial_id(
     expect: Option<(&str, u64)>,
     timeout: Duration,
 ) -> Result<(TcpStream, [u8; 16])> {
+    dial_v(ctx, local, remote, role, expect, timeout).map(|(s, id, _)| (s, id))
+}
+
+/// [`dial_id`], and the `Hello` version the peer accepted: [`HELLO_VERSION`] first; a peer
+/// that answers `Error(VersionMismatch)` (a build from before vectored requests) is dialled
+/// again with version 1, and its connections carry no vectored request.
+pub(crate) fn dial_v(
+    ctx: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+) -> Result<(TcpStream, [u8; 16], u16)> {
+    match dial_version(ctx, local, remote, role, expect, timeout, HELLO_VERSION) {
+        Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) => {
+            dial_version(ctx, local, remote, role, expect, timeout, 1).map(|(s, id)| (s, id, 1))
+        }
+        r => r.map(|(s, id)| (s, id, HELLO_VERSION)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn dial_version(
+    ctx: &Identity<'_>,
+    local: Option<&(String, IpAddr)>,
+    remote: SocketAddr,
+    role: Role,
+    expect: Option<(&str, u64)>,
+    timeout: Duration,
+    version: u16,
+) -> Result<(TcpStream, [u8; 16])> {
     let who = format!("{remote}");
     let domain = socket2::Domain::for_address(remote);
     let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
@@ -135,7 +167,7 @@ pub(crate) fn dial_id(
         WireError::GaveUp(m) => Error::Timeout(m),
         WireError::Io(e) => Error::PeerLost { peer: who.clone(), reason: format!("handshake: {e}") },
     };
-    wire::send(&mut s, &Body::Hello { role, incarnation: ctx.incarnation, name: ctx.name.to_string(), nonce }, 0, &mut tick)
+    wire::send(&mut s, &Body::Hello { version, role, incarnation: ctx.incarnation, name: ctx.name.to_string(), nonce }, 0, &mut tick)
         .map_err(wire_err)?;
     let (_, b) = wire::read_frame(&mut s, &mut tick).map_err(wire_err)?;
     let (auth_required, incarnation, server_nonce, server_name) = match b {
@@ -183,5 +215,57 @@ pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {
             source: multirail_proto::DecodeError::VersionMismatch { got: 0, want: multirail_proto::codec::VERSION },
         },
         _ => Error::Remote { peer: who.into(), status, msg },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use multirail_proto::codec::{Kind, HELLO_VECTORED};
+    use std::net::TcpListener;
+
+    /// A server that speaks `max` as its newest `Hello` version: a newer Hello is answered
+    /// `Error(VersionMismatch)` and the connection closed, as a build from before vectored
+    /// requests does. Records the versions it was offered.
+    fn server(max: u16, conns: usize) -> (SocketAddr, std::thread::JoinHandle<Vec<u16>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = std::thread::spawn(move || {
+            let mut seen = Vec::new();
+            for _ in 0..conns {
+                let (mut s, _) = l.accept().unwrap();
+                let mut tick = |_: bool| Ok(());
+                let (_, b) = wire::read_frame(&mut s, &mut tick).unwrap();
+                let Body::Hello { version, .. } = b else { panic!("expected Hello") };
+                seen.push(version);
+                if version > max {
+                    wire::send(&mut s, &Body::Error { status: Status::VersionMismatch, msg: "old".into() }, 0, &mut tick).unwrap();
+                    continue;
+                }
+                let ch = Body::Challenge { auth_required: false, incarnation: 1, nonce: [1; 16], name: "srv".into() };
+                wire::send(&mut s, &ch, 0, &mut tick).unwrap();
+                let (h, _) = wire::read_frame(&mut s, &mut tick).unwrap();
+                assert_eq!(h.kind, Kind::Auth);
+                wire::send(&mut s, &Body::Welcome { mac: [0; 32] }, 0, &mut tick).unwrap();
+            }
+            seen
+        });
+        (addr, h)
+    }
+
+    #[test]
+    fn hello_offers_v2_and_falls_back_to_v1_for_an_old_peer() {
+        let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
+        let t = Duration::from_secs(5);
+        let (addr, h) = server(HELLO_VERSION, 1);
+        let (_, _, v) = dial_v(&me, None, addr, Role::Data, None, t).unwrap();
+        assert_eq!(v, HELLO_VERSION);
+        assert!(v >= HELLO_VECTORED);
+        assert_eq!(h.join().unwrap(), vec![HELLO_VERSION]);
+        // An old server: refused once, then dialled again with version 1 (no vectored requests).
+        let (addr, h) = server(1, 2);
+        let (_, _, v) = dial_v(&me, None, addr, Role::Data, None, t).unwrap();
+        assert_eq!(v, 1);
+        assert_eq!(h.join().unwrap(), vec![HELLO_VERSION, 1]);
     }
 }

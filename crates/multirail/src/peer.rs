@@ -272,6 +272,76 @@ impl Peer {
         Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false)))
     }
 
+    /// Strided descriptors (NIXL 1.5's Nx5 form: address, len, device, stride, count; `count`
+    /// pieces of `len` bytes, piece k at `address + k * stride`), kept compressed: local row i
+    /// and remote row i with the same len and count become ONE run (`Run`) from here through
+    /// the planner to the wire (one strided entry of a vectored request), with no per-piece
+    /// work at prepare or post. Each row's whole span (first to last piece) must lie in one
+    /// region on its side. Lists that do not pair row by row (other lengths or counts, GPU
+    /// memory, remote pieces that overlap, counts of 0 with bytes) are expanded into rows and
+    /// prepared as `prepare` does, with its checks and errors.
+    pub fn prepare_strided(
+        self: &Arc<Self>,
+        op: Op,
+        local: &[[u64; 5]],
+        local_regions: &[Arc<Region>],
+        remote: &[[u64; 5]],
+        notif: Vec<u8>,
+    ) -> Result<XferHandle> {
+        let expand = |rows: &[[u64; 5]]| -> Vec<[u64; 3]> {
+            rows.iter().flat_map(|r| (0..r[4]).map(move |k| [r[0].wrapping_add(k.wrapping_mul(r[3])), r[1], r[2]])).collect()
+        };
+        let span = |r: &[u64; 5]| r[4].checked_sub(1).and_then(|k| k.checked_mul(r[3])).and_then(|s| s.checked_add(r[1]));
+        let mut runs: Vec<multirail_proto::planner::Run> = Vec::with_capacity(local.len());
+        let mut hold: Vec<Arc<Region>> = Vec::new();
+        let (mut llook, mut rlook) = (Lookup::new(), Lookup::new());
+        let write = op == Op::Write;
+        let compressed = notif.len() <= multirail_proto::codec::MAX_NOTIF
+            && local.len() == remote.len()
+            && local.iter().zip(remote).all(|(l, r)| {
+                if l[1] != r[1] || l[4] != r[4] {
+                    return false;
+                }
+                if l[1] == 0 || l[4] == 0 {
+                    return true; // no bytes
+                }
+                let (Some(ls), Some(rs)) = (span(l), span(r)) else { return false };
+                if l[4] > 1 && r[3] < r[1] {
+                    return false; // remote pieces overlap: not one wire entry
+                }
+                let Some((k, fresh)) = llook.find(local_regions, l[0], ls, |g| (g.base, g.len)) else { return false };
+                let lr = &local_regions[k];
+                if lr.mem == MemType::Vram {
+                    return false;
+                }
+                if fresh && !hold.iter().any(|h| h.id == lr.id) {
+                    hold.push(lr.clone());
+                }
+                let Some((j, _)) = rlook.find(&self.regions, r[0], rs, |g| (g.base, g.len)) else { return false };
+                let rr = &self.regions[j];
+                if (write && rr.access != multirail_proto::Access::ReadWrite) || rr.mem == MemType::Vram {
+                    return false;
+                }
+                let (lstride, rstride) = if l[4] > 1 { (l[3], r[3]) } else { (0, 0) };
+                runs.push(multirail_proto::planner::Run {
+                    local: l[0],
+                    region: rr.id,
+                    offset: r[0] - rr.base,
+                    len: l[1],
+                    count: l[4],
+                    lstride,
+                    rstride,
+                });
+                true
+            });
+        if !compressed {
+            return self.prepare(op, &expand(local), local_regions, &expand(remote), notif);
+        }
+        runs.retain(|r| r.bytes() > 0);
+        self.link()?;
+        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false)))
+    }
+
     /// `prepare` one check at a time, each over all rows, pairing without merging: the
     /// error (if any) is the first in the order `prepare` documents.
     fn prepare_checked<D: Desc>(
@@ -324,7 +394,8 @@ impl Peer {
         } else {
             None
         };
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, ipc, via_gpu_link)))
+        let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
+        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote)))
     }
 }
 

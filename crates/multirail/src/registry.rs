@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use multirail_proto::codec::RemoteOp;
+use multirail_proto::codec::{RemoteOp, VecOp};
 use multirail_proto::{Access, MemType, RegionKey, RegionMeta, Status};
 
 use crate::error::{Error, Result};
@@ -131,6 +131,32 @@ impl Registry {
         }
         Ok(r.clone())
     }
+
+    /// Validate a vectored request: the region, its key and access as `check_remote`, and
+    /// every piece inside the region (its last byte, with overflow checked), all before the
+    /// caller forms any pointer. Only host memory: GPU regions take one request per piece.
+    pub fn check_vec(&self, op: &VecOp, write: bool) -> std::result::Result<Arc<Region>, (Status, String)> {
+        let first = RemoteOp { region: op.region, key: op.key, offset: 0, len: 0 };
+        let r = self.check_remote(&first, write)?;
+        if r.mem != MemType::Dram {
+            return Err((Status::Unexpected, format!("region {} is GPU memory: vectored requests are for host memory", op.region)));
+        }
+        for (i, p) in op.pieces.iter().enumerate() {
+            match p.end() {
+                Some(end) if p.len > 0 && p.count > 0 && end <= r.len => {}
+                _ => {
+                    return Err((
+                        Status::OutOfBounds,
+                        format!(
+                            "piece {i} ({} x {} bytes at offset {} stride {}) outside region of {} bytes",
+                            p.count, p.len, p.offset, p.stride, r.len
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(r)
+    }
 }
 
 #[cfg(test)]
@@ -153,6 +179,32 @@ mod tests {
         let op = RemoteOp { region: local.id, key: local.key, offset: 0, len: 1 };
         assert_eq!(reg.check_remote(&op, false).unwrap_err().0, Status::UnknownRegion, "local regions are not exported");
         assert_eq!(reg.exported().len(), 1);
+    }
+
+    #[test]
+    fn vectored_requests_check_every_piece() {
+        use multirail_proto::codec::VecPiece;
+        let reg = Registry::default();
+        let buf = vec![0u8; 1 << 16];
+        let r = reg.register(buf.as_ptr() as u64, 1 << 16, 0, MemType::Dram, Access::ReadWrite).unwrap();
+        let p = |offset, len, count, stride| VecPiece { offset, len, count, stride };
+        let op = |pieces| VecOp { region: r.id, key: r.key, pieces };
+        assert!(reg.check_vec(&op(vec![p(0, 4096, 1, 0), p(4096, 4096, 15, 4096)]), true).is_ok());
+        // The last piece of a strided entry ends exactly at the region's end, then one past it.
+        assert!(reg.check_vec(&op(vec![p(0, 8, 1, 0), p(4096, 4096, 8, 8192)]), false).is_ok());
+        for past in [p(4097, 4096, 8, 8192), p(4096, 4096, 8, 8193), p(4096, 4097, 8, 8192)] {
+            assert_eq!(reg.check_vec(&op(vec![p(0, 8, 1, 0), past]), false).unwrap_err().0, Status::OutOfBounds);
+        }
+        assert_eq!(reg.check_vec(&op(vec![p(u64::MAX, 2, 1, 0)]), false).unwrap_err().0, Status::OutOfBounds);
+        assert_eq!(reg.check_vec(&op(vec![p(0, 1, u64::MAX, u64::MAX)]), false).unwrap_err().0, Status::OutOfBounds);
+        let bad = VecOp { key: RegionKey([0; 16]), ..op(vec![p(0, 1, 1, 0)]) };
+        assert_eq!(reg.check_vec(&bad, false).unwrap_err().0, Status::BadKey);
+        let ro = reg.register(buf.as_ptr() as u64, 16, 0, MemType::Dram, Access::ReadOnly).unwrap();
+        let w = VecOp { region: ro.id, key: ro.key, pieces: vec![p(0, 1, 1, 0)] };
+        assert_eq!(reg.check_vec(&w, true).unwrap_err().0, Status::ReadOnly);
+        let gpu = reg.register(1 << 40, 4096, 0, MemType::Vram, Access::ReadWrite).unwrap();
+        let g = VecOp { region: gpu.id, key: gpu.key, pieces: vec![p(0, 1, 1, 0)] };
+        assert_eq!(reg.check_vec(&g, false).unwrap_err().0, Status::Unexpected);
     }
 
     #[test]

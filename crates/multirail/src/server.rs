@@ -603,6 +603,61 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                     wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
                 }
             },
+            Body::ReadVReq(op) => match sh.registry.check_vec(&op, false) {
+                Ok(region) => {
+                    let total = op.total();
+                    let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
+                    let mut bufs: Vec<&[u8]> = Vec::with_capacity(op.pieces.len() + 1);
+                    bufs.push(&hdr);
+                    for p in &op.pieces {
+                        for k in 0..p.count {
+                            // SAFETY: check_vec proved every piece lies in the region (host
+                            // memory), which `region` holds registered while this is sent.
+                            bufs.push(unsafe { std::slice::from_raw_parts(region.ptr(p.offset + k * p.stride), p.len as usize) });
+                        }
+                    }
+                    let r = wire::write_full(&mut s, &bufs, &mut op_tick);
+                    if r.is_ok() {
+                        ctr.bytes_read.fetch_add(total, Ordering::Relaxed);
+                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+                    }
+                    r
+                }
+                Err((status, msg)) => {
+                    count_refused(sh, &ctr, status);
+                    wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
+                }
+            },
+            Body::WriteVReq(op) => match sh.registry.check_vec(&op, true) {
+                Ok(region) => {
+                    let total = op.total();
+                    let guard = me.apply.lock().expect("apply lock");
+                    if me.fenced.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let mut spans: Vec<(*mut u8, usize)> = Vec::with_capacity(op.pieces.len());
+                    for p in &op.pieces {
+                        spans.extend((0..p.count).map(|k| (region.ptr(p.offset + k * p.stride), p.len as usize)));
+                    }
+                    // SAFETY: check_vec proved every piece lies in the region, host memory
+                    // registered read-write and held by `region` while this runs.
+                    let r = unsafe { inb.read_into_spans(&mut s, &spans, &mut op_tick) };
+                    drop(guard);
+                    if r.is_ok() {
+                        ctr.bytes_written.fetch_add(total, Ordering::Relaxed);
+                        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+                    }
+                    r.and_then(|_| {
+                        wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
+                    })
+                }
+                Err((status, msg)) => {
+                    // The payload is drained, never applied, so the stream stays in step.
+                    count_refused(sh, &ctr, status);
+                    inb.discard(&mut s, op.total(), &mut op_tick)
+                        .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
+                }
+            },
             Body::WriteReq(op) => match sh.registry.check_remote(&op, true) {
                 Ok(region) => {
                     let guard = me.apply.lock().expect("apply lock");

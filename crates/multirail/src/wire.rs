@@ -150,14 +150,17 @@ pub fn read_full(s: &mut TcpStream, buf: &mut [u8], tick: &mut dyn FnMut(bool) -
     Ok(())
 }
 
-/// Write all of `bufs` (gathered, one syscall when it fits).
+/// Most buffers one `readv` / `writev` takes (the kernel's IOV_MAX).
+pub const IOV_MAX: usize = 1024;
+
+/// Write all of `bufs` (gathered, one syscall when it fits; at most [`IOV_MAX`] buffers a call).
 pub fn write_full(s: &mut TcpStream, bufs: &[&[u8]], tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
     let total: usize = bufs.iter().map(|b| b.len()).sum();
     let mut done = 0usize;
     while done < total {
         // Build the slices that remain.
         let mut skip = done;
-        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(bufs.len());
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(bufs.len().min(IOV_MAX));
         for b in bufs {
             if skip >= b.len() {
                 skip -= b.len();
@@ -165,6 +168,9 @@ pub fn write_full(s: &mut TcpStream, bufs: &[&[u8]], tick: &mut dyn FnMut(bool) 
             }
             slices.push(IoSlice::new(&b[skip..]));
             skip = 0;
+            if slices.len() == IOV_MAX {
+                break;
+            }
         }
         match s.write_vectored(&slices) {
             Ok(0) => return Err(WireError::Io(io::ErrorKind::WriteZero.into())),
@@ -276,6 +282,64 @@ impl Inbound {
             self.pos = 0;
         }
         read_full(s, &mut dst[k..], &mut |_| tick(true))
+    }
+
+    /// Fill every span `(address, length)` of `dsts` in order (a vectored request's pieces):
+    /// from the read-ahead first, then straight from the socket, scattered with `readv`. Spans
+    /// may overlap (the later bytes win); no Rust reference to them is formed.
+    ///
+    /// # Safety
+    /// Every span is writable memory that nothing else reads or writes while this runs.
+    pub unsafe fn read_into_spans(
+        &mut self,
+        s: &mut TcpStream,
+        dsts: &[(*mut u8, usize)],
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(), WireError> {
+        // Position: span `i`, `off` bytes into it.
+        let (mut i, mut off) = (0usize, 0usize);
+        fn advance(mut n: usize, dsts: &[(*mut u8, usize)], i: &mut usize, off: &mut usize) {
+            while *i < dsts.len() && (n > 0 || dsts[*i].1 == 0) {
+                let k = (dsts[*i].1 - *off).min(n);
+                n -= k;
+                *off += k;
+                if *off == dsts[*i].1 {
+                    *i += 1;
+                    *off = 0;
+                }
+            }
+        }
+        advance(0, dsts, &mut i, &mut off);
+        while i < dsts.len() && self.unread() > 0 {
+            let k = self.unread().min(dsts[i].1 - off);
+            // SAFETY: the caller's contract; the stash is our own buffer.
+            unsafe { std::ptr::copy_nonoverlapping(self.stash.as_ptr().add(self.pos), dsts[i].0.add(off), k) };
+            self.pos += k;
+            advance(k, dsts, &mut i, &mut off);
+        }
+        if self.pos == self.stash.len() {
+            self.stash.clear();
+            self.pos = 0;
+        }
+        let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity((dsts.len() - i).min(IOV_MAX));
+        while i < dsts.len() {
+            iov.clear();
+            // SAFETY: `off` is within span `i` (advance keeps it so).
+            iov.push(libc::iovec { iov_base: unsafe { dsts[i].0.add(off) }.cast(), iov_len: dsts[i].1 - off });
+            iov.extend(dsts[i + 1..].iter().take(IOV_MAX - 1).map(|d| libc::iovec { iov_base: d.0.cast(), iov_len: d.1 }));
+            // SAFETY: the spans are writable (the caller's contract); `iov` outlives the call.
+            let n = unsafe { libc::readv(fd, iov.as_ptr(), iov.len() as libc::c_int) };
+            let r = if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) };
+            match r {
+                Ok(0) => return Err(WireError::Io(io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => advance(n, dsts, &mut i, &mut off),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if is_tick(&e) => tick(true).map_err(WireError::GaveUp)?,
+                Err(e) => return Err(WireError::Io(e)),
+            }
+        }
+        Ok(())
     }
 
     /// Read and drop `n` bulk bytes (a refused WRITE's payload), keeping the stream in sync

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use multirail_proto::planner::Run;
 use multirail_proto::Pair;
 
 use crate::config::Progress;
@@ -107,8 +108,16 @@ pub(crate) struct XferShared {
     pub op: Op,
     /// The peer it goes to (`Peer`), which posts it on a link.
     pub peer: Arc<dyn Poster>,
-    pub pairs: Arc<Vec<Pair>>,
+    /// The transfer's pieces as runs (a pair is a run of one piece; a strided list stays one
+    /// run), shared with every post: reposting copies nothing per piece.
+    pub runs: Arc<[Run]>,
+    /// Pieces counted out (`num_pieces`).
+    pieces: u64,
     pub total: u64,
+    /// Host memory on both sides: chunks may be vectored (many pieces per request) on rails
+    /// whose transport and peer take them. GPU memory goes one piece per chunk (staged or
+    /// IPC paths).
+    pub vectored: bool,
     pub notif: Mutex<Vec<u8>>,
     /// Local regions this transfer touches; held so they cannot be deregistered under it.
     /// Emptied by `release`, after which the handle can no longer be posted.
@@ -161,16 +170,38 @@ impl XferShared {
         ipc: Option<IpcPlan>,
         via_gpu_link: bool,
     ) -> Arc<XferShared> {
-        let total = pairs.iter().map(|p| p.len).sum();
-        let vram = hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
+        let runs: Vec<Run> = pairs.into_iter().map(Run::from).collect();
+        Self::with_runs(op, peer, runs, notif, hold, ipc, via_gpu_link, false)
+    }
+
+    /// As `new`, from runs (strided descriptors kept compressed). `remote_vram`: some run
+    /// targets GPU memory of the peer (then no chunk is vectored).
+    #[allow(clippy::too_many_arguments)]
+    pub fn with_runs(
+        op: Op,
+        peer: Arc<dyn Poster>,
+        runs: Vec<Run>,
+        notif: Vec<u8>,
+        hold: Vec<Arc<Region>>,
+        ipc: Option<IpcPlan>,
+        via_gpu_link: bool,
+        remote_vram: bool,
+    ) -> Arc<XferShared> {
+        let total = runs.iter().map(|r| r.bytes()).sum();
+        let pieces = runs.iter().map(|r| r.count).sum();
+        let vram: Vec<(u64, u64, u32)> =
+            hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
+        let vectored = vram.is_empty() && !remote_vram && ipc.is_none() && !via_gpu_link;
         Arc::new(XferShared {
             vram,
             ipc,
             via_gpu_link,
             op,
             peer,
-            pairs: Arc::new(pairs),
+            runs: runs.into(),
+            pieces,
             total,
+            vectored,
             notif: Mutex::new(notif),
             hold: Mutex::new(hold),
             state: AtomicU8::new(XferState::Idle as u8),
@@ -506,7 +537,7 @@ impl XferHandle {
     }
 
     pub fn num_pieces(&self) -> usize {
-        self.0.pairs.len()
+        self.0.pieces as usize
     }
 
     /// Abort if in flight; in-flight chunks drain before this returns (bounded by the stall

@@ -208,10 +208,14 @@ class _Xfer:
 
 
 class _Prepped:
-    __slots__ = ("peer", "rows", "mem", "loopback")
+    __slots__ = ("peer", "rows", "mem", "loopback", "strided")
 
-    def __init__(self, peer: str, rows: np.ndarray, mem: nixl_mem_t, loopback: bool) -> None:
+    def __init__(self, peer: str, rows: np.ndarray, mem: nixl_mem_t, loopback: bool,
+                 strided: np.ndarray | None = None) -> None:
         self.peer, self.rows, self.mem, self.loopback = peer, rows, mem, loopback
+        # The Nx5 rows the list was prepared from (issue 22): a request over all of both
+        # sides' descriptors goes to the engine compressed (initialize_xfer_strided).
+        self.strided = strided
 
 
 def _engine_call(f, *args, **kw):
@@ -663,8 +667,10 @@ class nixlAgent:
         if args and isinstance(args[0], _DList):
             args.insert(0, NIXL_INIT_AGENT)
         agent_name = kw.pop("agent_name", args.pop(0) if args else NIXL_INIT_AGENT)
+        strided = None
         if args and isinstance(args[0], (nixl_mem_t, str)) and len(args) > 1 and isinstance(args[1], np.ndarray):
             descs = nixlXferDList(_mem_arg(args[0]), _strided_rows(args[1]))
+            strided = np.ascontiguousarray(args[1], dtype=_U64)
             args = args[2:]
         else:
             descs = kw.pop("descs", args.pop(0) if args else None)
@@ -684,7 +690,7 @@ class nixlAgent:
                 if len(rows) and not self._covers(peer, rows):
                     raise _err(nixlNotFoundError, f"descriptors are not in the metadata of agent {peer!r}")
         h = self._handle()
-        self._dlists[h] = _Prepped(peer, rows, descs.getType(), loop)
+        self._dlists[h] = _Prepped(peer, rows, descs.getType(), loop, strided)
         return h
 
     def releasedDlistH(self, handle: int) -> nixl_status_t:
@@ -702,6 +708,13 @@ class nixlAgent:
         if len(li) != len(ri):
             raise _err(nixlInvalidParamError, f"{len(li)} local and {len(ri)} remote indices")
         peer = self._loopback_peer() if remote.loopback else remote.peer
+        whole = lambda idx, n: len(idx) == n and (n == 0 or (idx[0] == 0 and bool(np.all(np.diff(idx) == 1))))  # noqa: E731
+        if (local.strided is not None and remote.strided is not None and local.mem == nixl_mem_t.DRAM_SEG
+                and remote.mem == nixl_mem_t.DRAM_SEG and whole(li, len(local.rows)) and whole(ri, len(remote.rows))):
+            h = _engine_call(self._engine.initialize_xfer_strided, op, local.strided, remote.strided, peer, _bytes(notif_msg))
+            handle = self._handle()
+            self._xfers[handle] = _Xfer(h, int(h.total_bytes), len(local.rows), op == "WRITE")
+            return handle
         return self._create(op, local.rows[li], remote.rows[ri], peer, notif_msg)
 
     def createXferReq(self, operation: Any, local_descs: nixlXferDList, remote_descs: nixlXferDList, remote_agent: str,

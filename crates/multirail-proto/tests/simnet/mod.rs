@@ -288,7 +288,7 @@ pub enum Outcome {
     Lost(Duration),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChunkRecord {
     pub chunk: Chunk,
     pub issued: Duration,
@@ -590,7 +590,7 @@ impl Sim {
             _ => Duration::ZERO,
         };
         let idx = self.records.len();
-        self.records.push(ChunkRecord { chunk: c, issued: self.now, outcome: Outcome::Pending, served: Duration::ZERO });
+        self.records.push(ChunkRecord { chunk: c.clone(), issued: self.now, outcome: Outcome::Pending, served: Duration::ZERO });
         let prev = self.by_id.insert(c.id, idx);
         assert!(prev.is_none(), "chunk id {:?} handed out twice", c.id);
         match spec.serve(start, c.piece.len as f64 * f, pipe.ramp) {

@@ -70,6 +70,11 @@ pub(crate) trait Host: Send + Sync {
     /// An authenticated connection of `role` on rail `ri` to the peer (its name and
     /// incarnation checked: a restarted peer is `StaleMetadata`) and its id (the `Hello` nonce).
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])>;
+    /// As `dial`, and whether the peer takes vectored requests on it (`Hello` version 2).
+    fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)>;
+    /// Whether rail `ri` is handed vectored chunks (many pieces of one region per chunk, see
+    /// `Chunk::vec`): a transport sets it once it knows it and the peer take them on that rail.
+    fn set_vectored(&self, ri: usize, on: bool);
     /// Count the calling thread as one that may touch registered memory; None once the link is
     /// shutting down. Hold the guard while the thread may.
     fn enter(&self) -> Option<Active<'_>>;
@@ -79,6 +84,8 @@ pub(crate) trait Host: Send + Sync {
     fn now_us(&self) -> u64;
     /// The next chunk the planner has for rail `ri`, with its transfer.
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)>;
+    /// `next_chunk`, the chunk at most `cap` bytes.
+    fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)>;
     /// Wait until `room()` and the planner has a chunk for rail `ri`, or `stop()`.
     fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)>;
     /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.

@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{RemoteOp, Role, Status};
+use multirail_proto::codec::{RemoteOp, Role, Status, VecOp};
+use multirail_proto::planner::{vec_pieces, Run};
 use multirail_proto::{Body, Chunk};
 
 use super::{Caps, GpuPath, Host, Transport};
@@ -318,9 +319,14 @@ impl Transport for TcpRails {
     fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
         let rail = &self.rails[ri];
         let mut streams = Vec::new();
+        // Vectored requests on this rail only when every connection's peer takes them.
+        let mut vectored = true;
         for _ in 0..link.cfg().connections.max(1) {
-            streams.push(link.dial(ri, Role::Data, timeout)?);
+            let (s, id, v) = link.dial_vectored(ri, Role::Data, timeout)?;
+            vectored &= v;
+            streams.push((s, id));
         }
+        link.set_vectored(ri, vectored);
         let mut conns = Vec::new();
         let mut fds = Vec::new();
         for (s, id) in streams {
@@ -375,10 +381,20 @@ impl Transport for TcpRails {
 
     fn post_ready(&self, link: &dyn Host, will_drive: bool) -> bool {
         let mut need_senders = false;
+        // The caller's thread sends at most `stripe_threshold` bytes, and only on idle
+        // connections: a small transfer whole, for its latency. The rest goes to the
+        // connections' sender threads, so a post neither copies a large transfer's window into
+        // the sockets (vectored chunks pack up to `chunk_size` of pages) nor waits behind the
+        // requests already queued on a busy connection.
+        let mut budget = link.cfg().planner.stripe_threshold.max(4096);
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock").clone();
             for c in conns {
-                need_senders |= pump(link, &c);
+                if c.inflight_n.load(Ordering::Acquire) > 0 {
+                    need_senders = true;
+                    continue;
+                }
+                need_senders |= pump(link, &c, &mut budget);
                 if !will_drive && c.inflight_n.load(Ordering::Acquire) > 0 {
                     c.kick();
                 }
@@ -451,34 +467,74 @@ impl Transport for TcpRails {
     }
 }
 
-/// Send chunks on `c` while the planner has work for its rail and the connection has room.
-/// Returns true when it stopped with work possibly left (window full, planner refused).
-fn pump(link: &dyn Host, c: &Arc<Conn>) -> bool {
+/// Send chunks on `c` while the planner has work for its rail, the connection has room and
+/// `budget` (bytes, taken from as chunks go) is left. Returns true when it stopped with work
+/// possibly left (window full, planner refused, budget spent).
+fn pump(link: &dyn Host, c: &Arc<Conn>, budget: &mut u64) -> bool {
     loop {
         if c.dead.load(Ordering::Acquire) {
             return false;
         }
+        if *budget == 0 {
+            return true;
+        }
+        let inline = *budget;
         if c.inflight_n.load(Ordering::Acquire) >= link.cfg().conn_window {
             return true;
         }
         // Nothing for this rail now (or its rail window is full): completions wake the senders
         // when that changes.
-        let Some((chunk, x)) = link.next_chunk(c.rail) else { return false };
+        let Some((chunk, x)) = link.next_chunk_upto(c.rail, inline) else { return false };
+        *budget = budget.saturating_sub(chunk.piece.len);
         send_chunk(link, c, chunk, x);
     }
 }
 
+/// The local (address, length) spans of a vectored chunk's pieces, in order (adjacent ones
+/// merged). They lie in local host memory registered with this agent and held by the
+/// transfer (checked when the handle was made; `hold` keeps it until released).
+fn local_spans(runs: &[Run]) -> Vec<(*mut u8, usize)> {
+    let mut spans: Vec<(*mut u8, usize)> = Vec::with_capacity(runs.len());
+    for r in runs {
+        for p in r.pieces() {
+            match spans.last_mut() {
+                Some(s) if s.0 as u64 + s.1 as u64 == p.local => s.1 += p.len as usize,
+                _ => spans.push((p.local as *mut u8, p.len as usize)),
+            }
+        }
+    }
+    spans
+}
+
 fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
     let key = link.key(chunk.piece.region);
-    let op = RemoteOp { region: chunk.piece.region, key, offset: chunk.piece.offset, len: chunk.piece.len };
     let write = x.op == Op::Write;
-    let body = if write { Body::WriteReq(op) } else { Body::ReadReq(op) };
+    let vec = chunk.vec.clone();
+    let piece = chunk.piece;
+    let body = match &vec {
+        Some(runs) => {
+            let op = VecOp { region: piece.region, key, pieces: vec_pieces(runs) };
+            if write {
+                Body::WriteVReq(op)
+            } else {
+                Body::ReadVReq(op)
+            }
+        }
+        None => {
+            let op = RemoteOp { region: piece.region, key, offset: piece.offset, len: piece.len };
+            if write {
+                Body::WriteReq(op)
+            } else {
+                Body::ReadReq(op)
+            }
+        }
+    };
     let mut w = c.writer.lock().expect("conn lock");
     if write && !c.wrote.load(Ordering::Relaxed) {
         // Before the first byte: from now on this connection's death needs a fence.
         c.wrote.store(true, Ordering::Release);
     }
-    let local_gpu = x.local_dev(chunk.piece.local);
+    let local_gpu = x.local_dev(piece.local);
     if local_gpu.is_some() {
         // The stream contract: no byte of local GPU memory is read (WRITE) or written (READ)
         // before the application's work queued at post has completed. A failure here is the
@@ -507,10 +563,19 @@ fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) 
         }
     };
     let r = match (write, dev) {
+        (true, None) if vec.is_some() => {
+            let spans = local_spans(vec.as_deref().unwrap_or_default());
+            let mut bufs: Vec<&[u8]> = Vec::with_capacity(spans.len() + 1);
+            bufs.push(&hdr);
+            // SAFETY: host memory registered and held by the transfer (see `local_spans`),
+            // only read here.
+            bufs.extend(spans.iter().map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) }));
+            wire::write_full(&mut w, &bufs, &mut tick).map_err(|e| e.to_string())
+        }
         (true, None) => {
             // SAFETY: the pair lies inside a local region registered with this agent (checked
             // when the handle was made) and held by the transfer (`hold`) until it is released.
-            let payload = unsafe { std::slice::from_raw_parts(chunk.piece.local as *const u8, chunk.piece.len as usize) };
+            let payload = unsafe { std::slice::from_raw_parts(piece.local as *const u8, piece.len as usize) };
             wire::write_full(&mut w, &[&hdr, payload], &mut tick).map_err(|e| e.to_string())
         }
         (true, Some(dev)) => {
@@ -545,7 +610,7 @@ fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) 
                 Some((local, len, id, Body::WriteReq(op).encode(id)))
             };
             let mut stage = c.stage_tx.lock().expect("conn lock");
-            let first = (chunk.piece.local, chunk.piece.len, req_id, hdr.to_vec());
+            let first = (piece.local, piece.len, req_id, hdr.to_vec());
             // SAFETY: GPU memory of `dev` inside regions registered and held as above (every
             // refilled chunk's transfer holds its regions until it completes).
             unsafe { stage.send_stream(dev, first, &mut SockOut::new(&mut w, &mut tick), &mut refill) }.map_err(|e| e.to_string())
@@ -805,12 +870,18 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
     // is already queued (pipelined bulk), land header and payload with one scatter read; on an
     // idle connection the read-ahead takes the response whole and the payload lands after. A
     // READ into GPU memory lands through the bounce pool, after the header.
-    let head =
-        |c: &Conn| c.inflight.lock().expect("conn lock").front().map(|f| (f.chunk.piece, f.xfer.op, f.xfer.local_dev(f.chunk.piece.local)));
+    // A vectored READ's payload is scattered into its pieces after the header.
+    let head = |c: &Conn| {
+        c.inflight
+            .lock()
+            .expect("conn lock")
+            .front()
+            .map(|f| (f.chunk.piece, f.chunk.vec.clone(), f.xfer.op, f.xfer.local_dev(f.chunk.piece.local)))
+    };
     let front = head(c);
-    let dst = match front {
+    let dst = match &front {
         // SAFETY: registered local memory held by the transfer (see `send_chunk`).
-        Some((p, Op::Read, None)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
+        Some((p, None, Op::Read, None)) => Some(unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) }),
         _ => None,
     };
     let failed = |e: WireError, stop: &mut Option<Stop>| stop.take().unwrap_or_else(|| Stop::Failed(e.to_string()));
@@ -820,15 +891,21 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
     };
     let next = match front {
         None => head(c),
-        Some((_, Op::Read, Some(_))) => front,
+        Some((_, _, Op::Read, Some(_))) | Some((_, Some(_), Op::Read, None)) => front,
         _ => None,
     };
     // A READ into GPU memory that is off the wire, its copies maybe still running: completed
     // by `land` once they are done.
     let mut deferred: Option<u32> = None;
-    if let (Some((p, Op::Read, dev)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (next, &body) {
+    if let (Some((p, vec, Op::Read, dev)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (next, &body) {
         if *bulk_len == p.len {
             let r = match dev {
+                None if vec.is_some() => {
+                    let dsts = local_spans(vec.as_deref().unwrap_or_default());
+                    // SAFETY: registered local host memory held by the transfer (see
+                    // `local_spans`) until its chunk is reported done.
+                    unsafe { inb.read_into_spans(s, &dsts, &mut tick) }.map_err(StageError::Wire)
+                }
                 None => {
                     // SAFETY: as above.
                     let dst = unsafe { std::slice::from_raw_parts_mut(p.local as *mut u8, p.len as usize) };

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use multirail_proto::codec::UcxRegion;
 use multirail_proto::Body;
-use multirail_ucx::{CloseMode, Endpoint, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
+use multirail_ucx::{CloseMode, Endpoint, MemRegion, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
 
 use super::{find_local, lock, Maps, UcxAgent};
 use crate::error::{Error, Result};
@@ -68,6 +68,8 @@ struct Op {
     /// at the target (remote completion). One per PUT, so each chunk is reported as soon as it
     /// landed: a flush covering the whole window would report nothing until the window drained.
     flush: Option<Request>,
+    /// A vectored chunk's other gets or puts (posted before `req`, all covered by `flush`).
+    more: Vec<Request>,
 }
 
 struct RailState {
@@ -271,7 +273,88 @@ impl UcxRail {
         if st.outstanding() == 0 {
             st.last_event = Instant::now();
         }
-        st.ops.push(Op { token, write, req, flush });
+        st.ops.push(Op { token, write, req, flush, more: Vec::new() });
+        drop(g);
+        self.kick.kick();
+        Ok(())
+    }
+
+    /// Post a vectored chunk: `pieces` (local address, remote offset, length), all in remote
+    /// region `remote_region`, as one batch of nonblocking gets (READ) or puts (WRITE) and
+    /// one endpoint flush after them; `token` comes back once the flush (hence every piece)
+    /// completed. Every piece is checked against the local mappings and the region's bounds
+    /// before any is posted, so a refusal leaves nothing in flight.
+    pub fn post_v(&self, token: u64, write: bool, remote_region: u64, pieces: &[(u64, u64, u64)]) -> std::result::Result<(), String> {
+        let op = if write { "WRITE" } else { "READ" };
+        let mut locals = Vec::with_capacity(pieces.len());
+        let mut last: Option<(u64, u64, MemRegion)> = None;
+        for &(local, _, len) in pieces {
+            // Pieces of one chunk mostly share a mapping: look it up again only when they leave it.
+            let hit = last.as_ref().filter(|(b, e, _)| *b <= local && local.checked_add(len).is_some_and(|end| end <= *e));
+            let (mem, off) = match hit {
+                Some((b, _, m)) => (m.clone(), (local - b) as usize),
+                None => {
+                    let (mem, off) = find_local(&self.maps, self.local_rail, local, len)
+                        .ok_or_else(|| format!("{op}: local range {local:#x} + {len} is not inside memory registered with this agent"))?;
+                    let base = local - off as u64;
+                    last = Some((base, base + mem.len() as u64, mem.clone()));
+                    (mem, off)
+                }
+            };
+            locals.push((mem, off, usize::try_from(len).map_err(|_| format!("{op}: length {len} too large"))?));
+        }
+        if !lock(&self.state).remote.contains_key(&remote_region) {
+            self.fetch_rkey(remote_region)?;
+        }
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        if let Some(f) = &st.failed {
+            return Err(format!("rail is down: {f}"));
+        }
+        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        let remote =
+            st.remote.get_mut(&remote_region).ok_or_else(|| format!("{op}: the peer exports no region {remote_region} over ucx"))?;
+        let mut addrs = Vec::with_capacity(pieces.len());
+        for &(_, off, len) in pieces {
+            match remote.region.addr.checked_add(off) {
+                Some(a) if remote.region.contains(a, len) => addrs.push(a),
+                _ => {
+                    return Err(format!(
+                        "{op}: remote offset {off} + {len} is outside region {remote_region} ({} bytes)",
+                        remote.region.len
+                    ))
+                }
+            }
+        }
+        let rkey = match &remote.rkey {
+            Some(k) => k.clone(),
+            None => {
+                let k = ep
+                    .unpack_rkey(&remote.packed, remote.region)
+                    .map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
+                remote.rkey = Some(k.clone());
+                k
+            }
+        };
+        let mut reqs = Vec::with_capacity(pieces.len());
+        for ((mem, off, n), addr) in locals.iter().zip(addrs) {
+            let r = if write { ep.put(mem, *off, *n, &rkey, addr) } else { ep.get(mem, *off, *n, &rkey, addr) };
+            match r {
+                Ok(req) => reqs.push(req),
+                // Checked above: a refusal now is the endpoint's, and some pieces may be in
+                // flight; the rail goes down and the whole chunk is reissued after the fence.
+                Err(e) => return Err(format!("rail is down: {}", st.fail(format!("{op} of a vectored chunk refused: {e}")))),
+            }
+        }
+        let flush = match ep.flush() {
+            Ok(f) => f,
+            Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
+        };
+        let Some(req) = reqs.pop() else { return Err(format!("{op}: a vectored chunk with no pieces")) };
+        if st.outstanding() == 0 {
+            st.last_event = Instant::now();
+        }
+        st.ops.push(Op { token, write, req, flush: Some(flush), more: reqs });
         drop(g);
         self.kick.kick();
         Ok(())
@@ -370,7 +453,18 @@ impl UcxRail {
             let op = &mut st.ops[i];
             let r = match op.flush.as_mut() {
                 // The flush completes after the PUT it follows, remotely.
-                Some(f) => f.check().and_then(|done| if done { op.req.check() } else { Ok(false) }),
+                Some(f) => f.check().and_then(|done| {
+                    if !done {
+                        return Ok(false);
+                    }
+                    // Every get or put of the batch was posted before the flush.
+                    for m in &mut op.more {
+                        if !m.check()? {
+                            return Ok(false);
+                        }
+                    }
+                    op.req.check()
+                }),
                 None => op.req.check(),
             };
             match r {

@@ -82,10 +82,10 @@ fn refused(msg: &str) -> Status {
     }
 }
 
-/// Post the planner's chunks for rail `ri` while the rail has window room.
-fn pump(link: &dyn Host, ri: usize, p: &Path) {
+/// Post the planner's chunks for rail `ri` while the rail has window room, at most `limit`.
+fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
     let window = link.cfg().conn_window * link.cfg().connections.max(1);
-    loop {
+    for _ in 0..limit {
         if p.dead.load(Ordering::Acquire) || link.is_shutdown() || p.inflight.lock().expect("path lock").len() >= window {
             return;
         }
@@ -103,8 +103,15 @@ fn pump(link: &dyn Host, ri: usize, p: &Path) {
         }
         let token = p.next_token.fetch_add(1, Ordering::Relaxed);
         let piece = chunk.piece;
+        // A vectored chunk: one batch of gets or puts and one flush.
+        let pieces: Option<Vec<(u64, u64, u64)>> =
+            chunk.vec.as_ref().map(|v| v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect());
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
-        if let Err(msg) = p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len) {
+        let posted = match &pieces {
+            Some(v) => p.rail.post_v(token, write, piece.region, v),
+            None => p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len),
+        };
+        if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
             if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
                 // Left in the planner's books for this rail: requeued when the rail stops.
@@ -143,7 +150,7 @@ fn run(link: Arc<dyn Host>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                 if p.dead.load(Ordering::Acquire) {
                     break Some("rail shut".to_string());
                 }
-                pump(&*link, ri, &p);
+                pump(&*link, ri, &p, usize::MAX);
                 let wait = if p.inflight.lock().expect("path lock").is_empty() { IDLE_WAIT } else { BUSY_WAIT };
                 if let Err(e) = p.rail.progress(&mut done, wait, stall) {
                     break Some(e);
@@ -197,6 +204,8 @@ impl Transport for UcxRails {
         let (s, id) = link.dial(ri, Role::UcxSession, timeout)?;
         let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
         let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, timeout)?;
+        // One-sided: the target parses nothing, so any peer takes batched gets and puts.
+        link.set_vectored(ri, link.cfg().vectored);
         let p = Arc::new(Path {
             rail,
             inflight: Mutex::new(HashMap::new()),
@@ -223,8 +232,12 @@ impl Transport for UcxRails {
 
     fn post_ready(&self, link: &dyn Host, _will_drive: bool) -> bool {
         for ri in 0..self.rails.len() {
-            if let Some(p) = self.path(ri).filter(|_| self.is_up(ri)) {
-                pump(link, ri, &p);
+            // Only an idle rail is started from the caller's thread: a busy one's progress
+            // thread posts as completions make room, so a post does not issue a window of
+            // gets or puts (a vectored chunk is one per page) on the caller's time.
+            if let Some(p) = self.path(ri).filter(|p| self.is_up(ri) && p.inflight.lock().expect("path lock").is_empty()) {
+                // One chunk: its post kicks the progress thread, which posts the rest.
+                pump(link, ri, &p, 1);
             }
         }
         // Each rail's progress thread posts the rest as completions make room.
