@@ -980,8 +980,9 @@ fn adaptive_spins_for(head: Option<u64>) -> bool {
 
 /// Busy-poll `c` for the next response before the read that would sleep in the kernel, as
 /// `Config::progress` says: not at all (`Block`), up to `spin` (`Adaptive`; not for a bulk
-/// chunk: `SPIN_MAX_CHUNK`), or until the caller's deadline (`Poll`). The stall, link and shutdown checks keep running meanwhile;
-/// the spin ends early when nothing is outstanding on `c`.
+/// chunk: `SPIN_MAX_CHUNK`), or until the caller's deadline (`Poll`). The stall, link and
+/// shutdown checks keep running meanwhile; the spin ends early when nothing is outstanding on
+/// `c`.
 fn spin_for_response(link: &dyn Host, c: &Conn, clock: &mut Clock, deadline: Option<Instant>) -> Result<(), Stop> {
     let cfg = link.cfg();
     let budget = match cfg.progress {
