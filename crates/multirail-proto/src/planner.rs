@@ -887,13 +887,6 @@ impl Planner {
     /// Hand `rail` its next chunk, or `None` when it has no window room, no eligible work, or
     /// (weighted policy, at the tail) another rail would finish the remaining bytes sooner.
     pub fn poll_work(&mut self, rail: RailId, now: Instant) -> Option<Chunk> {
-        self.poll_work_upto(rail, now, u64::MAX)
-    }
-
-    /// [`Planner::poll_work`], the chunk at most `cap` bytes (at least 1): a driver that sends
-    /// from a caller's thread takes a small first piece there and leaves the rest to its own
-    /// threads.
-    pub fn poll_work_upto(&mut self, rail: RailId, now: Instant, cap: u64) -> Option<Chunk> {
         let r = self.rails.get(rail)?;
         if !r.up || r.failing {
             return None;
@@ -906,7 +899,7 @@ impl Planner {
             self.rails[rail].starved = true;
             return None;
         };
-        Some(self.take(xi, rail, max_len.min(cap.max(1)), now))
+        Some(self.take(xi, rail, max_len, now))
     }
 
     /// Which transfer `rail` should serve next, and the largest piece it may take.

@@ -428,12 +428,8 @@ impl Link {
     /// The next chunk the planner has for rail `ri`, with its transfer; None when there is
     /// nothing for the rail now (or its rail window is full: a completion wakes the senders).
     pub(crate) fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
-        self.next_chunk_upto(ri, u64::MAX)
-    }
-
-    pub(crate) fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)> {
         let mut g = self.sched.lock().expect("sched lock");
-        let chunk = g.planner.poll_work_upto(ri, Instant::now(), cap)?;
+        let chunk = g.planner.poll_work(ri, Instant::now())?;
         match g.xfers.get(&chunk.xfer).cloned() {
             Some(x) => Some((chunk, x)),
             None => {
@@ -1048,10 +1044,6 @@ impl Host for Link {
 
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
         Link::next_chunk(self, ri)
-    }
-
-    fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)> {
-        Link::next_chunk_upto(self, ri, cap)
     }
 
     fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)> {

@@ -84,8 +84,6 @@ pub(crate) trait Host: Send + Sync {
     fn now_us(&self) -> u64;
     /// The next chunk the planner has for rail `ri`, with its transfer.
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)>;
-    /// `next_chunk`, the chunk at most `cap` bytes.
-    fn next_chunk_upto(&self, ri: usize, cap: u64) -> Option<(Chunk, Arc<XferShared>)>;
     /// Wait until `room()` and the planner has a chunk for rail `ri`, or `stop()`.
     fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)>;
     /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.

@@ -381,12 +381,11 @@ impl Transport for TcpRails {
 
     fn post_ready(&self, link: &dyn Host, will_drive: bool) -> bool {
         let mut need_senders = false;
-        // The caller's thread sends at most `stripe_threshold` bytes, and only on idle
-        // connections: a small transfer whole, for its latency. The rest goes to the
-        // connections' sender threads, so a post neither copies a large transfer's window into
-        // the sockets (vectored chunks pack up to `chunk_size` of pages) nor waits behind the
-        // requests already queued on a busy connection.
-        let mut budget = link.cfg().planner.stripe_threshold.max(4096);
+        // The caller's thread sends one chunk per idle connection: a small transfer whole, for
+        // its latency. The rest goes to the connections' sender threads, so a post neither
+        // copies a large transfer's window into the sockets (vectored chunks pack up to
+        // `chunk_size` of pages each) nor waits behind the requests already queued on a busy
+        // connection.
         for rail in &self.rails {
             let conns = rail.conns.read().expect("rail lock").clone();
             for c in conns {
@@ -394,7 +393,7 @@ impl Transport for TcpRails {
                     need_senders = true;
                     continue;
                 }
-                need_senders |= pump(link, &c, &mut budget);
+                need_senders |= pump(link, &c, 1);
                 if !will_drive && c.inflight_n.load(Ordering::Acquire) > 0 {
                     c.kick();
                 }
@@ -467,27 +466,23 @@ impl Transport for TcpRails {
     }
 }
 
-/// Send chunks on `c` while the planner has work for its rail, the connection has room and
-/// `budget` (bytes, taken from as chunks go) is left. Returns true when it stopped with work
-/// possibly left (window full, planner refused, budget spent).
-fn pump(link: &dyn Host, c: &Arc<Conn>, budget: &mut u64) -> bool {
-    loop {
+/// Send up to `max` chunks on `c` while the planner has work for its rail and the connection
+/// has room. Returns true when it stopped with work possibly left (window full, planner
+/// refused, `max` sent).
+fn pump(link: &dyn Host, c: &Arc<Conn>, max: usize) -> bool {
+    for _ in 0..max {
         if c.dead.load(Ordering::Acquire) {
             return false;
         }
-        if *budget == 0 {
-            return true;
-        }
-        let inline = *budget;
         if c.inflight_n.load(Ordering::Acquire) >= link.cfg().conn_window {
             return true;
         }
         // Nothing for this rail now (or its rail window is full): completions wake the senders
         // when that changes.
-        let Some((chunk, x)) = link.next_chunk_upto(c.rail, inline) else { return false };
-        *budget = budget.saturating_sub(chunk.piece.len);
+        let Some((chunk, x)) = link.next_chunk(c.rail) else { return false };
         send_chunk(link, c, chunk, x);
     }
+    true
 }
 
 /// The local (address, length) spans of a vectored chunk's pieces, in order (adjacent ones
