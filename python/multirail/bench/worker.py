@@ -297,8 +297,22 @@ class EngineWorker:
         target's for this initiator (bench:stats), or None when no side is VRAM."""
         if not self.measure_staging:
             return None
-        init, ipc = staging.initiator_side(self.agent, self.peer)
-        return {"initiator": init, "ipc": ipc, "target": self._target_staging()}
+        return {**self._initiator_staging(), "target": self._target_staging()}
+
+    def _initiator_staging(self) -> dict[str, Any]:
+        """The initiator's totals once they include every transfer done so far. A staged WRITE
+        chunk adds its totals when its sender returns from the socket, which can be after the
+        target's answer completed the transfer (a preempted sender): for WRITEs of VRAM the
+        D2H bytes are awaited (up to 1 s) until they reach what was written (less CUDA IPC),
+        as the target's are for READs."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            init, ipc = staging.initiator_side(self.agent, self.peer)
+            if self.op != "WRITE" or self.mem.mem_type != "VRAM" or time.monotonic() > deadline:
+                return {"initiator": init, "ipc": ipc}
+            if init["d2h"]["bytes"] >= self._moved - (ipc or {"bytes": 0})["bytes"]:
+                return {"initiator": init, "ipc": ipc}
+            time.sleep(0.001)
 
     def _target_staging(self) -> dict[str, Any] | None:
         """The target's totals once they include every transfer done so far. A served READ of
