@@ -625,6 +625,9 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
     else:
         fail(f"unknown scenario {name}")
+    # NIXL writes its telemetry file every NIXL_TELEMETRY_RUN_INTERVAL (100 ms): let the last
+    # events out before the process ends
+    time.sleep(cfg.get("linger", 0))
     if agent is not None and not cfg.get("keep"):
         try:
             agent.send_notif("target", b"quit")
