@@ -120,7 +120,10 @@ fn session_loop(
             let mut until = Instant::now() + spin;
             while Instant::now() < until && !stop() {
                 match worker.progress() {
-                    Ok(0) => std::hint::spin_loop(),
+                    // Nothing ready: give the CPU to any other runnable thread first (a
+                    // bulk stream keeps this loop spinning between its fragments, and on a
+                    // busy host the threads it would starve are the transfer's own).
+                    Ok(0) => std::thread::yield_now(),
                     Ok(_) => until = Instant::now() + spin,
                     Err(_) => break,
                 }
