@@ -698,11 +698,7 @@ fn receive_loop(link: &dyn Host, c: &Arc<Conn>) -> Option<String> {
             // naps it took before were a thousand wake-ups a second). Without an owner, in naps
             // of POLL_PARK at most: a request sent meanwhile without a kick (a polled post) is
             // then looked after within two of them if its polls stop.
-            let wait = if caller_owns {
-                TICK
-            } else {
-                CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)).min(POLL_PARK)
-            };
+            let wait = if caller_owns { TICK } else { CALLER_GRACE.saturating_sub(Duration::from_micros(since_caller)).min(POLL_PARK) };
             c.parked.store(true, Ordering::SeqCst);
             let (hup, kicked) = if c.kicks.load(Ordering::SeqCst) != seen_kicks { (false, true) } else { park(fd, kick_fd, wait) };
             c.parked.store(false, Ordering::SeqCst);
