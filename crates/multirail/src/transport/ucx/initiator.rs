@@ -60,6 +60,18 @@ struct Remote {
     rkey: Option<Rkey>,
 }
 
+impl Remote {
+    /// Its rkey on `ep`, unpacked on first use and then kept.
+    fn rkey(&mut self, ep: &Endpoint) -> std::result::Result<Rkey, multirail_ucx::Error> {
+        if let Some(k) = &self.rkey {
+            return Ok(k.clone());
+        }
+        let k = ep.unpack_rkey(&self.packed, self.region)?;
+        self.rkey = Some(k.clone());
+        Ok(k)
+    }
+}
+
 struct Op {
     token: u64,
     write: bool,
@@ -247,16 +259,7 @@ impl UcxRail {
                 ))
             }
         };
-        let rkey = match &remote.rkey {
-            Some(k) => k.clone(),
-            None => {
-                let k = ep
-                    .unpack_rkey(&remote.packed, remote.region)
-                    .map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
-                remote.rkey = Some(k.clone());
-                k
-            }
-        };
+        let rkey = remote.rkey(ep).map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
         let r = if write { ep.put(&mem, off, n, &rkey, remote_addr) } else { ep.get(&mem, off, n, &rkey, remote_addr) };
         let req = match r {
             Ok(req) => req,
@@ -326,16 +329,7 @@ impl UcxRail {
                 }
             }
         }
-        let rkey = match &remote.rkey {
-            Some(k) => k.clone(),
-            None => {
-                let k = ep
-                    .unpack_rkey(&remote.packed, remote.region)
-                    .map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
-                remote.rkey = Some(k.clone());
-                k
-            }
-        };
+        let rkey = remote.rkey(ep).map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
         let mut reqs = Vec::with_capacity(pieces.len());
         for ((mem, off, n), addr) in locals.iter().zip(addrs) {
             let r = if write { ep.put(mem, *off, *n, &rkey, addr) } else { ep.get(mem, *off, *n, &rkey, addr) };
