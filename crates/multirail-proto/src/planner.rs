@@ -405,6 +405,9 @@ struct Rail {
     up: bool,
     /// Takes vectored chunks ([`Planner::set_vectored`]).
     vectored: bool,
+    /// Its driver reports progress below chunk level (`PlannerConfig::byte_progress`, per rail
+    /// since [`Planner::set_byte_progress`]).
+    byte_progress: bool,
     /// Estimated delivery rate, bytes/s: the seed until the first sample, then
     /// `est_bytes / est_secs`.
     rate: f64,
@@ -727,6 +730,7 @@ impl Planner {
         self.rails.push(Rail {
             up: true,
             vectored: false,
+            byte_progress: self.cfg.byte_progress,
             rate,
             est_bytes: 0.0,
             est_secs: 0.0,
@@ -786,6 +790,17 @@ impl Planner {
         let runs: Arc<[Run]> = pairs.into_iter().filter(|p| p.len > 0).map(Run::from).collect();
         let total = runs.iter().map(|r| r.len).sum();
         self.submit_runs(xfer, runs, total, false, now);
+    }
+
+    /// Mark whether `rail`'s driver reports progress below chunk level (bytes moving,
+    /// [`Planner::handle_progress`]): then its silence is measured in bytes and its stall
+    /// deadline is `stall_timeout`; otherwise in whole chunks (`STALL_CHUNKS` head-chunk
+    /// times at its rate). Starts as `PlannerConfig::byte_progress`; a link whose rails run
+    /// different transports sets it per rail (a rail that falls back from ucx to tcp gains it).
+    pub fn set_byte_progress(&mut self, rail: RailId, on: bool) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            r.byte_progress = on;
+        }
     }
 
     /// Mark whether `rail` takes vectored chunks (its transport and the peer speak them).
@@ -1174,7 +1189,7 @@ impl Planner {
     /// of it arrived, and a rail shared by many peers serves each one slowly).
     fn stall_deadline(&self, r: &Rail) -> Duration {
         let t = self.cfg.stall_timeout;
-        if self.cfg.byte_progress || r.inflight_chunks == 0 {
+        if r.byte_progress || r.inflight_chunks == 0 {
             return t;
         }
         let head = r.inflight_bytes.min(self.cfg.chunk_size) as f64 / r.rate;
@@ -1329,6 +1344,27 @@ mod tests {
         // Trailing empty rows are fine; nothing at all is no pairs.
         assert_eq!(pair_rows(5, rows(local), 1, |_| Some((9, 0, 30))).map(|p| p.len()), Some(2));
         assert_eq!(pair_rows(0, rows(local), 0, rows(remote)), Some(vec![]));
+    }
+
+    #[test]
+    fn stall_evidence_is_per_rail() {
+        // Two slow rails (1 MB/s, so a 1 MiB head chunk takes ~1 s), both silent for 2 s with
+        // chunks in flight. The rail whose driver reports bytes (tcp) has had no bytes move
+        // for its whole `stall_timeout`: stalled. The other (ucx: completions only) may take
+        // STALL_CHUNKS head-chunk times: not yet. A fallback that gives it byte evidence
+        // puts it on the byte rule.
+        let t0 = Instant::now();
+        let cfg = PlannerConfig { stall_timeout: Duration::from_millis(500), byte_progress: true, ..PlannerConfig::default() };
+        let mut p = Planner::new(cfg);
+        let (tcp, ucx) = (p.add_rail(Some(1e6), t0), p.add_rail(Some(1e6), t0));
+        p.set_byte_progress(ucx, false);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], t0);
+        assert!(p.poll_work(tcp, t0).is_some() && p.poll_work(ucx, t0).is_some());
+        let stalled: Vec<RailId> = p.poll_stalled(t0 + Duration::from_secs(2)).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(stalled, vec![tcp]);
+        p.set_byte_progress(ucx, true);
+        let stalled: Vec<RailId> = p.poll_stalled(t0 + Duration::from_secs(2)).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(stalled, vec![ucx]);
     }
 
     #[test]

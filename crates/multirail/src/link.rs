@@ -264,15 +264,14 @@ impl Link {
             .map(|&(li, _)| if choice(li).is_some_and(|c| c.kind == TransportKind::Ucx) { Carrier::Ucx } else { Carrier::Tcp })
             .collect();
         let any_ucx = carriers.contains(&Carrier::Ucx);
-        // tcp reports bytes moving below chunk level (`quiet_for`): silence is then measured in
-        // bytes, not whole chunks (docs/planner.md, failure detection). The rule is the link's:
-        // with any ucx rail, whole chunks.
-        let byte_progress = !any_ucx;
-        let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress, ..ctx.cfg.planner.clone() });
+        // tcp reports bytes moving below chunk level (`quiet_for`): a tcp rail's silence is
+        // measured in bytes, a ucx rail's in whole chunks (docs/planner.md, failure detection).
+        // Set per rail here and again by the transport that opens it (a fallback changes it).
+        let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress: true, ..ctx.cfg.planner.clone() });
         let now = Instant::now();
         let io = (peer.rail_io)(pairs.len());
         let mut rails = Vec::new();
-        for &(li, ri) in &pairs {
+        for (k, &(li, ri)) in pairs.iter().enumerate() {
             let l = &ctx.rails[li];
             let r = &peer.meta.rails[ri];
             let mut ip: IpAddr = r.addr.parse().map_err(|_| Error::Metadata(format!("bad rail address {:?}", r.addr)))?;
@@ -281,7 +280,8 @@ impl Link {
             }
             let speeds: Vec<u64> = [l.speed_mbps, r.speed_mbps].into_iter().filter(|s| *s > 0).collect();
             let hint = speeds.iter().min().map(|m| *m as f64 * 1e6 / 8.0);
-            planner.add_rail(hint, now);
+            let id = planner.add_rail(hint, now);
+            planner.set_byte_progress(id, carriers[k] == Carrier::Tcp);
             rails.push(RailState {
                 local: l.addr.filter(|a| !a.is_unspecified()).map(|a| (l.device.clone(), a)),
                 remote: SocketAddr::new(ip, r.port),
@@ -1028,6 +1028,10 @@ impl Host for Link {
 
     fn set_vectored(&self, ri: usize, on: bool) {
         self.sched.lock().expect("sched lock").planner.set_vectored(ri, on);
+    }
+
+    fn set_byte_progress(&self, ri: usize, on: bool) {
+        self.sched.lock().expect("sched lock").planner.set_byte_progress(ri, on);
     }
 
     fn enter(&self) -> Option<Active<'_>> {

@@ -75,6 +75,10 @@ pub(crate) trait Host: Send + Sync {
     /// Whether rail `ri` is handed vectored chunks (many pieces of one region per chunk, see
     /// `Chunk::vec`): a transport sets it once it knows it and the peer take them on that rail.
     fn set_vectored(&self, ri: usize, on: bool);
+    /// Whether rail `ri` reports progress below chunk level (`quiet_for`): a transport sets it
+    /// when it opens the rail (tcp: yes; ucx: no), so the planner measures that rail's silence
+    /// in bytes or in whole chunks (`Planner::set_byte_progress`).
+    fn set_byte_progress(&self, ri: usize, on: bool);
     /// Count the calling thread as one that may touch registered memory; None once the link is
     /// shutting down. Hold the guard while the thread may.
     fn enter(&self) -> Option<Active<'_>>;

@@ -327,6 +327,7 @@ impl Transport for TcpRails {
             streams.push((s, id));
         }
         link.set_vectored(ri, vectored);
+        link.set_byte_progress(ri, true); // `quiet_for`: TCP_INFO's last data or ACK
         let mut conns = Vec::new();
         let mut fds = Vec::new();
         for (s, id) in streams {

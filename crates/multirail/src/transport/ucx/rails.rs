@@ -206,6 +206,7 @@ impl Transport for UcxRails {
         let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, timeout)?;
         // One-sided: the target parses nothing, so any peer takes batched gets and puts.
         link.set_vectored(ri, link.cfg().vectored);
+        link.set_byte_progress(ri, false); // no progress evidence below a completion
         let p = Arc::new(Path {
             rail,
             inflight: Mutex::new(HashMap::new()),
