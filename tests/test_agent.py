@@ -1065,3 +1065,45 @@ def test_wait_on_a_transfer_spread_over_connections_returns_promptly(sync: bool)
     finally:
         i.close()
         t.close()
+
+
+def _sender_switches() -> int:
+    """Voluntary context switches so far of this process's rail sender threads (mr-send-*)."""
+    n = 0
+    for t in os.scandir(f"/proc/{os.getpid()}/task"):
+        try:
+            with open(f"{t.path}/comm") as f:
+                if not f.read().startswith("mr-send-"):
+                    continue
+            with open(f"{t.path}/status") as f:
+                n += next(int(x.split()[1]) for x in f if x.startswith("voluntary_ctxt_switches:"))
+        except (OSError, StopIteration):
+            pass  # a thread that just exited
+    return n
+
+
+@pytest.mark.parametrize("progress", ["adaptive", "block"])
+def test_small_transfers_do_not_wake_the_rail_senders(progress: str):
+    # A 4 KiB READ is posted whole from the caller's thread; waking every rail's sender thread
+    # for nothing cost one wake-up per rail per READ (2 per READ on 2 rails, found through the
+    # NIXL plugin's 4 KiB round trip). A count of wake-ups, not a timing: a sender also wakes
+    # every 100 ms on its own, so the bound allows for a slow host.
+    rails = ["127.0.0.1", "127.0.0.2"]
+    with Agent("target", {"rails": rails}) as t, \
+            Agent("initiator", {"rails": rails, "progress": progress, "timeout": 5.0}) as i:
+        src, dst = pattern(4096, 3), np.zeros(4096, np.uint8)
+        loaded(t, i, src, dst)
+        h = i.initialize_xfer("READ", [dst], [src], "target")
+        for _ in range(20):  # connect, warm up
+            i.transfer(h)
+            i.wait(h, 5)
+        n, t0 = 400, time.monotonic()
+        s0 = _sender_switches()
+        for _ in range(n):
+            i.transfer(h)
+            i.wait(h, 5)
+        woke, secs = _sender_switches() - s0, time.monotonic() - t0
+        assert np.array_equal(dst, src)
+        # 2 senders x 10 timed wake-ups a second, and a margin: far below 2 per READ
+        allowed = 0.1 * n + 2 * 10 * (secs + 1)
+        assert woke <= allowed, f"{woke} sender wake-ups for {n} 4 KiB READs in {secs:.2f} s"

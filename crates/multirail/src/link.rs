@@ -1046,6 +1046,10 @@ impl Host for Link {
         Link::now_us(self)
     }
 
+    fn has_unsent(&self) -> bool {
+        self.sched.lock().expect("sched lock").planner.has_unsent()
+    }
+
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
         Link::next_chunk(self, ri)
     }
