@@ -391,15 +391,26 @@ def _faulty_pair(tr: str, faults: str, stall: float = 0.3, **extra: Any) -> tupl
     return t, i
 
 
-def _run_until(i: Any, t: Any, seconds: float, n: int = 32 * MiB) -> list[dict[str, Any]]:
+def _run_until(i: Any, t: Any, seconds: float, n: int = 32 * MiB, then_until: Any = None,
+               limit: float = 20.0) -> list[dict[str, Any]]:
     """READ and WRITE alternately for `seconds`, each checked byte-exact; returns rail_stats
-    snapshots taken after each transfer."""
+    snapshots taken after each transfer. With `then_until` (a predicate on a snapshot), goes on
+    after `seconds` until it holds, for at most `limit` seconds in all: an event that must come
+    (a readmission) may come late on a loaded host."""
     remote, local = pattern(n, 21), np.zeros(n, np.uint8)
     t.register_memory(remote)
     i.register_memory(local)
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-    snaps, k, end = [], 0, time.monotonic() + seconds
-    while time.monotonic() < end:
+    snaps, k, t0 = [], 0, time.monotonic()
+    end = t0 + seconds
+
+    def more() -> bool:
+        now = time.monotonic()
+        if now < end:
+            return True
+        return then_until is not None and bool(snaps) and not then_until(snaps[-1]) and now < t0 + limit
+
+    while more():
         k += 1
         if k % 2:
             local[:] = 0
@@ -441,7 +452,7 @@ def test_faulty_blackhole_is_found_by_the_planners_stall_rule(tr: str) -> None:
     rail 0 byte-exact, and it is readmitted once the blackhole ends."""
     t, i = _faulty_pair(tr, "1:blackhole@300ms+1s", stall=0.3)
     try:
-        snaps = _run_until(i, t, 3.5)
+        snaps = _run_until(i, t, 3.5, then_until=lambda s: s[1]["up"])
         reasons = [s[1]["down_reason"] for s in snaps if s[1]["down_reason"]]
         assert reasons and all("stalled" in r for r in reasons), reasons
         end = snaps[-1]
