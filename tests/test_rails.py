@@ -94,7 +94,11 @@ def test_heterogeneous_rails_split_by_rate(testbed: Any) -> None:
     row = bench_testbed(testbed, "--op", "READ", "--num-iter", "6")["rows"][0]
     eng = [r["bytes"] for r in row["engine_rails"]]
     assert eng[1] > 0, row["engine_rails"]
-    assert 1.8 <= eng[0] / eng[1] <= 2.2, f"engine split {eng} is not within 10% of 2:1"
+    # 2:1 within 15%: an equal split (what ignoring the rates gives) is 1:1. The precision of the
+    # split is the benchmark's to measure (docs/benchmarks.md: 0.665-0.667 of the bytes on the
+    # 2 Gbit/s rail on a quiet host); on a loaded one (load average 30) a 6-transfer run split
+    # 1.79:1, so this bound is a function check, not a precision claim.
+    assert 1.7 <= eng[0] / eng[1] <= 2.3, f"engine split {eng} is not within 15% of 2:1"
     nic = shares(row["rails"])
     assert 0.6 <= nic[0] <= 0.733, f"NIC counters split {nic}"
 
