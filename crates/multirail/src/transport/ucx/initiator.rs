@@ -75,13 +75,13 @@ impl Remote {
 struct Op {
     token: u64,
     write: bool,
-    req: Request,
-    /// For a PUT: an endpoint flush issued right after it, complete once the PUT is complete
-    /// at the target (remote completion). One per PUT, so each chunk is reported as soon as it
-    /// landed: a flush covering the whole window would report nothing until the window drained.
+    /// The chunk's gets or puts, one per piece (never empty).
+    reqs: Vec<Request>,
+    /// For a WRITE: an endpoint flush issued right after its puts, complete once they are
+    /// complete at the target (remote completion). One per chunk, so each chunk is reported as
+    /// soon as it landed: a flush covering the whole window would report nothing until the
+    /// window drained.
     flush: Option<Request>,
-    /// A vectored chunk's other gets or puts (posted before `req`, all covered by `flush`).
-    more: Vec<Request>,
 }
 
 struct RailState {
@@ -224,8 +224,9 @@ impl UcxRail {
 
     /// Post one chunk; `token` comes back from [`UcxRail::progress`]. `local` is an address
     /// inside a region registered (hence mapped) here; `remote_region` / `remote_offset` name
-    /// the target's region. WRITE = put, READ = get. Bounds are checked against the local
-    /// mapping and the region bounds the session announced, before UCX is called.
+    /// the target's region. WRITE = put, READ = get. A batch of one ([`UcxRail::post_v`]; the
+    /// rails post every chunk through that).
+    #[cfg(test)]
     pub fn post(
         &self,
         token: u64,
@@ -235,60 +236,22 @@ impl UcxRail {
         remote_offset: u64,
         len: u64,
     ) -> std::result::Result<(), String> {
-        let op = if write { "WRITE" } else { "READ" };
-        let (mem, off) = find_local(&self.maps, self.local_rail, local, len)
-            .ok_or_else(|| format!("{op}: local range {local:#x} + {len} is not inside memory registered with this agent"))?;
-        let n = usize::try_from(len).map_err(|_| format!("{op}: length {len} too large"))?;
-        if !lock(&self.state).remote.contains_key(&remote_region) {
-            self.fetch_rkey(remote_region)?;
-        }
-        let mut g = lock(&self.state);
-        let st = &mut *g;
-        if let Some(f) = &st.failed {
-            return Err(format!("rail is down: {f}"));
-        }
-        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
-        let remote =
-            st.remote.get_mut(&remote_region).ok_or_else(|| format!("{op}: the peer exports no region {remote_region} over ucx"))?;
-        let remote_addr = match remote.region.addr.checked_add(remote_offset) {
-            Some(a) if remote.region.contains(a, len) => a,
-            _ => {
-                return Err(format!(
-                    "{op}: remote offset {remote_offset} + {len} is outside region {remote_region} ({} bytes)",
-                    remote.region.len
-                ))
-            }
-        };
-        let rkey = remote.rkey(ep).map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
-        let r = if write { ep.put(&mem, off, n, &rkey, remote_addr) } else { ep.get(&mem, off, n, &rkey, remote_addr) };
-        let req = match r {
-            Ok(req) => req,
-            Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(format!("rail is down: {}", st.fail(e.to_string()))),
-            Err(e) => return Err(format!("{op} refused: {e}")),
-        };
-        let flush = match write {
-            false => None,
-            true => match ep.flush() {
-                Ok(f) => Some(f),
-                Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
-            },
-        };
-        if st.outstanding() == 0 {
-            st.last_event = Instant::now();
-        }
-        st.ops.push(Op { token, write, req, flush, more: Vec::new() });
-        drop(g);
-        self.kick.kick();
-        Ok(())
+        self.post_v(token, write, remote_region, &[(local, remote_offset, len)])
     }
 
-    /// Post a vectored chunk: `pieces` (local address, remote offset, length), all in remote
-    /// region `remote_region`, as one batch of nonblocking gets (READ) or puts (WRITE) and
-    /// one endpoint flush after them; `token` comes back once the flush (hence every piece)
-    /// completed. Every piece is checked against the local mappings and the region's bounds
-    /// before any is posted, so a refusal leaves nothing in flight.
+    /// Post a chunk of `pieces` (local address, remote offset, length), all in remote region
+    /// `remote_region`, as one batch of nonblocking gets (READ) or puts (WRITE); `token` comes
+    /// back from [`UcxRail::progress`] once every piece completed (a WRITE: once one endpoint
+    /// flush posted after the puts completed, i.e. remotely). Every piece is checked against
+    /// the local mappings and the region bounds the session announced before UCX is called, so
+    /// a refusal by these checks leaves nothing in flight. A refusal by UCX of the first piece
+    /// (nothing in flight yet) refuses the chunk; of a later piece, or of the flush, it fails
+    /// the rail (pieces may be in flight: the chunk is reissued after the fence).
     pub fn post_v(&self, token: u64, write: bool, remote_region: u64, pieces: &[(u64, u64, u64)]) -> std::result::Result<(), String> {
         let op = if write { "WRITE" } else { "READ" };
+        if pieces.is_empty() {
+            return Err(format!("{op}: a chunk with no pieces"));
+        }
         let mut locals = Vec::with_capacity(pieces.len());
         let mut last: Option<(u64, u64, MemRegion)> = None;
         for &(local, _, len) in pieces {
@@ -335,20 +298,27 @@ impl UcxRail {
             let r = if write { ep.put(mem, *off, *n, &rkey, addr) } else { ep.get(mem, *off, *n, &rkey, addr) };
             match r {
                 Ok(req) => reqs.push(req),
-                // Checked above: a refusal now is the endpoint's, and some pieces may be in
-                // flight; the rail goes down and the whole chunk is reissued after the fence.
+                Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(format!("rail is down: {}", st.fail(e.to_string()))),
+                // Nothing of this chunk in flight: only the chunk is refused.
+                Err(e) if reqs.is_empty() => return Err(format!("{op} refused: {e}")),
+                // Some pieces may be in flight: the rail goes down and the whole chunk is
+                // reissued after the fence.
                 Err(e) => return Err(format!("rail is down: {}", st.fail(format!("{op} of a vectored chunk refused: {e}")))),
             }
         }
-        let flush = match ep.flush() {
-            Ok(f) => f,
-            Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
+        // A READ's gets complete when their data is here; a WRITE completes at the target only
+        // with a flush after its puts. (A batch of gets keeps its flush as before.)
+        let flush = match write || reqs.len() > 1 {
+            false => None,
+            true => match ep.flush() {
+                Ok(f) => Some(f),
+                Err(e) => return Err(format!("rail is down: {}", st.fail(format!("flush refused: {e}")))),
+            },
         };
-        let Some(req) = reqs.pop() else { return Err(format!("{op}: a vectored chunk with no pieces")) };
         if st.outstanding() == 0 {
             st.last_event = Instant::now();
         }
-        st.ops.push(Op { token, write, req, flush: Some(flush), more: reqs });
+        st.ops.push(Op { token, write, reqs, flush });
         drop(g);
         self.kick.kick();
         Ok(())
@@ -445,22 +415,21 @@ impl UcxRail {
         let mut i = 0;
         while i < st.ops.len() {
             let op = &mut st.ops[i];
-            let r = match op.flush.as_mut() {
-                // The flush completes after the PUT it follows, remotely.
-                Some(f) => f.check().and_then(|done| {
-                    if !done {
+            // The flush completes after the puts it follows, remotely; every get or put of the
+            // chunk was posted before it.
+            let r = (|| -> std::result::Result<bool, multirail_ucx::Error> {
+                if let Some(f) = op.flush.as_mut() {
+                    if !f.check()? {
                         return Ok(false);
                     }
-                    // Every get or put of the batch was posted before the flush.
-                    for m in &mut op.more {
-                        if !m.check()? {
-                            return Ok(false);
-                        }
+                }
+                for r in &mut op.reqs {
+                    if !r.check()? {
+                        return Ok(false);
                     }
-                    op.req.check()
-                }),
-                None => op.req.check(),
-            };
+                }
+                Ok(true)
+            })();
             match r {
                 Ok(false) => i += 1,
                 Ok(true) => {

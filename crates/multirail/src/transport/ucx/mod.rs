@@ -205,8 +205,40 @@ impl UcxAgent {
 }
 
 /// The UCX context configuration of one rail, and a description of its restriction.
+///
+/// Besides the restriction and UCX's own striping off, three settings for UCX's tcp transport
+/// (measured in docs/benchmarks.md, "Issue 22: kv over ucx (session 9)"):
+/// - `RNDV_THRESH=inf` (rendezvous off). Our endpoints ask for peer-failure error handling, and
+///   while rendezvous is enabled UCX then wants memory invalidation (`UCT_MD_FLAG_INVALIDATE_RMA`)
+///   on its bandwidth lanes; tcp has none, so every `ucp_put` over tcp ran as software emulation
+///   (an active message per put, or per 8 KiB fragment of a bigger put, each answered by a UCP
+///   completion message: two `send`s per fragment). With rendezvous off, puts are tcp's own
+///   put_zcopy: one `sendmsg` per put from the user's memory, the data received straight into
+///   the target's, and acknowledgements that merge when the target is busy
+///   (`UCX_PROTO_INFO=y` prints "zero-copy" instead of "software emulation").
+/// - `TCP_TX_SEG_SIZE=32K`, `TCP_RX_SEG_SIZE=64K` (UCX's defaults: 8K and 64K). What still goes
+///   as active messages (a get's reply over tcp) is cut into fragments of the send segment:
+///   an 8 KiB page plus its header took two, now one, and a large reply a quarter as many. A
+///   peer's send segment must fit our receive segment (UCX's default 64K: a peer with defaults
+///   and one with these settings talk both ways).
+///
+/// Why these are safe for RDMA rails too: rendezvous is a protocol of tagged, stream and
+/// active-message sends, and our contexts request only `UCP_FEATURE_RMA` (and WAKEUP), so no
+/// rendezvous ever runs and no rendezvous buffer exists to invalidate; `ucp_put`/`ucp_get` over
+/// rc/dc use their registered-memory RMA protocols whatever the threshold. The memory they
+/// touch is the agent's own mapping, which stays mapped, and a dead rail's late PUTs are stopped
+/// by the fence (the target destroys the session's worker), not by UCX invalidation. The
+/// `TCP_*` settings configure only UCX's tcp transport, which an RDMA rail does not use
+/// (`NET_DEVICES` names the HCA port).
 fn rail_config(i: usize, r: &LocalRail, rdma_dev: &str) -> (ContextConfig, String) {
-    let cfg = ContextConfig::new().wakeup(true).name(format!("multirail-rail{i}")).set("MAX_RNDV_RAILS", "1").set("MAX_EAGER_LANES", "1");
+    let cfg = ContextConfig::new()
+        .wakeup(true)
+        .name(format!("multirail-rail{i}"))
+        .set("MAX_RNDV_RAILS", "1")
+        .set("MAX_EAGER_LANES", "1")
+        .set("RNDV_THRESH", "inf")
+        .set("TCP_TX_SEG_SIZE", "32K")
+        .set("TCP_RX_SEG_SIZE", "64K");
     if !rdma_dev.is_empty() {
         let dev = if rdma_dev.contains(':') { rdma_dev.to_string() } else { format!("{rdma_dev}:1") };
         return (cfg.net_devices(dev.clone()), format!("NET_DEVICES={dev}"));

@@ -103,14 +103,14 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
         }
         let token = p.next_token.fetch_add(1, Ordering::Relaxed);
         let piece = chunk.piece;
-        // A vectored chunk: one batch of gets or puts and one flush.
-        let pieces: Option<Vec<(u64, u64, u64)>> =
-            chunk.vec.as_ref().map(|v| v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect());
-        p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
-        let posted = match &pieces {
-            Some(v) => p.rail.post_v(token, write, piece.region, v),
-            None => p.rail.post(token, write, piece.local, piece.region, piece.offset, piece.len),
+        // One batch of gets or puts (one piece unless the chunk is vectored) and, for a WRITE,
+        // one flush.
+        let pieces: Vec<(u64, u64, u64)> = match chunk.vec.as_ref() {
+            Some(v) => v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect(),
+            None => vec![(piece.local, piece.offset, piece.len)],
         };
+        p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
+        let posted = p.rail.post_v(token, write, piece.region, &pieces);
         if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
             if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
