@@ -728,7 +728,9 @@ fn sender(link: Arc<dyn Host>, c: Arc<Conn>) {
 const REFILL_MAX_INFLIGHT: usize = 64;
 
 fn refillable(x: &XferShared, chunk: &Chunk) -> bool {
-    x.op == Op::Read && chunk.vec.is_none()
+    // Not into local GPU memory either: its request waits for the application's stream work
+    // (`XferShared::wait_gpu_order`), which must not hold up the reading.
+    x.op == Op::Read && chunk.vec.is_none() && x.local_dev(chunk.piece.local).is_none()
 }
 
 /// Called by the receiver thread after it completed a response: sends the connection's next
@@ -743,16 +745,19 @@ fn refill(link: &dyn Host, c: &Arc<Conn>) {
         let q = c.inflight.lock().expect("conn lock");
         !q.is_empty() && q.iter().all(|s| refillable(&s.xfer, &s.chunk))
     };
-    if c.dead.load(Ordering::Acquire) || !eligible(c) {
-        c.stop_refill();
-        return;
-    }
     // The sender is writing: it keeps the window filled; do not wait behind its write.
     let Ok(mut w) = c.writer.try_lock() else {
         c.stop_refill();
         return;
     };
     loop {
+        // Checked under the writer lock, where requests are queued: no WRITE payload can then
+        // be waiting in the socket ahead of the request this writes.
+        if c.dead.load(Ordering::Acquire) || !eligible(c) {
+            drop(w);
+            c.stop_refill();
+            return;
+        }
         if c.inflight_n.load(Ordering::Acquire) >= window {
             break;
         }
@@ -769,10 +774,6 @@ fn refill(link: &dyn Host, c: &Arc<Conn>) {
         }
         c.self_refill.store(true, Ordering::Release);
         send_chunk_on(link, c, chunk, x, Some(w));
-        if c.dead.load(Ordering::Acquire) {
-            c.stop_refill();
-            return;
-        }
         w = match c.writer.try_lock() {
             Ok(w) => w,
             Err(_) => {
