@@ -753,7 +753,8 @@ fn refill(link: &dyn Host, c: &Arc<Conn>) {
     loop {
         // Checked under the writer lock, where requests are queued: no WRITE payload can then
         // be waiting in the socket ahead of the request this writes.
-        if c.dead.load(Ordering::Acquire) || !eligible(c) {
+        // Nor while a hand-off waits for the sender (one slot: the sender sends it first).
+        if c.dead.load(Ordering::Acquire) || c.handoff.lock().expect("conn lock").is_some() || !eligible(c) {
             drop(w);
             c.stop_refill();
             return;
