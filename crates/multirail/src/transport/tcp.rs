@@ -678,9 +678,7 @@ fn sender(link: Arc<dyn Host>, c: Arc<Conn>) {
     let room = || c.inflight_n.load(Ordering::Acquire) < window;
     // Leaves `wait_chunk` (None) when the connection dies, or when its receiver starts
     // refilling the window itself (`refill`).
-    let stop = || {
-        c.dead.load(Ordering::Acquire) || c.self_refill.load(Ordering::Acquire) || c.handoff.lock().expect("conn lock").is_some()
-    };
+    let stop = || c.dead.load(Ordering::Acquire) || c.self_refill.load(Ordering::Acquire) || c.handoff.lock().expect("conn lock").is_some();
     loop {
         let handed = c.handoff.lock().expect("conn lock").take();
         let next = match handed {
