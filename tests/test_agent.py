@@ -1028,6 +1028,86 @@ def test_bulk_caller_and_async_transfers_on_one_connection(progress: str):
         t.close()
 
 
+@pytest.mark.parametrize("progress", ["adaptive", "block"])
+def test_bulk_reads_and_writes_interleave_on_one_connection_whose_receiver_refills(progress: str):
+    """One connection, 64 KiB chunks: during a bulk READ the receiver thread sends the next READ
+    requests itself (`tcp::refill`) while the sender thread sleeps. Bulk WRITEs and vectored
+    READs posted meanwhile on the same connection are handed to the sender (the receiver never
+    writes while a WRITE is in flight, so neither side can block the other). Every byte lands
+    where it should and nothing hangs, asynchronous posts and transfer_sync alike."""
+    t = Agent("target")
+    i = Agent("initiator", {"connections": 1, "chunk_size": 64 << 10, "progress": progress, "timeout": 10.0})
+    try:
+        bulk, page = 8 * MiB, 4096
+        src = pattern(3 * bulk, 23)
+        dst = np.zeros(3 * bulk, np.uint8)
+        wsrc = pattern(bulk, 24)
+        t.register_memory(src)
+        i.register_memory(dst)
+        i.register_memory(wsrc)
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        deadline = time.monotonic() + 10
+        while not i.check_remote_metadata("target"):
+            assert time.monotonic() < deadline, "metadata never arrived"
+            time.sleep(0.01)
+        base_s, base_d = src.ctypes.data, dst.ctypes.data
+        errs: list[BaseException] = []
+
+        def reader() -> None:
+            try:
+                rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
+                for k in range(8):
+                    if k % 2:
+                        i.transfer_sync(rd, timeout=30)
+                    else:
+                        i.transfer(rd)
+                        i.wait(rd, 30)
+                    assert np.array_equal(dst[:bulk], src[:bulk])
+                    dst[:bulk] = 0
+                i.release_xfer_handle(rd)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errs.append(e)
+
+        def writer() -> None:
+            try:
+                wr = i.initialize_xfer("WRITE", [(wsrc.ctypes.data, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+                for _ in range(8):
+                    i.transfer(wr)
+                    i.wait(wr, 30)
+                i.release_xfer_handle(wr)
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        def pages() -> None:
+            try:
+                # Every other page of the third part: a vectored READ (handed to the sender).
+                n = bulk // (2 * page)
+                loc = [(base_d + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
+                rem = [(base_s + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
+                h = i.initialize_xfer("READ", loc, rem, "target")
+                for _ in range(8):
+                    i.transfer_sync(h, timeout=30)
+                i.release_xfer_handle(h)
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        threads = [threading.Thread(target=f) for f in (reader, writer, pages)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not any(th.is_alive() for th in threads), "a transfer thread hung"
+        assert not errs, errs[0]
+        assert np.array_equal(src[bulk:2 * bulk], wsrc), "the WRITEs did not land"
+        got = dst[2 * bulk:].reshape(-1, 2, page)
+        want = src[2 * bulk:].reshape(-1, 2, page)
+        assert np.array_equal(got[:, 0], want[:, 0]), "a page of the vectored READ is wrong"
+        assert not got[:, 1].any(), "the vectored READ wrote between its pages"
+    finally:
+        i.close()
+        t.close()
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_wait_on_a_transfer_spread_over_connections_returns_promptly(sync: bool):
     """A transfer striped over several connections: the waiting caller drives one of them and

@@ -77,3 +77,30 @@ def test_one_short_run_measures_both_sides_of_both_workers(tmp_path: Path):
     s = doc["summary"]["WRITE/multirail-block"]
     assert s["ratio_worst"] == pytest.approx(mr["cpu_per_gb"] / ip["cpu_per_gb"])
     assert "WRITE multirail-block" in p.stdout
+
+
+def _perf_counts_syscalls() -> bool:
+    """perf can count syscall tracepoints of other processes here (root, tracefs)."""
+    if shutil.which("perf") is None or os.geteuid() != 0:
+        return False
+    p = subprocess.run(["perf", "stat", "-e", "syscalls:sys_enter_futex", "--", "true"], capture_output=True, text=True,
+                       timeout=60)
+    return p.returncode == 0
+
+
+@pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+@pytest.mark.skipif(not _perf_counts_syscalls(), reason="perf cannot count syscall tracepoints (needs root and perf)")
+def test_cpu_wakeups_counts_both_processes_of_a_read():
+    """benchmarks/cpu_wakeups.py attaches perf to the initiator and the target of a short READ
+    loop and reports, per side, context switches and syscalls per GB: both sides move data, so
+    both make receive or write calls (no timing is asserted)."""
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_wakeups.py"), "--op", "READ", "--seconds", "0.5",
+                        "--size", "8MiB"], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("multirail READ adaptive:"), p.stdout
+    sides = {ln.split()[0]: ln for ln in lines[1:]}
+    assert set(sides) == {"initiator", "target"}, p.stdout
+    for side, ln in sides.items():
+        nums = dict(zip(ln.split()[1::2], ln.split()[2::2]))
+        assert float(nums["recv/GB"]) + float(nums["writev/GB"]) > 0, f"{side}: {ln}"

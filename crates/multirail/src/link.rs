@@ -1058,6 +1058,10 @@ impl Host for Link {
         Link::wait_chunk(self, ri, room, stop)
     }
 
+    fn wake_senders(&self) {
+        self.cond.notify_all();
+    }
+
     fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>) {
         Link::chunk_done(self, ri, chunk, x, len, r)
     }

@@ -92,6 +92,8 @@ pub(crate) trait Host: Send + Sync {
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)>;
     /// Wait until `room()` and the planner has a chunk for rail `ri`, or `stop()`.
     fn wait_chunk(&self, ri: usize, room: &dyn Fn() -> bool, stop: &dyn Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)>;
+    /// Wake the threads waiting in `wait_chunk` so that they look at their `stop()` again.
+    fn wake_senders(&self);
     /// A chunk handed out for rail `ri` finished: landed (`Ok`) or refused by the target.
     fn chunk_done(&self, ri: usize, chunk: ChunkId, x: &XferShared, len: u64, r: std::result::Result<(), (Status, String)>);
     /// A path of rail `ri` failed; the link records the first reason and shuts the rail.
