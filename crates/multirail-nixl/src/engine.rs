@@ -336,8 +336,9 @@ impl Engine {
                 let msg = Some(notif.unwrap_or_default().to_vec());
                 // A small transfer is polled to completion by NIXL's checkXfer, which reads its
                 // response itself (no thread wake-up on the round trip); a large one is carried
-                // by the rails' receiver threads, and checkXfer only looks (see `check`).
-                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post(msg)? };
+                // by the rails' threads from the start (`post_handoff`: postXfer sends nothing
+                // itself and returns at once), and checkXfer only looks (see `check`).
+                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post_handoff(msg)? };
                 match posted {
                     XferState::Done => Ok(SUCCESS),
                     XferState::Error => Err(h.error().unwrap_or(Error::Closed)),
