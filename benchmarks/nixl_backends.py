@@ -50,7 +50,7 @@ PEER = str(REPO / "tests" / "nixl_plugin_peer.py")
 #: prepare + post rounds per process (fresh lists and handles each; the median is reported, the
 #: first round apart: it pays the process's first-touch costs, in NIXL's code as much as in a
 #: backend's)
-PREP_REPS = 5
+PREP_REPS = 3
 
 
 def counters(tb: Any, side: str) -> dict[str, int]:
