@@ -661,7 +661,11 @@ impl Link {
         // Post the first chunks from this thread: saves a wakeup on the latency path. The
         // transport's own threads are woken only if some rail ran out of room with work left.
         let Some(_active) = self.enter() else { return Ok(()) };
-        if self.t.post_ready(&**self, will_drive) {
+        // The transport reports that a rail may have work left without room for it; the
+        // senders are woken only when the planner really holds bytes not yet handed out (a
+        // 4 KiB post that sent its one chunk inline wakes nobody: waking every rail's sender
+        // per small post cost a wake-up per rail per round trip).
+        if self.t.post_ready(&**self, will_drive) && self.sched.lock().expect("sched lock").planner.has_work() {
             self.cond.notify_all();
         }
         Ok(())
