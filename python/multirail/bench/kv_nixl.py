@@ -222,12 +222,14 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
     lp = rp = None
     if prepped:
         n_pages = pool_bytes // page_bytes
+
         def pool_rows(base: int) -> np.ndarray:
             r = np.empty((n_pages, 3), np.uint64)
             r[:, 0] = np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes) + np.uint64(base)
             r[:, 1] = page_bytes
             r[:, 2] = 0
             return r
+
         lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pool_rows(buf.ctypes.data), "DRAM")
         rp = agent.prep_xfer_dlist(peer, pool_rows(remote_addr), "DRAM")
     page = np.uint64(page_bytes)
