@@ -22,6 +22,7 @@ import gc
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -576,8 +577,13 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         # benchmarks/nixl_backends.py: prepare + post of `count` x `desc` READ descriptors through
         # prepped lists (prep_xfer_dlist on both sides, make_prepped_xfer, transfer), timed up to
         # the post; the transfer is then awaited (untimed) and spot-checked. Descriptors wrap
-        # around the SIZE-byte regions when count x desc exceeds them.
+        # around the SIZE-byte regions when count x desc exceeds them. `order`: "seq" (indices
+        # 0..count-1, which NIXL merges into one descriptor per contiguous run before the
+        # backend sees them) or "perm" (one fixed random permutation on both sides: NIXL merges
+        # nothing, the backend gets every descriptor). `reps`: that many prepare + post + wait
+        # rounds in this process (fresh lists and handles each); each round's times are kept.
         count, dsz = cfg.get("count", 65536), cfg.get("desc", 16384)
+        reps, order = cfg.get("reps", 1), cfg.get("order", "seq")
         agent.add_remote_agent((d / "meta.bin").read_bytes())
         dst = Buf(size, False, None)
         dst.reg(agent)
@@ -588,29 +594,49 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         loc[:, 0], rem[:, 0] = off + np.uint64(dst.addr), off + np.uint64(addrs["A"])
         loc[:, 1] = rem[:, 1] = dsz
         loc[:, 2] = rem[:, 2] = 0
-        idx = np.arange(count)
+        if order == "perm":
+            idx = np.random.default_rng(7).permutation(count)
+        elif order == "seq":
+            idx = np.arange(count)
+        else:
+            fail(f"unknown order {order}")
         # untimed warm-up: connect
         h0 = agent.initialize_xfer("READ", agent.get_xfer_descs([(dst.addr, 4096, 0)], mem),
                                    agent.get_xfer_descs([(addrs["A"], 4096, 0)], mem), "target")
         check(wait(agent, h0) == "DONE", "warm-up READ")
         agent.release_xfer_handle(h0)
-        t0 = time.perf_counter()
-        lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, mem)
-        rp = agent.prep_xfer_dlist("target", rem, mem)
-        t1 = time.perf_counter()
-        h = agent.make_prepped_xfer("READ", lp, idx, rp, idx)
-        t2 = time.perf_counter()
-        s = agent.transfer(h)
-        t3 = time.perf_counter()
-        check(s in ("PROC", "DONE"), f"post {s}")
-        t = time.monotonic()
-        while s == "PROC" and time.monotonic() - t < 300:
-            s = agent.check_xfer_state(h)
-            time.sleep(0.001)
-        check(s == "DONE", f"{count} x {dsz} READ {s}")
-        check(sha(dst.read()[:min(size, count * dsz)]) == sha(A[:min(size, count * dsz)]), "READ bytes differ")
-        agent.release_xfer_handle(h)
-        out.update(prep_dlist_s=t1 - t0, make_prepped_s=t2 - t1, post_s=t3 - t2, prep_post_s=t3 - t0)
+        rounds: dict[str, list[float]] = {k: [] for k in ("prep_dlist_s", "make_prepped_s", "post_s", "prep_post_s",
+                                                          "prep_dlist_cpu_s", "make_prepped_cpu_s", "post_cpu_s",
+                                                          "prep_post_cpu_s")}
+        for rep in range(reps):
+            if rep:
+                dst.write(np.zeros(size, np.uint8))
+            c0, t0 = time.thread_time(), time.perf_counter()
+            lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, mem)
+            rp = agent.prep_xfer_dlist("target", rem, mem)
+            c1, t1 = time.thread_time(), time.perf_counter()
+            h = agent.make_prepped_xfer("READ", lp, idx, rp, idx)
+            c2, t2 = time.thread_time(), time.perf_counter()
+            if cfg.get("post", True):
+                s = agent.transfer(h)
+                c3, t3 = time.thread_time(), time.perf_counter()
+                check(s in ("PROC", "DONE"), f"post {s}")
+                t = time.monotonic()
+                while s == "PROC" and time.monotonic() - t < 300:
+                    s = agent.check_xfer_state(h)
+                    time.sleep(0.001)
+                check(s == "DONE", f"{count} x {dsz} READ {s}")
+                n = min(size, count * dsz)
+                check(sha(dst.read()[:n]) == sha(A[:n]), "READ bytes differ")
+            else:  # profiling the preparation alone
+                c3, t3 = c2, t2
+            agent.release_xfer_handle(h)
+            agent.release_dlist_handle(lp)
+            agent.release_dlist_handle(rp)
+            for k, v in zip(rounds, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, c1 - c0, c2 - c1, c3 - c2, c3 - c0)):
+                rounds[k].append(v)
+        out.update({k: statistics.median(v) for k, v in rounds.items()})
+        out["rounds"] = rounds
 
     elif name == "env":
         p = agent.get_backend_params("MULTIRAIL")

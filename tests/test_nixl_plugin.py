@@ -265,6 +265,17 @@ def test_prepped_lists_with_indices_and_strided(pair: Pair) -> None:
     assert out["strided"] == "ok", out
 
 
+@pytest.mark.parametrize("order", ["seq", "perm"])
+def test_prepped_lists_posted_by_handoff_in_any_order(pair: Pair, order: str) -> None:
+    # 4,096 x 16 KiB READ descriptors through prepped lists, made and posted twice (fresh lists
+    # and handles each round), byte-checked each round: "seq" indices NIXL merges into 4
+    # descriptors of 16 MiB, a random permutation it cannot merge (the plugin gets all 4,096).
+    # Both are large transfers, posted by handoff (postXfer only queues them and wakes the
+    # rails' threads).
+    out = pair.run("prep", {"count": 4096, "desc": 16384, "order": order, "reps": 2})
+    assert len(out["rounds"]["post_s"]) == 2, out
+
+
 def test_metadata_partial_invalidate_and_listener(tmp_path: Path, plugin_dir: Path) -> None:
     import socket
 

@@ -246,8 +246,8 @@ int mr_nixl_load_remote_md(const MrEngine *, const uint8_t *, size_t, const uint
 int mr_nixl_unload_remote_md(const MrEngine *, const uint8_t *, size_t, uint64_t);
 int mr_nixl_connect(const MrEngine *, const uint8_t *, size_t);
 int mr_nixl_disconnect(const MrEngine *, const uint8_t *, size_t);
-int mr_nixl_prep(const MrEngine *, int, int, const uint64_t *, size_t, int, const uint64_t *, size_t, const uint8_t *,
-                 size_t, MrXfer **);
+int mr_nixl_prep(const MrEngine *, int, int, const void *, size_t, int, const void *, size_t, const uint8_t *, size_t,
+                 MrXfer **);
 int mr_nixl_post(const MrEngine *, const MrXfer *, int, const uint8_t *, size_t);
 int mr_nixl_check(const MrEngine *, const MrXfer *);
 int mr_nixl_release(const MrEngine *, MrXfer *);
@@ -334,19 +334,6 @@ template <class F> nixl_status_t guarded(const char *where, F &&f) noexcept {
 
 class Engine final : public BackendEngine {
     MrEngine *rt = nullptr;
-
-    // Rows (address, length, device) of a descriptor list, as the C ABI takes them.
-    static std::vector<uint64_t> rows(const meta_dlist_t &l) {
-        const auto &v = view(l).descs;
-        std::vector<uint64_t> out;
-        out.reserve(v.size() * 3);
-        for (const auto &d : v) {
-            out.push_back(d.addr);
-            out.push_back(d.len);
-            out.push_back(d.devId);
-        }
-        return out;
-    }
 
 public:
     explicit Engine(const InitParams *p) : BackendEngine(p) {
@@ -438,11 +425,13 @@ public:
     nixl_status_t prepXfer(const nixl_xfer_op_t &op, const meta_dlist_t &local, const meta_dlist_t &remote,
                            const std::string &agent, BackendReqH *&handle, const OptArgs *) const override {
         return guarded("prepXfer", [&] {
-            auto l = rows(local), r = rows(remote);
+            // The descriptor vectors are read in place (32-byte MetaDesc rows: address, length,
+            // device, metadata pointer; asserted above): no copy per descriptor.
+            const auto &l = view(local).descs, &r = view(remote).descs;
             auto *h = new ReqH();
-            auto s = nixl_status_t(mr_nixl_prep(rt, int(op), int(view(local).type), l.data(), l.size() / 3,
-                                                int(view(remote).type), r.data(), r.size() / 3, u8(agent),
-                                                agent.size(), &h->x));
+            auto s = nixl_status_t(mr_nixl_prep(rt, int(op), int(view(local).type), l.data(), l.size(),
+                                                int(view(remote).type), r.data(), r.size(), u8(agent), agent.size(),
+                                                &h->x));
             if (s != NIXL_SUCCESS) {
                 delete h;
                 return s;

@@ -87,6 +87,25 @@ pub struct Engine {
     small_below: u64,
 }
 
+/// One of NIXL's meta descriptors as its descriptor vector holds it (the shim hands the vector
+/// over in place): address, length, device id, and NIXL's backend metadata pointer (not read).
+/// 32 bytes, asserted in shim/plugin.cpp.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaRow {
+    pub addr: u64,
+    pub len: u64,
+    pub dev: u64,
+    pub md: u64,
+}
+
+impl multirail::xfer::Desc for MetaRow {
+    #[inline]
+    fn span(&self) -> (u64, u64) {
+        (self.addr, self.len)
+    }
+}
+
 /// A prepared transfer.
 pub enum Xfer {
     Remote { h: XferHandle, reported: AtomicBool },
@@ -242,7 +261,7 @@ impl Engine {
         self.agent.peer(agent)?.link().map(|_| ())
     }
 
-    pub fn prep(&self, op: i32, lmem: i32, local: &[[u64; 3]], rmem: i32, remote: &[[u64; 3]], agent: &str) -> Result<Xfer, Error> {
+    pub fn prep(&self, op: i32, lmem: i32, local: &[MetaRow], rmem: i32, remote: &[MetaRow], agent: &str) -> Result<Xfer, Error> {
         let op = match op {
             0 => Op::Read,
             1 => Op::Write,
@@ -250,7 +269,8 @@ impl Engine {
         };
         let (lmem, rmem) = (mem_of(lmem)?, mem_of(rmem)?);
         if agent == self.name {
-            return self.prep_local(op, lmem, local, rmem, remote);
+            let three = |v: &[MetaRow]| v.iter().map(|d| [d.addr, d.len, d.dev]).collect::<Vec<_>>();
+            return self.prep_local(op, lmem, &three(local), rmem, &three(remote));
         }
         self.ensure_peer(agent)?;
         let h = self.agent.prepare(op, local, remote, agent, Vec::new())?;
@@ -336,8 +356,9 @@ impl Engine {
                 let msg = Some(notif.unwrap_or_default().to_vec());
                 // A small transfer is polled to completion by NIXL's checkXfer, which reads its
                 // response itself (no thread wake-up on the round trip); a large one is carried
-                // by the rails' receiver threads, and checkXfer only looks (see `check`).
-                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post(msg)? };
+                // by the rails' threads from the start (`post_handoff`: postXfer sends nothing
+                // itself and returns at once), and checkXfer only looks (see `check`).
+                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post_handoff(msg)? };
                 match posted {
                     XferState::Done => Ok(SUCCESS),
                     XferState::Error => Err(h.error().unwrap_or(Error::Closed)),

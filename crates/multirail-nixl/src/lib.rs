@@ -20,7 +20,7 @@ pub mod engine;
 pub mod host;
 pub mod params;
 
-use engine::{log, status_of, Engine, Xfer};
+use engine::{log, status_of, Engine, MetaRow, Xfer};
 
 /// NIXL's status values (`nixl_status_t`).
 pub mod status {
@@ -70,15 +70,17 @@ unsafe fn text<'a>(p: *const u8, n: usize) -> Result<&'a str, i32> {
     std::str::from_utf8(bytes(p, n)).map_err(|_| ERR_INVALID_PARAM)
 }
 
+/// NIXL's descriptor rows, read in place.
+///
 /// # Safety
-/// `p` is null with `n == 0`, or points to `n` readable `[u64; 3]` rows.
-unsafe fn rows<'a>(p: *const u64, n: usize) -> std::borrow::Cow<'a, [[u64; 3]]> {
+/// `p` is null with `n == 0`, or points to `n` readable `MetaRow`s.
+unsafe fn rows<'a>(p: *const MetaRow, n: usize) -> std::borrow::Cow<'a, [MetaRow]> {
     if n == 0 || p.is_null() {
         std::borrow::Cow::Borrowed(&[])
-    } else if (p as *const [u64; 3]).is_aligned() {
-        std::borrow::Cow::Borrowed(std::slice::from_raw_parts(p as *const [u64; 3], n))
+    } else if p.is_aligned() {
+        std::borrow::Cow::Borrowed(std::slice::from_raw_parts(p, n))
     } else {
-        std::borrow::Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((p as *const [u64; 3]).add(i))).collect())
+        std::borrow::Cow::Owned((0..n).map(|i| std::ptr::read_unaligned(p.add(i))).collect())
     }
 }
 
@@ -371,8 +373,9 @@ pub unsafe extern "C" fn mr_nixl_disconnect(e: *const Engine, agent: *const u8, 
     })
 }
 
-/// Prepare a transfer of `ln` local rows against `rn` remote rows (each row: address, length,
-/// device id) with agent `agent` (this agent itself for a local transfer).
+/// Prepare a transfer of `ln` local rows against `rn` remote rows (NIXL's meta descriptors,
+/// read in place: address, length, device id, metadata pointer; see `MetaRow`) with agent
+/// `agent` (this agent itself for a local transfer).
 ///
 /// # Safety
 /// `e` is a live engine; the row arrays and the name are readable; `out` is writable.
@@ -382,10 +385,10 @@ pub unsafe extern "C" fn mr_nixl_prep(
     e: *const Engine,
     op: c_int,
     lmem: c_int,
-    local: *const u64,
+    local: *const MetaRow,
     ln: usize,
     rmem: c_int,
-    remote: *const u64,
+    remote: *const MetaRow,
     rn: usize,
     agent: *const u8,
     agent_len: usize,

@@ -789,6 +789,13 @@ impl Planner {
         self.xfers.is_empty() && self.inflight.is_empty()
     }
 
+    /// Whether some transfer still has bytes to hand out (fresh or to retry): what a sender
+    /// thread could take now or once its rail has room. False once every byte is in flight
+    /// or done, e.g. right after a small transfer's only chunk was sent.
+    pub fn has_work(&self) -> bool {
+        self.xfers.iter().any(|x| x.has_work())
+    }
+
     /// Queue a transfer of contiguous pairs (never vectored). An empty transfer completes at
     /// once.
     pub fn submit(&mut self, xfer: XferId, pairs: Vec<Pair>, now: Instant) {
@@ -1370,6 +1377,31 @@ mod tests {
         p.set_byte_progress(ucx, true);
         let stalled: Vec<RailId> = p.poll_stalled(t0 + Duration::from_secs(2)).into_iter().map(|(r, _)| r).collect();
         assert_eq!(stalled, vec![ucx]);
+    }
+
+    #[test]
+    fn has_work_while_bytes_are_left_to_hand_out() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let r = p.add_rail(None, now);
+        assert!(!p.has_work());
+        // A small transfer: one chunk; once it is out, nothing is left for a sender although
+        // the planner is not idle.
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
+        assert!(p.has_work());
+        let c = p.poll_work(r, now).expect("chunk");
+        assert!(!p.has_work() && !p.is_idle());
+        assert!(p.handle_done(c.id, now));
+        assert!(!p.has_work() && p.is_idle());
+        // A large one keeps work until its last chunk is handed out.
+        p.submit(XferId(2), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
+        let mut n = 0;
+        while p.has_work() {
+            let c = p.poll_work(r, now).expect("work left means a chunk");
+            assert!(p.handle_done(c.id, now));
+            n += 1;
+        }
+        assert!(n > 1 && p.poll_work(r, now).is_none());
     }
 
     #[test]

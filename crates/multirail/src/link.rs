@@ -62,6 +62,8 @@ struct Sched {
     planner: Planner,
     xfers: HashMap<XferId, Arc<XferShared>>,
     next_xfer: u64,
+    /// A handoff post woke one sender: the first to wake wakes the others (`wait_chunk`).
+    chain_wake: bool,
 }
 
 /// The live connections to one peer and the planner that stripes over them.
@@ -308,7 +310,7 @@ impl Link {
             rails,
             t,
             any_ucx,
-            sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1 }),
+            sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1, chain_wake: false }),
             cond: Condvar::new(),
             control: Mutex::new(None),
             notify_tx: Mutex::new(None),
@@ -445,6 +447,10 @@ impl Link {
     pub(crate) fn wait_chunk(&self, ri: usize, room: impl Fn() -> bool, stop: impl Fn() -> bool) -> Option<(Chunk, Arc<XferShared>)> {
         let mut g = self.sched.lock().expect("sched lock");
         loop {
+            if g.chain_wake {
+                g.chain_wake = false;
+                self.cond.notify_all();
+            }
             if self.is_shutdown() || stop() {
                 return None;
             }
@@ -636,15 +642,30 @@ impl Link {
         let id = XferId(g.next_xfer);
         g.next_xfer += 1;
         x.current.store(id.0, Ordering::Release);
+        let handoff = x.handoff.load(Ordering::Acquire);
         g.xfers.insert(id, x.clone());
         g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, Instant::now());
         let done = self.drain_events(&mut g);
+        g.chain_wake |= handoff;
         drop(g);
         self.complete(done);
+        if handoff {
+            // `XferHandle::post_handoff`: the rails' threads send it all. This thread wakes one
+            // sender, which wakes the others (`wait_chunk`): on a loaded host each thread woken
+            // here may take the caller's CPU, so the post wakes as few as it can. Other
+            // transports' threads, which do not wait on the link's condition, by `wake`.
+            self.t.wake();
+            self.cond.notify_one();
+            return Ok(());
+        }
         // Post the first chunks from this thread: saves a wakeup on the latency path. The
         // transport's own threads are woken only if some rail ran out of room with work left.
         let Some(_active) = self.enter() else { return Ok(()) };
-        if self.t.post_ready(&**self, will_drive) {
+        // The transport reports that a rail may have work left without room for it; the
+        // senders are woken only when the planner really holds bytes not yet handed out (a
+        // 4 KiB post that sent its one chunk inline wakes nobody: waking every rail's sender
+        // per small post cost a wake-up per rail per round trip).
+        if self.t.post_ready(&**self, will_drive) && self.sched.lock().expect("sched lock").planner.has_work() {
             self.cond.notify_all();
         }
         Ok(())

@@ -148,6 +148,9 @@ pub(crate) struct XferShared {
     /// does not wake the receiver for them (the next poll reads them; a receiver parked for
     /// callers looks again within `transport::tcp::POLL_PARK` should the polls stop).
     pub(crate) polled: std::sync::atomic::AtomicBool,
+    /// Posted by [`XferHandle::post_handoff`]: the link's own threads send every chunk; the
+    /// posting thread only queues the transfer and wakes them.
+    pub(crate) handoff: std::sync::atomic::AtomicBool,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -213,6 +216,7 @@ impl XferShared {
             gpu_order: Mutex::new(GpuOrder::default()),
             post_gate: Mutex::new(()),
             polled: std::sync::atomic::AtomicBool::new(false),
+            handoff: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -444,14 +448,25 @@ pub struct XferHandle(pub(crate) Arc<XferShared>);
 impl XferHandle {
     /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, false, None, false)
+        self.post_inner(notif, false, None, false, false)
+    }
+
+    /// [`XferHandle::post`] that sends nothing from the calling thread: the transfer is queued
+    /// and the rails' own threads (woken once) send all of it. For a large transfer whose
+    /// caller only looks at the state afterwards (NIXL's `postXfer`): the post costs one
+    /// wake-up and no socket call, so it returns in microseconds even on a loaded host, where
+    /// sending the first chunks itself (and kicking each rail's receiver) can cost the caller
+    /// its time slice. A small transfer should use [`XferHandle::post`] or `post_polled`: the
+    /// handoff adds one thread wake-up to its latency.
+    pub fn post_handoff(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
+        self.post_inner(notif, false, None, false, true)
     }
 
     /// [`XferHandle::post`], ordered after the work queued on the application's CUDA `stream`
     /// (a raw `cudaStream_t`; the stream contract of docs/gpu.md). A plain `post` orders after
     /// each local GPU's legacy default stream.
     pub fn post_on(&self, notif: Option<Vec<u8>>, stream: Option<u64>) -> Result<XferState> {
-        self.post_inner(notif, false, stream, false)
+        self.post_inner(notif, false, stream, false, false)
     }
 
     /// [`XferHandle::post`] for a caller that polls the transfer to completion next with
@@ -461,7 +476,7 @@ impl XferHandle {
     /// caller that stops polling leaves its responses to a receiver that looks again within
     /// a millisecond (a large transfer's data would wait that long on each connection).
     pub fn post_polled(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, true, None, true)
+        self.post_inner(notif, true, None, true, false)
     }
 
     /// Post and wait in one call: the caller reads its own responses (no receiver wake-up on
@@ -472,11 +487,11 @@ impl XferHandle {
 
     /// [`XferHandle::post_wait`] on the application's `stream` (see [`XferHandle::post_on`]).
     pub fn post_wait_on(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>, stream: Option<u64>) -> Result<()> {
-        self.post_inner(notif, true, stream, false)?;
+        self.post_inner(notif, true, stream, false, false)?;
         self.wait(timeout)
     }
 
-    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, polled: bool) -> Result<XferState> {
+    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, polled: bool, handoff: bool) -> Result<XferState> {
         if let Some(n) = notif {
             check_notif(&n)?;
             *self.0.notif.lock().expect("xfer lock") = n;
@@ -489,6 +504,7 @@ impl XferHandle {
         }
         self.0.begin()?;
         self.0.polled.store(polled, Ordering::Release);
+        self.0.handoff.store(handoff, Ordering::Release);
         let x = self.0.clone();
         if !x.gpu_order_ready() {
             // The producer's work is still queued: the transfer enters the link (and the

@@ -49,6 +49,11 @@ import numpy as np
 from multirail.bench import protocol as proto
 
 TARGET_NAME, INIT_NAME = "nixl-kv-decode", "nixl-kv-prefill"
+#: The prefill's completion loop sleeps POLL_MIN_S after progress, doubling up to POLL_MAX_S
+#: while nothing moves (NIXL has no blocking wait: its users poll `check_xfer_state`).
+POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3
+PREP_TEXT = {"prepped": "prepped (prep_xfer_dlist once, make_prepped_xfer per layer)",
+             "fresh": "fresh (get_xfer_descs + initialize_xfer)"}
 
 
 def _api() -> Any:
@@ -208,6 +213,35 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
             return 1
         time.sleep(0.01)
 
+    # NIXL's prepped-list form (what vLLM's NixlConnector does): each side's whole pool
+    # prepared once as page descriptors (descriptor i = the page at offset i x page_bytes), and
+    # each layer's WRITE made from page indices (`make_prepped_xfer`): no descriptor list is
+    # built per request, and the backend gets the layer's pages as one request.
+    # MULTIRAIL_KV_NIXL_PREP=fresh: the per-layer `get_xfer_descs` + `initialize_xfer` form.
+    prepped = os.environ.get("MULTIRAIL_KV_NIXL_PREP", "prepped") != "fresh"
+    lp = rp = None
+    if prepped:
+        n_pages = pool_bytes // page_bytes
+
+        def pool_rows(base: int) -> np.ndarray:
+            r = np.empty((n_pages, 3), np.uint64)
+            r[:, 0] = np.arange(n_pages, dtype=np.uint64) * np.uint64(page_bytes) + np.uint64(base)
+            r[:, 1] = page_bytes
+            r[:, 2] = 0
+            return r
+
+        lp = agent.prep_xfer_dlist("NIXL_INIT_AGENT", pool_rows(buf.ctypes.data), "DRAM")
+        rp = agent.prep_xfer_dlist(peer, pool_rows(remote_addr), "DRAM")
+    page = np.uint64(page_bytes)
+
+    def layer_xfer(lay: int, src: np.ndarray, dst: np.ndarray, lr: Any, rr: Any, notif: bytes) -> Any:
+        if prepped:
+            li = (offsets(lay_col[lay], src) // page).astype(np.int32)
+            ri = (offsets(lay_col[lay], dst) // page).astype(np.int32)
+            return agent.make_prepped_xfer("WRITE", lp, li, rp, ri, notif)
+        return agent.initialize_xfer("WRITE", agent.get_xfer_descs(lr[lay], "DRAM"),
+                                     agent.get_xfer_descs(rr[lay], "DRAM"), peer, notif)
+
     done_msgs: dict[Any, int] = {}
     bad: list[str] = []
     corrupted: list[int] = []
@@ -220,6 +254,7 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
         slots: list[dict[str, Any] | None] = [None] * conc
         left = count
         t_end = 0
+        nap = POLL_MIN_S
         while left > 0 or any(s is not None for s in slots):
             busy = False
             for i in range(conc):
@@ -231,7 +266,7 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
                     tb = time.perf_counter()
                     src = np.array([free_src.pop(0) for _ in range(pages)], np.int64)
                     dst = np.array([free_dst.pop(0) for _ in range(pages)], np.int64)
-                    lr, rr = rows(buf.ctypes.data, src), rows(remote_addr, dst)
+                    lr, rr = (None, None) if prepped else (rows(buf.ctypes.data, src), rows(remote_addr, dst))
                     notifs = [proto.encode("kv_layer", {"r": rid, "l": lay, "n": layers}) for lay in range(layers)]
                     build = time.perf_counter() - tb
                     if check:
@@ -245,8 +280,7 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
                     hs, prep, post = [], 0.0, 0.0
                     for lay in range(layers):
                         a = time.perf_counter()
-                        h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lr[lay], "DRAM"),
-                                                  agent.get_xfer_descs(rr[lay], "DRAM"), peer, notifs[lay])
+                        h = layer_xfer(lay, src, dst, lr, rr, notifs[lay])
                         b = time.perf_counter()
                         if agent.transfer(h) == "ERR":
                             raise RuntimeError(f"NIXL WRITE failed to post (request {rid}, layer {lay})")
@@ -293,8 +327,14 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
                             bad.append(f"request {d[1].get('r')}: " + (d[1].get("error") or
                                        f"{d[1].get('bad_pages')} bad pages, first bad byte at decode offset "
                                        f"{d[1].get('first_bad')}"))
-            if not busy:
-                time.sleep(0.00005)
+            if busy:
+                nap = POLL_MIN_S
+            else:
+                # Nothing moved: poll again later, backing off to POLL_MAX_S (a completion is
+                # seen at most that late; a request takes ~1 s at these rates). Polling every
+                # 50 us for a whole transfer took CPU the host's data plane needed.
+                time.sleep(nap)
+                nap = min(nap * 2, POLL_MAX_S)
         return t_end
 
     def tx_bytes() -> dict[str, int]:
@@ -316,7 +356,7 @@ def _initiator(plan_json: str, meta_hex: str, remote_addr: int) -> int:
     wall = max(t_end - t_start, 1) / 1e9
     rails = [{"name": d, "bytes": after[d] - before[d]} for d in p.get("devs", []) if d in before and d in after]
     print(json.dumps({"lat_ns": lat, "decode_ns": dec, "wall_s": wall, **stats, "rails": rails, "bad": bad,
-                      "checked": check,
+                      "checked": check, "nixl_prep": "prepped" if prepped else "fresh",
                       "cpu_pct": 100.0 * (time.process_time() - cpu0) / wall,
                       "ucx_tls": os.environ.get("UCX_TLS", "")}), flush=True)
     return 0
@@ -420,7 +460,7 @@ def run_nixl_kv(plan: Any, warmup: int, seed: int, testbed: dict[str, Any] | Non
             f.close()
     name = f"nixl-ucx({env['UCX_TLS']}) kv" if backend == "UCX" else "nixl-multirail kv"
     row = kv_row(name, "kv", plan, d["lat_ns"], d["wall_s"], d["decode_ns"],
-                 transfers=d["transfers"], descs=d["descs"], prep="fresh (get_xfer_descs + initialize_xfer)",
+                 transfers=d["transfers"], descs=d["descs"], prep=PREP_TEXT[d.get("nixl_prep", "fresh")],
                  prep_s=d["prep_s"], post_s=d["post_s"], build_s=d["build_s"])
     row.cpu_pct = d.get("cpu_pct")
     from multirail.bench.core import RailRow
