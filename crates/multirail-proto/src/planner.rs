@@ -779,11 +779,6 @@ impl Planner {
         self.rails[rail].up
     }
 
-    /// True when some transfer still has bytes no rail has taken (fresh or to retry).
-    pub fn has_unsent(&self) -> bool {
-        self.xfers.iter().any(|x| x.has_work())
-    }
-
     /// True when no transfer is queued or in flight.
     pub fn is_idle(&self) -> bool {
         self.xfers.is_empty() && self.inflight.is_empty()

@@ -1067,10 +1067,6 @@ impl Host for Link {
         Link::now_us(self)
     }
 
-    fn has_unsent(&self) -> bool {
-        self.sched.lock().expect("sched lock").planner.has_unsent()
-    }
-
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
         Link::next_chunk(self, ri)
     }

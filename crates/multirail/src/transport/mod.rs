@@ -86,8 +86,6 @@ pub(crate) trait Host: Send + Sync {
     fn is_shutdown(&self) -> bool;
     /// Microseconds since the link opened (a clock for timestamps in atomics).
     fn now_us(&self) -> u64;
-    /// Whether the planner still has bytes that no rail has taken.
-    fn has_unsent(&self) -> bool;
     /// The next chunk the planner has for rail `ri`, with its transfer.
     fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)>;
     /// Wait until `room()` and the planner has a chunk for rail `ri`, or `stop()`.

@@ -502,7 +502,7 @@ impl Transport for TcpRails {
 
 /// Send up to `max` chunks on `c` while the planner has work for its rail and the connection
 /// has room. Returns true when it stopped with work possibly left: the connection's window
-/// full, or `max` sent while the planner still has bytes to send.
+/// full, or `max` sent.
 fn pump(link: &dyn Host, c: &Arc<Conn>, max: usize) -> bool {
     for _ in 0..max {
         if c.dead.load(Ordering::Acquire) {
@@ -516,10 +516,8 @@ fn pump(link: &dyn Host, c: &Arc<Conn>, max: usize) -> bool {
         let Some((chunk, x)) = link.next_chunk(c.rail) else { return false };
         send_chunk(link, c, chunk, x);
     }
-    // Sent `max`: the senders are needed only if something is left. A small transfer posted
-    // whole from the caller's thread must not wake every rail's sender for nothing (it cost
-    // the 4 KiB READ round trip through NIXL one wake-up per rail per READ).
-    link.has_unsent()
+    // Sent `max`: maybe more is left (`Link::submit` asks the planner before it wakes anyone).
+    true
 }
 
 /// The local (address, length) spans of a vectored chunk's pieces, in order (adjacent ones
