@@ -114,16 +114,17 @@ impl WindowShares {
     }
 }
 
-/// Bound a connected TCP socket's receive window to `bytes`: its receive buffer (the kernel
-/// doubles it for its bookkeeping), which also stops receive autotuning, and
-/// `TCP_WINDOW_CLAMP`. The clamp alone does not hold: autotuning raises it with the buffer
+/// Bound a connected TCP socket's receive window to `bytes` with `TCP_WINDOW_CLAMP`, and fix its
+/// receive buffer at twice that (the kernel doubles it again for its bookkeeping: a window's
+/// worth of segments must fit in memory, or the receiver drops them; measured on loopback
+/// with a buffer of only twice the window), which also stops receive autotuning. The clamp alone does not hold: autotuning raises it with the buffer
 /// (measured on Linux 6.18: a 64 KiB clamp was 32 MiB after 2 s of streaming). The buffer is
 /// set with `SO_RCVBUFFORCE` where the process may (CAP_NET_ADMIN), else with `SO_RCVBUF`, which
 /// the kernel caps at `net.core.rmem_max`: without the capability a share above that is cut to
 /// it.
 pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
-    let v = bytes.min(i32::MAX as usize / 2) as libc::c_int;
-    let set = |level: libc::c_int, opt: libc::c_int| -> std::io::Result<()> {
+    let clamp = bytes.min(i32::MAX as usize / 4) as libc::c_int;
+    let set = |level: libc::c_int, opt: libc::c_int, v: libc::c_int| -> std::io::Result<()> {
         // SAFETY: setsockopt on a descriptor the caller keeps open, with a c_int argument.
         let r = unsafe {
             libc::setsockopt(fd, level, opt, &v as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as libc::socklen_t)
@@ -133,10 +134,11 @@ pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
         }
         Ok(())
     };
-    if set(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE).is_err() {
-        set(libc::SOL_SOCKET, libc::SO_RCVBUF)?;
+    let buf = 2 * clamp;
+    if set(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, buf).is_err() {
+        set(libc::SOL_SOCKET, libc::SO_RCVBUF, buf)?;
     }
-    set(libc::IPPROTO_TCP, libc::TCP_WINDOW_CLAMP)
+    set(libc::IPPROTO_TCP, libc::TCP_WINDOW_CLAMP, clamp)
 }
 
 /// `TCP_WINDOW_CLAMP` of a socket as the kernel holds it (tests, diagnostics).
