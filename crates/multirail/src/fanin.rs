@@ -8,16 +8,16 @@
 //!
 //! The target is the one place that sees every peer of a rail. With a per-rail budget `B`
 //! (`Config::fan_in_window`, bytes), each of the `n` data connections accepted on that rail's
-//! listener gets a receive window of `max(MIN_SHARE, B / n)`: `SO_RCVBUF` (which also stops
-//! the kernel's receive-buffer autotuning from growing the window past the clamp) and
-//! `TCP_WINDOW_CLAMP`. Window-limited flows through one FIFO with the same round-trip time move
+//! listener gets a receive window of `max(MIN_SHARE, B / n)`: `TCP_WINDOW_CLAMP`, and a receive
+//! buffer fixed at twice the share (which also stops the kernel's receive-buffer autotuning
+//! from lifting the clamp; see [`set_window`]). Window-limited flows through one FIFO with the same round-trip time move
 //! at the same rate, and while `B` fits in the bottleneck's queue nothing is dropped. Every
 //! share on the rail is recomputed when a connection joins or leaves, so the budget follows the
 //! number of peers. `B = 0` (the default) leaves sockets as the kernel sets them.
 //!
 //! `B` bounds the rail's throughput to `B / RTT`: it must be at least the rail's
 //! bandwidth-delay product (2 Gbit/s x 1 ms = 250 KB; 100 Gbit/s x 50 us = 625 KB).
-//! Cost: one `setsockopt` pair per connection on the rail at each join or leave (O(n) per
+//! Cost: two or three `setsockopt`s per connection on the rail at each join or leave (O(n) per
 //! accept, O(n^2) while n peers connect), nothing on the data path.
 
 use std::collections::HashMap;
@@ -114,12 +114,14 @@ impl WindowShares {
     }
 }
 
-/// Bound a connected TCP socket's receive window to `bytes` with `TCP_WINDOW_CLAMP`, and fix its
-/// receive buffer at twice that (the kernel doubles it again for its bookkeeping: a window's
-/// worth of segments must fit in memory, or the receiver drops them; measured on loopback
-/// with a buffer of only twice the window), which also stops receive autotuning. The clamp alone does not hold: autotuning raises it with the buffer
-/// (measured on Linux 6.18: a 64 KiB clamp was 32 MiB after 2 s of streaming). The buffer is
-/// set with `SO_RCVBUFFORCE` where the process may (CAP_NET_ADMIN), else with `SO_RCVBUF`, which
+/// Bound a connected TCP socket's receive window to about `bytes`: its receive buffer set to
+/// `bytes` (the kernel doubles it for its bookkeeping and stops autotuning it; the window it
+/// offers is that buffer times the payload share of its segments' memory, 50% at first, more
+/// once measured) and `TCP_WINDOW_CLAMP`. The buffer is the bound that holds: the clamp alone
+/// is lifted by autotuning (measured on Linux 6.18: a 64 KiB clamp was 32 MiB after 2 s of
+/// streaming), and even with the buffer fixed the kernel resets the clamp to what the buffer
+/// allows when it re-measures that payload share (a 1 MiB clamp read back as 3.9 MiB with a
+/// 4 MiB buffer). So the window ends between `bytes` and twice that. The buffer is set with `SO_RCVBUFFORCE` where the process may (CAP_NET_ADMIN), else with `SO_RCVBUF`, which
 /// the kernel caps at `net.core.rmem_max`: without the capability a share above that is cut to
 /// it.
 pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
@@ -134,7 +136,7 @@ pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
         }
         Ok(())
     };
-    let buf = 2 * clamp;
+    let buf = clamp;
     if set(libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, buf).is_err() {
         set(libc::SOL_SOCKET, libc::SO_RCVBUF, buf)?;
     }

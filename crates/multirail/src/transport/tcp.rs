@@ -1040,7 +1040,7 @@ mod tests {
         sock.connect(&l.local_addr().expect("addr").into()).expect("connect");
         let mut w: TcpStream = sock.into();
         let (r, _) = l.accept().expect("accept");
-        crate::fanin::set_window(std::os::fd::AsRawFd::as_raw_fd(&r), 16 << 10).expect("window");
+        crate::fanin::set_window(std::os::fd::AsRawFd::as_raw_fd(&r), 64 << 10).expect("window");
         let wfd = std::os::fd::AsRawFd::as_raw_fd(&w);
         assert!(!held_locally(wfd), "an idle connection is not held");
         w.set_nonblocking(true).expect("nonblocking");
