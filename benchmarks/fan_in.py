@@ -129,7 +129,8 @@ class Mover:
                 self.agent.transfer_sync(self.h, timeout=30)
             while True:
                 try:
-                    self.t0, t1 = json.loads(go.read_text())
+                    self.t0, self.t1 = json.loads(go.read_text())
+                    t1 = self.t1
                     break
                 except ValueError:  # being written
                     time.sleep(0.01)
@@ -175,7 +176,9 @@ def role_initiator(a: argparse.Namespace) -> int:
             t.start()
         for t in threads:
             t.join()
-        t0, t1 = json.loads(Path(a.go).read_text())
+        # The window as each mover read it when it opened (the driver's file is not read
+        # again: the run must not depend on a temp file surviving to the end).
+        t0, t1 = next(((m.t0, m.t1) for m in movers if hasattr(m, "t1")), (0.0, 0.0))
         print(json.dumps({"event": "report", "peers": [m.report(t0, t1) for m in movers]}), flush=True)
     finally:
         agent.close()
