@@ -32,10 +32,13 @@ pub const MIN_SHARE: usize = 16 << 10;
 pub trait Resizable: AsRawFd + Send + Sync {}
 impl<T: AsRawFd + Send + Sync> Resizable for T {}
 
+/// One rail's live data connections, by membership id.
+type RailConns = Vec<(u64, Arc<dyn Resizable>)>;
+
 /// The live data connections of each rail listener and the budget they share.
 pub struct WindowShares {
     budget: usize,
-    rails: Mutex<HashMap<usize, Vec<(u64, Arc<dyn Resizable>)>>>,
+    rails: Mutex<HashMap<usize, RailConns>>,
     next: Mutex<u64>,
 }
 
@@ -129,7 +132,13 @@ pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
     let set = |level: libc::c_int, opt: libc::c_int, v: libc::c_int| -> std::io::Result<()> {
         // SAFETY: setsockopt on a descriptor the caller keeps open, with a c_int argument.
         let r = unsafe {
-            libc::setsockopt(fd, level, opt, &v as *const libc::c_int as *const libc::c_void, std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+            libc::setsockopt(
+                fd,
+                level,
+                opt,
+                &v as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
         };
         if r != 0 {
             return Err(std::io::Error::last_os_error());
@@ -148,7 +157,9 @@ pub fn window_clamp(fd: RawFd) -> std::io::Result<usize> {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt into a correctly sized c_int.
-    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_WINDOW_CLAMP, &mut v as *mut libc::c_int as *mut libc::c_void, &mut len) };
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_WINDOW_CLAMP, &mut v as *mut libc::c_int as *mut libc::c_void, &mut len)
+    };
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }

@@ -1054,7 +1054,14 @@ mod tests {
             if i.tcpi_snd_wnd == 0 && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 {
                 break;
             }
-            assert!(Instant::now() < deadline, "the window never closed: snd_wnd {} unacked {} notsent {} probes {}", i.tcpi_snd_wnd, i.tcpi_unacked, i.tcpi_notsent_bytes, i.tcpi_probes);
+            assert!(
+                Instant::now() < deadline,
+                "the window never closed: snd_wnd {} unacked {} notsent {} probes {}",
+                i.tcpi_snd_wnd,
+                i.tcpi_unacked,
+                i.tcpi_notsent_bytes,
+                i.tcpi_probes
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(held_locally(wfd));
