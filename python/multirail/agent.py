@@ -101,10 +101,12 @@ class AgentConfig:
     False sends one request per contiguous piece, as before (a baseline for benchmarks).
     fan_in_window: bytes of receive window per rail that this agent, as a target, shares among
         the data connections accepted on that rail (0, default: off, the kernel's autotuning).
-        Each of n connections gets max(16 KiB, fan_in_window / n), resized as peers come and
+        Each of n connections gets about max(16 KiB, fan_in_window / n) (a receive buffer of
+        that size: the window ends between one and two shares), resized as peers come and
         go, so that many initiators writing into this target share a bottleneck fairly; it
         bounds the rail to fan_in_window / RTT, so set it at or above the rail's
-        bandwidth-delay product (docs/ARCHITECTURE.md, "How a target grows with its peers").
+        bandwidth-delay product; 2 MiB measured best on the 2 x 2 Gbit/s testbed
+        (docs/ARCHITECTURE.md, "Fan-in shares"; docs/benchmarks.md, issue 22 session 9).
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """

@@ -8,15 +8,17 @@
 //!
 //! The target is the one place that sees every peer of a rail. With a per-rail budget `B`
 //! (`Config::fan_in_window`, bytes), each of the `n` data connections accepted on that rail's
-//! listener gets a receive window of `max(MIN_SHARE, B / n)`: `TCP_WINDOW_CLAMP`, and a receive
-//! buffer fixed at twice the share (which also stops the kernel's receive-buffer autotuning
-//! from lifting the clamp; see [`set_window`]). Window-limited flows through one FIFO with the same round-trip time move
-//! at the same rate, and while `B` fits in the bottleneck's queue nothing is dropped. Every
+//! listener gets a receive window of about `max(MIN_SHARE, B / n)`: its receive buffer set to
+//! the share (which stops the kernel's receive-buffer autotuning) and `TCP_WINDOW_CLAMP`; the
+//! window the kernel then offers is between one and two shares (see [`set_window`]).
+//! Window-limited flows through one FIFO with the same round-trip time move at the same rate,
+//! and while what they have in flight fits in the bottleneck's queue nothing is dropped. Every
 //! share on the rail is recomputed when a connection joins or leaves, so the budget follows the
 //! number of peers. `B = 0` (the default) leaves sockets as the kernel sets them.
 //!
 //! `B` bounds the rail's throughput to `B / RTT`: it must be at least the rail's
-//! bandwidth-delay product (2 Gbit/s x 1 ms = 250 KB; 100 Gbit/s x 50 us = 625 KB).
+//! bandwidth-delay product (2 Gbit/s x 1 ms = 250 KB; 100 Gbit/s x 50 us = 625 KB). On the
+//! 2 x 2 Gbit/s testbed (tbf queue ~1.5 MB) 2 MiB measured best: docs/benchmarks.md.
 //! Cost: two or three `setsockopt`s per connection on the rail at each join or leave (O(n) per
 //! accept, O(n^2) while n peers connect), nothing on the data path.
 
@@ -124,7 +126,8 @@ impl WindowShares {
 /// is lifted by autotuning (measured on Linux 6.18: a 64 KiB clamp was 32 MiB after 2 s of
 /// streaming), and even with the buffer fixed the kernel resets the clamp to what the buffer
 /// allows when it re-measures that payload share (a 1 MiB clamp read back as 3.9 MiB with a
-/// 4 MiB buffer). So the window ends between `bytes` and twice that. The buffer is set with `SO_RCVBUFFORCE` where the process may (CAP_NET_ADMIN), else with `SO_RCVBUF`, which
+/// 4 MiB buffer). So the window ends between `bytes` and twice that. The buffer is set with
+/// `SO_RCVBUFFORCE` where the process may (CAP_NET_ADMIN), else with `SO_RCVBUF`, which
 /// the kernel caps at `net.core.rmem_max`: without the capability a share above that is cut to
 /// it.
 pub fn set_window(fd: RawFd, bytes: usize) -> std::io::Result<()> {
