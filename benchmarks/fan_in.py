@@ -73,10 +73,13 @@ def proc_usage(pid: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- in-namespace roles
 
 
-def _agent(name: str, rails: list[str], port: int = 0, stall_timeout: float | None = None) -> Any:
+def _agent(name: str, rails: list[str], port: int = 0, stall_timeout: float | None = None,
+           fan_in_window: int = 0) -> Any:
     import multirail
 
     kw: dict[str, Any] = {} if stall_timeout is None else {"stall_timeout": stall_timeout}
+    if fan_in_window:
+        kw["fan_in_window"] = fan_in_window
     return multirail.Agent(name, multirail.AgentConfig(host=rails[0], port=port, rails=rails, timeout=30.0, **kw))
 
 
@@ -84,7 +87,7 @@ def role_target(a: argparse.Namespace) -> int:
     """Serve one buffer until the deadline; print a ready line with its address."""
     import numpy as np
 
-    agent = _agent(a.agent_name, a.rails.split(","), a.port)
+    agent = _agent(a.agent_name, a.rails.split(","), a.port, fan_in_window=a.fan_in_window)
     buf = np.zeros(a.buffer, dtype=np.uint8)
     reg = agent.register_memory(buf)
     print(json.dumps({"event": "ready", "pid": os.getpid(), "addr": int(buf.ctypes.data), "len": a.buffer}), flush=True)
@@ -126,7 +129,8 @@ class Mover:
                 self.agent.transfer_sync(self.h, timeout=30)
             while True:
                 try:
-                    self.t0, t1 = json.loads(go.read_text())
+                    self.t0, self.t1 = json.loads(go.read_text())
+                    t1 = self.t1
                     break
                 except ValueError:  # being written
                     time.sleep(0.01)
@@ -172,7 +176,9 @@ def role_initiator(a: argparse.Namespace) -> int:
             t.start()
         for t in threads:
             t.join()
-        t0, t1 = json.loads(Path(a.go).read_text())
+        # The window as each mover read it when it opened (the driver's file is not read
+        # again: the run must not depend on a temp file surviving to the end).
+        t0, t1 = next(((m.t0, m.t1) for m in movers if hasattr(m, "t1")), (0.0, 0.0))
         print(json.dumps({"event": "report", "peers": [m.report(t0, t1) for m in movers]}), flush=True)
     finally:
         agent.close()
@@ -208,8 +214,9 @@ def role_idle(a: argparse.Namespace) -> int:
 class Run:
     """Processes of one scenario, killed by PID at the end."""
 
-    def __init__(self, cr: Any, tb: Any) -> None:
+    def __init__(self, cr: Any, tb: Any, fan_in_window: int = 0) -> None:
         self.cr, self.tb, self.servers = cr, tb, cr.Servers()
+        self.fan_in_window = fan_in_window
 
     def start(self, side: str, role: str, *args: str) -> subprocess.Popen[str]:
         argv = [sys.executable, str(Path(__file__).resolve()), role, *args]
@@ -234,7 +241,8 @@ class Run:
         host = self.tb.addrs("a")[0]
         out = []
         procs = [self.start("a", "target", "--agent-name", f"fan-t{k}", "--rails", a_rails, "--port",
-                            str(PORT_BASE + k), "--buffer", str(buffer), "--until", str(until)) for k in range(n)]
+                            str(PORT_BASE + k), "--buffer", str(buffer), "--until", str(until),
+                            "--fan-in-window", str(self.fan_in_window)) for k in range(n)]
         for k, p in enumerate(procs):
             ready = self.line(p, 60)
             out.append(f"fan-t{k}@{host}:{PORT_BASE + k}@{ready['addr']}")
@@ -251,11 +259,11 @@ class Run:
 
 
 def movers(cr: Any, tb: Any, n_init: int, n_targets: int, op: str, block: int, seconds: float,
-           stall_timeout: float) -> dict[str, Any]:
+           stall_timeout: float, fan_in_window: int = 0) -> dict[str, Any]:
     """N initiator processes x M targets (one of the two is 1), one common window."""
     import tempfile
 
-    run = Run(cr, tb)
+    run = Run(cr, tb, fan_in_window)
     setup_s = 30.0 + 1.5 * n_init
     until = time.time() + setup_s + WARMUP_S + seconds + 60
     try:
@@ -301,8 +309,8 @@ def movers(cr: Any, tb: Any, n_init: int, n_targets: int, op: str, block: int, s
             "max_latency_ms": max((p["max_ms"] or 0) for p in peers), "peers": peers}
 
 
-def idle_peers(cr: Any, tb: Any, n: int, per_proc: int, seconds: float) -> dict[str, Any]:
-    run = Run(cr, tb)
+def idle_peers(cr: Any, tb: Any, n: int, per_proc: int, seconds: float, fan_in_window: int = 0) -> dict[str, Any]:
+    run = Run(cr, tb, fan_in_window)
     until = time.time() + 120 + n + seconds
     try:
         specs = run.targets(1, 1 << 20, until)
@@ -339,6 +347,7 @@ def main() -> int:
         s.add_argument("--port", type=int, required=True)
         s.add_argument("--buffer", type=int, required=True)
         s.add_argument("--until", type=float, required=True)
+        s.add_argument("--fan-in-window", type=int, default=0)
     i = sub.add_parser("initiator")
     i.add_argument("--agent-name", required=True)
     i.add_argument("--rails", required=True)
@@ -366,6 +375,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--stall-timeout", type=float, default=0.5)
     ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail")
+    ap.add_argument("--fan-in-window", type=int, default=0,
+                    help="the targets' AgentConfig.fan_in_window (bytes per rail; 0: off)")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
     if a.role and os.environ.get("MR_FAN_LOG_DIR"):
@@ -389,26 +400,29 @@ def main() -> int:
     except tbm.TestbedError as e:
         print(f"fan_in: {e}", file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"rails": a.rails, "rate": a.rate, "runs": []}
+    results: dict[str, Any] = {"rails": a.rails, "rate": a.rate, "fan_in_window": a.fan_in_window, "runs": []}
     try:
         cap0 = [cr.iperf3_rails(tb, [r], a.time) for r in range(tb.n_rails)]
         for n in [int(x) for x in a.fan_in.split(",") if x]:
             print(f"fan-in {n} -> 1 ...", file=sys.stderr, flush=True)
-            results["runs"].append(movers(cr, tb, n, 1, "WRITE", a.block, a.seconds, a.stall_timeout))
+            results["runs"].append(movers(cr, tb, n, 1, "WRITE", a.block, a.seconds, a.stall_timeout,
+                                           a.fan_in_window))
         for m in [int(x) for x in a.fan_out.split(",") if x]:
             print(f"fan-out 1 -> {m} ...", file=sys.stderr, flush=True)
-            results["runs"].append(movers(cr, tb, 1, m, "READ", a.block, a.seconds, a.stall_timeout))
+            results["runs"].append(movers(cr, tb, 1, m, "READ", a.block, a.seconds, a.stall_timeout,
+                                           a.fan_in_window))
         cap1 = [cr.iperf3_rails(tb, [r], a.time) for r in range(tb.n_rails)]
         if a.idle:
             print(f"{a.idle} idle peers ...", file=sys.stderr, flush=True)
-            results["idle"] = idle_peers(cr, tb, a.idle, a.idle_per_proc, a.idle_seconds)
+            results["idle"] = idle_peers(cr, tb, a.idle, a.idle_per_proc, a.idle_seconds, a.fan_in_window)
     finally:
         if action != "unchanged":
             tb.down()
     cap = sum((x + y) / 2 for x, y in zip(cap0, cap1))
     results |= {"capacity_bps": cap, "capacity_before_bps": cap0, "capacity_after_bps": cap1}
     print(f"\n{a.rails} x {a.rate}; per-rail iperf3 sum (mean of before/after) {cap / 1e9:.3f} Gbps; "
-          f"{a.block >> 20} MiB transfers back to back for {a.seconds:.0f} s\n")
+          f"{a.block >> 20} MiB transfers back to back for {a.seconds:.0f} s; targets' fan_in_window "
+          f"{a.fan_in_window}\n")
     print("| run | op | aggregate Gbps | % of iperf3 sum | wire % | Jain | min / max Gbps | stalls | times down "
           "| readmissions | slowest transfer ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

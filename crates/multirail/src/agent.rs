@@ -127,6 +127,7 @@ impl Agent {
         }
         let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
         let (choices, ucx, ucx_notes) = choose_transports(&cfg, &rails, &mut rails_meta)?;
+        let fan_in_window = cfg.fan_in_window;
         let ctx = Arc::new(Ctx {
             name: name.to_string(),
             incarnation: u64::from_le_bytes(random_bytes()),
@@ -153,6 +154,7 @@ impl Agent {
             served_stats: server::ServedTable::new(served_rails, server::MAX_SERVED_PEERS),
             ucx,
             ipc_exports: crate::ipc::Exports::default(),
+            shares: crate::fanin::WindowShares::new(fan_in_window),
         });
         if let Some(u) = &shared.ucx {
             shared.ctx.log(&format!("ucx transport: {}", u.describe()));

@@ -154,6 +154,9 @@ pub struct Config {
     /// Vectored requests: chunks of many pieces of one region, to peers and over transports
     /// that take them (docs/PROTOCOL.md). False: one request per contiguous piece.
     pub vectored: bool,
+    /// Receive window per rail, in bytes, shared by the data connections this agent accepts on
+    /// that rail (fan-in fairness, `fanin`); 0: off.
+    pub fan_in_window: usize,
 }
 
 impl Config {
@@ -184,6 +187,7 @@ impl Default for Config {
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
             vectored: true,
+            fan_in_window: 0,
         }
     }
 }

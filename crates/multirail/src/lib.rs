@@ -21,6 +21,7 @@ pub mod auth;
 pub mod config;
 pub mod ctx;
 pub mod error;
+pub mod fanin;
 pub mod ipc;
 pub mod link;
 pub mod net;

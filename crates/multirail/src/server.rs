@@ -70,6 +70,8 @@ pub struct Shared {
     pub(crate) ucx: Option<Arc<UcxAgent>>,
     /// CUDA IPC handles given to peers, and their watch connections (revocation).
     pub(crate) ipc_exports: crate::ipc::Exports,
+    /// Receive-window shares of each rail's data connections (`Config::fan_in_window`).
+    pub(crate) shares: crate::fanin::WindowShares,
 }
 
 impl Shared {
@@ -262,6 +264,12 @@ pub struct Served {
     ctr: Arc<ServedCounters>,
 }
 
+impl std::os::fd::AsRawFd for Served {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.sock.as_raw_fd()
+    }
+}
+
 /// Removes a connection from the fence table when its serve loop ends (no memory access after).
 struct Registered<'a> {
     sh: &'a Shared,
@@ -394,6 +402,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         g.insert(conn_id, me.clone());
     }
     let _registered = Registered { sh, id: conn_id };
+    // A data connection takes its share of its rail's receive window (off by default); the
+    // others on the rail shrink now and grow back when it leaves.
+    let _share = if role == Role::Data { sh.shares.join(listener, me.clone()) } else { None };
     // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
     // registered after that sees the flag here.
     if sh.shutdown.load(Ordering::SeqCst) {

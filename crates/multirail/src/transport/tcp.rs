@@ -213,13 +213,27 @@ fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
 /// connection the old stall rule took for dead, and once `unacked 1, last sent 4 ms ago` after
 /// a 1.2 s hold. A blackholed path is not held for long: its first retransmission timeout
 /// moves the connection to Loss.
+///
+/// Also held: the peer's receive window is closed (its application reads slower than we send,
+/// e.g. a busy target, or one that shares its window among many peers: `fanin`) with bytes
+/// waiting and nothing unacknowledged, while the zero-window probes are answered (at most the
+/// current probe outstanding; each answered probe resets the count). Seen on the 32-initiator
+/// fan-in with `fan_in_window` on a loaded host: `snd_wnd 0, unacked 0, notsent 1.2 MB, ca_state
+/// Open, probes 1, backoff 2` on the connections the stall rule took for dead. A path that
+/// dies in that state stops answering probes: two unanswered probes (0.2 + 0.4 s of backoff)
+/// end the hold.
 fn held_locally(fd: std::os::fd::RawFd) -> bool {
+    tcp_info(fd).is_some_and(|i| held_by(&i))
+}
+
+fn held_by(i: &libc::tcp_info) -> bool {
     const TCP_CA_CWR: u8 = 2;
-    tcp_info(fd).is_some_and(|i| {
-        let owes_nothing = (i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0)
-            || (i.tcpi_unacked > 0 && u64::from(i.tcpi_last_data_sent) * 1000 < u64::from(i.tcpi_rto));
-        i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing
-    })
+    let owes_nothing = (i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0)
+        || (i.tcpi_unacked > 0 && u64::from(i.tcpi_last_data_sent) * 1000 < u64::from(i.tcpi_rto));
+    let qdisc_held = i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing;
+    let window_closed =
+        i.tcpi_snd_wnd == 0 && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 && i.tcpi_retransmits == 0 && i.tcpi_probes <= 1;
+    qdisc_held || window_closed
 }
 
 fn tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
@@ -1144,6 +1158,64 @@ fn spin_for_response(link: &dyn Host, c: &Conn, clock: &mut Clock, deadline: Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that stops reading closes its window: the sender is held (the path answers),
+    /// not stalled; zero-window probes that go unanswered, or an open window, are not held.
+    #[test]
+    fn a_closed_receive_window_is_held_while_its_probes_are_answered() {
+        use std::io::Write;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        // Segments of an Ethernet MTU, as on a rail (loopback's 64 KiB segments do not fit a
+        // small window and are dropped rather than acknowledged).
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+        let mss: libc::c_int = 1448;
+        // SAFETY: setsockopt with a c_int argument on a socket we own.
+        let rc = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&sock),
+                libc::IPPROTO_TCP,
+                libc::TCP_MAXSEG,
+                &mss as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "TCP_MAXSEG");
+        sock.connect(&l.local_addr().expect("addr").into()).expect("connect");
+        let mut w: TcpStream = sock.into();
+        let (r, _) = l.accept().expect("accept");
+        crate::fanin::set_window(std::os::fd::AsRawFd::as_raw_fd(&r), 64 << 10).expect("window");
+        let wfd = std::os::fd::AsRawFd::as_raw_fd(&w);
+        assert!(!held_locally(wfd), "an idle connection is not held");
+        w.set_nonblocking(true).expect("nonblocking");
+        let buf = vec![7u8; 64 << 10];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Fill the receiver (it never reads) and our own send buffer, then wait for the last
+        // in-flight bytes to be acknowledged with a zero window.
+        loop {
+            let _ = w.write(&buf);
+            let i = tcp_info(wfd).expect("tcp_info");
+            if i.tcpi_snd_wnd == 0 && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the window never closed: snd_wnd {} unacked {} notsent {} probes {}",
+                i.tcpi_snd_wnd,
+                i.tcpi_unacked,
+                i.tcpi_notsent_bytes,
+                i.tcpi_probes
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(held_locally(wfd));
+        let mut i = tcp_info(wfd).expect("tcp_info");
+        i.tcpi_probes = 2;
+        assert!(!held_by(&i), "two unanswered probes: the path may be dead");
+        i.tcpi_probes = 0;
+        i.tcpi_snd_wnd = 64 << 10;
+        assert!(!held_by(&i), "an open window with nothing in flight is quiet, not held");
+        drop(r);
+    }
 
     /// Adaptive callers spin for responses to small chunks (round trips, pages) and not for
     /// bulk chunks, whose bytes take longer than the wake-up a spin would save.
