@@ -49,6 +49,15 @@ def loaded(t, i, src: np.ndarray, dst: np.ndarray, **kw):
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
 
 
+def fetch_and_await_metadata(i, t, timeout: float = 10.0) -> None:
+    """Fetch the target's metadata and wait (bounded) until the initiator holds it."""
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    deadline = time.monotonic() + timeout
+    while not i.check_remote_metadata("target"):
+        assert time.monotonic() < deadline, "metadata never arrived"
+        time.sleep(0.01)
+
+
 def test_read_and_write_round_trip_byte_exact(pair):
     t, i = pair
     src, dst = pattern(8 * MiB + 123), np.zeros(8 * MiB + 123, np.uint8)
@@ -970,11 +979,7 @@ def test_bulk_caller_and_async_transfers_on_one_connection(progress: str):
         dst = np.zeros(src.size, np.uint8)
         t.register_memory(src)
         i.register_memory(dst)
-        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-        deadline = time.monotonic() + 10
-        while not i.check_remote_metadata("target"):
-            assert time.monotonic() < deadline, "metadata never arrived"
-            time.sleep(0.01)
+        fetch_and_await_metadata(i, t)
         base_s, base_d = src.ctypes.data, dst.ctypes.data
         errs: list[BaseException] = []
 
@@ -1045,11 +1050,7 @@ def test_bulk_reads_and_writes_interleave_on_one_connection_whose_receiver_refil
         t.register_memory(src)
         i.register_memory(dst)
         i.register_memory(wsrc)
-        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-        deadline = time.monotonic() + 10
-        while not i.check_remote_metadata("target"):
-            assert time.monotonic() < deadline, "metadata never arrived"
-            time.sleep(0.01)
+        fetch_and_await_metadata(i, t)
         base_s, base_d = src.ctypes.data, dst.ctypes.data
         errs: list[BaseException] = []
 
