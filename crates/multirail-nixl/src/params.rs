@@ -35,6 +35,12 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
     ("staging_buffer_size", "MULTIRAIL_STAGING_BUFFER_SIZE", "262144", "bytes per bounce buffer"),
     ("gpu_ipc", "MULTIRAIL_GPU_IPC", "1", "CUDA IPC between agents on one host (1/0)"),
     ("faults", "MULTIRAIL_FAULTS", "", "fault injection for failover tests, e.g. '1:kill@200ms+1s'"),
+    (
+        "fan_in_window",
+        "MULTIRAIL_FAN_IN_WINDOW",
+        "0",
+        "receive window per rail shared among the connections served (0: off; up to 1 GiB; K/M/KiB/MiB suffixes)",
+    ),
 ];
 
 fn env_of(key: &str) -> Option<&'static str> {
@@ -151,6 +157,11 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
     cfg.staging.pool = PoolConfig { buffers, buffer_size: bsize };
     cfg.staging.ipc = parse_bool("gpu_ipc", &get("gpu_ipc"))?;
     cfg.faults = multirail::transport::faulty::Fault::parse_list(&get("faults")).map_err(|e| format!("faults: {e}"))?;
+    let window = parse_size("fan_in_window", &get("fan_in_window"))?;
+    if window > 1 << 30 {
+        return Err("fan_in_window: must be at most 1 GiB (0: off)".into());
+    }
+    cfg.fan_in_window = window as usize;
     Ok(Settings { cfg, effective })
 }
 
@@ -285,6 +296,7 @@ mod tests {
         let env = |k: &str| match k {
             "MULTIRAIL_CONNECTIONS" => Some("3".to_string()),
             "MULTIRAIL_CHUNK_SIZE" => Some("256KiB".to_string()),
+            "MULTIRAIL_FAN_IN_WINDOW" => Some("2MiB".to_string()),
             _ => None,
         };
         let mut p = HashMap::new();
@@ -292,13 +304,23 @@ mod tests {
         let s = settings(&p, &env).unwrap();
         assert_eq!(s.cfg.connections, 2);
         assert_eq!(s.cfg.planner.chunk_size, 256 << 10);
+        assert_eq!(s.cfg.fan_in_window, 2 << 20);
+        assert_eq!(settings(&HashMap::new(), &no_env).unwrap().cfg.fan_in_window, 0);
         assert_eq!(s.cfg.transport, TransportKind::Tcp);
         assert!(s.effective.iter().any(|(k, v)| k == "chunk_size" && v == "256KiB"));
     }
 
     #[test]
     fn bad_input_names_the_key() {
-        for (k, v) in [("connections", "0"), ("chunk_size", "12"), ("policy", "fastest"), ("gpu", "tpu"), ("nope", "1")] {
+        for (k, v) in [
+            ("connections", "0"),
+            ("chunk_size", "12"),
+            ("policy", "fastest"),
+            ("gpu", "tpu"),
+            ("fan_in_window", "2GiB"),
+            ("fan_in_window", "x"),
+            ("nope", "1"),
+        ] {
             let mut p = HashMap::new();
             p.insert(k.to_string(), v.to_string());
             let e = settings(&p, &no_env).err().unwrap();
