@@ -445,10 +445,21 @@ pub fn check_notif(n: &[u8]) -> Result<()> {
 #[derive(Clone)]
 pub struct XferHandle(pub(crate) Arc<XferShared>);
 
+/// How a post sends its first chunks (the three are exclusive).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PostMode {
+    /// From the posting thread, one per idle connection; the rails' threads send the rest.
+    Inline,
+    /// As `Inline`, for a caller that polls to completion next (`XferHandle::post_polled`).
+    Polled,
+    /// None from the posting thread (`XferHandle::post_handoff`).
+    Handoff,
+}
+
 impl XferHandle {
     /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, false, None, false, false)
+        self.post_inner(notif, false, None, PostMode::Inline)
     }
 
     /// [`XferHandle::post`] that sends nothing from the calling thread: the transfer is queued
@@ -459,14 +470,14 @@ impl XferHandle {
     /// its time slice. A small transfer should use [`XferHandle::post`] or `post_polled`: the
     /// handoff adds one thread wake-up to its latency.
     pub fn post_handoff(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, false, None, false, true)
+        self.post_inner(notif, false, None, PostMode::Handoff)
     }
 
     /// [`XferHandle::post`], ordered after the work queued on the application's CUDA `stream`
     /// (a raw `cudaStream_t`; the stream contract of docs/gpu.md). A plain `post` orders after
     /// each local GPU's legacy default stream.
     pub fn post_on(&self, notif: Option<Vec<u8>>, stream: Option<u64>) -> Result<XferState> {
-        self.post_inner(notif, false, stream, false, false)
+        self.post_inner(notif, false, stream, PostMode::Inline)
     }
 
     /// [`XferHandle::post`] for a caller that polls the transfer to completion next with
@@ -476,7 +487,7 @@ impl XferHandle {
     /// caller that stops polling leaves its responses to a receiver that looks again within
     /// a millisecond (a large transfer's data would wait that long on each connection).
     pub fn post_polled(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
-        self.post_inner(notif, true, None, true, false)
+        self.post_inner(notif, true, None, PostMode::Polled)
     }
 
     /// Post and wait in one call: the caller reads its own responses (no receiver wake-up on
@@ -487,11 +498,11 @@ impl XferHandle {
 
     /// [`XferHandle::post_wait`] on the application's `stream` (see [`XferHandle::post_on`]).
     pub fn post_wait_on(&self, notif: Option<Vec<u8>>, timeout: Option<Duration>, stream: Option<u64>) -> Result<()> {
-        self.post_inner(notif, true, stream, false, false)?;
+        self.post_inner(notif, true, stream, PostMode::Inline)?;
         self.wait(timeout)
     }
 
-    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, polled: bool, handoff: bool) -> Result<XferState> {
+    fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, mode: PostMode) -> Result<XferState> {
         if let Some(n) = notif {
             check_notif(&n)?;
             *self.0.notif.lock().expect("xfer lock") = n;
@@ -503,8 +514,8 @@ impl XferHandle {
             self.0.record_gpu_order(self.0.peer.gpu_kind(), stream)?;
         }
         self.0.begin()?;
-        self.0.polled.store(polled, Ordering::Release);
-        self.0.handoff.store(handoff, Ordering::Release);
+        self.0.polled.store(mode == PostMode::Polled, Ordering::Release);
+        self.0.handoff.store(mode == PostMode::Handoff, Ordering::Release);
         let x = self.0.clone();
         if !x.gpu_order_ready() {
             // The producer's work is still queued: the transfer enters the link (and the
