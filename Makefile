@@ -7,7 +7,7 @@ CARGO_PROFILE ?= release
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
 APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server g++
 
-.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check lint fuzz clean
+.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check gpu-bundle lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,15 @@ test-gpu: $(VPY)
 ## exits non-zero on any failure (2: no usable GPU, said at the top of the report)
 gpu-check: setup
 	$(VPY) benchmarks/gpu_check.py --report gpu-check-report.md $(GPU_CHECK_ARGS)
+
+## gpu-bundle: build here what benchmarks/gpu_check_offline.sh needs on a GPU machine without
+## network or Rust (the extension in python/multirail/, the multirail-gpu test binaries in .dev/)
+gpu-bundle: build
+	rm -rf .dev/gpu-tests && mkdir -p .dev/gpu-tests
+	cargo test -q --release -p multirail-gpu --test gpu --no-run --message-format=json 2>/dev/null \
+	  | $(VPY) -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("executable")]' \
+	  | xargs -I{} install -m 0755 {} .dev/gpu-tests/gpu
+	strip .dev/gpu-tests/gpu
 
 ## lint: formatting and clippy with warnings as errors
 lint:

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VPY = REPO / ".venv" / "bin" / "python"
+# The Python that runs every section: the checkout's .venv, or MULTIRAIL_CHECK_PYTHON (the GPU
+# machine's own python3, from benchmarks/gpu_check_offline.sh)
+VPY = Path(os.environ.get("MULTIRAIL_CHECK_PYTHON") or REPO / ".venv" / "bin" / "python")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Check:
     gpu: str = ""  # why there is no usable GPU; empty when there is one
 
     def run(self, title: str, cmd: list[str], timeout: float, required: bool = True, env: dict | None = None) -> Section:
+        timeout = min(timeout, self.a.max_section_s) if self.a.max_section_s else timeout
         s = Section(title, cmd, required=required)
         envnote = ("with " + " ".join(f"{k}={v}" for k, v in env.items())) if env else ""
         self.sections.append(s)
@@ -140,7 +143,21 @@ def wheel_ucx_info() -> Path | None:
 
 def gpu_sections(c: Check) -> None:
     a = c.a
-    c.run("CUDA tests (make test-gpu)", ["make", "test-gpu"], 1800)
+    if a.rust_tests:
+        # A GPU machine without a Rust toolchain: the multirail-gpu test binaries built elsewhere
+        # (benchmarks/gpu_check_offline.sh), then the gpu-marked Python tests, as `make test-gpu`.
+        sites = subprocess.run([str(VPY), "-c", "import site; print(':'.join(site.getsitepackages()))"],
+                               capture_output=True, text=True, timeout=60).stdout.strip()
+        exes = sorted(x for x in a.rust_tests.iterdir() if x.is_file() and os.access(x, os.X_OK))
+        if not exes:
+            c.skip("CUDA device-layer tests (prebuilt)", None, f"no test executables in {a.rust_tests}")
+        for exe in exes:
+            c.run(f"CUDA device-layer tests ({exe.name} --ignored)", [str(exe), "--ignored", "--test-threads", "1"],
+                  900, env={"MULTIRAIL_CUDA_WHEEL_DIRS": os.environ.get("MULTIRAIL_CUDA_WHEEL_DIRS", sites)})
+        c.run("gpu-marked Python tests (pytest -m gpu)", [str(VPY), "-m", "pytest", "-q", "-rs", "-m", "gpu", "tests"],
+              900)
+    else:
+        c.run("CUDA tests (make test-gpu)", ["make", "test-gpu"], 1800)
     rounds = ["--rounds", "1", "--iters", "3"] if a.quick else ["--rounds", str(a.rounds)]
     gs = [str(VPY), "benchmarks/gpu_staging.py", "--gpu", "cuda", "--ipc", "--size", a.size, *rounds]
     c.run("VRAM vs DRAM, IPC vs D2D over loopback (benchmarks/gpu_staging.py --rails none)",
@@ -215,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one short round of each benchmark (a smoke run)")
     p.add_argument("--tail", type=int, default=200, help="output lines per section in the report")
     p.add_argument("--verbose-ibv", action="store_true", help="ibv_devinfo -v")
+    p.add_argument("--rust-tests", type=Path, default=None, metavar="DIR",
+                   help="run the prebuilt multirail-gpu test executables in DIR instead of `make test-gpu` "
+                        "(a GPU machine without cargo: benchmarks/gpu_check_offline.sh)")
+    p.add_argument("--max-section-s", type=float, default=0.0,
+                   help="cap every section's time limit at this many seconds (0: the sections' own limits)")
     a = p.parse_args(argv)
     a.report = a.report.resolve()
     a.logs = (a.logs or a.report.with_name(a.report.stem + "-logs")).resolve()

@@ -243,7 +243,11 @@ def test_same_host_ipc_is_reported() -> None:
         assert row["consistency"] == "ok", row
         st = row["staging"]
         if ipc["transfers"]:
-            assert st["ipc"] == {"transfers": row["iterations"], "bytes": row["total_bytes"]}, st
+            got = st["ipc"]
+            assert (got["transfers"], got["bytes"]) == (row["iterations"], row["total_bytes"]), st
+            # One contiguous piece per transfer: one copy, queued by one call, and how it went.
+            assert got["copies"] == got["copy_calls"] == row["iterations"], st
+            assert got["copy_path"].startswith(("batched", "one call per copy")), st
             assert all(st[side][s]["ops"] == 0 for side in ("initiator", "target") for s in STAGES), st
             assert st["bottleneck"] is None, st
         else:

@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use libloading::Library;
 
-use crate::device::{CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
+use crate::device::{BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
 
 /// Environment variable naming a libcudart explicitly.
 pub const ENV_CUDART: &str = "MULTIRAIL_CUDART";
@@ -181,6 +181,80 @@ impl PointerAttributes {
     }
 }
 
+/// `cudaMemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
+/// `cudaMemcpyAttributes` (CUDA 12.8 and later; the same in 13): 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MemcpyAttributes {
+    src_access_order: c_int,
+    src_loc_hint: MemLocation,
+    dst_loc_hint: MemLocation,
+    flags: c_uint,
+}
+
+/// `cudaMemcpySrcAccessOrderStream`: the source is read in stream order, like `cudaMemcpyAsync`.
+const SRC_ACCESS_ORDER_STREAM: c_int = 1;
+/// Copies per `cudaMemcpyBatchAsync` call (the arrays are built per call).
+const BATCH_MAX: usize = 8192;
+/// `MULTIRAIL_CUDA_BATCH=0` turns batched copies off (the per-copy loop then runs; for A/B runs).
+pub const ENV_CUDA_BATCH: &str = "MULTIRAIL_CUDA_BATCH";
+
+/// CUDA 12.8-12.9: `cudaMemcpyBatchAsync(void **dsts, void **srcs, size_t *sizes, size_t count,
+/// cudaMemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,
+/// cudaStream_t stream)`.
+type Batch12 = unsafe extern "C" fn(
+    *mut *mut c_void,
+    *mut *mut c_void,
+    *mut usize,
+    usize,
+    *mut MemcpyAttributes,
+    *mut usize,
+    usize,
+    *mut usize,
+    Stream,
+) -> Err;
+/// CUDA 13: the same without `failIdx`.
+type Batch13 =
+    unsafe extern "C" fn(*mut *mut c_void, *mut *mut c_void, *mut usize, usize, *mut MemcpyAttributes, *mut usize, usize, Stream) -> Err;
+
+/// `cudaMemcpyBatchAsync` in the prototype of the loaded runtime's version.
+#[derive(Clone, Copy)]
+enum MemcpyBatch {
+    V12(Batch12),
+    V13(Batch13),
+}
+
+impl MemcpyBatch {
+    /// The batch call of a runtime of version `rv`, if it has one (12.8 and later) and
+    /// `MULTIRAIL_CUDA_BATCH` is not `0`.
+    ///
+    /// # Safety
+    /// `lib` is a libcudart of version `rv`: the prototype is chosen by that version.
+    unsafe fn load(lib: &Library, rv: c_int) -> Option<MemcpyBatch> {
+        if std::env::var(ENV_CUDA_BATCH).is_ok_and(|v| v.trim() == "0") {
+            return None;
+        }
+        const NAME: &[u8] = b"cudaMemcpyBatchAsync\0";
+        // SAFETY: the caller's contract; the type is that version's prototype.
+        unsafe {
+            if rv >= 13000 {
+                lib.get::<Batch13>(NAME).ok().map(|f| MemcpyBatch::V13(*f))
+            } else if rv >= 12080 {
+                lib.get::<Batch12>(NAME).ok().map(|f| MemcpyBatch::V12(*f))
+            } else {
+                None
+            }
+        }
+    }
+}
+
 /// `cudaIpcMemHandle_t`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -313,6 +387,10 @@ pub struct CudaRuntime {
     runtime_version: i32,
     /// `cudaDriverGetVersion`: the newest CUDA the installed driver supports.
     driver_version: i32,
+    /// `cudaMemcpyBatchAsync` (12.8 and later), unless turned off.
+    batch: Option<MemcpyBatch>,
+    /// Set when a batch call failed: the per-copy loop is used from then on, and this says why.
+    batch_failed: std::sync::OnceLock<String>,
     // Dropped last: the function pointers in `api` point into it.
     _lib: Library,
 }
@@ -356,7 +434,17 @@ impl CudaRuntime {
                         (api.driver_get_version)(&mut dv);
                         (api.get_last_error)();
                     }
-                    let rt = Arc::new(CudaRuntime { api, path, runtime_version: rv, driver_version: dv, _lib: lib });
+                    // SAFETY: `lib` is the libcudart whose version was just read.
+                    let batch = unsafe { MemcpyBatch::load(&lib, rv) };
+                    let rt = Arc::new(CudaRuntime {
+                        api,
+                        path,
+                        runtime_version: rv,
+                        driver_version: dv,
+                        batch,
+                        batch_failed: std::sync::OnceLock::new(),
+                        _lib: lib,
+                    });
                     match runtime_fits_driver(rv, dv) {
                         Ok(()) => return Ok(rt),
                         Err(why) if opts.explicit.is_some() => {
@@ -391,6 +479,20 @@ impl CudaRuntime {
     /// `cudaDriverGetVersion`: the newest CUDA version the driver supports (0: no driver).
     pub fn driver_version(&self) -> i32 {
         self.driver_version
+    }
+
+    /// How device-to-device copies of a batch are queued: `Ok("cudaMemcpyBatchAsync")`, or
+    /// `Err(why not)` (an older runtime, `MULTIRAIL_CUDA_BATCH=0`, or a batch call that failed)
+    /// when each copy is its own `cudaMemcpyAsync`.
+    pub fn batch_copies(&self) -> std::result::Result<&'static str, String> {
+        if let Some(why) = self.batch_failed.get() {
+            return Err(why.clone());
+        }
+        match self.batch {
+            Some(_) => Ok("cudaMemcpyBatchAsync"),
+            None if std::env::var(ENV_CUDA_BATCH).is_ok_and(|v| v.trim() == "0") => Err(format!("{ENV_CUDA_BATCH}=0")),
+            None => Err(format!("runtime {} has no cudaMemcpyBatchAsync (12.8 and later)", self.runtime_version)),
+        }
     }
 
     /// The library that was loaded.
@@ -677,6 +779,76 @@ impl Device for Cuda {
         };
         // SAFETY: the caller's contract on both ranges; the stream is live.
         self.rt.check("cudaMemcpyAsync", unsafe { (self.api().memcpy_async)(dst as *mut c_void, src as *const c_void, len, k, stream.raw) })
+    }
+
+    /// Device-to-device copies (two or more) go as `cudaMemcpyBatchAsync` calls of up to 8192
+    /// copies when the runtime has it: one call instead of one `cudaMemcpyAsync` per page. Any
+    /// other batch, or a runtime without it, takes the per-copy loop. A batch call that fails
+    /// turns batching off for this runtime ([`CudaRuntime::batch_copies`] says why): the stream
+    /// is drained of whatever it queued, and the copies from that call on are queued one by one.
+    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &CudaStream) -> Result<usize> {
+        let batch = self
+            .rt
+            .batch
+            .filter(|_| self.rt.batch_failed.get().is_none() && copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice));
+        let Some(batch) = batch else {
+            let mut calls = 0;
+            for &(kind, dst, src, len) in copies {
+                // SAFETY: the caller's contract, per copy.
+                unsafe { self.copy_async(kind, dst, src, len, stream) }?;
+                calls += 1;
+            }
+            return Ok(calls);
+        };
+        let _on = self.enter()?;
+        let mut calls = 0;
+        let nonempty: Vec<&BatchCopy> = copies.iter().filter(|c| c.3 > 0).collect();
+        for (i, part) in nonempty.chunks(BATCH_MAX).enumerate() {
+            let mut dsts: Vec<*mut c_void> = part.iter().map(|c| c.1 as *mut c_void).collect();
+            let mut srcs: Vec<*mut c_void> = part.iter().map(|c| c.2 as *mut c_void).collect();
+            let mut sizes: Vec<usize> = part.iter().map(|c| c.3).collect();
+            let mut attr = MemcpyAttributes { src_access_order: SRC_ACCESS_ORDER_STREAM, ..Default::default() };
+            let mut attr_idx: usize = 0;
+            // SAFETY: the arrays hold part.len() entries and outlive the call (the runtime
+            // reads them during it); one attribute applies from copy 0 on; the caller's
+            // contract covers every range; the stream is live.
+            let rc = unsafe {
+                match batch {
+                    MemcpyBatch::V12(f) => {
+                        let mut fail = usize::MAX;
+                        f(
+                            dsts.as_mut_ptr(),
+                            srcs.as_mut_ptr(),
+                            sizes.as_mut_ptr(),
+                            part.len(),
+                            &mut attr,
+                            &mut attr_idx,
+                            1,
+                            &mut fail,
+                            stream.raw,
+                        )
+                    }
+                    MemcpyBatch::V13(f) => {
+                        f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), part.len(), &mut attr, &mut attr_idx, 1, stream.raw)
+                    }
+                }
+            };
+            if rc != SUCCESS {
+                let (name, msg) = self.rt.describe(rc);
+                let _ = self.rt.batch_failed.set(format!("cudaMemcpyBatchAsync failed ({name}: {msg}); copying one by one"));
+                // What the failed call queued, if anything, ends before its copies are queued
+                // again (the earlier calls' copies are disjoint from these).
+                self.stream_synchronize(stream)?;
+                for c in &nonempty[i * BATCH_MAX..] {
+                    // SAFETY: the caller's contract, per copy.
+                    unsafe { self.copy_async(c.0, c.1, c.2, c.3, stream) }?;
+                    calls += 1;
+                }
+                return Ok(calls);
+            }
+            calls += 1;
+        }
+        Ok(calls)
     }
 
     fn record(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {

@@ -75,6 +75,9 @@ impl PinnedMem {
     }
 }
 
+/// One copy of [`Device::copy_batch_async`]: (kind, dst, src, len).
+pub type BatchCopy = (CopyKind, u64, u64, usize);
+
 /// Direction of an asynchronous copy (`cudaMemcpyKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CopyKind {
@@ -188,6 +191,20 @@ pub trait Device: Send + Sync {
     /// and must stay valid and untouched by anything else until an event recorded after the copy
     /// has completed.
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &Self::Stream) -> Result<()>;
+    /// Queues every copy of `copies` (kind, dst, src, len) on `stream` and returns at once: what
+    /// an event recorded after it waits for is all of them. Returns how many device API calls
+    /// that took (the default: one `copy_async` per copy; CUDA batches device-to-device copies,
+    /// [`crate::Cuda`]). The copies must not overlap one another.
+    ///
+    /// # Safety
+    /// As [`Device::copy_async`], for every copy.
+    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &Self::Stream) -> Result<usize> {
+        for &(kind, dst, src, len) in copies {
+            // SAFETY: the caller's contract, per copy.
+            unsafe { self.copy_async(kind, dst, src, len, stream) }?;
+        }
+        Ok(copies.len())
+    }
     /// Records `event` on `stream`: it completes when everything queued before it has.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
     /// Has the event completed (an event never recorded counts as complete)?

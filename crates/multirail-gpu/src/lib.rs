@@ -31,8 +31,8 @@ pub mod timeline;
 pub mod wire;
 
 pub use any::{Gpu, GpuEvent, GpuKind, GpuStream, ENV_GPU};
-pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_WHEEL_DIRS};
-pub use device::{uuid_string, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
+pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_CUDA_BATCH, ENV_WHEEL_DIRS};
+pub use device::{uuid_string, BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
 pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 pub use standin::{FailOp, StandIn, StandInConfig};

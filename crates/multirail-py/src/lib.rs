@@ -377,6 +377,9 @@ impl PyAgent {
         let ipc = self.0.peer(peer).map_err(to_py)?.ipc_info();
         d.set_item("ipc_transfers", ipc.transfers)?;
         d.set_item("ipc_bytes", ipc.bytes)?;
+        d.set_item("ipc_copies", ipc.copies)?;
+        d.set_item("ipc_copy_calls", ipc.copy_calls)?;
+        d.set_item("ipc_copy_path", ipc.copy_path)?;
         d.set_item("ipc_regions_mapped", ipc.regions_mapped)?;
         d.set_item("ipc_regions_revoked", ipc.regions_revoked)?;
         d.set_item("ipc_devices", ipc.devices)?;

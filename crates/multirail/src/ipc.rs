@@ -163,13 +163,26 @@ fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry) -> std::result::Result
     Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) })
 }
 
+/// Appends copy `c`, or extends the last copy when `c` continues it on both sides (pages that
+/// are adjacent in both pools become one copy).
+fn push_merged(copies: &mut Vec<multirail_gpu::BatchCopy>, c: multirail_gpu::BatchCopy) {
+    if let Some(last) = copies.last_mut() {
+        if last.0 == c.0 && last.1 + last.3 as u64 == c.1 && last.2 + last.3 as u64 == c.2 {
+            last.3 += c.3;
+            return;
+        }
+    }
+    copies.push(c);
+}
+
 /// Mapping generations: a plan names the generations it copies into, and runs only while
 /// they are still mapped.
 static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
 
-/// Queues every copy of `plan` on the device's stream (made once, kept in `queues`) and waits
-/// for them: on return, also on error, no copy runs.
-fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>) -> std::result::Result<(), String> {
+/// Queues every copy of `plan` on the device's stream (made once, kept in `queues`; batched,
+/// `Device::copy_batch_async`) and waits for them: on return, also on error, no copy runs.
+/// `counters` gets the device API calls that queued them and how.
+fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>, counters: &Counters) -> std::result::Result<(), String> {
     let id = plan.gpu.id();
     if !queues.iter().any(|q| q.0 == id) {
         let s = plan.gpu.create_stream().map_err(|e| e.to_string())?;
@@ -177,12 +190,20 @@ fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>) -> s
         queues.push((id, s, e));
     }
     let (_, s, e) = queues.iter().find(|q| q.0 == id).expect("made above");
-    for &(kind, dst, src, len) in &plan.copies {
-        // SAFETY: the local side is registered and held by the transfer, the remote side lies
-        // inside the peer's mapped allocation (checked at plan time), and the event wait below
-        // ends every copy before the transfer completes or is cancelled.
-        if let Err(err) = unsafe { plan.gpu.copy_async(kind, dst, src, len as usize, s) } {
-            // Copies queued before this one still run: wait for the stream itself.
+    // SAFETY: the local side is registered and held by the transfer, the remote side lies
+    // inside the peer's mapped allocation (checked at plan time), pieces do not overlap, and
+    // the event wait below ends every copy before the transfer completes or is cancelled.
+    match unsafe { plan.gpu.copy_batch_async(&plan.copies, s) } {
+        Ok(n) => {
+            counters.copy_calls.fetch_add(n as u64, Ordering::Relaxed);
+            let path = match plan.gpu.batch_copies() {
+                Ok(call) => format!("batched ({call})"),
+                Err(why) => format!("one call per copy ({why})"),
+            };
+            *counters.copy_path.lock().expect("ipc lock") = path;
+        }
+        Err(err) => {
+            // Copies queued before the failing one still run: wait for the stream itself.
             let _ = plan.gpu.stream_synchronize(s);
             return Err(err.to_string());
         }
@@ -225,8 +246,25 @@ pub struct IpcReport {
     pub regions_revoked: u64,
     pub transfers: u64,
     pub bytes: u64,
+    /// Device copies those transfers made (after merging pieces adjacent on both sides), and
+    /// the device API calls that queued them (fewer when batched).
+    pub copies: u64,
+    pub copy_calls: u64,
+    /// How device-to-device copies are queued on the last device used: the batch call, or why
+    /// each copy is its own call (empty before the first transfer).
+    pub copy_path: String,
     /// Why the last transfer that could have used IPC was staged instead (empty: none was).
     pub fallback_reason: String,
+}
+
+/// What the copy worker counts (`IpcReport`).
+#[derive(Default)]
+struct Counters {
+    transfers: AtomicU64,
+    bytes: AtomicU64,
+    copies: AtomicU64,
+    copy_calls: AtomicU64,
+    copy_path: Mutex<String>,
 }
 
 struct Worker {
@@ -254,8 +292,7 @@ pub(crate) struct IpcPeer {
     /// Held by the worker while it decides on and copies a transfer; `cancel`/`close` take it.
     copying: Arc<Mutex<()>>,
     closing: Arc<AtomicBool>,
-    transfers: Arc<AtomicU64>,
-    bytes: Arc<AtomicU64>,
+    counters: Arc<Counters>,
     fallback: Mutex<String>,
 }
 
@@ -292,12 +329,16 @@ impl IpcPeer {
             }
             let remote = m.at + p.offset;
             let on_gpu = local_is_gpu(p.local);
-            copies.push(match (op, on_gpu) {
-                (Op::Read, true) => (CopyKind::DeviceToDevice, p.local, remote, p.len),
-                (Op::Read, false) => (CopyKind::DeviceToHost, p.local, remote, p.len),
-                (Op::Write, true) => (CopyKind::DeviceToDevice, remote, p.local, p.len),
-                (Op::Write, false) => (CopyKind::HostToDevice, remote, p.local, p.len),
-            });
+            let len = usize::try_from(p.len).ok()?;
+            push_merged(
+                &mut copies,
+                match (op, on_gpu) {
+                    (Op::Read, true) => (CopyKind::DeviceToDevice, p.local, remote, len),
+                    (Op::Read, false) => (CopyKind::DeviceToHost, p.local, remote, len),
+                    (Op::Write, true) => (CopyKind::DeviceToDevice, remote, p.local, len),
+                    (Op::Write, false) => (CopyKind::HostToDevice, remote, p.local, len),
+                },
+            );
             gpu.get_or_insert_with(|| m.gpu.clone());
         }
         Some(IpcPlan { gpu: gpu?, copies, uses })
@@ -404,11 +445,10 @@ impl IpcPeer {
         let mut w = self.worker.lock().expect("ipc lock");
         if w.is_none() {
             let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
-            let (copying, closing, transfers, bytes, maps) =
-                (self.copying.clone(), self.closing.clone(), self.transfers.clone(), self.bytes.clone(), self.maps.clone());
+            let (copying, closing, counters, maps) = (self.copying.clone(), self.closing.clone(), self.counters.clone(), self.maps.clone());
             let thread = std::thread::Builder::new()
                 .name("mr-ipc".into())
-                .spawn(move || worker(rx, copying, closing, transfers, bytes, maps))
+                .spawn(move || worker(rx, copying, closing, counters, maps))
                 .map_err(|e| Error::io("spawn", e))?;
             *w = Some(Worker { tx, thread });
         }
@@ -463,8 +503,11 @@ impl IpcPeer {
             regions_mapped: maps.values().filter(|m| m.is_ok()).count(),
             devices,
             regions_revoked: self.revoked.load(Ordering::Relaxed),
-            transfers: self.transfers.load(Ordering::Relaxed),
-            bytes: self.bytes.load(Ordering::Relaxed),
+            transfers: self.counters.transfers.load(Ordering::Relaxed),
+            bytes: self.counters.bytes.load(Ordering::Relaxed),
+            copies: self.counters.copies.load(Ordering::Relaxed),
+            copy_calls: self.counters.copy_calls.load(Ordering::Relaxed),
+            copy_path: self.counters.copy_path.lock().expect("ipc lock").clone(),
             fallback_reason: self.fallback.lock().expect("ipc lock").clone(),
         }
     }
@@ -480,14 +523,7 @@ fn region_room(alloc_len: u64, offset: u64) -> std::result::Result<u64, String> 
     alloc_len.checked_sub(offset).filter(|n| *n > 0).ok_or_else(|| "the region's offset lies outside its allocation".to_string())
 }
 
-fn worker(
-    rx: mpsc::Receiver<Arc<XferShared>>,
-    copying: Arc<Mutex<()>>,
-    closing: Arc<AtomicBool>,
-    transfers: Arc<AtomicU64>,
-    bytes: Arc<AtomicU64>,
-    maps: Maps,
-) {
+fn worker(rx: mpsc::Receiver<Arc<XferShared>>, copying: Arc<Mutex<()>>, closing: Arc<AtomicBool>, counters: Arc<Counters>, maps: Maps) {
     // One stream and event per device, made once.
     let mut queues: Vec<(i32, GpuStream, GpuEvent)> = Vec::new();
     for x in rx {
@@ -514,12 +550,13 @@ fn worker(
         }
         // The stream contract: after the application's work queued at post (already done when
         // the post came through the GPU-order waiter).
-        let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| run_copies(plan, &mut queues));
+        let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| run_copies(plan, &mut queues, &counters));
         drop(g);
         match r {
             Ok(()) => {
-                transfers.fetch_add(1, Ordering::Relaxed);
-                bytes.fetch_add(x.total, Ordering::Relaxed);
+                counters.transfers.fetch_add(1, Ordering::Relaxed);
+                counters.bytes.fetch_add(x.total, Ordering::Relaxed);
+                counters.copies.fetch_add(plan.copies.len() as u64, Ordering::Relaxed);
                 let notif = x.notif.lock().expect("xfer lock").clone();
                 let r = if notif.is_empty() { Ok(()) } else { x.peer.send_notif(&notif) };
                 x.finish(r);
@@ -765,4 +802,22 @@ pub(crate) fn revoke(ctx: &crate::ctx::Ctx, exports: &Exports, regions: Option<&
     let msg = format!("peer(s) {} did not confirm within {wait:?} that they closed their CUDA IPC mappings", late.join(", "));
     ctx.log(&msg);
     Err(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::push_merged;
+
+    #[test]
+    fn pieces_adjacent_on_both_sides_merge_into_one_copy() {
+        use multirail_gpu::CopyKind::{DeviceToDevice as D2D, HostToDevice as H2D};
+        let mut c = Vec::new();
+        push_merged(&mut c, (D2D, 1000, 5000, 100));
+        push_merged(&mut c, (D2D, 1100, 5100, 50)); // continues both: merged
+        push_merged(&mut c, (D2D, 1150, 9000, 10)); // dst continues, src does not
+        push_merged(&mut c, (D2D, 2000, 9010, 10)); // src continues, dst does not
+        push_merged(&mut c, (H2D, 2010, 9020, 10)); // both continue, another kind
+        push_merged(&mut c, (H2D, 2020, 9030, 0)); // empty, continues: absorbed
+        assert_eq!(c, vec![(D2D, 1000, 5000, 150), (D2D, 1150, 9000, 10), (D2D, 2000, 9010, 10), (H2D, 2010, 9020, 10)]);
+    }
 }

@@ -97,8 +97,8 @@ pub(crate) trait Poster: Send + Sync {
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
 pub(crate) struct IpcPlan {
     pub gpu: multirail_gpu::Gpu,
-    /// (kind, dst, src, len).
-    pub copies: Vec<(multirail_gpu::CopyKind, u64, u64, u64)>,
+    /// (kind, dst, src, len), pieces that continue one another on both sides merged.
+    pub copies: Vec<multirail_gpu::BatchCopy>,
     /// (region, mapping generation) of every mapping the copies use (crate::ipc checks them
     /// under its copy lock: a revoked mapping is never copied into).
     pub uses: Vec<(u64, u64)>,

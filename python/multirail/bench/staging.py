@@ -78,11 +78,14 @@ def initiator_side(agent: Any, peer: str) -> tuple[dict[str, Any], dict[str, int
     return init, ipc_counters(counters)
 
 
-def ipc_counters(counters: dict[str, Any] | None) -> dict[str, int] | None:
-    """{"transfers", "bytes"} of CUDA IPC from `peer_counters()`; None for an engine without."""
+def ipc_counters(counters: dict[str, Any] | None) -> dict[str, Any] | None:
+    """{"transfers", "bytes", "copies", "copy_calls", "copy_path"} of CUDA IPC from
+    `peer_counters()`; None for an engine without."""
     if not counters or "ipc_transfers" not in counters:
         return None
-    return {"transfers": int(counters.get("ipc_transfers") or 0), "bytes": int(counters.get("ipc_bytes") or 0)}
+    return {"transfers": int(counters.get("ipc_transfers") or 0), "bytes": int(counters.get("ipc_bytes") or 0),
+            "copies": int(counters.get("ipc_copies") or 0), "copy_calls": int(counters.get("ipc_copy_calls") or 0),
+            "copy_path": str(counters.get("ipc_copy_path") or "")}
 
 
 def breakdown(wall_s: float, init: tuple[dict[str, Any], dict[str, Any]],
@@ -99,7 +102,8 @@ def breakdown(wall_s: float, init: tuple[dict[str, Any], dict[str, Any]],
                            "target_note": None if target else (target_note or "not reachable"),
                            "ipc": None}
     if ipc and ipc[0] is not None and ipc[1] is not None:
-        out["ipc"] = {k: max(0, ipc[1][k] - ipc[0][k]) for k in ("transfers", "bytes")}
+        out["ipc"] = {k: max(0, ipc[1].get(k, 0) - ipc[0].get(k, 0)) for k in ("transfers", "bytes", "copies", "copy_calls")}
+        out["ipc"]["copy_path"] = ipc[1].get("copy_path", "")
     best: tuple[float, str] | None = None
     for who in ("initiator", "target"):
         sd = out[who]
@@ -147,8 +151,10 @@ def format_breakdown(b: dict[str, Any] | None, indent: str = "      ") -> list[s
                      f"in {sd['pools']} pool(s)")
     ipc = b.get("ipc") or {}
     if ipc.get("transfers"):
+        calls = (f": {ipc['copies']} copies in {ipc['copy_calls']} calls, {ipc['copy_path']}"
+                 if ipc.get("copies") else "")
         lines.append(f"{indent}CUDA IPC  {ipc['transfers']} transfers, {ipc['bytes']} B as device copies "
-                     "(same host: not staged)")
+                     f"(same host: not staged){calls}")
     if b.get("bottleneck"):
         lines.append(f"{indent}bottleneck: {b['bottleneck']} ({b['bottleneck_busy_pct']:.0f}% busy)")
     else:
