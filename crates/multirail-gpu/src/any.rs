@@ -11,7 +11,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::cuda::{Cuda, CudaEvent, CudaStream};
-use crate::device::{BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
+use crate::device::{BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued, Result};
 use crate::standin::{StandIn, StandInConfig, StandInEvent, StandInStream};
 
 /// Which device implementation a process uses for VRAM.
@@ -87,15 +87,6 @@ fn opened() -> &'static Mutex<BTreeMap<(GpuKind, i32), Gpu>> {
 }
 
 impl Gpu {
-    /// How [`Device::copy_batch_async`] queues device-to-device copies on this device: the call
-    /// it batches them with, or why each is its own copy call.
-    pub fn batch_copies(&self) -> std::result::Result<&'static str, String> {
-        match self {
-            Gpu::Cuda(d) => d.runtime().batch_copies(),
-            Gpu::StandIn(_) => Err("the stand-in device copies one by one".into()),
-        }
-    }
-
     /// Device `id` of `kind`, opened once per process (failures are not cached: a driver that
     /// comes up later is found then). The stand-in takes its rates from the environment
     /// ([`ENV_STANDIN_RATE`], [`ENV_STANDIN_LATENCY_US`]) when first opened.
@@ -211,7 +202,7 @@ impl Device for Gpu {
             }
         }
     }
-    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &GpuStream) -> Result<usize> {
+    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &GpuStream) -> Result<Queued> {
         // SAFETY: the caller's contract, passed on.
         unsafe {
             match (self, stream) {

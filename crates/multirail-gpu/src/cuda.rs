@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use libloading::Library;
 
-use crate::device::{BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Result};
+use crate::device::{BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued, Result};
 
 /// Environment variable naming a libcudart explicitly.
 pub const ENV_CUDART: &str = "MULTIRAIL_CUDART";
@@ -203,8 +203,39 @@ struct MemcpyAttributes {
 const SRC_ACCESS_ORDER_STREAM: c_int = 1;
 /// Copies per `cudaMemcpyBatchAsync` call (the arrays are built per call).
 const BATCH_MAX: usize = 8192;
-/// `MULTIRAIL_CUDA_BATCH=0` turns batched copies off (the per-copy loop then runs; for A/B runs).
-pub const ENV_CUDA_BATCH: &str = "MULTIRAIL_CUDA_BATCH";
+/// How a batch of device-to-device copies is queued ([`CopyMode`]): `auto` (the default),
+/// `kernel`, `batch` or `loop`.
+pub const ENV_CUDA_COPY: &str = "MULTIRAIL_CUDA_COPY";
+/// `auto` takes the gather kernel for batches whose pieces average at most this many bytes; the
+/// copy engines for larger ones (they move big copies as fast and leave the SMs alone).
+pub const KERNEL_MAX_AVG_PIECE: usize = 1 << 20;
+
+/// How [`Device::copy_batch_async`] queues two or more device-to-device copies
+/// (`MULTIRAIL_CUDA_COPY`). Whatever is chosen falls back to the next way down when it cannot be
+/// used (kernel, then `cudaMemcpyBatchAsync`, then one `cudaMemcpyAsync` per copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyMode {
+    /// The kernel for small pieces (average at most [`KERNEL_MAX_AVG_PIECE`]), else the batch call.
+    Auto,
+    /// The kernel for every batch.
+    Kernel,
+    /// `cudaMemcpyBatchAsync`, never the kernel.
+    Batch,
+    /// One `cudaMemcpyAsync` per copy.
+    Loop,
+}
+
+impl CopyMode {
+    /// From `MULTIRAIL_CUDA_COPY` (unset or unknown: `Auto`).
+    pub fn from_env() -> CopyMode {
+        match std::env::var(ENV_CUDA_COPY).unwrap_or_default().trim() {
+            "kernel" => CopyMode::Kernel,
+            "batch" => CopyMode::Batch,
+            "loop" => CopyMode::Loop,
+            _ => CopyMode::Auto,
+        }
+    }
+}
 
 /// CUDA 12.8-12.9: `cudaMemcpyBatchAsync(void **dsts, void **srcs, size_t *sizes, size_t count,
 /// cudaMemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs, size_t *failIdx,
@@ -232,15 +263,11 @@ enum MemcpyBatch {
 }
 
 impl MemcpyBatch {
-    /// The batch call of a runtime of version `rv`, if it has one (12.8 and later) and
-    /// `MULTIRAIL_CUDA_BATCH` is not `0`.
+    /// The batch call of a runtime of version `rv`, if it has one (12.8 and later).
     ///
     /// # Safety
     /// `lib` is a libcudart of version `rv`: the prototype is chosen by that version.
     unsafe fn load(lib: &Library, rv: c_int) -> Option<MemcpyBatch> {
-        if std::env::var(ENV_CUDA_BATCH).is_ok_and(|v| v.trim() == "0") {
-            return None;
-        }
         const NAME: &[u8] = b"cudaMemcpyBatchAsync\0";
         // SAFETY: the caller's contract; the type is that version's prototype.
         unsafe {
@@ -391,6 +418,10 @@ pub struct CudaRuntime {
     batch: Option<MemcpyBatch>,
     /// Set when a batch call failed: the per-copy loop is used from then on, and this says why.
     batch_failed: std::sync::OnceLock<String>,
+    /// Set when the gather kernel failed to launch: not tried again, and this says why.
+    kernel_failed: std::sync::OnceLock<String>,
+    /// `MULTIRAIL_CUDA_COPY`, read at load.
+    copy_mode: CopyMode,
     // Dropped last: the function pointers in `api` point into it.
     _lib: Library,
 }
@@ -443,6 +474,8 @@ impl CudaRuntime {
                         driver_version: dv,
                         batch,
                         batch_failed: std::sync::OnceLock::new(),
+                        kernel_failed: std::sync::OnceLock::new(),
+                        copy_mode: CopyMode::from_env(),
                         _lib: lib,
                     });
                     match runtime_fits_driver(rv, dv) {
@@ -481,17 +514,19 @@ impl CudaRuntime {
         self.driver_version
     }
 
-    /// How device-to-device copies of a batch are queued: `Ok("cudaMemcpyBatchAsync")`, or
-    /// `Err(why not)` (an older runtime, `MULTIRAIL_CUDA_BATCH=0`, or a batch call that failed)
-    /// when each copy is its own `cudaMemcpyAsync`.
-    pub fn batch_copies(&self) -> std::result::Result<&'static str, String> {
+    /// `MULTIRAIL_CUDA_COPY` as read when this runtime was loaded.
+    pub fn copy_mode(&self) -> CopyMode {
+        self.copy_mode
+    }
+
+    /// Why `cudaMemcpyBatchAsync` is not used (None: it is available).
+    fn batch_unusable(&self) -> Option<String> {
         if let Some(why) = self.batch_failed.get() {
-            return Err(why.clone());
+            return Some(why.clone());
         }
         match self.batch {
-            Some(_) => Ok("cudaMemcpyBatchAsync"),
-            None if std::env::var(ENV_CUDA_BATCH).is_ok_and(|v| v.trim() == "0") => Err(format!("{ENV_CUDA_BATCH}=0")),
-            None => Err(format!("runtime {} has no cudaMemcpyBatchAsync (12.8 and later)", self.runtime_version)),
+            Some(_) => None,
+            None => Some(format!("runtime {} has no cudaMemcpyBatchAsync (12.8 and later)", self.runtime_version)),
         }
     }
 
@@ -593,6 +628,9 @@ impl Drop for OnDevice<'_> {
 pub struct CudaStream {
     rt: Arc<CudaRuntime>,
     raw: Stream,
+    /// Device buffer (address, capacity) holding the gather kernel's piece table; written in
+    /// stream order before each launch (`crate::gather`). 0: none yet.
+    table: std::sync::Mutex<(u64, usize)>,
 }
 
 /// A CUDA event (destroyed on drop).
@@ -612,6 +650,12 @@ impl Drop for CudaStream {
         // SAFETY: created by cudaStreamCreateWithFlags, destroyed once. Errors here (a context
         // torn down at exit) leave nothing to do.
         unsafe { (self.rt.api.stream_destroy)(self.raw) };
+        let (table, _) = *self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if table != 0 {
+            // SAFETY: allocated by cudaMalloc for this stream, which is gone (its work done:
+            // cudaStreamDestroy lets queued work finish, and cudaFree waits for the device).
+            unsafe { (self.rt.api.free)(table as *mut c_void) };
+        }
     }
 }
 
@@ -647,6 +691,150 @@ impl Cuda {
 
     fn api(&self) -> &Api {
         &self.rt.api
+    }
+
+    /// One gather-kernel launch for `copies` (device to device, none empty), with the device
+    /// entered: the piece table goes to the stream's table buffer in stream order, then the
+    /// launch. Returns the calls made; Err (nothing queued that touches the copies) says why not.
+    ///
+    /// # Safety
+    /// As [`Device::copy_batch_async`].
+    unsafe fn copy_kernel(&self, copies: &[&BatchCopy], stream: &CudaStream) -> std::result::Result<usize, String> {
+        if let Some(why) = self.rt.kernel_failed.get() {
+            return Err(why.clone());
+        }
+        let ctx = self.ctx.ok_or("the gather kernel needs the driver API (libcuda.so.1 symbols missing)")?;
+        let f = crate::gather::function(ctx.0 as usize).inspect_err(|why| {
+            let _ = self.rt.kernel_failed.set(why.clone());
+        })?;
+        let n = u32::try_from(copies.len()).map_err(|_| "more than 2^32 pieces".to_string())?;
+        let table: Vec<u64> = copies.iter().flat_map(|c| [c.1, c.2, c.3 as u64]).collect();
+        let bytes = table.len() * 8;
+        let mut t = stream.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if t.1 < bytes {
+            if t.0 != 0 {
+                // The old table may still be read by a launch queued before: wait for it.
+                self.stream_synchronize(stream).map_err(|e| e.to_string())?;
+                // SAFETY: our own allocation, no longer used.
+                unsafe { (self.api().free)(t.0 as *mut c_void) };
+                *t = (0, 0);
+            }
+            let cap = bytes.next_power_of_two().max(64 << 10);
+            let mut p = std::ptr::null_mut();
+            // SAFETY: valid out-pointer.
+            self.rt.check("cudaMalloc", unsafe { (self.api().malloc)(&mut p, cap) }).map_err(|e| e.to_string())?;
+            *t = (p as u64, cap);
+        }
+        // From pageable memory: the call returns once it has taken the bytes, so `table` can go;
+        // in stream order, the launch below reads them and an earlier launch's read is done.
+        // SAFETY: t.0 has at least `bytes` bytes; table lives through the call.
+        let rc = unsafe { (self.api().memcpy_async)(t.0 as *mut c_void, table.as_ptr() as *const c_void, bytes, MEMCPY_H2D, stream.raw) };
+        self.rt.check("cudaMemcpyAsync", rc).map_err(|e| e.to_string())?;
+        // SAFETY: the context is current (entered by the caller); the table is in place in stream
+        // order; the caller's contract covers every piece.
+        unsafe { crate::gather::launch(f, t.0, n, stream.raw) }.inspect_err(|why| {
+            let _ = self.rt.kernel_failed.set(why.clone());
+        })?;
+        Ok(2)
+    }
+
+    /// `cudaMemcpyBatchAsync` calls for `copies` (device to device, none empty), up to
+    /// [`BATCH_MAX`] each (the runtime has the call: checked by the caller).
+    ///
+    /// # Safety
+    /// As [`Device::copy_batch_async`].
+    unsafe fn copy_batched(&self, copies: &[&BatchCopy], stream: &CudaStream) -> Result<Queued> {
+        let batch = self.rt.batch.expect("checked by the caller");
+        let _on = self.enter()?;
+        let mut calls = 0;
+        for (i, part) in copies.chunks(BATCH_MAX).enumerate() {
+            let mut dsts: Vec<*mut c_void> = part.iter().map(|c| c.1 as *mut c_void).collect();
+            let mut srcs: Vec<*mut c_void> = part.iter().map(|c| c.2 as *mut c_void).collect();
+            let mut sizes: Vec<usize> = part.iter().map(|c| c.3).collect();
+            let mut attr = MemcpyAttributes { src_access_order: SRC_ACCESS_ORDER_STREAM, ..Default::default() };
+            let mut attr_idx: usize = 0;
+            // SAFETY: the arrays hold part.len() entries and outlive the call (the runtime
+            // reads them during it); one attribute applies from copy 0 on; the caller's
+            // contract covers every range; the stream is live.
+            let rc = unsafe {
+                match batch {
+                    MemcpyBatch::V12(f) => {
+                        let mut fail = usize::MAX;
+                        f(
+                            dsts.as_mut_ptr(),
+                            srcs.as_mut_ptr(),
+                            sizes.as_mut_ptr(),
+                            part.len(),
+                            &mut attr,
+                            &mut attr_idx,
+                            1,
+                            &mut fail,
+                            stream.raw,
+                        )
+                    }
+                    MemcpyBatch::V13(f) => {
+                        f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), part.len(), &mut attr, &mut attr_idx, 1, stream.raw)
+                    }
+                }
+            };
+            if rc != SUCCESS {
+                let (name, msg) = self.rt.describe(rc);
+                let why = format!("cudaMemcpyBatchAsync failed ({name}: {msg}); copying one by one");
+                let _ = self.rt.batch_failed.set(why.clone());
+                // What the failed call queued, if anything, ends before its copies are queued
+                // again (the earlier calls' copies are disjoint from these).
+                self.stream_synchronize(stream)?;
+                for c in &copies[i * BATCH_MAX..] {
+                    // SAFETY: the caller's contract, per copy.
+                    unsafe { self.copy_async(c.0, c.1, c.2, c.3, stream) }?;
+                    calls += 1;
+                }
+                return Ok(Queued { calls, how: CopyHow::PerCopy, note: Some(why) });
+            }
+            calls += 1;
+        }
+        Ok(Queued { calls, how: CopyHow::Batch, note: None })
+    }
+
+    /// [`Device::copy_batch_async`] in `mode` instead of the runtime's `MULTIRAIL_CUDA_COPY`
+    /// (benchmarks and tests compare the ways side by side).
+    ///
+    /// # Safety
+    /// As [`Device::copy_batch_async`].
+    pub unsafe fn copy_batch_as(&self, mode: CopyMode, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
+        let d2d = copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice);
+        let nonempty: Vec<&BatchCopy> = copies.iter().filter(|c| c.3 > 0).collect();
+        let mut note = None;
+        if d2d && !nonempty.is_empty() {
+            let avg = nonempty.iter().map(|c| c.3).sum::<usize>() / nonempty.len();
+            if mode == CopyMode::Kernel || (mode == CopyMode::Auto && avg <= KERNEL_MAX_AVG_PIECE) {
+                let _on = self.enter()?;
+                // SAFETY: the caller's contract.
+                match unsafe { self.copy_kernel(&nonempty, stream) } {
+                    Ok(calls) => return Ok(Queued { calls, how: CopyHow::Kernel, note: None }),
+                    Err(why) => note = Some(why),
+                }
+            }
+            if mode != CopyMode::Loop {
+                match self.rt.batch_unusable() {
+                    // SAFETY: the caller's contract.
+                    None => {
+                        return unsafe { self.copy_batched(&nonempty, stream) }.map(|mut q| {
+                            q.note = q.note.or(note);
+                            q
+                        })
+                    }
+                    Some(why) => note = Some(note.map_or(why.clone(), |n| format!("{n}; {why}"))),
+                }
+            } else {
+                note = Some(format!("{ENV_CUDA_COPY}=loop"));
+            }
+        }
+        for &(kind, dst, src, len) in copies {
+            // SAFETY: the caller's contract, per copy.
+            unsafe { self.copy_async(kind, dst, src, len, stream) }?;
+        }
+        Ok(Queued { calls: copies.len(), how: CopyHow::PerCopy, note: note.filter(|_| d2d) })
     }
 
     /// Makes this device current on the calling thread until the guard drops, then puts the
@@ -759,7 +947,7 @@ impl Device for Cuda {
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaStreamCreateWithFlags", unsafe { (self.api().stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING) })?;
-        Ok(CudaStream { rt: self.rt.clone(), raw: s })
+        Ok(CudaStream { rt: self.rt.clone(), raw: s, table: std::sync::Mutex::new((0, 0)) })
     }
 
     fn create_event(&self) -> Result<CudaEvent> {
@@ -781,74 +969,16 @@ impl Device for Cuda {
         self.rt.check("cudaMemcpyAsync", unsafe { (self.api().memcpy_async)(dst as *mut c_void, src as *const c_void, len, k, stream.raw) })
     }
 
-    /// Device-to-device copies (two or more) go as `cudaMemcpyBatchAsync` calls of up to 8192
-    /// copies when the runtime has it: one call instead of one `cudaMemcpyAsync` per page. Any
-    /// other batch, or a runtime without it, takes the per-copy loop. A batch call that fails
-    /// turns batching off for this runtime ([`CudaRuntime::batch_copies`] says why): the stream
-    /// is drained of whatever it queued, and the copies from that call on are queued one by one.
-    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &CudaStream) -> Result<usize> {
-        let batch = self
-            .rt
-            .batch
-            .filter(|_| self.rt.batch_failed.get().is_none() && copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice));
-        let Some(batch) = batch else {
-            let mut calls = 0;
-            for &(kind, dst, src, len) in copies {
-                // SAFETY: the caller's contract, per copy.
-                unsafe { self.copy_async(kind, dst, src, len, stream) }?;
-                calls += 1;
-            }
-            return Ok(calls);
-        };
-        let _on = self.enter()?;
-        let mut calls = 0;
-        let nonempty: Vec<&BatchCopy> = copies.iter().filter(|c| c.3 > 0).collect();
-        for (i, part) in nonempty.chunks(BATCH_MAX).enumerate() {
-            let mut dsts: Vec<*mut c_void> = part.iter().map(|c| c.1 as *mut c_void).collect();
-            let mut srcs: Vec<*mut c_void> = part.iter().map(|c| c.2 as *mut c_void).collect();
-            let mut sizes: Vec<usize> = part.iter().map(|c| c.3).collect();
-            let mut attr = MemcpyAttributes { src_access_order: SRC_ACCESS_ORDER_STREAM, ..Default::default() };
-            let mut attr_idx: usize = 0;
-            // SAFETY: the arrays hold part.len() entries and outlive the call (the runtime
-            // reads them during it); one attribute applies from copy 0 on; the caller's
-            // contract covers every range; the stream is live.
-            let rc = unsafe {
-                match batch {
-                    MemcpyBatch::V12(f) => {
-                        let mut fail = usize::MAX;
-                        f(
-                            dsts.as_mut_ptr(),
-                            srcs.as_mut_ptr(),
-                            sizes.as_mut_ptr(),
-                            part.len(),
-                            &mut attr,
-                            &mut attr_idx,
-                            1,
-                            &mut fail,
-                            stream.raw,
-                        )
-                    }
-                    MemcpyBatch::V13(f) => {
-                        f(dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), part.len(), &mut attr, &mut attr_idx, 1, stream.raw)
-                    }
-                }
-            };
-            if rc != SUCCESS {
-                let (name, msg) = self.rt.describe(rc);
-                let _ = self.rt.batch_failed.set(format!("cudaMemcpyBatchAsync failed ({name}: {msg}); copying one by one"));
-                // What the failed call queued, if anything, ends before its copies are queued
-                // again (the earlier calls' copies are disjoint from these).
-                self.stream_synchronize(stream)?;
-                for c in &nonempty[i * BATCH_MAX..] {
-                    // SAFETY: the caller's contract, per copy.
-                    unsafe { self.copy_async(c.0, c.1, c.2, c.3, stream) }?;
-                    calls += 1;
-                }
-                return Ok(calls);
-            }
-            calls += 1;
-        }
-        Ok(calls)
+    /// Two or more device-to-device copies go, by [`CopyMode`]: as one launch of the gather
+    /// kernel (`crate::gather`; `auto` takes it when the pieces average at most
+    /// [`KERNEL_MAX_AVG_PIECE`]), or as `cudaMemcpyBatchAsync` calls of up to 8192 copies (12.8+),
+    /// or one `cudaMemcpyAsync` each; any other batch goes one by one. A way that fails at its
+    /// call is not tried again by this runtime (the reason is kept, and given in
+    /// [`Queued::note`]): for a failed batch call the stream is drained of whatever it queued,
+    /// and the copies from that call on are queued one by one.
+    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_batch_as(self.rt.copy_mode, copies, stream) }
     }
 
     fn record(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {

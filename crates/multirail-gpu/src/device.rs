@@ -78,6 +78,37 @@ impl PinnedMem {
 /// One copy of [`Device::copy_batch_async`]: (kind, dst, src, len).
 pub type BatchCopy = (CopyKind, u64, u64, usize);
 
+/// How [`Device::copy_batch_async`] queued a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyHow {
+    /// One copy call per copy (`cudaMemcpyAsync`).
+    PerCopy,
+    /// `cudaMemcpyBatchAsync` (CUDA 12.8+).
+    Batch,
+    /// One launch of the gather-copy kernel (`crate::gather`).
+    Kernel,
+}
+
+impl CopyHow {
+    pub fn describe(self) -> &'static str {
+        match self {
+            CopyHow::PerCopy => "one copy call per copy",
+            CopyHow::Batch => "cudaMemcpyBatchAsync",
+            CopyHow::Kernel => "gather-copy kernel",
+        }
+    }
+}
+
+/// What [`Device::copy_batch_async`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Queued {
+    /// Device API calls made.
+    pub calls: usize,
+    pub how: CopyHow,
+    /// Why a faster way was not taken, when one was wanted and could not be used.
+    pub note: Option<String>,
+}
+
 /// Direction of an asynchronous copy (`cudaMemcpyKind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CopyKind {
@@ -192,18 +223,18 @@ pub trait Device: Send + Sync {
     /// has completed.
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &Self::Stream) -> Result<()>;
     /// Queues every copy of `copies` (kind, dst, src, len) on `stream` and returns at once: what
-    /// an event recorded after it waits for is all of them. Returns how many device API calls
-    /// that took (the default: one `copy_async` per copy; CUDA batches device-to-device copies,
-    /// [`crate::Cuda`]). The copies must not overlap one another.
+    /// an event recorded after it waits for is all of them. Says how it queued them and in how
+    /// many device API calls (the default: one `copy_async` per copy; CUDA has faster ways for
+    /// many device-to-device copies, [`crate::Cuda`]). The copies must not overlap one another.
     ///
     /// # Safety
     /// As [`Device::copy_async`], for every copy.
-    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &Self::Stream) -> Result<usize> {
+    unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &Self::Stream) -> Result<Queued> {
         for &(kind, dst, src, len) in copies {
             // SAFETY: the caller's contract, per copy.
             unsafe { self.copy_async(kind, dst, src, len, stream) }?;
         }
-        Ok(copies.len())
+        Ok(Queued { calls: copies.len(), how: CopyHow::PerCopy, note: None })
     }
     /// Records `event` on `stream`: it completes when everything queued before it has.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;

@@ -23,6 +23,7 @@
 pub mod any;
 pub mod cuda;
 pub mod device;
+pub mod gather;
 pub mod pipeline;
 pub mod sim;
 pub mod staging;
@@ -31,8 +32,8 @@ pub mod timeline;
 pub mod wire;
 
 pub use any::{Gpu, GpuEvent, GpuKind, GpuStream, ENV_GPU};
-pub use cuda::{Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_CUDA_BATCH, ENV_WHEEL_DIRS};
-pub use device::{uuid_string, BatchCopy, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem};
+pub use cuda::{CopyMode, Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_CUDA_COPY, ENV_WHEEL_DIRS, KERNEL_MAX_AVG_PIECE};
+pub use device::{uuid_string, BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued};
 pub use pipeline::{PipelineError, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 pub use standin::{FailOp, StandIn, StandInConfig};

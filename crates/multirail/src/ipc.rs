@@ -194,11 +194,11 @@ fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>, coun
     // inside the peer's mapped allocation (checked at plan time), pieces do not overlap, and
     // the event wait below ends every copy before the transfer completes or is cancelled.
     match unsafe { plan.gpu.copy_batch_async(&plan.copies, s) } {
-        Ok(n) => {
-            counters.copy_calls.fetch_add(n as u64, Ordering::Relaxed);
-            let path = match plan.gpu.batch_copies() {
-                Ok(call) => format!("batched ({call})"),
-                Err(why) => format!("one call per copy ({why})"),
+        Ok(q) => {
+            counters.copy_calls.fetch_add(q.calls as u64, Ordering::Relaxed);
+            let path = match q.note {
+                Some(why) => format!("{} ({why})", q.how.describe()),
+                None => q.how.describe().to_string(),
             };
             *counters.copy_path.lock().expect("ipc lock") = path;
         }
