@@ -5,6 +5,7 @@ there the whole check is `make gpu-check` itself."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,23 @@ def test_gpu_check_says_no_gpu_and_fails_here(tmp_path: Path) -> None:
     assert "- result: pass, exit status 0" in ucx and "Transport: tcp" in ucx, ucx
     assert "- command: `" in ucx and "ucx_info -d`" in ucx, ucx
     assert (tmp_path / "report-logs").is_dir()
+
+
+def test_offline_gpu_check_runs_on_the_given_python_and_packs_its_output(tmp_path: Path) -> None:
+    """benchmarks/gpu_check_offline.sh (a GPU box without network or Rust): it runs gpu_check.py
+    on the Python it is given (here this one, which has no GPU: exit 2, said in the report),
+    records the machine's facts, and leaves the report and one tarball of the logs in OUTDIR."""
+    if _has_gpu():
+        pytest.skip("this machine has a GPU: the offline check would run the GPU sections")
+    out = tmp_path / "out"
+    p = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check_offline.sh"), str(out), "--quick"],
+                       capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ,
+                                                                                   "PYTHON": sys.executable})
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["gpu-check-report.md", "logs.tgz", "machine-facts.txt"]
+    facts = (out / "machine-facts.txt").read_text()
+    assert f"## python: {sys.executable}" in facts and "## RDMA" in facts and "ip: " in facts, facts
+    head = (out / "gpu-check-report.md").read_text().split("\n## ")[0]
+    assert "FAIL: NO GPU" in head, head
+    listing = subprocess.run(["tar", "tzf", str(out / "logs.tgz")], capture_output=True, text=True, timeout=60).stdout
+    assert "logs/" in listing and ".log" in listing, listing
