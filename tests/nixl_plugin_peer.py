@@ -12,7 +12,8 @@ appended to DIR/notifs.jsonl; "digest:TAG" writes the sha256 of A (and B) to DIR
 and exits 0 when every check passed (the failing check otherwise, exit 1).
 
 CONFIG_JSON: {"size": bytes, "params": {MULTIRAIL backend params}, "backends": [...],
-"vram": bool (registers stand-in GPU memory through the plugin), "listen_port": int}.
+"vram": bool (registers GPU memory through the plugin: the device kind of params["gpu"], the
+stand-in by default), "listen_port": int}.
 """
 
 from __future__ import annotations
@@ -49,9 +50,11 @@ def pattern(size: int, seed: int) -> np.ndarray:
 
 
 class Plugin:
-    """The plugin's own GPU helpers (the stand-in GPU lives in the plugin's copy of the runtime)."""
+    """The plugin's own GPU helpers (the stand-in GPU lives in the plugin's copy of the runtime),
+    on the device kind the backend's `gpu` parameter names (standin, or cuda on a GPU machine)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "standin") -> None:
+        self.kind = kind.encode()
         path = Path(os.environ["NIXL_PLUGIN_DIR"]) / "libplugin_MULTIRAIL.so"
         self.lib = ctypes.CDLL(str(path.resolve()))
         self.lib.mr_nixl_gpu_alloc.restype = ctypes.c_uint64
@@ -60,12 +63,13 @@ class Plugin:
                                               ctypes.c_uint64, ctypes.c_size_t, ctypes.c_int]
 
     def alloc(self, n: int) -> int:
-        p = self.lib.mr_nixl_gpu_alloc(b"standin", 7, 0, n)
-        check(p != 0, "stand-in GPU allocation failed")
+        p = self.lib.mr_nixl_gpu_alloc(self.kind, len(self.kind), 0, n)
+        check(p != 0, f"{self.kind.decode()} GPU allocation failed")
         return p
 
     def copy(self, dst: int, src: int, n: int, direction: int) -> None:
-        check(self.lib.mr_nixl_gpu_copy(b"standin", 7, 0, dst, src, n, direction) == 0, "stand-in GPU copy failed")
+        check(self.lib.mr_nixl_gpu_copy(self.kind, len(self.kind), 0, dst, src, n, direction) == 0,
+              f"{self.kind.decode()} GPU copy failed")
 
 
 class Buf:
@@ -129,7 +133,7 @@ def wait(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
 
 def target(d: Path, cfg: dict[str, Any]) -> None:
     size = cfg["size"]
-    plugin = Plugin() if cfg.get("vram") else None
+    plugin = Plugin(cfg.get("params", {}).get("gpu", "standin")) if cfg.get("vram") else None
     agent = make_agent("target", cfg)
     a = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 1))
     b = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 2))
@@ -209,7 +213,7 @@ def sha(x: np.ndarray) -> str:
 def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     size = cfg["size"]
     vram = bool(cfg.get("vram"))
-    plugin = Plugin() if vram else None
+    plugin = Plugin(cfg.get("params", {}).get("gpu", "standin")) if vram else None
     out: dict[str, Any] = {}
     agent = make_agent("init", cfg, telemetry=True)
     addrs = json.loads((d / "addrs.json").read_text())

@@ -376,6 +376,27 @@ def test_vram_through_the_gpu_paths_on_the_standin(pair: Pair) -> None:
     pair.run("basic")
 
 
+def _cuda_unusable() -> str:
+    """Why CUDA memory cannot be used here ('' when it can)."""
+    code = "import multirail.gpu as g; g.info(0, 'cuda')"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return "" if p.returncode == 0 else (p.stderr.strip().splitlines() or ["no usable GPU"])[-1]
+
+
+@pytest.mark.gpu
+def test_vram_through_the_gpu_paths_on_cuda(tmp_path: Path, plugin_dir: Path) -> None:
+    """The same NIXL scenario with CUDA memory on both sides (two processes on one host: CUDA IPC
+    under the plugin, the gather kernel for its pieces); `make test-gpu` runs it on a GPU machine."""
+    why = _cuda_unusable()
+    if why:
+        pytest.skip(f"needs a CUDA GPU: {why}")
+    p = Pair(tmp_path, plugin_dir, {"size": 16 * MiB, "vram": True, "params": {"gpu": "cuda"}})
+    try:
+        p.run("basic")
+    finally:
+        p.close()
+
+
 def _nic_bytes(tb: Any) -> list[int]:
     """rx+tx bytes of each rail's device in namespace b (the initiator's)."""
     out = []
