@@ -11,7 +11,8 @@ status, time and output (the last ``--tail`` lines; the whole output goes to ``-
 2. ``make test-gpu``: the CUDA device-layer tests and the ``gpu``-marked Python tests;
 3. ``benchmarks/gpu_staging.py --gpu cuda --ipc``: VRAM vs DRAM, IPC vs the device's D2D copy,
    over loopback, and over a 2-rail testbed (2 rails vs 1; needs root);
-4. ``multirail bench kv`` with VRAM on both sides (staged, then by CUDA IPC);
+4. ``multirail bench kv`` with VRAM on both sides (staged, then by CUDA IPC, then by CUDA IPC with
+   one copy call per page: the gather kernel's baseline);
 5. host facts that need no GPU: ``ibv_devices``/``ibv_devinfo`` (when present) and the UCX
    transports this machine offers (``ucx_info -d`` of the system UCX when present, and of the
    ``libucx`` wheel the engine falls back to, crates/multirail-ucx/src/load.rs).
@@ -173,6 +174,10 @@ def gpu_sections(c: Check) -> None:
           "--gpu", "cuda", "--check-consistency", "--timeout", "60"]
     c.run("bench kv, VRAM both sides, staged (--gpu-ipc off)", [*kv, "--gpu-ipc", "off"], 1800)
     c.run("bench kv, VRAM both sides, CUDA IPC (--gpu-ipc on)", [*kv, "--gpu-ipc", "on"], 1800)
+    # The IPC copies' baseline in the same run: one cudaMemcpyAsync per page (docs/gpu.md, "How the
+    # copies are queued"); the row above used the default (the gather kernel for small pages).
+    c.run("bench kv, VRAM both sides, CUDA IPC, one copy call per page (MULTIRAIL_CUDA_COPY=loop)",
+          [*kv, "--gpu-ipc", "on"], 1800, env={"MULTIRAIL_CUDA_COPY": "loop"})
 
 
 def git_rev() -> str:
