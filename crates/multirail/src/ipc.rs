@@ -160,7 +160,28 @@ fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry) -> std::result::Result
     // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
     // authenticated control connection); a bad one is refused by the device.
     let base = unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
+    if let Err(why) = mapping_holds(&gpu, base, e.alloc_len) {
+        // SAFETY: just mapped, not yet used by any plan.
+        let _ = unsafe { gpu.ipc_close(base) };
+        return Err(why);
+    }
     Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) })
+}
+
+/// Every copy into a mapping is bounded by the allocation size the peer claims (`alloc_len`),
+/// so the claim must not exceed what its handle really mapped here: a peer that claimed more
+/// would have our copies run past its allocation into this process's other GPU memory. Checked
+/// where the device can say (CUDA: `cuMemGetAddressRange` on the mapping; the stand-in: its
+/// allocation table); where it cannot, the claim stands.
+fn mapping_holds(gpu: &Gpu, base: DevicePtr, claimed: u64) -> std::result::Result<(), String> {
+    match gpu.alloc_range(base) {
+        Ok((b, real)) if b == base && real as u64 >= claimed => Ok(()),
+        Ok((b, real)) => Err(format!(
+            "the peer's IPC handle maps {real} bytes at {:#x}, but the peer claims an allocation of {claimed} bytes at {:#x}: refused",
+            b.0, base.0
+        )),
+        Err(_) => Ok(()),
+    }
 }
 
 /// Appends copy `c`, or extends the last copy when `c` continues it on both sides (pages that
@@ -806,7 +827,30 @@ pub(crate) fn revoke(ctx: &crate::ctx::Ctx, exports: &Exports, regions: Option<&
 
 #[cfg(test)]
 mod tests {
-    use super::push_merged;
+    use super::{mapping_holds, push_merged};
+    use multirail_gpu::{Device, DevicePtr, Gpu, StandIn, StandInConfig};
+
+    #[test]
+    fn a_peer_claiming_more_than_its_handle_maps_is_refused() {
+        let dev = StandIn::new(0, StandInConfig { ipc_same_process: true, ..StandInConfig::default() });
+        let a = dev.alloc(1 << 20).unwrap();
+        let h = dev.ipc_handle(a).unwrap();
+        // SAFETY: a live allocation's handle.
+        let m = unsafe { dev.ipc_open(&h) }.unwrap();
+        let gpu = Gpu::StandIn(dev.clone());
+        assert!(mapping_holds(&gpu, m, 1 << 20).is_ok());
+        assert!(mapping_holds(&gpu, m, 4096).is_ok(), "claiming less only narrows what is copied");
+        let e = mapping_holds(&gpu, m, (1 << 20) + 1).unwrap_err();
+        assert!(e.contains("claims an allocation of 1048577 bytes") && e.contains("maps 1048576 bytes"), "{e}");
+        // An address the device knows nothing about: the claim stands (as on a driver without
+        // cuMemGetAddressRange).
+        assert!(mapping_holds(&gpu, DevicePtr(0x10), 1 << 40).is_ok());
+        // SAFETY: done with them.
+        unsafe {
+            dev.ipc_close(m).unwrap();
+            dev.free(a).unwrap();
+        }
+    }
 
     #[test]
     fn pieces_adjacent_on_both_sides_merge_into_one_copy() {
