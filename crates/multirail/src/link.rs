@@ -952,17 +952,24 @@ impl Link {
         self.rails
             .iter()
             .enumerate()
-            .map(|(i, r)| RailReport {
-                name: r.remote_name.clone(),
-                local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
-                remote_addr: r.remote.to_string(),
-                connections: self.t.paths(i),
-                transport: self.t.describe(i),
-                choice: self.t.choice(i).unwrap_or_else(|| RailChoice { reason: r.reason.clone(), ..RailChoice::default() }),
-                caps: self.t.rail_caps(i),
-                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
-                stats: g.planner.rail_stats(i),
-                io: r.io.snapshot(),
+            .map(|(i, r)| {
+                // A transport that chooses per rail reports the carrier and its reason together.
+                let (transport, choice) = self
+                    .t
+                    .choice(i)
+                    .unwrap_or_else(|| (self.t.describe(i), RailChoice { reason: r.reason.clone(), ..RailChoice::default() }));
+                RailReport {
+                    name: r.remote_name.clone(),
+                    local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
+                    remote_addr: r.remote.to_string(),
+                    connections: self.t.paths(i),
+                    transport,
+                    choice,
+                    caps: self.t.rail_caps(i),
+                    gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
+                    stats: g.planner.rail_stats(i),
+                    io: r.io.snapshot(),
+                }
             })
             .collect()
     }
