@@ -21,7 +21,10 @@ Scenarios (``SPEC["mode"]``):
   marks the rail down; remainder rate = bytes done after detection / time after detection);
   a transfer with the rail still down (the one-rail rate of this run); the link back up, the
   time until the engine readmits the rail; a last transfer that must use it again. Every
-  transfer is checked byte for byte.
+  transfer is checked byte for byte. A break that lands only after the rail has finished its
+  part of the failover transfer (breaking forks ``ip``, which a loaded host may delay) tests
+  nothing: it is recorded in ``late_breaks``, the rail mended, and the transfer posted again,
+  breaking at a quarter of the fraction (``break_tries``, default 3).
 * ``notif_failover``: the rail the control connection (notifications) runs on goes down with no
   data in flight; a notification must still go out, over another rail, in about a second.
 * ``all_down``: every rail is taken down mid-transfer; the transfer must fail (PeerLostError)
