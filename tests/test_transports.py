@@ -401,6 +401,9 @@ def _run_until(i: Any, t: Any, seconds: float, n: int = 32 * MiB, then_until: An
     after `seconds` until it holds, for at most `limit` seconds in all: an event that must come
     (a readmission) may come late on a loaded host."""
     remote, local = pattern(n, 21), np.zeros(n, np.uint8)
+    # Each WRITE sends fresh bytes: this pattern xor a per-transfer byte (cheap, so that on a
+    # loaded host the snapshots still come often enough to see short-lived states).
+    base = pattern(n, 100)
     t.register_memory(remote)
     i.register_memory(local)
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
@@ -421,7 +424,7 @@ def _run_until(i: Any, t: Any, seconds: float, n: int = 32 * MiB, then_until: An
             i.transfer(h)
             i.wait(h, 20)
         else:
-            local[:] = pattern(n, 100 + k)
+            np.bitwise_xor(base, np.uint8(k % 255 + 1), out=local)
             h = i.initialize_xfer("WRITE", [local], [remote], "target")
             i.transfer(h)
             i.wait(h, 20)
