@@ -87,36 +87,46 @@ fn mem_name(m: MemType) -> &'static str {
     }
 }
 
-/// The rows of an Nx3 uint64 array at `ptr`, read in place (copied only when `ptr` is not
-/// 8-byte aligned).
+/// The rows of an NxW uint64 array at `ptr`, read in place (copied only when `ptr` is not
+/// 8-byte aligned): W = 3 for plain descriptors (address, len, device), 5 for strided ones
+/// (address, len, device, stride, count).
 ///
 /// # Safety
-/// `ptr` is the data pointer of a C-contiguous (n, 3) uint64 array that the caller (the Python
+/// `ptr` is the data pointer of a C-contiguous (n, W) uint64 array that the caller (the Python
 /// layer) holds, unchanged, for as long as the returned rows are used; the GIL may be released
 /// meanwhile (a thread that rewrites the array under a running call gets rows that are
 /// validated like any others).
-unsafe fn rows<'a>(ptr: usize, n: usize) -> Cow<'a, [[u64; 3]]> {
+unsafe fn rows<'a, const W: usize>(ptr: usize, n: usize) -> Cow<'a, [[u64; W]]> {
     if n == 0 {
         Cow::Borrowed(&[])
-    } else if (ptr as *const [u64; 3]).is_aligned() {
-        Cow::Borrowed(std::slice::from_raw_parts(ptr as *const [u64; 3], n))
+    } else if (ptr as *const [u64; W]).is_aligned() {
+        Cow::Borrowed(std::slice::from_raw_parts(ptr as *const [u64; W], n))
     } else {
-        Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((ptr as *const [u64; 3]).add(i))).collect())
+        Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((ptr as *const [u64; W]).add(i))).collect())
     }
 }
 
-/// `rows` for Nx5 uint64 arrays (strided descriptors: address, len, device, stride, count).
-///
-/// # Safety
-/// As `rows`: `ptr` addresses `n` rows of 5 u64 that stay alive and unchanged meanwhile.
-unsafe fn rows5<'a>(ptr: usize, n: usize) -> Cow<'a, [[u64; 5]]> {
-    if n == 0 {
-        Cow::Borrowed(&[])
-    } else if (ptr as *const [u64; 5]).is_aligned() {
-        Cow::Borrowed(std::slice::from_raw_parts(ptr as *const [u64; 5], n))
-    } else {
-        Cow::Owned((0..n).map(|i| std::ptr::read_unaligned((ptr as *const [u64; 5]).add(i))).collect())
-    }
+/// `Agent::prepare` or `Agent::prepare_strided`, for descriptors of W u64.
+type Build<const W: usize> = fn(&Agent, Op, &[[u64; W]], &[[u64; W]], &str, Vec<u8>) -> multirail::Result<XferHandle>;
+
+/// What `prepare` and `prepare_strided` share: parse `op`, read both NxW descriptor arrays in
+/// place (the Python layer holds them until this returns, see `rows`), and have `build` make
+/// the handle with the GIL released.
+#[allow(clippy::too_many_arguments)]
+fn prepare_rows<const W: usize>(
+    py: Python<'_>,
+    agent: &Agent,
+    op: &str,
+    (lptr, ln): (usize, usize),
+    (rptr, rn): (usize, usize),
+    peer: &str,
+    notif: Vec<u8>,
+    build: Build<W>,
+) -> PyResult<PyXfer> {
+    let op = Op::parse(op).map_err(to_py)?;
+    // SAFETY: see `rows`; the Python layer holds both arrays until this returns.
+    let (local, remote) = unsafe { (rows::<W>(lptr, ln), rows::<W>(rptr, rn)) };
+    py.allow_threads(|| build(agent, op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
 }
 
 /// (interface, address, prefix length, speed Mbit/s, MTU, NUMA node, RDMA device, bind device)
@@ -288,10 +298,7 @@ impl PyAgent {
         peer: &str,
         notif: Vec<u8>,
     ) -> PyResult<PyXfer> {
-        let op = Op::parse(op).map_err(to_py)?;
-        // SAFETY: see `rows`; the Python layer holds both arrays until this returns.
-        let (local, remote) = unsafe { (rows(lptr, ln), rows(rptr, rn)) };
-        py.allow_threads(|| self.0.prepare(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
+        prepare_rows::<3>(py, &self.0, op, (lptr, ln), (rptr, rn), peer, notif, Agent::prepare::<[u64; 3]>)
     }
 
     /// `prepare` from two Nx5 strided descriptor arrays, kept compressed.
@@ -307,10 +314,7 @@ impl PyAgent {
         peer: &str,
         notif: Vec<u8>,
     ) -> PyResult<PyXfer> {
-        let op = Op::parse(op).map_err(to_py)?;
-        // SAFETY: see `rows5`; the Python layer holds both arrays until this returns.
-        let (local, remote) = unsafe { (rows5(lptr, ln), rows5(rptr, rn)) };
-        py.allow_threads(|| self.0.prepare_strided(op, &local, &remote, peer, notif)).map(PyXfer).map_err(to_py)
+        prepare_rows::<5>(py, &self.0, op, (lptr, ln), (rptr, rn), peer, notif, Agent::prepare_strided)
     }
 
     fn send_notif(&self, py: Python<'_>, peer: &str, msg: Vec<u8>) -> PyResult<()> {
@@ -496,7 +500,7 @@ fn wait_timeout(t: Option<f64>) -> PyResult<Option<Duration>> {
 #[pyfunction]
 fn serialize_descs<'py>(py: Python<'py>, ptr: usize, n: usize, mem: &str) -> PyResult<Bound<'py, PyBytes>> {
     // SAFETY: see `rows`; the array is only read before this returns.
-    let descs = unsafe { rows(ptr, n) }.iter().map(|r| (r[0], r[1], r[2] as u32)).collect();
+    let descs = unsafe { rows::<3>(ptr, n) }.iter().map(|r| (r[0], r[1], r[2] as u32)).collect();
     let d = DescList { mem: parse_mem(mem)?, descs };
     Ok(PyBytes::new(py, &d.encode()))
 }

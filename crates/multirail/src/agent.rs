@@ -12,7 +12,7 @@ use multirail_proto::{Access, AgentMeta, Body, MemType, RailInfo};
 
 use crate::config::{Config, TransportKind};
 use crate::error::{Error, Result};
-use crate::net::{dial, status_error};
+use crate::net::{dial, status_error, Dial};
 use crate::peer::{resolve_in, Peer, RailReport};
 use crate::registry::{random_bytes, Region, Registry};
 use crate::server;
@@ -279,7 +279,7 @@ impl Agent {
             .map_err(|e| Error::InvalidArgument(format!("bad address {ip}:{port}: {e}")))?
             .next()
             .ok_or_else(|| Error::InvalidArgument(format!("{ip}:{port} resolves to nothing")))?;
-        let mut s: TcpStream = dial(&self.shared.ctx.identity(), None, addr, Role::Control, None, self.shared.ctx.cfg.timeout)?;
+        let mut s: TcpStream = dial(&self.shared.ctx.identity(), Dial::to(addr, Role::Control, self.shared.ctx.cfg.timeout))?.stream;
         let deadline = Instant::now() + self.shared.ctx.cfg.timeout;
         let mut tick = |_: bool| if Instant::now() > deadline { Err(format!("request to {addr} timed out")) } else { Ok(()) };
         let who = addr.to_string();

@@ -23,7 +23,7 @@ use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, Rai
 use crate::config::{Config, Fault, TransportKind};
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
-use crate::net::{abort_socket, dial_id, dial_v, link_down, status_error, LINK_CHECK};
+use crate::net::{abort_socket, dial, link_down, status_error, Dial, Dialed, LINK_CHECK};
 use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
 use crate::transport::mixed::{Carrier, Mixed};
@@ -785,17 +785,8 @@ impl Link {
         let timeout = self.ctx.cfg.timeout.min(FENCE_TIMEOUT);
         let mut last = Error::PeerLost { peer: self.peer_name.clone(), reason: "no live rail to send a fence on".into() };
         for &ri in via {
-            let rail = &self.rails[ri];
             let t0 = Instant::now();
-            let r = dial_id(
-                &self.ctx.identity(),
-                rail.local.as_ref(),
-                rail.remote,
-                Role::Control,
-                Some((&self.peer_name, self.incarnation)),
-                timeout,
-            )
-            .and_then(|(mut s, _)| {
+            let r = self.dial_rail(ri, Role::Control, timeout).and_then(|Dialed { stream: mut s, .. }| {
                 let deadline = Instant::now() + timeout;
                 let mut tick = |_: bool| if Instant::now() > deadline { Err("fence timed out".to_string()) } else { Ok(()) };
                 for part in ids.chunks(multirail_proto::codec::MAX_FENCE) {
@@ -868,10 +859,8 @@ impl Link {
                     order = (0..self.rails.len()).collect();
                 }
                 let ri = order[(tries - 1) % order.len()];
-                let rail = &self.rails[ri];
-                let expect = Some((self.peer_name.as_str(), self.incarnation));
-                match dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, Role::Control, expect, per_try) {
-                    Ok((s, _)) => *g = Some(s),
+                match self.dial_rail(ri, Role::Control, per_try) {
+                    Ok(c) => *g = Some(c.stream),
                     Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                     Err(e) => {
                         last = Some(e);
@@ -922,10 +911,8 @@ impl Link {
         }
         let mut last = None;
         for &ri in order.iter().cycle().take(order.len() * 2) {
-            let rail = &self.rails[ri];
-            let expect = Some((self.peer_name.as_str(), self.incarnation));
-            match dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, per_try) {
-                Ok(c) => return Ok(c),
+            match self.dial_rail(ri, role, per_try) {
+                Ok(c) => return Ok((c.stream, c.id)),
                 Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                 Err(e) => last = Some(e),
             }
@@ -934,6 +921,20 @@ impl Link {
             }
         }
         Err(last.unwrap_or_else(|| Error::PeerLost { peer: self.peer_name.clone(), reason: "no rail to connect on".into() }))
+    }
+
+    /// One authenticated connection of `role` to the peer on rail `ri` (its local end bound),
+    /// the peer checked to be the life this link has metadata for.
+    fn dial_rail(&self, ri: usize, role: Role, timeout: Duration) -> Result<Dialed> {
+        let rail = &self.rails[ri];
+        let to = Dial {
+            local: rail.local.as_ref(),
+            remote: rail.remote,
+            role,
+            expect: Some((self.peer_name.as_str(), self.incarnation)),
+            timeout,
+        };
+        dial(&self.ctx.identity(), to)
     }
 
     /// Whether some rail of this link runs ucx (GPU memory then goes through the peer's tcp
@@ -952,17 +953,24 @@ impl Link {
         self.rails
             .iter()
             .enumerate()
-            .map(|(i, r)| RailReport {
-                name: r.remote_name.clone(),
-                local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
-                remote_addr: r.remote.to_string(),
-                connections: self.t.paths(i),
-                transport: self.t.describe(i),
-                choice: self.t.choice(i).unwrap_or_else(|| RailChoice { reason: r.reason.clone(), ..RailChoice::default() }),
-                caps: self.t.rail_caps(i),
-                gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
-                stats: g.planner.rail_stats(i),
-                io: r.io.snapshot(),
+            .map(|(i, r)| {
+                // A transport that chooses per rail reports the carrier and its reason together.
+                let (transport, choice) = self
+                    .t
+                    .choice(i)
+                    .unwrap_or_else(|| (self.t.describe(i), RailChoice { reason: r.reason.clone(), ..RailChoice::default() }));
+                RailReport {
+                    name: r.remote_name.clone(),
+                    local_addr: r.local.as_ref().map(|l| l.1.to_string()).unwrap_or_default(),
+                    remote_addr: r.remote.to_string(),
+                    connections: self.t.paths(i),
+                    transport,
+                    choice,
+                    caps: self.t.rail_caps(i),
+                    gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
+                    stats: g.planner.rail_stats(i),
+                    io: r.io.snapshot(),
+                }
             })
             .collect()
     }
@@ -1035,16 +1043,12 @@ impl Host for Link {
     }
 
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])> {
-        let rail = &self.rails[ri];
-        let expect = Some((self.peer_name.as_str(), self.incarnation));
-        dial_id(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
+        self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id))
     }
 
     fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)> {
-        let rail = &self.rails[ri];
-        let expect = Some((self.peer_name.as_str(), self.incarnation));
-        dial_v(&self.ctx.identity(), rail.local.as_ref(), rail.remote, role, expect, timeout)
-            .map(|(s, id, v)| (s, id, v >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
+        self.dial_rail(ri, role, timeout)
+            .map(|c| (c.stream, c.id, c.version >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
     }
 
     fn set_vectored(&self, ri: usize, on: bool) {

@@ -83,60 +83,52 @@ pub(crate) fn abort_socket(s: &TcpStream) {
     let _ = s.shutdown(Shutdown::Both);
 }
 
-/// Open one authenticated connection and check the peer is the life we have metadata for.
-pub(crate) fn dial(
-    me: &Identity<'_>,
-    local: Option<&(String, IpAddr)>,
-    remote: SocketAddr,
-    role: Role,
-    expect: Option<(&str, u64)>,
-    timeout: Duration,
-) -> Result<TcpStream> {
-    dial_id(me, local, remote, role, expect, timeout).map(|(s, _)| s)
+/// Where to dial and whom to expect there (`dial`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dial<'a> {
+    /// The rail's local end (interface, address) to bind to; None: the kernel's choice.
+    pub local: Option<&'a (String, IpAddr)>,
+    pub remote: SocketAddr,
+    pub role: Role,
+    /// The agent (name, incarnation) we have metadata for: another answering is an error
+    /// (`Metadata`; `StaleMetadata` for a restarted one). None: whoever answers.
+    pub expect: Option<(&'a str, u64)>,
+    /// For the connect, and again for the handshake after it.
+    pub timeout: Duration,
 }
 
-/// [`dial`] with its own connect/handshake timeout; also returns the connection's id (the
-/// nonce its `Hello` carried).
-pub(crate) fn dial_id(
-    ctx: &Identity<'_>,
-    local: Option<&(String, IpAddr)>,
-    remote: SocketAddr,
-    role: Role,
-    expect: Option<(&str, u64)>,
-    timeout: Duration,
-) -> Result<(TcpStream, [u8; 16])> {
-    dial_v(ctx, local, remote, role, expect, timeout).map(|(s, id, _)| (s, id))
-}
-
-/// [`dial_id`], and the `Hello` version the peer accepted: [`HELLO_VERSION`] first; a peer
-/// that answers `Error(VersionMismatch)` (a build from before vectored requests) is dialled
-/// again with version 1, and its connections carry no vectored request.
-pub(crate) fn dial_v(
-    ctx: &Identity<'_>,
-    local: Option<&(String, IpAddr)>,
-    remote: SocketAddr,
-    role: Role,
-    expect: Option<(&str, u64)>,
-    timeout: Duration,
-) -> Result<(TcpStream, [u8; 16], u16)> {
-    match dial_version(ctx, local, remote, role, expect, timeout, HELLO_VERSION) {
-        Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) => {
-            dial_version(ctx, local, remote, role, expect, timeout, 1).map(|(s, id)| (s, id, 1))
-        }
-        r => r.map(|(s, id)| (s, id, HELLO_VERSION)),
+impl Dial<'_> {
+    /// To `remote` as `role`, from any local address, whoever answers.
+    pub(crate) fn to(remote: SocketAddr, role: Role, timeout: Duration) -> Self {
+        Dial { local: None, remote, role, expect: None, timeout }
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn dial_version(
-    ctx: &Identity<'_>,
-    local: Option<&(String, IpAddr)>,
-    remote: SocketAddr,
-    role: Role,
-    expect: Option<(&str, u64)>,
-    timeout: Duration,
-    version: u16,
-) -> Result<(TcpStream, [u8; 16])> {
+/// An authenticated connection (`dial`).
+#[derive(Debug)]
+pub(crate) struct Dialed {
+    pub stream: TcpStream,
+    /// Its id: the nonce its `Hello` carried (the target fences connections by it).
+    pub id: [u8; 16],
+    /// The `Hello` version the peer accepted: [`HELLO_VERSION`], or 1 for a peer from before
+    /// vectored requests (its connections carry none).
+    pub version: u16,
+}
+
+/// Open one authenticated connection and check the peer is the life we have metadata for.
+/// Offers [`HELLO_VERSION`] first; a peer that answers `Error(VersionMismatch)` (a build from
+/// before vectored requests) is dialled again with version 1.
+pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
+    match dial_version(me, &to, HELLO_VERSION) {
+        Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) => {
+            dial_version(me, &to, 1).map(|(stream, id)| Dialed { stream, id, version: 1 })
+        }
+        r => r.map(|(stream, id)| Dialed { stream, id, version: HELLO_VERSION }),
+    }
+}
+
+fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16])> {
+    let Dial { local, remote, role, expect, timeout } = *to;
     let who = format!("{remote}");
     let domain = socket2::Domain::for_address(remote);
     let sock = socket2::Socket::new(domain, socket2::Type::STREAM, Some(socket2::Protocol::TCP)).map_err(|e| Error::io("socket", e))?;
@@ -258,13 +250,13 @@ mod tests {
         let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
         let t = Duration::from_secs(5);
         let (addr, h) = server(HELLO_VERSION, 1);
-        let (_, _, v) = dial_v(&me, None, addr, Role::Data, None, t).unwrap();
+        let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, HELLO_VERSION);
         assert!(v >= HELLO_VECTORED);
         assert_eq!(h.join().unwrap(), vec![HELLO_VERSION]);
         // An old server: refused once, then dialled again with version 1 (no vectored requests).
         let (addr, h) = server(1, 2);
-        let (_, _, v) = dial_v(&me, None, addr, Role::Data, None, t).unwrap();
+        let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, 1);
         assert_eq!(h.join().unwrap(), vec![HELLO_VERSION, 1]);
     }

@@ -15,7 +15,7 @@ use multirail_ucx::{Context, ContextConfig, LoadOptions, ThreadMode, Ucx, Worker
 use crate::agent::Agent;
 use crate::config::{Config, TransportKind};
 use crate::error::Result;
-use crate::net::dial_id;
+use crate::net::{dial, Dial};
 use crate::transport::ucx::UcxRail;
 use crate::wire;
 
@@ -36,8 +36,11 @@ fn rail_addr(a: &Agent) -> SocketAddr {
 
 fn try_open(init: &Agent, target: &Agent) -> Result<UcxRail> {
     let sh = init.shared();
-    let (s, id) = dial_id(&sh.ctx.identity(), None, rail_addr(target), Role::UcxSession, Some((target.name(), target.incarnation())), T)?;
-    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, s, id, T)
+    let c = dial(
+        &sh.ctx.identity(),
+        Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(target), Role::UcxSession, T) },
+    )?;
+    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, T)
 }
 
 fn open(init: &Agent, target: &Agent) -> UcxRail {
@@ -159,8 +162,12 @@ fn ucx_reads_and_writes_land_exactly() {
 /// Send a real `Fence` for `ids` over a control connection, as peer.rs does.
 fn send_fence(init: &Agent, target: &Agent, ids: Vec<[u8; 16]>) {
     let sh = init.shared();
-    let (mut s, _) =
-        dial_id(&sh.ctx.identity(), None, rail_addr(target), Role::Control, Some((target.name(), target.incarnation())), T).unwrap();
+    let mut s = dial(
+        &sh.ctx.identity(),
+        Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(target), Role::Control, T) },
+    )
+    .unwrap()
+    .stream;
     let end = Instant::now() + T;
     let mut tick = |_: bool| if Instant::now() > end { Err("fence timed out".to_string()) } else { Ok(()) };
     wire::send(&mut s, &Body::Fence(ids), 0, &mut tick).unwrap();
@@ -385,8 +392,8 @@ fn ucx_session_refused_by_an_agent_without_ucx() {
     // A rail the target does not have.
     let ucx_target = agent("ucx-target", TransportKind::Ucx);
     let sh = init.shared();
-    let (s, id) = dial_id(&sh.ctx.identity(), None, rail_addr(&ucx_target), Role::UcxSession, None, T).unwrap();
-    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, s, id, T).err().expect("refused");
+    let c = dial(&sh.ctx.identity(), Dial::to(rail_addr(&ucx_target), Role::UcxSession, T)).unwrap();
+    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, T).err().expect("refused");
     assert!(e.to_string().contains("no rail 5"), "{e}");
     assert_eq!(ucx_target.shared().ucx.as_ref().unwrap().sessions(), 0);
     ucx_target.close();

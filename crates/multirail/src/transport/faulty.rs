@@ -74,8 +74,8 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.rail_caps(ri)
     }
 
-    fn choice(&self, ri: usize) -> Option<super::RailChoice> {
-        self.inner.choice(ri)
+    fn choice(&self, ri: usize) -> Option<(String, super::RailChoice)> {
+        self.inner.choice(ri).map(|(what, c)| (format!("faulty({what})"), c))
     }
 
     fn tick(&self, link: &dyn Host) {

@@ -309,8 +309,17 @@ impl Transport for Mixed {
         self.on(ri).describe(ri)
     }
 
-    fn choice(&self, ri: usize) -> Option<RailChoice> {
-        Some(lock(&self.sw[ri]).report(Instant::now()))
+    fn choice(&self, ri: usize) -> Option<(String, RailChoice)> {
+        // The carrier and the reason come from the switch, under its lock, so the pair is
+        // always one the switch was in. `cur` is no good for this: it changes before the open
+        // (the new paths' callbacks must dispatch right) and the switch only once the open
+        // worked, so a reader in between saw "tcp" beside the reason it ran ucx for. Both
+        // descriptions are read before the lock (a transport's own locks are never taken under
+        // a switch's).
+        let (ucx, tcp) = (self.ucx.describe(ri), self.tcp.describe(ri));
+        let sw = lock(&self.sw[ri]);
+        let what = if sw.on() == Carrier::Ucx { ucx } else { tcp };
+        Some((what, sw.report(Instant::now())))
     }
 
     fn quiet_for(&self, ri: usize) -> Option<Duration> {
@@ -456,6 +465,185 @@ mod tests {
         // Failures on tcp change nothing.
         s.ucx_failed(now);
         assert_eq!(s.plan(), Carrier::Tcp);
+    }
+
+    /// Where a stub's open says it has begun, and waits to be let go on.
+    type Gate = (Mutex<std::sync::mpsc::SyncSender<()>>, Mutex<std::sync::mpsc::Receiver<()>>);
+
+    /// A transport that only opens and shuts (no chunks move), optionally holding its opens
+    /// at a gate so the test can look at the rail mid-open.
+    struct Stub {
+        name: &'static str,
+        up: AtomicBool,
+        gate: Option<Gate>,
+    }
+
+    impl Transport for Stub {
+        fn caps(&self) -> Caps {
+            Caps { remote_vram: false, one_sided: false, gpu: GpuPath::Staged }
+        }
+        fn open_rail(&self, _: &Arc<dyn Host>, _: usize, _: Duration) -> Result<()> {
+            if let Some((entered, go)) = &self.gate {
+                entered.lock().unwrap().send(()).unwrap();
+                go.lock().unwrap().recv().unwrap();
+            }
+            self.up.store(true, Ordering::Release);
+            Ok(())
+        }
+        fn is_up(&self, _: usize) -> bool {
+            self.up.load(Ordering::Acquire)
+        }
+        fn post_ready(&self, _: &dyn Host, _: bool) -> bool {
+            false
+        }
+        fn drive(&self, _: &dyn Host, _: &XferShared, _: Option<Instant>, _: bool) -> bool {
+            false
+        }
+        fn holds(&self, _: &Arc<XferShared>) -> bool {
+            false
+        }
+        fn shut_rail(&self, _: usize) {
+            self.up.store(false, Ordering::Release);
+        }
+        fn fence_ids(&self, _: usize) -> Vec<[u8; 16]> {
+            Vec::new()
+        }
+        fn paths(&self, _: usize) -> usize {
+            usize::from(self.up.load(Ordering::Acquire))
+        }
+        fn describe(&self, _: usize) -> String {
+            // As ucx does: the path's own transport once up, the bare name before.
+            if self.up.load(Ordering::Acquire) {
+                format!("{}/up", self.name)
+            } else {
+                self.name.into()
+            }
+        }
+        fn wake(&self) {}
+        fn close(&self) {}
+    }
+
+    /// The link as far as `Mixed::open_rail` and `tick` use it on these paths (a plan of tcp
+    /// dials nothing): the rest is never called.
+    struct StubHost {
+        failed: Mutex<Vec<String>>,
+    }
+
+    impl Host for StubHost {
+        fn peer_name(&self) -> &str {
+            "peer"
+        }
+        fn cfg(&self) -> &crate::config::Config {
+            unreachable!()
+        }
+        fn rails(&self) -> usize {
+            1
+        }
+        fn local_dev(&self, _: usize) -> Option<&str> {
+            None
+        }
+        fn rail_indices(&self, _: usize) -> (usize, usize) {
+            (0, 0)
+        }
+        fn staging(&self, _: usize) -> Arc<crate::staging::StageStats> {
+            unreachable!()
+        }
+        fn key(&self, _: u64) -> multirail_proto::RegionKey {
+            unreachable!()
+        }
+        fn dial(&self, _: usize, _: Role, _: Duration) -> Result<(std::net::TcpStream, [u8; 16])> {
+            unreachable!("a plan of tcp dials nothing")
+        }
+        fn dial_vectored(&self, _: usize, _: Role, _: Duration) -> Result<(std::net::TcpStream, [u8; 16], bool)> {
+            unreachable!()
+        }
+        fn set_vectored(&self, _: usize, _: bool) {}
+        fn set_byte_progress(&self, _: usize, _: bool) {}
+        fn enter(&self) -> Option<super::super::Active<'_>> {
+            None
+        }
+        fn is_shutdown(&self) -> bool {
+            false
+        }
+        fn now_us(&self) -> u64 {
+            0
+        }
+        fn next_chunk(&self, _: usize) -> Option<(multirail_proto::Chunk, Arc<XferShared>)> {
+            None
+        }
+        fn wait_chunk(&self, _: usize, _: &dyn Fn() -> bool, _: &dyn Fn() -> bool) -> Option<(multirail_proto::Chunk, Arc<XferShared>)> {
+            None
+        }
+        fn wake_senders(&self) {}
+        fn chunk_done(
+            &self,
+            _: usize,
+            _: multirail_proto::ChunkId,
+            _: &XferShared,
+            _: u64,
+            _: std::result::Result<(), (multirail_proto::codec::Status, String)>,
+        ) {
+        }
+        fn rail_failed(&self, _: usize, reason: String) {
+            self.failed.lock().unwrap().push(reason);
+        }
+        fn path_stopped(&self, _: usize, _: &mut dyn FnMut() -> bool) {}
+        fn tick_faults(&self) {}
+        fn log(&self, _: &str) {}
+    }
+
+    /// What `rail_stats()` shows of rail 0: (transport, reason, fallbacks, switches).
+    fn shown(m: &dyn Transport) -> (String, String, u64, u64) {
+        let (what, c) = m.choice(0).expect("Mixed chooses per rail");
+        (what, c.reason, c.fallbacks, c.switches)
+    }
+
+    /// Flake A (test_ucx_rail_falls_back_to_tcp_and_retries_ucx_after_a_cooldown): while a
+    /// fallback's tcp open was in progress, `rail_stats()` showed "tcp" beside the reason the
+    /// rail ran ucx for. Held mid-open here, the rail must show one state of the switch or the
+    /// next, never a mix; and so through the retry of ucx.
+    #[test]
+    fn rail_report_pairs_the_carrier_with_its_own_reason_mid_switch() {
+        let (entered_tx, entered_rx) = std::sync::mpsc::sync_channel(0);
+        let (go_tx, go_rx) = std::sync::mpsc::sync_channel(0);
+        let tcp = Stub { name: "tcp", up: AtomicBool::new(false), gate: Some((Mutex::new(entered_tx), Mutex::new(go_rx))) };
+        let ucx = Stub { name: "ucx", up: AtomicBool::new(false), gate: None };
+        let p = FallbackPolicy { after: 1, cooldown: Duration::ZERO, max_cooldown: Duration::ZERO, max_switches: 8 };
+        let m = Arc::new(Mixed::new(Box::new(tcp), Box::new(ucx), vec![(Carrier::Ucx, "explicit".into())], p));
+        let stub = Arc::new(StubHost { failed: Mutex::new(Vec::new()) });
+        let host: Arc<dyn Host> = stub.clone();
+
+        m.open_rail(&host, 0, Duration::from_secs(1)).unwrap();
+        assert_eq!(shown(&*m), ("ucx/up".into(), "explicit".into(), 0, 0));
+        // The rail fails on ucx (one failure is enough here): the next open is over tcp.
+        m.shut_rail(0);
+        assert_eq!(lock(&m.sw[0]).plan(), Carrier::Tcp);
+
+        let opener = {
+            let (m, host) = (m.clone(), host.clone());
+            std::thread::spawn(move || m.open_rail(&host, 0, Duration::from_secs(1)))
+        };
+        entered_rx.recv().unwrap();
+        // Mid-open: the paths already dispatch to tcp, but the switch has not moved: the rail
+        // shows what it ran and why, down.
+        assert_eq!(m.describe(0), "tcp");
+        assert_eq!(shown(&*m), ("ucx".into(), "explicit".into(), 0, 0));
+        go_tx.send(()).unwrap();
+        opener.join().unwrap().unwrap();
+        assert_eq!(shown(&*m), ("tcp/up".into(), "fallback after 1 ucx failures".into(), 1, 1));
+
+        // The cool-down (zero) is over: tick starts the retry and fails the rail's tcp paths.
+        m.tick(&*host);
+        assert_eq!(stub.failed.lock().unwrap().len(), 1);
+        m.shut_rail(0);
+        assert_eq!(shown(&*m), ("ucx".into(), "ucx retried after a cool-down (switch 2)".into(), 1, 2));
+        m.open_rail(&host, 0, Duration::from_secs(1)).unwrap();
+        assert_eq!(shown(&*m), ("ucx/up".into(), "ucx retried after a cool-down (switch 2)".into(), 1, 2));
+
+        // Wrapped in a fault schedule, the pair is wrapped as one.
+        let Ok(m) = Arc::try_unwrap(m) else { panic!("the opener thread still holds the transport") };
+        let f = super::super::faulty::Faulty::new(m, Vec::new());
+        assert_eq!(shown(&f).0, "faulty(ucx/up)");
     }
 
     #[test]

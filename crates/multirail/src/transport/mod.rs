@@ -224,9 +224,10 @@ pub(crate) trait Transport: Send + Sync {
     /// Called by the link's watchdog every 100 ms or less: time-driven work of the transport
     /// (`Mixed` retries ucx after a cool-down by failing the rail's tcp paths).
     fn tick(&self, _link: &dyn Host) {}
-    /// How rail `ri` came to run this transport, when the transport decides it per rail
-    /// (`Mixed`); None: the agent's choice stands.
-    fn choice(&self, _ri: usize) -> Option<RailChoice> {
+    /// When the transport decides per rail what carries it (`Mixed`): what rail `ri` runs on
+    /// (as `describe`) and how it came to, read together so that `rail_stats()` never pairs
+    /// one carrier with another's reason. None: `describe` and the agent's choice stand.
+    fn choice(&self, _ri: usize) -> Option<(String, RailChoice)> {
         None
     }
     /// Work may be waiting for rails whose threads do not wait on the link's condition (a rail

@@ -149,7 +149,7 @@ fn remotes(regions: Vec<UcxRegion>) -> impl Iterator<Item = (u64, Remote)> {
 
 impl UcxRail {
     /// `session`: an already authenticated TCP connection to the target's rail (opened with
-    /// `peer::dial_id` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names).
+    /// `net::dial` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names).
     /// Does the UcxOpen/UcxReady exchange and connects the endpoint (waits for the wire-up with a
     /// flush). Bounded by `timeout`, which also bounds later `UcxRkeys` round trips and `abort`.
     pub fn open(
