@@ -6,6 +6,7 @@ valid requests is untouched."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import socket
 import struct
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -905,6 +907,27 @@ def test_transfer_sync_and_timeout_validation(pair):
     i.release_xfer_handle(h)
 
 
+def run_concurrently(*workers: Callable[[], None], timeout: float = 120) -> None:
+    """Runs each worker on its own thread and fails the test if one raised (its first error) or
+    is still running after `timeout` seconds (a hang)."""
+    errs: list[BaseException] = []
+
+    def run(f: Callable[[], None]) -> None:
+        try:
+            f()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in workers]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(0.0, deadline - time.monotonic()))
+    assert not any(th.is_alive() for th in threads), "a transfer thread hung"
+    assert not errs, errs[0]
+
+
 def test_concurrent_small_and_bulk_transfers_share_connections(pair):
     """Caller-driven completion (a waiting thread reads its own responses) and the receiver
     threads must never lose, duplicate or misroute a response: several Python threads run small
@@ -917,50 +940,37 @@ def test_concurrent_small_and_bulk_transfers_share_connections(pair):
     i.register_memory(dst)
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
     bulk = 16 * MiB
-    errs: list[BaseException] = []
 
     def small_worker(k: int) -> None:
-        try:
-            off = bulk + k * small
-            r = i.initialize_xfer("READ", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
-            w = i.initialize_xfer("WRITE", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
-            for it in range(300):
-                mode = (it + k) % 3
-                if mode == 0:
-                    i.transfer_sync(r, timeout=10)
-                elif mode == 1:
-                    i.transfer(r)
-                    i.wait(r, 10)
-                else:
-                    i.transfer(r)
-                    deadline = time.monotonic() + 10
-                    while i.check_xfer_state(r) == XferState.IN_PROGRESS:
-                        assert time.monotonic() < deadline, "polled READ never finished"
-                assert np.array_equal(dst[off:off + small], src[off:off + small])
-                if it % 50 == 0:
-                    i.transfer_sync(w, timeout=10)  # writes back the same bytes
-            i.release_xfer_handle(r)
-            i.release_xfer_handle(w)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errs.append(e)
+        off = bulk + k * small
+        r = i.initialize_xfer("READ", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
+        w = i.initialize_xfer("WRITE", [(dst.ctypes.data + off, small, 0)], [(src.ctypes.data + off, small, 0)], "target")
+        for it in range(300):
+            mode = (it + k) % 3
+            if mode == 0:
+                i.transfer_sync(r, timeout=10)
+            elif mode == 1:
+                i.transfer(r)
+                i.wait(r, 10)
+            else:
+                i.transfer(r)
+                deadline = time.monotonic() + 10
+                while i.check_xfer_state(r) == XferState.IN_PROGRESS:
+                    assert time.monotonic() < deadline, "polled READ never finished"
+            assert np.array_equal(dst[off:off + small], src[off:off + small])
+            if it % 50 == 0:
+                i.transfer_sync(w, timeout=10)  # writes back the same bytes
+        i.release_xfer_handle(r)
+        i.release_xfer_handle(w)
 
     def bulk_worker() -> None:
-        try:
-            h = i.initialize_xfer("READ", [(dst.ctypes.data, bulk, 0)], [(src.ctypes.data, bulk, 0)], "target")
-            for _ in range(4):
-                i.transfer_sync(h, timeout=30)
-                assert np.array_equal(dst[:bulk], src[:bulk])
-            i.release_xfer_handle(h)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
+        h = i.initialize_xfer("READ", [(dst.ctypes.data, bulk, 0)], [(src.ctypes.data, bulk, 0)], "target")
+        for _ in range(4):
+            i.transfer_sync(h, timeout=30)
+            assert np.array_equal(dst[:bulk], src[:bulk])
+        i.release_xfer_handle(h)
 
-    threads = [threading.Thread(target=small_worker, args=(k,)) for k in range(n_small)] + [threading.Thread(target=bulk_worker)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    assert not any(th.is_alive() for th in threads), "a transfer thread hung"
-    assert not errs, errs[0]
+    run_concurrently(*(functools.partial(small_worker, k) for k in range(n_small)), bulk_worker)
     assert np.array_equal(dst, src)
 
 
@@ -981,49 +991,36 @@ def test_bulk_caller_and_async_transfers_on_one_connection(progress: str):
         i.register_memory(dst)
         fetch_and_await_metadata(i, t)
         base_s, base_d = src.ctypes.data, dst.ctypes.data
-        errs: list[BaseException] = []
 
         def bulk_worker() -> None:
-            try:
-                rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
-                # WRITE the READ's bytes back into the target's second half, then read it back.
-                wr = i.initialize_xfer("WRITE", [(base_d, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
-                back = i.initialize_xfer("READ", [(base_d + bulk, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
-                for _ in range(6):
-                    i.transfer_sync(rd, timeout=30)
-                    i.transfer_sync(wr, timeout=30)
-                    i.transfer_sync(back, timeout=30)
-                for h in (rd, wr, back):
-                    i.release_xfer_handle(h)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errs.append(e)
+            rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
+            # WRITE the READ's bytes back into the target's second half, then read it back.
+            wr = i.initialize_xfer("WRITE", [(base_d, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+            back = i.initialize_xfer("READ", [(base_d + bulk, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+            for _ in range(6):
+                i.transfer_sync(rd, timeout=30)
+                i.transfer_sync(wr, timeout=30)
+                i.transfer_sync(back, timeout=30)
+            for h in (rd, wr, back):
+                i.release_xfer_handle(h)
 
         def async_worker() -> None:
-            try:
-                off = 2 * bulk
-                hs = [i.initialize_xfer("READ", [(base_d + off + k * small, small, 0)],
-                                        [(base_s + off + k * small, small, 0)], "target") for k in range(16)]
-                for _ in range(10):
-                    for h in hs:
-                        i.transfer(h)
-                    for h in hs:
-                        deadline = time.monotonic() + 30
-                        while i.check_xfer_state(h) == XferState.IN_PROGRESS:
-                            assert time.monotonic() < deadline, "an asynchronous READ never finished"
-                            time.sleep(0.0005)
-                        assert i.check_xfer_state(h) == XferState.DONE
+            off = 2 * bulk
+            hs = [i.initialize_xfer("READ", [(base_d + off + k * small, small, 0)],
+                                    [(base_s + off + k * small, small, 0)], "target") for k in range(16)]
+            for _ in range(10):
                 for h in hs:
-                    i.release_xfer_handle(h)
-            except BaseException as e:  # noqa: BLE001
-                errs.append(e)
+                    i.transfer(h)
+                for h in hs:
+                    deadline = time.monotonic() + 30
+                    while i.check_xfer_state(h) == XferState.IN_PROGRESS:
+                        assert time.monotonic() < deadline, "an asynchronous READ never finished"
+                        time.sleep(0.0005)
+                    assert i.check_xfer_state(h) == XferState.DONE
+            for h in hs:
+                i.release_xfer_handle(h)
 
-        threads = [threading.Thread(target=bulk_worker), threading.Thread(target=async_worker)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert not any(th.is_alive() for th in threads), "a transfer thread hung"
-        assert not errs, errs[0]
+        run_concurrently(bulk_worker, async_worker)
         assert np.array_equal(dst[:bulk], src[:bulk])
         assert np.array_equal(src[bulk:2 * bulk], src[:bulk]), "the WRITEs did not land"
         assert np.array_equal(dst[bulk:2 * bulk], src[:bulk])
@@ -1052,53 +1049,37 @@ def test_bulk_reads_and_writes_interleave_on_one_connection_whose_receiver_refil
         i.register_memory(wsrc)
         fetch_and_await_metadata(i, t)
         base_s, base_d = src.ctypes.data, dst.ctypes.data
-        errs: list[BaseException] = []
 
         def reader() -> None:
-            try:
-                rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
-                for k in range(8):
-                    if k % 2:
-                        i.transfer_sync(rd, timeout=30)
-                    else:
-                        i.transfer(rd)
-                        i.wait(rd, 30)
-                    assert np.array_equal(dst[:bulk], src[:bulk])
-                    dst[:bulk] = 0
-                i.release_xfer_handle(rd)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errs.append(e)
+            rd = i.initialize_xfer("READ", [(base_d, bulk, 0)], [(base_s, bulk, 0)], "target")
+            for k in range(8):
+                if k % 2:
+                    i.transfer_sync(rd, timeout=30)
+                else:
+                    i.transfer(rd)
+                    i.wait(rd, 30)
+                assert np.array_equal(dst[:bulk], src[:bulk])
+                dst[:bulk] = 0
+            i.release_xfer_handle(rd)
 
         def writer() -> None:
-            try:
-                wr = i.initialize_xfer("WRITE", [(wsrc.ctypes.data, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
-                for _ in range(8):
-                    i.transfer(wr)
-                    i.wait(wr, 30)
-                i.release_xfer_handle(wr)
-            except BaseException as e:  # noqa: BLE001
-                errs.append(e)
+            wr = i.initialize_xfer("WRITE", [(wsrc.ctypes.data, bulk, 0)], [(base_s + bulk, bulk, 0)], "target")
+            for _ in range(8):
+                i.transfer(wr)
+                i.wait(wr, 30)
+            i.release_xfer_handle(wr)
 
         def pages() -> None:
-            try:
-                # Every other page of the third part: a vectored READ (handed to the sender).
-                n = bulk // (2 * page)
-                loc = [(base_d + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
-                rem = [(base_s + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
-                h = i.initialize_xfer("READ", loc, rem, "target")
-                for _ in range(8):
-                    i.transfer_sync(h, timeout=30)
-                i.release_xfer_handle(h)
-            except BaseException as e:  # noqa: BLE001
-                errs.append(e)
+            # Every other page of the third part: a vectored READ (handed to the sender).
+            n = bulk // (2 * page)
+            loc = [(base_d + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
+            rem = [(base_s + 2 * bulk + 2 * k * page, page, 0) for k in range(n)]
+            h = i.initialize_xfer("READ", loc, rem, "target")
+            for _ in range(8):
+                i.transfer_sync(h, timeout=30)
+            i.release_xfer_handle(h)
 
-        threads = [threading.Thread(target=f) for f in (reader, writer, pages)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert not any(th.is_alive() for th in threads), "a transfer thread hung"
-        assert not errs, errs[0]
+        run_concurrently(reader, writer, pages)
         assert np.array_equal(src[bulk:2 * bulk], wsrc), "the WRITEs did not land"
         got = dst[2 * bulk:].reshape(-1, 2, page)
         want = src[2 * bulk:].reshape(-1, 2, page)
