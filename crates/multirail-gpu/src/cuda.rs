@@ -803,9 +803,9 @@ impl Cuda {
     /// As [`Device::copy_batch_async`].
     pub unsafe fn copy_batch_as(&self, mode: CopyMode, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
         let d2d = copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice);
-        let nonempty: Vec<&BatchCopy> = copies.iter().filter(|c| c.3 > 0).collect();
+        let nonempty: Vec<&BatchCopy> = if d2d { copies.iter().filter(|c| c.3 > 0).collect() } else { Vec::new() };
         let mut note = None;
-        if d2d && !nonempty.is_empty() {
+        if !nonempty.is_empty() {
             let avg = nonempty.iter().map(|c| c.3).sum::<usize>() / nonempty.len();
             if mode == CopyMode::Kernel || (mode == CopyMode::Auto && avg <= KERNEL_MAX_AVG_PIECE) {
                 let _on = self.enter()?;

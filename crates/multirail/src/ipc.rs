@@ -217,11 +217,8 @@ fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>, coun
     match unsafe { plan.gpu.copy_batch_async(&plan.copies, s) } {
         Ok(q) => {
             counters.copy_calls.fetch_add(q.calls as u64, Ordering::Relaxed);
-            let path = match q.note {
-                Some(why) => format!("{} ({why})", q.how.describe()),
-                None => q.how.describe().to_string(),
-            };
-            *counters.copy_path.lock().expect("ipc lock") = path;
+            // Formatted when reported, not per transfer.
+            *counters.copy_path.lock().expect("ipc lock") = Some((q.how, q.note));
         }
         Err(err) => {
             // Copies queued before the failing one still run: wait for the stream itself.
@@ -285,7 +282,8 @@ struct Counters {
     bytes: AtomicU64,
     copies: AtomicU64,
     copy_calls: AtomicU64,
-    copy_path: Mutex<String>,
+    /// How the last transfer's copies were queued, and why not a faster way (if wanted).
+    copy_path: Mutex<Option<(multirail_gpu::CopyHow, Option<String>)>>,
 }
 
 struct Worker {
@@ -528,7 +526,11 @@ impl IpcPeer {
             bytes: self.counters.bytes.load(Ordering::Relaxed),
             copies: self.counters.copies.load(Ordering::Relaxed),
             copy_calls: self.counters.copy_calls.load(Ordering::Relaxed),
-            copy_path: self.counters.copy_path.lock().expect("ipc lock").clone(),
+            copy_path: match &*self.counters.copy_path.lock().expect("ipc lock") {
+                Some((how, Some(why))) => format!("{} ({why})", how.describe()),
+                Some((how, None)) => how.describe().to_string(),
+                None => String::new(),
+            },
             fallback_reason: self.fallback.lock().expect("ipc lock").clone(),
         }
     }
