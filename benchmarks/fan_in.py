@@ -74,12 +74,11 @@ def proc_usage(pid: int) -> dict[str, Any]:
 
 
 def _agent(name: str, rails: list[str], port: int = 0, stall_timeout: float | None = None,
-           fan_in_window: int = 0) -> Any:
+           fan_in_window: str = "auto") -> Any:
     import multirail
 
     kw: dict[str, Any] = {} if stall_timeout is None else {"stall_timeout": stall_timeout}
-    if fan_in_window:
-        kw["fan_in_window"] = fan_in_window
+    kw["fan_in_window"] = int(fan_in_window) if fan_in_window.isdigit() else fan_in_window
     return multirail.Agent(name, multirail.AgentConfig(host=rails[0], port=port, rails=rails, timeout=30.0, **kw))
 
 
@@ -214,7 +213,7 @@ def role_idle(a: argparse.Namespace) -> int:
 class Run:
     """Processes of one scenario, killed by PID at the end."""
 
-    def __init__(self, cr: Any, tb: Any, fan_in_window: int = 0) -> None:
+    def __init__(self, cr: Any, tb: Any, fan_in_window: str = "auto") -> None:
         self.cr, self.tb, self.servers = cr, tb, cr.Servers()
         self.fan_in_window = fan_in_window
 
@@ -259,7 +258,7 @@ class Run:
 
 
 def movers(cr: Any, tb: Any, n_init: int, n_targets: int, op: str, block: int, seconds: float,
-           stall_timeout: float, fan_in_window: int = 0) -> dict[str, Any]:
+           stall_timeout: float, fan_in_window: str = "auto") -> dict[str, Any]:
     """N initiator processes x M targets (one of the two is 1), one common window."""
     import tempfile
 
@@ -309,7 +308,7 @@ def movers(cr: Any, tb: Any, n_init: int, n_targets: int, op: str, block: int, s
             "max_latency_ms": max((p["max_ms"] or 0) for p in peers), "peers": peers}
 
 
-def idle_peers(cr: Any, tb: Any, n: int, per_proc: int, seconds: float, fan_in_window: int = 0) -> dict[str, Any]:
+def idle_peers(cr: Any, tb: Any, n: int, per_proc: int, seconds: float, fan_in_window: str = "auto") -> dict[str, Any]:
     run = Run(cr, tb, fan_in_window)
     until = time.time() + 120 + n + seconds
     try:
@@ -347,7 +346,7 @@ def main() -> int:
         s.add_argument("--port", type=int, required=True)
         s.add_argument("--buffer", type=int, required=True)
         s.add_argument("--until", type=float, required=True)
-        s.add_argument("--fan-in-window", type=int, default=0)
+        s.add_argument("--fan-in-window", default="auto")
     i = sub.add_parser("initiator")
     i.add_argument("--agent-name", required=True)
     i.add_argument("--rails", required=True)
@@ -375,8 +374,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--stall-timeout", type=float, default=0.5)
     ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail")
-    ap.add_argument("--fan-in-window", type=int, default=0,
-                    help="the targets' AgentConfig.fan_in_window (bytes per rail; 0: off)")
+    ap.add_argument("--fan-in-window", default="auto",
+                    help="the targets' AgentConfig.fan_in_window: auto (default), off, or bytes per rail")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
     if a.role and os.environ.get("MR_FAN_LOG_DIR"):

@@ -545,8 +545,13 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
 
     elif name == "lat":
         # benchmarks/nixl_backends.py: `iters` 4 KiB READs through one prepped handle, reposted;
-        # each timed from transfer() to DONE (busy polling, as NIXL's users do)
+        # each timed from transfer() to DONE (busy polling, as NIXL's users do). `gap_us` > 0
+        # paces them: each READ starts `gap_us` after the previous one started (busy-waiting the
+        # rest), so the loop asks a rail for far less than its rate and a rate shaper's token
+        # bucket never decides the latency (back to back, a 4 KiB loop faster than the rail's
+        # wire time measures the shaper instead)
         n, iters = cfg.get("lat_size", 4096), cfg.get("iters", 2000)
+        gap_ns = int(cfg.get("gap_us", 0) * 1e3)
         agent.add_remote_agent((d / "meta.bin").read_bytes())
         dst = Buf(n, False, None)
         dst.reg(agent)
@@ -556,7 +561,11 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         lat = []
         tpid = str(addrs.get("pid", "self"))
         cs0, ts0 = switches(), switches(tpid)
+        t = time.perf_counter_ns()
         for i in range(iters + 100):
+            if gap_ns:
+                while time.perf_counter_ns() - t < gap_ns:
+                    pass
             t = time.perf_counter_ns()
             s = agent.transfer(h)
             while s == "PROC":

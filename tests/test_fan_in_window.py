@@ -81,8 +81,10 @@ def t_descs(i, src: np.ndarray):
     return i.get_xfer_descs(np.array([[src.ctypes.data, src.nbytes, 0]], dtype=np.uint64))
 
 
-def test_off_by_default_leaves_the_kernel_buffers(agents):
-    t = agents("fanin-t0")
+@pytest.mark.parametrize("setting", [None, "off", 0])
+def test_default_auto_and_off_leave_a_few_connections_to_the_kernel(agents, setting):
+    # The default ("auto") starts a rail's shares at 16 data connections only; "off"/0 never.
+    t = agents("fanin-t0", {} if setting is None else {"fan_in_window": setting})
     t.register_memory(np.zeros(1 << 20, dtype=np.uint8))
     connected(agents, t, 2)
     bufs = wait_for(lambda: served_rcvbufs(t.port) if len(served_rcvbufs(t.port)) == 2 else [])
@@ -91,3 +93,23 @@ def test_off_by_default_leaves_the_kernel_buffers(agents):
     # (net.ipv4.tcp_rmem's default, which autotuning grows only under traffic).
     default = int(open("/proc/sys/net/ipv4/tcp_rmem").read().split()[1])
     assert bufs == [default, default], bufs
+
+
+def test_auto_starts_the_shares_at_16_connections_on_a_rail(agents):
+    # One initiator with 16 connections per rail: the rail (here the loopback listener, whose
+    # speed is unknown) reaches the threshold, and every connection gets 2 MiB / 16 = 128 KiB
+    # (a buffer of 128 KiB, which the kernel doubles and which stays under a stock rmem_max).
+    t = agents("fanin-ta")
+    t.register_memory(np.zeros(1 << 20, dtype=np.uint8))
+    i = agents("fanin-ia", {"timeout": 5.0, "connections": 16})
+    i.fetch_remote_metadata(t.name, "127.0.0.1", t.port)
+    assert wait_for(lambda: i.check_remote_metadata(t.name))
+    i.make_connection(t.name)
+    want = 2 * ((2 << 20) // 16)
+    assert wait_for(lambda: sorted(served_rcvbufs(t.port))[-16:] == [want] * 16, 10.0), served_rcvbufs(t.port)
+
+
+@pytest.mark.parametrize("bad", ["x", "2Q", -1, 1.5, True])
+def test_a_bad_fan_in_window_is_refused_clearly(agents, bad):
+    with pytest.raises(ValueError, match="fan_in_window"):
+        agents("fanin-bad", {"fan_in_window": bad})

@@ -265,6 +265,17 @@ def test_prepped_lists_with_indices_and_strided(pair: Pair) -> None:
     assert out["strided"] == "ok", out
 
 
+@pytest.mark.parametrize("gap_us", [0, 500])
+def test_4k_read_latency_loop_back_to_back_and_paced(pair: Pair, gap_us: int) -> None:
+    # benchmarks/nixl_backends.py's `lat` scenario: reposts of one prepped 4 KiB READ, byte-checked
+    # at the end; paced, each READ starts gap_us after the previous one started, so the whole
+    # loop lasts at least iters x gap (the pacing is what keeps a rate shaper out of the number)
+    t = time.monotonic()
+    out = pair.run("lat", {"iters": 200, "gap_us": gap_us})
+    assert out["p50_us"] > 0 and out["p99_us"] >= out["p50_us"], out
+    assert time.monotonic() - t >= 300 * gap_us / 1e6, out
+
+
 @pytest.mark.parametrize("order", ["seq", "perm"])
 def test_prepped_lists_posted_by_handoff_in_any_order(pair: Pair, order: str) -> None:
     # 4,096 x 16 KiB READ descriptors through prepped lists, made and posted twice (fresh lists

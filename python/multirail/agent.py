@@ -99,14 +99,16 @@ class AgentConfig:
     vectored: vectored requests (default True): many pages of one remote region per request,
     packed by bytes up to chunk_size, over tcp to peers that speak them (docs/PROTOCOL.md).
     False sends one request per contiguous piece, as before (a baseline for benchmarks).
-    fan_in_window: bytes of receive window per rail that this agent, as a target, shares among
-        the data connections accepted on that rail (0, default: off, the kernel's autotuning).
-        Each of n connections gets about max(16 KiB, fan_in_window / n) (a receive buffer of
-        that size: the window ends between one and two shares), resized as peers come and
-        go, so that many initiators writing into this target share a bottleneck fairly; it
-        bounds the rail to fan_in_window / RTT, so set it at or above the rail's
-        bandwidth-delay product; 2 MiB measured best on the 2 x 2 Gbit/s testbed
-        (docs/ARCHITECTURE.md, "Fan-in shares"; docs/benchmarks.md, issue 22 session 9).
+    fan_in_window: how this agent, as a target, shares each rail's receive window among the
+        data connections accepted on that rail, so that many initiators writing into it share a
+        bottleneck fairly. "auto" (default): once a rail has 16 data connections, a budget of
+        max(2 MiB, the rail's speed x 200 us) for that rail; fewer are left to the kernel's
+        autotuning. An int: that budget in bytes, from the first connection (0 or "off": never).
+        Each of n connections gets about max(16 KiB, budget / n) (a receive buffer of that size:
+        the window ends between one and two shares), resized as peers come and go; a budget
+        bounds the rail to budget / RTT, so it must be at or above the rail's bandwidth-delay
+        product; 2 MiB measured best on the 2 x 2 Gbit/s testbed (docs/ARCHITECTURE.md,
+        "Fan-in shares"; docs/benchmarks.md, issue 22).
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
     """
@@ -135,7 +137,7 @@ class AgentConfig:
     staging_buffer_size: int = 1 << 20
     gpu_ipc: bool = True
     vectored: bool = True
-    fan_in_window: int = 0
+    fan_in_window: int | str = "auto"
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -248,6 +250,17 @@ def _resolve_rails(spec: Any) -> list[tuple]:
                  -1 if iface.numa_node is None else iface.numa_node, iface.rdma_dev or "", True)
             )
     return rows
+
+
+def _fan_in_window(w: int | str) -> str:
+    """AgentConfig.fan_in_window as the core parses it: "auto", "off" or a byte count."""
+    if isinstance(w, bool) or not isinstance(w, (int, str)):
+        raise ValueError(f"fan_in_window: {w!r} is not 'auto', 'off' or a byte count")
+    if isinstance(w, int):
+        if w < 0:
+            raise ValueError(f"fan_in_window: {w} is negative")
+        return str(w)
+    return w
 
 
 def _resolve_transport(spec: Any, rows: list[tuple]) -> tuple[str, list[str]]:
@@ -585,7 +598,7 @@ class Agent:
             float(cfg.stall_timeout), secret, str(cfg.progress), float(cfg.spin_us), transport,
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
             bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
-            int(cfg.fallback_max_switches), bool(cfg.vectored), int(cfg.fan_in_window),
+            int(cfg.fallback_max_switches), bool(cfg.vectored), _fan_in_window(cfg.fan_in_window),
         )
         if {transport, *rail_transports} & {"ucx", "auto"}:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with

@@ -38,8 +38,8 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
     (
         "fan_in_window",
         "MULTIRAIL_FAN_IN_WINDOW",
-        "0",
-        "receive window per rail shared among the connections served (0: off; up to 1 GiB; K/M/KiB/MiB suffixes)",
+        "auto",
+        "receive window per rail shared among the connections served: auto (from 16 connections on a rail, max(2 MiB, speed x 200 us)), off, or bytes up to 1 GiB (K/M/KiB/MiB suffixes)",
     ),
 ];
 
@@ -157,11 +157,14 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
     cfg.staging.pool = PoolConfig { buffers, buffer_size: bsize };
     cfg.staging.ipc = parse_bool("gpu_ipc", &get("gpu_ipc"))?;
     cfg.faults = multirail::transport::faulty::Fault::parse_list(&get("faults")).map_err(|e| format!("faults: {e}"))?;
-    let window = parse_size("fan_in_window", &get("fan_in_window"))?;
-    if window > 1 << 30 {
-        return Err("fan_in_window: must be at most 1 GiB (0: off)".into());
-    }
-    cfg.fan_in_window = window as usize;
+    let window = get("fan_in_window");
+    cfg.fan_in_window = match multirail::FanInWindow::parse(&window) {
+        Some(multirail::FanInWindow::Bytes(b)) if b > 1 << 30 => {
+            return Err("fan_in_window: must be auto, off, or at most 1 GiB".into());
+        }
+        Some(w) => w,
+        None => return Err(format!("fan_in_window: {window:?} is not auto, off, or a size like 2MiB")),
+    };
     Ok(Settings { cfg, effective })
 }
 
@@ -304,8 +307,8 @@ mod tests {
         let s = settings(&p, &env).unwrap();
         assert_eq!(s.cfg.connections, 2);
         assert_eq!(s.cfg.planner.chunk_size, 256 << 10);
-        assert_eq!(s.cfg.fan_in_window, 2 << 20);
-        assert_eq!(settings(&HashMap::new(), &no_env).unwrap().cfg.fan_in_window, 0);
+        assert_eq!(s.cfg.fan_in_window, multirail::FanInWindow::Bytes(2 << 20));
+        assert_eq!(settings(&HashMap::new(), &no_env).unwrap().cfg.fan_in_window, multirail::FanInWindow::Auto);
         assert_eq!(s.cfg.transport, TransportKind::Tcp);
         assert!(s.effective.iter().any(|(k, v)| k == "chunk_size" && v == "256KiB"));
     }

@@ -128,6 +128,9 @@ impl Agent {
         let bind_devices = cfg.rails.iter().any(|r| r.bind_device);
         let (choices, ucx, ucx_notes) = choose_transports(&cfg, &rails, &mut rails_meta)?;
         let fan_in_window = cfg.fan_in_window;
+        // By listener index: the side channel (or a one-rail agent's only rail), then each rail.
+        let listener_speeds: Vec<u64> =
+            if cfg.rails.is_empty() { vec![0] } else { std::iter::once(0).chain(cfg.rails.iter().map(|r| r.speed_mbps)).collect() };
         let ctx = Arc::new(Ctx {
             name: name.to_string(),
             incarnation: u64::from_le_bytes(random_bytes()),
@@ -154,7 +157,7 @@ impl Agent {
             served_stats: server::ServedTable::new(served_rails, server::MAX_SERVED_PEERS),
             ucx,
             ipc_exports: crate::ipc::Exports::default(),
-            shares: crate::fanin::WindowShares::new(fan_in_window),
+            shares: crate::fanin::WindowShares::new(fan_in_window, listener_speeds),
         });
         if let Some(u) = &shared.ucx {
             shared.ctx.log(&format!("ucx transport: {}", u.describe()));

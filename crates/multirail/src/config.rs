@@ -154,9 +154,50 @@ pub struct Config {
     /// Vectored requests: chunks of many pieces of one region, to peers and over transports
     /// that take them (docs/PROTOCOL.md). False: one request per contiguous piece.
     pub vectored: bool,
-    /// Receive window per rail, in bytes, shared by the data connections this agent accepts on
-    /// that rail (fan-in fairness, `fanin`); 0: off.
-    pub fan_in_window: usize,
+    /// Receive window per rail shared by the data connections this agent accepts on that rail
+    /// (fan-in fairness, `fanin`).
+    pub fan_in_window: FanInWindow,
+}
+
+/// How a target bounds what the peers of a rail have in flight towards it (`crate::fanin`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FanInWindow {
+    /// Sockets as the kernel sets them.
+    Off,
+    /// From `fanin::AUTO_MIN_CONNS` data connections on a rail on, a budget of
+    /// `max(2 MiB, the rail's speed x 200 us)` for that rail (`fanin::auto_budget`); fewer
+    /// connections are left as the kernel sets them. The default.
+    Auto,
+    /// This many bytes per rail, shared from the first connection on.
+    Bytes(usize),
+}
+
+impl FanInWindow {
+    /// `"auto"`, `"off"` (or `"0"`), or a byte count with an optional K/M/G suffix (binary).
+    pub fn parse(s: &str) -> Option<FanInWindow> {
+        let t = s.trim();
+        match t.to_ascii_lowercase().as_str() {
+            "auto" => return Some(FanInWindow::Auto),
+            "off" | "0" => return Some(FanInWindow::Off),
+            _ => {}
+        }
+        let (num, mult) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+            None => (t, 1u64),
+            Some((i, _)) => {
+                let m = match t[i..].to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
+                    "" => 1u64,
+                    "k" => 1 << 10,
+                    "m" => 1 << 20,
+                    "g" => 1 << 30,
+                    _ => return None,
+                };
+                (&t[..i], m)
+            }
+        };
+        let n: u64 = num.parse().ok()?;
+        let b = n.checked_mul(mult)?;
+        Some(if b == 0 { FanInWindow::Off } else { FanInWindow::Bytes(usize::try_from(b).ok()?) })
+    }
 }
 
 impl Config {
@@ -187,7 +228,7 @@ impl Default for Config {
             faults: Vec::new(),
             staging: crate::staging::StagingConfig::default(),
             vectored: true,
-            fan_in_window: 0,
+            fan_in_window: FanInWindow::Auto,
         }
     }
 }

@@ -6,40 +6,78 @@
 //! doubles up to seconds) while the others keep the queue full, and the peers' shares drift
 //! apart (docs/benchmarks.md, "Issue 22: many peers (session 9)").
 //!
-//! The target is the one place that sees every peer of a rail. With a per-rail budget `B`
-//! (`Config::fan_in_window`, bytes), each of the `n` data connections accepted on that rail's
-//! listener gets a receive window of about `max(MIN_SHARE, B / n)`: its receive buffer set to
-//! the share (which stops the kernel's receive-buffer autotuning) and `TCP_WINDOW_CLAMP`; the
-//! window the kernel then offers is between one and two shares (see [`set_window`]).
-//! Window-limited flows through one FIFO with the same round-trip time move at the same rate,
-//! and while what they have in flight fits in the bottleneck's queue nothing is dropped. Every
-//! share on the rail is recomputed when a connection joins or leaves, so the budget follows the
-//! number of peers. `B = 0` (the default) leaves sockets as the kernel sets them.
+//! The target is the one place that sees every peer of a rail. With a per-rail budget `B`,
+//! each of the `n` data connections accepted on that rail's listener gets a receive window of
+//! about `max(MIN_SHARE, B / n)`: its receive buffer set to the share (which stops the kernel's
+//! receive-buffer autotuning) and `TCP_WINDOW_CLAMP`; the window the kernel then offers is
+//! between one and two shares (see [`set_window`]). Window-limited flows through one FIFO with
+//! the same round-trip time move at the same rate, and while what they have in flight fits in
+//! the bottleneck's queue nothing is dropped. Every share on the rail is recomputed when a
+//! connection joins or leaves, so the budget follows the number of peers. This is the
+//! receiver-side cure for incast that ICTCP (Wu et al., CoNEXT 2010) proposed, with a fixed
+//! budget instead of a measured one.
+//!
+//! `Config::fan_in_window` ([`FanInWindow`]):
+//! - `Auto` (the default): a rail's shares start once it has [`AUTO_MIN_CONNS`] data
+//!   connections, with the budget [`auto_budget`] (`max(2 MiB, speed x 200 us)`); below that
+//!   the sockets are the kernel's. With few flows TCP shares a FIFO well (8 -> 1 measured Jain
+//!   0.98-0.999 without shares), and a lone peer is never capped. Once started, a rail's shares
+//!   stay on (growing as peers leave) until its last connection leaves: the kernel's receive
+//!   buffer autotuning cannot be given back to a socket whose buffer was set.
+//! - `Bytes(B)`: that budget, from the first connection.
+//! - `Off`: sockets as the kernel sets them.
 //!
 //! `B` bounds the rail's throughput to `B / RTT`: it must be at least the rail's
-//! bandwidth-delay product (2 Gbit/s x 1 ms = 250 KB; 100 Gbit/s x 50 us = 625 KB). On the
-//! 2 x 2 Gbit/s testbed (tbf queue ~1.5 MB) 2 MiB measured best: docs/benchmarks.md.
-//! Cost: two or three `setsockopt`s per connection on the rail at each join or leave (O(n) per
-//! accept, O(n^2) while n peers connect), nothing on the data path.
+//! bandwidth-delay product (2 Gbit/s x 1 ms = 250 KB; 100 Gbit/s x 50 us = 625 KB; 400 Gbit/s x
+//! 200 us = 10 MB, which is what `auto_budget` gives such a rail). On the 2 x 2 Gbit/s testbed
+//! (tbf queue ~1.5 MB) 2 MiB measured best: docs/benchmarks.md.
+//! Cost: two or three `setsockopt`s per connection on the rail at each join or leave while the
+//! shares are on (O(n) per accept, O(n^2) while n peers connect), nothing on the data path.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 
+use crate::config::FanInWindow;
+
 /// The smallest window a connection is given, whatever the number of peers: 16 KiB (about 11
 /// segments at a 1500-byte MTU) keeps a connection out of the one-segment-at-a-time regime.
 pub const MIN_SHARE: usize = 16 << 10;
+
+/// `FanInWindow::Auto` starts a rail's shares at this many data connections on it.
+pub const AUTO_MIN_CONNS: usize = 16;
+
+/// The smallest automatic budget: what measured best on 2 Gbit/s rails (2 MiB).
+pub const AUTO_MIN_BUDGET: usize = 2 << 20;
+
+/// The round-trip time the automatic budget covers at the rail's speed: 200 us, several times a
+/// rail-optimized fabric's unloaded RTT (5-30 us), so the shares never cap a rail below its
+/// speed there.
+pub const AUTO_RTT_US: u64 = 200;
+
+/// `FanInWindow::Auto`'s budget for a rail of `speed_mbps` (0: unknown, as on veth):
+/// `max(AUTO_MIN_BUDGET, speed x AUTO_RTT_US)`.
+pub fn auto_budget(speed_mbps: u64) -> usize {
+    let bdp = speed_mbps.saturating_mul(AUTO_RTT_US) / 8; // Mbit/s x us / 8 = bytes
+    usize::try_from(bdp).unwrap_or(usize::MAX).max(AUTO_MIN_BUDGET)
+}
 
 /// A socket the shares can resize (a served connection).
 pub trait Resizable: AsRawFd + Send + Sync {}
 impl<T: AsRawFd + Send + Sync> Resizable for T {}
 
-/// One rail's live data connections, by membership id.
-type RailConns = Vec<(u64, Arc<dyn Resizable>)>;
+/// One rail's live data connections, by membership id, and whether its shares are on.
+#[derive(Default)]
+struct RailConns {
+    conns: Vec<(u64, Arc<dyn Resizable>)>,
+    on: bool,
+}
 
 /// The live data connections of each rail listener and the budget they share.
 pub struct WindowShares {
-    budget: usize,
+    policy: FanInWindow,
+    /// Link speed (Mbit/s, 0 unknown) of each listener, by index (`Auto`'s budget).
+    speeds: Vec<u64>,
     rails: Mutex<HashMap<usize, RailConns>>,
     next: Mutex<u64>,
 }
@@ -58,22 +96,40 @@ impl Drop for Member<'_> {
 }
 
 impl WindowShares {
-    /// `budget`: bytes of receive window per rail, shared by its connections; 0: off.
-    pub fn new(budget: usize) -> WindowShares {
-        WindowShares { budget, rails: Mutex::new(HashMap::new()), next: Mutex::new(0) }
+    /// `speeds`: each listener's link speed in Mbit/s (0: unknown), by listener index.
+    pub fn new(policy: FanInWindow, speeds: Vec<u64>) -> WindowShares {
+        WindowShares { policy, speeds, rails: Mutex::new(HashMap::new()), next: Mutex::new(0) }
     }
 
     pub fn enabled(&self) -> bool {
-        self.budget > 0
+        self.policy != FanInWindow::Off
     }
 
-    /// The window each of `n` connections of one rail gets.
-    pub fn share(&self, n: usize) -> usize {
-        (self.budget / n.max(1)).max(MIN_SHARE)
+    /// The budget of listener `listener`'s rail (0 when off).
+    pub fn budget(&self, listener: usize) -> usize {
+        match self.policy {
+            FanInWindow::Off => 0,
+            FanInWindow::Bytes(b) => b,
+            FanInWindow::Auto => auto_budget(self.speeds.get(listener).copied().unwrap_or(0)),
+        }
     }
 
-    /// Add `sock` (accepted on `listener`) to its rail's share and resize every connection of
-    /// that rail. `None` when shares are off.
+    /// Connections on a rail from which its shares start.
+    fn min_conns(&self) -> usize {
+        match self.policy {
+            FanInWindow::Auto => AUTO_MIN_CONNS,
+            _ => 1,
+        }
+    }
+
+    /// The window each of `n` connections of listener `listener`'s rail gets once on.
+    pub fn share(&self, listener: usize, n: usize) -> usize {
+        (self.budget(listener) / n.max(1)).max(MIN_SHARE)
+    }
+
+    /// Add `sock` (accepted on `listener`) to its rail's connections; once the rail's shares
+    /// are on (or this connection turns them on), resize every connection of that rail. `None`
+    /// when shares are off.
     pub fn join(&self, listener: usize, sock: Arc<dyn Resizable>) -> Option<Member<'_>> {
         if !self.enabled() {
             return None;
@@ -84,34 +140,37 @@ impl WindowShares {
             *g
         };
         let mut g = self.rails.lock().expect("shares lock");
-        let conns = g.entry(listener).or_default();
-        conns.push((id, sock));
-        self.apply(conns);
+        let rail = g.entry(listener).or_default();
+        rail.conns.push((id, sock));
+        if rail.on || rail.conns.len() >= self.min_conns() {
+            rail.on = true;
+            self.apply(listener, &rail.conns);
+        }
         Some(Member { shares: self, listener, id })
     }
 
     fn leave(&self, listener: usize, id: u64) {
         let mut g = self.rails.lock().expect("shares lock");
-        if let Some(conns) = g.get_mut(&listener) {
-            conns.retain(|(i, _)| *i != id);
-            if conns.is_empty() {
+        if let Some(rail) = g.get_mut(&listener) {
+            rail.conns.retain(|(i, _)| *i != id);
+            if rail.conns.is_empty() {
                 g.remove(&listener);
-            } else {
-                self.apply(conns);
+            } else if rail.on {
+                self.apply(listener, &rail.conns);
             }
         }
     }
 
-    /// Connections per rail listener now (tests, reports).
-    pub fn counts(&self) -> Vec<(usize, usize)> {
+    /// Connections per rail listener now, and whether its shares are on (tests, reports).
+    pub fn counts(&self) -> Vec<(usize, usize, bool)> {
         let g = self.rails.lock().expect("shares lock");
-        let mut v: Vec<(usize, usize)> = g.iter().map(|(l, c)| (*l, c.len())).collect();
+        let mut v: Vec<(usize, usize, bool)> = g.iter().map(|(l, r)| (*l, r.conns.len(), r.on)).collect();
         v.sort();
         v
     }
 
-    fn apply(&self, conns: &[(u64, Arc<dyn Resizable>)]) {
-        let w = self.share(conns.len());
+    fn apply(&self, listener: usize, conns: &[(u64, Arc<dyn Resizable>)]) {
+        let w = self.share(listener, conns.len());
         for (_, s) in conns {
             // Best effort: a connection closing meanwhile fails here and leaves on its own.
             let _ = set_window(s.as_raw_fd(), w);
@@ -183,7 +242,7 @@ mod tests {
     #[test]
     fn shares_split_the_budget_and_regrow_when_peers_leave() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let sh = WindowShares::new(1 << 20);
+        let sh = WindowShares::new(FanInWindow::Bytes(1 << 20), vec![]);
         let (_c1, s1) = pair(&l);
         let (_c2, s2) = pair(&l);
         let (_c3, s3) = pair(&l);
@@ -192,27 +251,77 @@ mod tests {
         let m2 = sh.join(1, s2.clone()).unwrap();
         // Another rail's connection does not count against rail 1.
         let m3 = sh.join(2, s3.clone()).unwrap();
-        assert_eq!(sh.counts(), vec![(1, 2), (2, 1)]);
+        assert_eq!(sh.counts(), vec![(1, 2, true), (2, 1, true)]);
         assert_eq!(window_clamp(s1.as_raw_fd()).unwrap(), 512 << 10);
         assert_eq!(window_clamp(s2.as_raw_fd()).unwrap(), 512 << 10);
         assert_eq!(window_clamp(s3.as_raw_fd()).unwrap(), 1 << 20);
         drop(m1);
         assert_eq!(window_clamp(s2.as_raw_fd()).unwrap(), 1 << 20);
-        assert_eq!(sh.counts(), vec![(1, 1), (2, 1)]);
+        assert_eq!(sh.counts(), vec![(1, 1, true), (2, 1, true)]);
         drop((m2, m3));
         assert!(sh.counts().is_empty());
     }
 
     #[test]
     fn shares_never_go_below_the_floor_and_off_touches_nothing() {
-        let sh = WindowShares::new(64 << 10);
-        assert_eq!(sh.share(1), 64 << 10);
-        assert_eq!(sh.share(1000), MIN_SHARE);
-        let off = WindowShares::new(0);
+        let sh = WindowShares::new(FanInWindow::Bytes(64 << 10), vec![]);
+        assert_eq!(sh.share(0, 1), 64 << 10);
+        assert_eq!(sh.share(0, 1000), MIN_SHARE);
+        let off = WindowShares::new(FanInWindow::Off, vec![]);
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let (_c, s) = pair(&l);
         let before = window_clamp(s.as_raw_fd()).unwrap();
         assert!(off.join(1, s.clone()).is_none());
         assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), before);
+    }
+
+    #[test]
+    fn auto_starts_at_many_connections_with_a_budget_from_the_rail_speed() {
+        assert_eq!(auto_budget(0), AUTO_MIN_BUDGET);
+        assert_eq!(auto_budget(2_000), AUTO_MIN_BUDGET);
+        assert_eq!(auto_budget(400_000), 10_000_000);
+        // listener 0: unknown speed (2 MiB); listener 1: a 400 Gbit/s rail (10 MB)
+        let sh = WindowShares::new(FanInWindow::Auto, vec![0, 400_000]);
+        assert_eq!(sh.budget(1), 10_000_000);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut socks = Vec::new();
+        let mut members = Vec::new();
+        for _ in 0..AUTO_MIN_CONNS - 1 {
+            let (c, s) = pair(&l);
+            let before = window_clamp(s.as_raw_fd()).unwrap();
+            members.push(sh.join(0, s.clone()).unwrap());
+            // below the threshold: the kernel's socket, untouched
+            assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), before);
+            socks.push((c, s));
+        }
+        assert_eq!(sh.counts(), vec![(0, AUTO_MIN_CONNS - 1, false)]);
+        let (c, s) = pair(&l);
+        members.push(sh.join(0, s.clone()).unwrap());
+        socks.push((c, s));
+        // the 16th connection turns the rail's shares on, for every connection of the rail
+        let share = AUTO_MIN_BUDGET / AUTO_MIN_CONNS;
+        assert_eq!(sh.counts(), vec![(0, AUTO_MIN_CONNS, true)]);
+        for (_, s) in &socks {
+            assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), share);
+        }
+        // peers leaving: the shares stay on and grow
+        members.truncate(4);
+        assert_eq!(sh.counts(), vec![(0, 4, true)]);
+        assert_eq!(window_clamp(socks[0].1.as_raw_fd()).unwrap(), AUTO_MIN_BUDGET / 4);
+        members.clear();
+        assert!(sh.counts().is_empty());
+    }
+
+    #[test]
+    fn fan_in_window_settings_parse() {
+        assert_eq!(FanInWindow::parse("auto"), Some(FanInWindow::Auto));
+        assert_eq!(FanInWindow::parse("off"), Some(FanInWindow::Off));
+        assert_eq!(FanInWindow::parse("0"), Some(FanInWindow::Off));
+        assert_eq!(FanInWindow::parse("2MiB"), Some(FanInWindow::Bytes(2 << 20)));
+        assert_eq!(FanInWindow::parse("512k"), Some(FanInWindow::Bytes(512 << 10)));
+        assert_eq!(FanInWindow::parse("1048576"), Some(FanInWindow::Bytes(1 << 20)));
+        assert_eq!(FanInWindow::parse("x"), None);
+        assert_eq!(FanInWindow::parse("2Q"), None);
+        assert_eq!(FanInWindow::parse("99999999999G"), None);
     }
 }

@@ -37,6 +37,6 @@ pub mod xfer;
 mod ucx_tests;
 
 pub use agent::Agent;
-pub use config::{Config, RailSpec, TransportKind};
+pub use config::{Config, FanInWindow, RailSpec, TransportKind};
 pub use error::{Error, Result};
 pub use xfer::{Op, XferHandle, XferState};
