@@ -243,6 +243,9 @@ def test_plot_without_matplotlib_is_a_usage_error(monkeypatch: pytest.MonkeyPatc
     (["--model", "llama-3.1-70b", "--isl", "128", "--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"],
      "exclude each other"),
     (["--model", "/nonexistent/m.yaml", "--isl", "128"], "does not exist"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--model", "llama-3.1-70b", "--isl", "128", "--rounds", "2", "--target-seg-type", "VRAM"],
+     "--rounds > 1 needs DRAM"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "GDS"], "invalid choice: 'GDS'"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "UCX", "--no-nixl"], "exclude each other"),
     (["--model", "llama-3.1-70b", "--isl", "128", "--nixl-backend", "MULTIRAIL", "--connect", "127.0.0.1:1"],
@@ -305,6 +308,27 @@ def test_local_kv_variants_check(tiny: str, extra: list[str]) -> None:
     assert k["requests"] == 3 and k["consistency"] == "ok"
     if "--prep" in extra:
         assert k["prep"] == "reuse" and k["prep_s"] == 0 and k["post_descs_per_s"] > 0
+
+
+@needs_engine
+def test_local_kv_rounds_interleave_the_workloads(tiny: str) -> None:
+    # 5 timed requests per workload in 3 rounds (2 + 2 + 1, alternating which workload goes
+    # first): every request counted once, byte-checked, and the rail counters summed over the
+    # rounds
+    res = kv("--model", tiny, "--isl", "100", "--requests", "5", "--rounds", "3", "--check-consistency",
+             "--no-nixl", "--json", "-")
+    assert res.returncode == 0, res.stderr[-1500:]
+    doc = _doc(res)
+    assert doc["consistency"] == "ok"
+    rows = {r["worker"]: r for r in doc["rows"]}
+    k, c = rows["multirail kv"], rows["multirail contiguous"]
+    for r in (k, c):
+        assert r["requests"] == 5 and r["rounds"] == 3 and len(r["latencies_us"]) == 5
+        assert r["total_bytes"] == 5 * doc["kv"]["request_bytes"] and r["consistency"] == "ok"
+        assert r["engine_rails"] and sum(x["bytes"] for x in r["engine_rails"]) >= r["total_bytes"]
+    assert k["transfers"] == 5 * 4 and k["descs"] == 5 * 28 and c["transfers"] == 5
+    assert doc["ratio_to_contiguous"] == pytest.approx(k["gbps"] / c["gbps"])
+    assert "measured in 3 interleaved rounds" in res.stderr
 
 
 @needs_engine
@@ -484,7 +508,7 @@ def testbed() -> Iterator[Any]:
 @pytest.mark.skipif(_why_no_testbed() is not None, reason=_why_no_testbed() or "")
 def test_testbed_kv_stripes_and_checks(testbed: Any) -> None:
     res = kv("--testbed", testbed.name, "--model", "llama-3.1-8b", "--isl", "256", "--requests", "3",
-             "--check-consistency", "--no-nixl", "--json", "-", timeout=240)
+             "--rounds", "2", "--check-consistency", "--no-nixl", "--json", "-", timeout=240)
     assert res.returncode == 0, res.stderr[-1500:]
     doc = _doc(res)
     assert doc["consistency"] == "ok" and doc["testbed"]["name"] == testbed.name
@@ -492,6 +516,8 @@ def test_testbed_kv_stripes_and_checks(testbed: Any) -> None:
     assert [r["name"] for r in k["rails"]] == [r.devs["b"] for r in testbed.rails]
     assert all(r["bytes"] > 0 for r in k["rails"])  # both rails carried pages
     assert k["capacity_gbps"] == pytest.approx(2.0) and k["pct_of_capacity"] is not None
+    # --rounds reached the prefill process in namespace b: 3 requests in 2 interleaved rounds
+    assert k["rounds"] == 2 and k["requests"] == 3
 
 
 @pytest.mark.root

@@ -61,6 +61,7 @@ class KvRow:
     decode_latencies_us: list[float] = field(default_factory=list)
     cpu_pct: float | None = None
     staging: dict[str, Any] | None = None  # runs with VRAM: per-stage breakdown (bench/staging.py)
+    rounds: int = 1             # timed segments, interleaved with the other workload's (--rounds)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -496,41 +497,68 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                        same_clock=same_clock, seed=args.seed, prep=args.prep, seg_type=args.initiator_seg_type,
                        target_seg_type=args.target_seg_type, device=args.device_id, **eng)
     rows: list[KvRow] = []
+    rounds = max(1, min(getattr(args, "rounds", 1), plan.requests))
+    # The timed requests of each workload in `rounds` segments, alternating which goes first
+    # (c k, k c, c k, ...): both workloads then see the same minutes of a noisy host.
+    counts = [plan.requests // rounds + (1 if i < plan.requests % rounds else 0) for i in range(rounds)]
+    order = [("contiguous", "kv") if i % 2 == 0 else ("kv", "contiguous") for i in range(rounds)]
     try:
+        acc: dict[str, dict[str, Any]] = {}
         for workload in ("contiguous", "kv"):
             warm_bad: list[str] = []
             if warm:
                 warm_bad = init.run_phase(workload, warm, progress, f"{workload} warmup").bad
             init.keepalive()
-            init.corrupt_next = workload == "kv" and args.corrupt_mapping
-            st_before = init.staging_snapshot()
-            before, eng_before = counters.snapshot(), init.engine_rails()
-            cpu0, t_start = time.process_time(), time.monotonic_ns()
-            ph = init.run_phase(workload, plan.requests, progress, workload)
-            wall = max(ph.t_end - t_start, 1) / 1e9
-            cpu = time.process_time() - cpu0
-            after, eng_after = counters.snapshot(), init.engine_rails()
-            st_after = init.staging_snapshot()
-            extra: dict[str, Any] = dict(transfers=ph.transfers)
+            acc[workload] = {"warm_bad": warm_bad, "phases": [], "wall": 0.0, "cpu": 0.0, "nic": {}, "eng": {},
+                             "st_before": None, "st_after": None}
+        for r, pair in enumerate(order):
+            for workload in pair:
+                a = acc[workload]
+                init.corrupt_next = workload == "kv" and args.corrupt_mapping
+                st_before = init.staging_snapshot()
+                before, eng_before = counters.snapshot(), init.engine_rails()
+                cpu0, t_start = time.process_time(), time.monotonic_ns()
+                ph = init.run_phase(workload, counts[r], progress, workload)
+                a["wall"] += max(ph.t_end - t_start, 1) / 1e9
+                a["cpu"] += time.process_time() - cpu0
+                after, eng_after = counters.snapshot(), init.engine_rails()
+                st_after = init.staging_snapshot()
+                a["st_before"] = a["st_before"] if a["st_before"] is not None else st_before
+                a["st_after"] = st_after
+                a["phases"].append(ph)
+                for k, (v, src) in after.items():
+                    if k in before:
+                        a["nic"][k] = (a["nic"].get(k, (0, src))[0] + max(0, v - before[k][0]), src)
+                for k, v in eng_after.items():
+                    a["eng"][k] = a["eng"].get(k, 0) + max(0, v - eng_before.get(k, 0))
+                init.keepalive()
+        for workload in ("contiguous", "kv"):
+            a = acc[workload]
+            phs: list[_Phase] = a["phases"]
+            wall = a["wall"]
+            lat = [x for ph in phs for x in ph.lat_ns]
+            dec = [x for ph in phs for x in ph.decode_ns]
+            extra: dict[str, Any] = dict(transfers=sum(ph.transfers for ph in phs))
             if workload == "kv":
-                extra.update(descs=ph.descs, prep=args.prep, prep_s=ph.prep_s, post_s=ph.post_s, build_s=ph.build_s,
-                             prep_once_s=ph.prep_once_s)
-            row = kv_row(f"multirail {workload}", workload, plan, ph.lat_ns, wall,
-                         ph.decode_ns, **extra)
-            row.cpu_pct = 100.0 * cpu / wall
-            if st_before is not None and st_after is not None:
-                row.staging = init.staging_breakdown(st_before, st_after, wall)
-            row.rails = counters.delta(before, after, wall)
-            row.engine_rails = [RailRow(name=k, bytes=max(0, v - eng_before.get(k, 0)),
-                                        gbps=max(0, v - eng_before.get(k, 0)) * 8 / wall / 1e9, source="engine")
-                                for k, v in eng_after.items()]
+                extra.update(descs=sum(ph.descs for ph in phs), prep=args.prep, prep_s=sum(ph.prep_s for ph in phs),
+                             post_s=sum(ph.post_s for ph in phs), build_s=sum(ph.build_s for ph in phs),
+                             prep_once_s=sum(ph.prep_once_s for ph in phs))
+            row = kv_row(f"multirail {workload}", workload, plan, lat, wall, dec, **extra)
+            row.rounds = rounds
+            row.cpu_pct = 100.0 * a["cpu"] / wall
+            if a["st_before"] is not None and a["st_after"] is not None:
+                # one segment per workload (rounds > 1 is refused with VRAM: staging totals are
+                # per segment, not per workload)
+                row.staging = init.staging_breakdown(a["st_before"], a["st_after"], wall)
+            row.rails = counters.delta({k: (0, src) for k, (_, src) in a["nic"].items()}, a["nic"], wall)
+            row.engine_rails = [RailRow(name=k, bytes=v, gbps=v * 8 / wall / 1e9, source="engine")
+                                for k, v in a["eng"].items()]
             row.set_capacity([r.capacity_gbps for r in row.rails])
             if args.check_consistency:
-                bad = warm_bad + ph.bad
+                bad = a["warm_bad"] + [b for ph in phs for b in ph.bad]
                 row.consistency = "ok" if not bad else f"FAILED: {bad[0]}" + (
                     f" (+{len(bad) - 1} more requests)" if len(bad) > 1 else "")
             rows.append(row)
-            init.keepalive()
         from multirail.bench.worker import label_rail_transports, transport_report
         report = transport_report(init.agent, init.peer, init.transport)
         report["memory"] = init.memory_report()
