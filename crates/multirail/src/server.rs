@@ -458,14 +458,18 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             }
             Ok(())
         };
+        // When a spin ran out: when it began (the budget grows back if the request came soon after).
+        let mut spun_out: Option<Instant> = None;
         if sh.ctx.cfg.progress != Progress::Block && inb.unread() == 0 {
             // Busy-poll for the next request before sleeping in the kernel: a client in a
             // round-trip loop sends it within microseconds, and a wake-up costs more.
+            let t_spin = Instant::now();
             let r = wire::spin_readable(fd, spin.get(), || {
                 Ok::<bool, ()>(!sh.shutdown.load(Ordering::Acquire) && !me.fenced.load(Ordering::Acquire))
             });
             if let Ok(how) = r {
                 spin.record(how);
+                spun_out = (how == wire::Spin::Exhausted).then_some(t_spin);
             }
         }
         // Idle between frames: sleep in `poll` until a request comes, not in 50 ms read ticks
@@ -476,6 +480,9 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
                 break;
             }
+        }
+        if let Some(t) = spun_out {
+            spin.woke(t.elapsed());
         }
         let (h, body) = match inb.read_frame(&mut s, &mut tick) {
             Ok(f) => f,

@@ -102,7 +102,11 @@ pub fn spin_readable<E>(
 /// An adaptive busy-poll budget: doubled (up to `max`) when data arrived within it, halved
 /// (down to `max / 16`) when it ran out. Spinning that keeps paying off (back-to-back round
 /// trips) stays at `max`; on an oversubscribed host, where the peer is not running to answer,
-/// failed spins shrink it so the CPU goes back to the threads that need it.
+/// failed spins shrink it so the CPU goes back to the threads that need it. A spin that ran
+/// out before data that came within `max` of its start grows it back too ([`SpinBudget::woke`]):
+/// without that, a budget shrunk by a few bad moments stayed at `max / 16` for good under
+/// requests spaced wider than that (a 4 KiB READ every 50-150 us woke the serving thread from
+/// the kernel on every request).
 pub struct SpinBudget {
     cur_ns: std::sync::atomic::AtomicU64,
     max_ns: u64,
@@ -128,6 +132,16 @@ impl SpinBudget {
             Spin::Stopped => cur,
         };
         self.cur_ns.store(next, Relaxed);
+    }
+
+    /// After a spin that ran out, data came `after` the spin began: a spin of `max` would have
+    /// caught it, so the budget doubles (up to `max`); later than `max`, nothing changes.
+    pub fn woke(&self, after: std::time::Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if after.as_nanos() <= u128::from(self.max_ns) {
+            let cur = self.cur_ns.load(Relaxed);
+            self.cur_ns.store(cur.saturating_mul(2).min(self.max_ns), Relaxed);
+        }
     }
 }
 
@@ -594,5 +608,26 @@ mod tests {
         assert_eq!(b.get(), Duration::from_micros(20));
         b.record(Spin::Stopped);
         assert_eq!(b.get(), Duration::from_micros(20));
+    }
+
+    #[test]
+    fn spin_budget_grows_back_when_data_came_soon_after_it_ran_out() {
+        let b = SpinBudget::new(Duration::from_micros(160));
+        for _ in 0..10 {
+            b.record(Spin::Exhausted);
+        }
+        // requests 50 us apart: each spin of 10/20/40 us runs out, but a full one would catch it
+        b.woke(Duration::from_micros(50));
+        assert_eq!(b.get(), Duration::from_micros(20));
+        b.woke(Duration::from_micros(50));
+        b.woke(Duration::from_micros(50));
+        assert_eq!(b.get(), Duration::from_micros(80));
+        b.woke(Duration::from_micros(160));
+        b.woke(Duration::from_micros(160));
+        assert_eq!(b.get(), Duration::from_micros(160));
+        // data later than the full budget: no reason to spin longer
+        b.record(Spin::Exhausted);
+        b.woke(Duration::from_micros(161));
+        assert_eq!(b.get(), Duration::from_micros(80));
     }
 }
