@@ -463,11 +463,14 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         if sh.ctx.cfg.progress != Progress::Block && inb.unread() == 0 {
             // Busy-poll for the next request before sleeping in the kernel: a client in a
             // round-trip loop sends it within microseconds, and a wake-up costs more.
+            // `Poll` spins the whole `spin` every time (its contract: busy-poll for `spin` after
+            // each request); `Adaptive` adapts the budget to how often spinning pays.
+            let adaptive = sh.ctx.cfg.progress == Progress::Adaptive;
             let t_spin = Instant::now();
-            let r = wire::spin_readable(fd, spin.get(), || {
+            let r = wire::spin_readable(fd, if adaptive { spin.get() } else { sh.ctx.cfg.spin }, || {
                 Ok::<bool, ()>(!sh.shutdown.load(Ordering::Acquire) && !me.fenced.load(Ordering::Acquire))
             });
-            if let Ok(how) = r {
+            if let (Ok(how), true) = (r, adaptive) {
                 spin.record(how);
                 spun_out = (how == wire::Spin::Exhausted).then_some(t_spin);
             }
