@@ -138,7 +138,9 @@ struct Orphan {
 pub(crate) struct WorkerState {
     orphans: Vec<Orphan>,
     /// Active-message handlers handed to UCX (their addresses are the callback arguments): kept
-    /// until the worker is destroyed.
+    /// until the worker is destroyed. Boxed twice: the outer box's address is a thin pointer
+    /// that stays put while the Vec grows.
+    #[allow(clippy::vec_box)]
     am_handlers: Vec<Box<Box<AmHandler>>>,
     /// Error-callback arguments of endpoints whose close did not finish in time: UCX may still
     /// call back with them until the worker is destroyed.

@@ -271,7 +271,8 @@ fn active_message_gathers_iov_and_reaches_handler() {
     let (ca, cb) = (multirail_ucx::Context::new(&ucx, &cfg).unwrap(), multirail_ucx::Context::new(&ucx, &cfg).unwrap());
     let a = multirail_ucx::Worker::new(&ca, ThreadMode::Serialized).unwrap();
     let b = multirail_ucx::Worker::new(&cb, ThreadMode::Serialized).unwrap();
-    let got: std::sync::Arc<std::sync::Mutex<Vec<(Vec<u8>, Result<Vec<u8>, usize>)>>> = Default::default();
+    type Got = Vec<(Vec<u8>, Result<Vec<u8>, usize>)>;
+    let got: std::sync::Arc<std::sync::Mutex<Got>> = Default::default();
     let g = got.clone();
     b.set_am_handler(
         7,

@@ -40,7 +40,7 @@ fn try_open(init: &Agent, target: &Agent) -> Result<UcxRail> {
         &sh.ctx.identity(),
         Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(target), Role::UcxSession, T) },
     )?;
-    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, T)
+    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, c.version, T)
 }
 
 fn open(init: &Agent, target: &Agent) -> UcxRail {
@@ -295,7 +295,7 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
         let Body::UcxOpen { .. } = wire::read_frame(&mut s, &mut tick).unwrap().1 else { panic!("no UcxOpen") };
         let w = Worker::new(&ctx, ThreadMode::Serialized).unwrap();
         let regions = vec![UcxRegion { id: 1, base: tmap.addr(), len: 65536, rkey: tmap.pack_rkey().unwrap().into_bytes() }];
-        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions }, 0, &mut tick).unwrap();
+        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions, features: 0 }, 0, &mut tick).unwrap();
         while !h2.load(Ordering::Acquire) {
             let _ = w.wait_for_events(Duration::from_millis(10));
         }
@@ -307,7 +307,7 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
     });
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], T).unwrap();
+    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], 1, T).unwrap();
     let ibuf = vec![0u8; 65536];
     let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
     rail.post(1, false, ibuf.as_ptr() as u64, 1, 0, 4096).unwrap();
@@ -393,7 +393,7 @@ fn ucx_session_refused_by_an_agent_without_ucx() {
     let ucx_target = agent("ucx-target", TransportKind::Ucx);
     let sh = init.shared();
     let c = dial(&sh.ctx.identity(), Dial::to(rail_addr(&ucx_target), Role::UcxSession, T)).unwrap();
-    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, T).err().expect("refused");
+    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, c.version, T).err().expect("refused");
     assert!(e.to_string().contains("no rail 5"), "{e}");
     assert_eq!(ucx_target.shared().ucx.as_ref().unwrap().sessions(), 0);
     ucx_target.close();
