@@ -1255,7 +1255,7 @@ mod tests {
             let (h, desc) = am.encode();
             let mut data = desc.clone();
             if write {
-                data.extend(std::iter::repeat(0xa5).take(total));
+                data.extend(std::iter::repeat_n(0xa5, total));
             }
             let (back, payload) = UcxAm::decode(&h, &data).unwrap();
             assert_eq!(back, am);
@@ -1302,7 +1302,7 @@ mod tests {
         assert_eq!(Body::decode(Kind::UcxOpen, &with).unwrap(), Body::UcxOpen { rail: 1, addr: vec![1; 4], features: UCX_FEATURE_AM });
         for extra in [1usize, 2, 3, 5] {
             let mut bad = body.to_vec();
-            bad.extend(std::iter::repeat(0).take(extra));
+            bad.extend(std::iter::repeat_n(0, extra));
             assert!(Body::decode(Kind::UcxOpen, &bad).is_err(), "{extra} trailing bytes");
         }
     }

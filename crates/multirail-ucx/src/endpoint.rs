@@ -305,7 +305,8 @@ impl Endpoint {
         // the same keep-alive, until the request completes.
         let p = unsafe { (l.api().am_send_nbx)(self.handle, id.into(), hdr, header.len(), buf, count, &param) };
         drop(l);
-        let keep = KeepAlive { _am: Some(Box::new(AmKeep { _header: header, _head: head, _iov: iov, _mems: mems })), ..KeepAlive::default() };
+        let keep =
+            KeepAlive { _am: Some(Box::new(AmKeep { _header: header, _head: head, _iov: iov, _mems: mems })), ..KeepAlive::default() };
         Ok(Request::from_ptr(self.worker.clone(), "ucp_am_send_nbx", Some(self.fail.clone()), p, keep))
     }
 

@@ -828,7 +828,8 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_versi
     if me.fenced.load(Ordering::Acquire) {
         return;
     }
-    let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, &me.fenced, who, hello_version);
+    let session = crate::transport::ucx::Session { fenced: &me.fenced, who, hello_version, counters: me.ctr.clone() };
+    let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, session);
     drop(guard);
     if let Err((status, msg)) = r {
         if !msg.is_empty() {

@@ -340,6 +340,20 @@ impl UcxRail {
         self.post_checked(token, write, remote_region, pieces, Some(wire), false)
     }
 
+    #[cfg(test)]
+    /// A raw active message (header and data exactly as given) waited for as WRITE chunk
+    /// `token`: malformed requests, to test the target's decoding. A request the target cannot
+    /// answer (no token) stays outstanding.
+    pub fn post_am_raw(&self, token: u64, header: Vec<u8>, data: Vec<u8>) -> std::result::Result<(), String> {
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        lock(&self.inbox).pending.insert(token, AmPending { write: true, dst: Vec::new(), total: 0, _mems: Vec::new() });
+        let req = ep.am_send(UCX_AM_REQ, header, data, &[]).map_err(|e| e.to_string())?;
+        st.ops.push(Op { token, write: true, reqs: vec![req], am: true, flush: None });
+        Ok(())
+    }
+
     fn post_checked(
         &self,
         token: u64,

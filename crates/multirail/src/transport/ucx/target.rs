@@ -17,9 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{
-    encode_ucx_am_reply, UcxAm, HELLO_UCX_FEATURES, UCX_AM_REPLY, UCX_AM_REQ, UCX_AM_REQ_HEADER, UCX_FEATURE_AM,
-};
+use multirail_proto::codec::{encode_ucx_am_reply, UcxAm, HELLO_UCX_FEATURES, UCX_AM_REPLY, UCX_AM_REQ, UCX_AM_REQ_HEADER, UCX_FEATURE_AM};
 use multirail_proto::{Access, Body, Status};
 use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, ThreadMode, Worker, WorkerAddress};
 
@@ -28,6 +26,7 @@ use super::{Kick, Mapped, UcxAgent};
 /// A refused session's message when the asked rail does not run ucx on this agent.
 pub(crate) const NOT_ON_RAIL: &str = "this agent does not run the ucx transport on rail";
 use crate::config::{Config, Progress};
+use crate::server::ServedCounters;
 use crate::wire::{self, WireError};
 
 /// How long the target's session loop sleeps at most between checks of shutdown and fence flags
@@ -66,12 +65,37 @@ struct AmInbox {
     kick: Kick,
 }
 
+/// A served session's identity and bookkeeping (from the server's handshake).
+pub(crate) struct Session<'a> {
+    /// Set when the session is fenced (its worker must go).
+    pub fenced: &'a AtomicBool,
+    /// The peer, for logs.
+    pub who: &'a str,
+    /// The `Hello` version the initiator offered (3 and up: `UcxOpen` may offer features).
+    pub hello_version: u16,
+    /// The peer's serving counters: active-message requests count as served READs/WRITEs
+    /// (and refusals by status); RMA is one-sided and counted nowhere here.
+    pub counters: Arc<ServedCounters>,
+}
+
 /// Handle one `UcxAm` request (in UCX's callback, on the session thread): every check before
 /// any byte is touched, then a WRITE is scattered into the region; the reply to send, if the
 /// request named a token to answer (a header too short to hold one is dropped).
-fn handle_am(maps: &RwLock<HashMap<u64, Arc<Mapped>>>, rail: usize, header: &[u8], data: AmData<'_>) -> Option<AmReply> {
-    let token = (header.len() == UCX_AM_REQ_HEADER).then(|| u64::from_le_bytes(header[1..9].try_into().expect("8 bytes")))?;
-    let refuse = |status: Status| Some(AmReply::Status { token, status });
+fn handle_am(
+    maps: &RwLock<HashMap<u64, Arc<Mapped>>>,
+    rail: usize,
+    ctr: &ServedCounters,
+    header: &[u8],
+    data: AmData<'_>,
+) -> Option<AmReply> {
+    let Some(token) = (header.len() == UCX_AM_REQ_HEADER).then(|| u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"))) else {
+        ctr.refuse(Status::Malformed);
+        return None;
+    };
+    let refuse = |status: Status| {
+        ctr.refuse(status);
+        Some(AmReply::Status { token, status })
+    };
     // Our initiators send eagerly only; the bytes of a rendezvous are never fetched.
     let AmData::Eager(data) = data else { return refuse(Status::Unexpected) };
     let Ok((am, payload)) = UcxAm::decode(header, data) else { return refuse(Status::Malformed) };
@@ -104,7 +128,9 @@ fn handle_am(maps: &RwLock<HashMap<u64, Arc<Mapped>>>, rail: usize, header: &[u8
                 at += n;
             }
         }
-        return refuse(Status::Ok);
+        ctr.bytes_written.fetch_add(at as u64, Ordering::Relaxed);
+        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+        return Some(AmReply::Status { token, status: Status::Ok });
     }
     let Some(Some((mem, _))) = m.per_rail.get(rail) else { return refuse(Status::Internal) };
     // At most MAX_VEC_PIECES (decode bounded the count).
@@ -114,6 +140,8 @@ fn handle_am(maps: &RwLock<HashMap<u64, Arc<Mapped>>>, rail: usize, header: &[u8
             pieces.push(((p.offset + k * p.stride) as usize, p.len as usize));
         }
     }
+    ctr.bytes_read.fetch_add(am.op.total(), Ordering::Relaxed);
+    ctr.requests_read.fetch_add(1, Ordering::Relaxed);
     Some(AmReply::Read { token, mem: mem.clone(), pieces })
 }
 
@@ -123,19 +151,16 @@ fn handle_am(maps: &RwLock<HashMap<u64, Arc<Mapped>>>, rail: usize, header: &[u8
 /// `UcxReady`, then progresses the worker (sleeping on its event fd and the socket) and answers
 /// `UcxRkeys` until the socket hangs up, the agent shuts down or the session is fenced. The
 /// worker is destroyed before this returns. `Err((status, msg))`: refuse with that (an empty
-/// message means just close). `hello_version`: what the initiator's `Hello` offered (3 and up:
-/// `UcxOpen` may offer features).
-#[allow(clippy::too_many_arguments)]
+/// message means just close).
 pub(crate) fn serve_session(
     cfg: &Config,
     shutdown: &AtomicBool,
     log: &dyn Fn(&str),
     agent: &UcxAgent,
     s: &mut TcpStream,
-    fenced: &AtomicBool,
-    who: &str,
-    hello_version: u16,
+    session: Session<'_>,
 ) -> std::result::Result<(), (Status, String)> {
+    let Session { fenced, who, hello_version, counters } = session;
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("no UcxOpen within {timeout:?}"));
@@ -155,7 +180,7 @@ pub(crate) fn serve_session(
     };
     let worker = Worker::new(&rc.ctx, ThreadMode::Serialized).map_err(|e| (Status::Internal, format!("ucx session worker: {e}")))?;
     let am = if hello_version >= HELLO_UCX_FEATURES && offered & UCX_FEATURE_AM != 0 {
-        match am_setup(agent, rail, &worker, peer_addr) {
+        match am_setup(agent, rail, &worker, peer_addr, counters) {
             Ok(am) => Some(am),
             Err(e) => {
                 // The session still serves RMA; the initiator sees no AM feature in UcxReady.
@@ -177,7 +202,13 @@ pub(crate) fn serve_session(
 
 /// The active-message side of a session: the handler on its worker, and an endpoint of its own
 /// to the initiator's worker for the replies.
-fn am_setup(agent: &UcxAgent, rail: usize, worker: &Worker, peer_addr: Vec<u8>) -> std::result::Result<(Endpoint, Arc<AmInbox>), String> {
+fn am_setup(
+    agent: &UcxAgent,
+    rail: usize,
+    worker: &Worker,
+    peer_addr: Vec<u8>,
+    ctr: Arc<ServedCounters>,
+) -> std::result::Result<(Endpoint, Arc<AmInbox>), String> {
     let kick = Kick::new().map_err(|e| format!("eventfd: {e}"))?;
     let inbox = Arc::new(AmInbox { replies: Mutex::new(Vec::new()), kick });
     let (maps, ib) = (agent.maps.clone(), inbox.clone());
@@ -185,7 +216,7 @@ fn am_setup(agent: &UcxAgent, rail: usize, worker: &Worker, peer_addr: Vec<u8>) 
         .set_am_handler(
             UCX_AM_REQ,
             Box::new(move |h, d| {
-                if let Some(r) = handle_am(&maps, rail, h, d) {
+                if let Some(r) = handle_am(&maps, rail, &ctr, h, d) {
                     let mut q = ib.replies.lock().unwrap_or_else(PoisonError::into_inner);
                     q.push(r);
                     if q.len() == 1 {
