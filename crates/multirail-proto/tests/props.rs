@@ -774,7 +774,38 @@ fn write_fuzz_corpus() {
         ("descs", DescList { mem: MemType::Dram, descs: vec![(4096, 100, 0), (1 << 40, MIB, 3)] }.encode()),
         ("descs_vram", DescList { mem: MemType::Vram, descs: vec![(0x7f00_0000_0000, 64 * MIB, 1)] }.encode()),
     ];
-    for (dir, items) in [("frame", frames.into_iter().map(|(n, b)| (n, b.encode(42))).collect::<Vec<_>>()), ("metadata", metas)] {
+    // ucx active messages: [header length][header][data] (fuzz/fuzz_targets/ucx_am.rs).
+    let am_seed = |write: bool, op: VecOp| {
+        let am = multirail_proto::codec::UcxAm { token: 0x1234, write, op };
+        let (h, mut d) = am.encode();
+        if write {
+            d.resize(d.len() + am.op.total() as usize, 0x77);
+        }
+        let mut v = vec![h.len() as u8];
+        v.extend_from_slice(&h);
+        v.extend_from_slice(&d);
+        v
+    };
+    let am_op = VecOp {
+        region: 3,
+        key: RegionKey([0; 16]),
+        pieces: vec![
+            VecPiece { offset: 8192, len: 64, count: 1, stride: 0 },
+            VecPiece { offset: 0, len: 16, count: 4, stride: 4096 },
+        ],
+    };
+    let ams: Vec<(&str, Vec<u8>)> = vec![
+        ("am_read", am_seed(false, am_op.clone())),
+        ("am_write", am_seed(true, am_op)),
+        ("am_reply", {
+            let mut v = vec![10u8];
+            v.extend_from_slice(&multirail_proto::codec::encode_ucx_am_reply(0x1234, Status::OutOfBounds));
+            v
+        }),
+    ];
+    for (dir, items) in
+        [("frame", frames.into_iter().map(|(n, b)| (n, b.encode(42))).collect::<Vec<_>>()), ("metadata", metas), ("ucx_am", ams)]
+    {
         let d = root.join(dir);
         std::fs::create_dir_all(&d).expect("create corpus dir");
         for (n, bytes) in items {
