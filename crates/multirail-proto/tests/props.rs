@@ -789,10 +789,7 @@ fn write_fuzz_corpus() {
     let am_op = VecOp {
         region: 3,
         key: RegionKey([0; 16]),
-        pieces: vec![
-            VecPiece { offset: 8192, len: 64, count: 1, stride: 0 },
-            VecPiece { offset: 0, len: 16, count: 4, stride: 4096 },
-        ],
+        pieces: vec![VecPiece { offset: 8192, len: 64, count: 1, stride: 0 }, VecPiece { offset: 0, len: 16, count: 4, stride: 4096 }],
     };
     let ams: Vec<(&str, Vec<u8>)> = vec![
         ("am_read", am_seed(false, am_op.clone())),

@@ -139,6 +139,18 @@ pub struct ServedCounters {
     pub staging: Arc<crate::staging::StageStats>,
 }
 
+impl crate::transport::ucx::AmCounters for ServedCounters {
+    fn served(&self, write: bool, bytes: u64) {
+        let (b, n) = if write { (&self.bytes_written, &self.requests_written) } else { (&self.bytes_read, &self.requests_read) };
+        b.fetch_add(bytes, Ordering::Relaxed);
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn refused(&self, status: Status) {
+        self.refuse(status);
+    }
+}
+
 impl ServedCounters {
     pub fn refuse(&self, status: Status) {
         self.refused[(status as usize).min(N_STATUS - 1)].fetch_add(1, Ordering::Relaxed);

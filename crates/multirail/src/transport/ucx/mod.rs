@@ -36,7 +36,7 @@ mod target;
 
 pub(crate) use initiator::UcxRail;
 pub(crate) use rails::UcxRails;
-pub(crate) use target::{serve_session, Session};
+pub(crate) use target::{serve_session, AmCounters, Session};
 
 use std::collections::HashMap;
 use std::ffi::CStr;

@@ -26,7 +26,6 @@ use super::{Kick, Mapped, UcxAgent};
 /// A refused session's message when the asked rail does not run ucx on this agent.
 pub(crate) const NOT_ON_RAIL: &str = "this agent does not run the ucx transport on rail";
 use crate::config::{Config, Progress};
-use crate::server::ServedCounters;
 use crate::wire::{self, WireError};
 
 /// How long the target's session loop sleeps at most between checks of shutdown and fence flags
@@ -65,6 +64,13 @@ struct AmInbox {
     kick: Kick,
 }
 
+/// Where a session counts its active-message requests (the server's per-peer serving counters):
+/// they count as served READs/WRITEs and refusals by status, as tcp requests do.
+pub(crate) trait AmCounters: Send + Sync {
+    fn served(&self, write: bool, bytes: u64);
+    fn refused(&self, status: Status);
+}
+
 /// A served session's identity and bookkeeping (from the server's handshake).
 pub(crate) struct Session<'a> {
     /// Set when the session is fenced (its worker must go).
@@ -75,7 +81,7 @@ pub(crate) struct Session<'a> {
     pub hello_version: u16,
     /// The peer's serving counters: active-message requests count as served READs/WRITEs
     /// (and refusals by status); RMA is one-sided and counted nowhere here.
-    pub counters: Arc<ServedCounters>,
+    pub counters: Arc<dyn AmCounters>,
 }
 
 /// Handle one `UcxAm` request (in UCX's callback, on the session thread): every check before
@@ -84,16 +90,16 @@ pub(crate) struct Session<'a> {
 fn handle_am(
     maps: &RwLock<HashMap<u64, Arc<Mapped>>>,
     rail: usize,
-    ctr: &ServedCounters,
+    ctr: &dyn AmCounters,
     header: &[u8],
     data: AmData<'_>,
 ) -> Option<AmReply> {
     let Some(token) = (header.len() == UCX_AM_REQ_HEADER).then(|| u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"))) else {
-        ctr.refuse(Status::Malformed);
+        ctr.refused(Status::Malformed);
         return None;
     };
     let refuse = |status: Status| {
-        ctr.refuse(status);
+        ctr.refused(status);
         Some(AmReply::Status { token, status })
     };
     // Our initiators send eagerly only; the bytes of a rendezvous are never fetched.
@@ -128,8 +134,7 @@ fn handle_am(
                 at += n;
             }
         }
-        ctr.bytes_written.fetch_add(at as u64, Ordering::Relaxed);
-        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
+        ctr.served(true, at as u64);
         return Some(AmReply::Status { token, status: Status::Ok });
     }
     let Some(Some((mem, _))) = m.per_rail.get(rail) else { return refuse(Status::Internal) };
@@ -140,8 +145,7 @@ fn handle_am(
             pieces.push(((p.offset + k * p.stride) as usize, p.len as usize));
         }
     }
-    ctr.bytes_read.fetch_add(am.op.total(), Ordering::Relaxed);
-    ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+    ctr.served(false, am.op.total());
     Some(AmReply::Read { token, mem: mem.clone(), pieces })
 }
 
@@ -207,7 +211,7 @@ fn am_setup(
     rail: usize,
     worker: &Worker,
     peer_addr: Vec<u8>,
-    ctr: Arc<ServedCounters>,
+    ctr: Arc<dyn AmCounters>,
 ) -> std::result::Result<(Endpoint, Arc<AmInbox>), String> {
     let kick = Kick::new().map_err(|e| format!("eventfd: {e}"))?;
     let inbox = Arc::new(AmInbox { replies: Mutex::new(Vec::new()), kick });
@@ -216,7 +220,7 @@ fn am_setup(
         .set_am_handler(
             UCX_AM_REQ,
             Box::new(move |h, d| {
-                if let Some(r) = handle_am(&maps, rail, &ctr, h, d) {
+                if let Some(r) = handle_am(&maps, rail, &*ctr, h, d) {
                     let mut q = ib.replies.lock().unwrap_or_else(PoisonError::into_inner);
                     q.push(r);
                     if q.len() == 1 {
