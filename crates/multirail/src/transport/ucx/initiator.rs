@@ -349,7 +349,10 @@ impl UcxRail {
         let st = &mut *g;
         let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
         lock(&self.inbox).pending.insert(token, AmPending { write: true, dst: Vec::new(), total: 0, _mems: Vec::new() });
-        let req = ep.am_send(UCX_AM_REQ, header, data, &[]).map_err(|e| e.to_string())?;
+        let req = ep.am_send(UCX_AM_REQ, header, data, &[]).map_err(|e| {
+            lock(&self.inbox).pending.remove(&token);
+            e.to_string()
+        })?;
         st.ops.push(Op { token, write: true, reqs: vec![req], am: true, flush: None });
         Ok(())
     }
