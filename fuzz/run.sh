@@ -12,7 +12,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing cargo-fuzz ..."
     cargo install --locked cargo-fuzz
 fi
-targets=(frame metadata)
+targets=(frame metadata ucx_am)
 cargo fuzz build -O
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT

@@ -487,8 +487,9 @@ def test_faulty_slow_rail_gets_less_weight(tr: str) -> None:
 def test_scattered_pages_both_sides_survive_a_killed_rail(tr: str) -> None:
     """Issue 22: 4 KiB pages shuffled on BOTH sides (a KV layout), READ and WRITE alternately
     over two rails while rail 1 is killed 200 ms in and refused for 1 s: every byte of every
-    transfer lands where its descriptors say, and over tcp the pages travel as vectored
-    requests (far fewer requests than pages), re-cut onto rail 0 when rail 1 dies."""
+    transfer lands where its descriptors say, and the pages travel as vectored requests (tcp)
+    or one active message per chunk (ucx), far fewer requests than pages, re-cut onto rail 0
+    when rail 1 dies."""
     t, i = _faulty_pair(tr, "1:kill@200ms+1s")
     try:
         page, n = 4096, 4096
@@ -522,8 +523,9 @@ def test_scattered_pages_both_sides_survive_a_killed_rail(tr: str) -> None:
         assert snaps[-1][1]["times_down"] >= 1, snaps[-1]
         served = t.served_stats()
         requests = sum(r["requests_read"] + r["requests_written"] for r in served)
-        if tr == "tcp":
-            assert requests * 16 < k * n, f"{requests} requests for {k} x {n} pages: not vectored"
+        # tcp: vectored requests; ucx (issue 22, session 11): one active message per chunk with
+        # its piece list, which the target counts as a served request (RMA would count none).
+        assert 0 < requests and requests * 16 < k * n, f"{requests} requests for {k} x {n} pages: not vectored"
     finally:
         i.close()
         t.close()

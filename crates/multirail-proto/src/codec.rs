@@ -22,6 +22,17 @@ pub const VERSION: u8 = 1;
 pub const HELLO_VERSION: u16 = 2;
 /// The first `Hello` version whose connections may carry `ReadVReq` / `WriteVReq`.
 pub const HELLO_VECTORED: u16 = 2;
+/// The `Hello` version a `Role::UcxSession` connection offers (other roles offer
+/// [`HELLO_VERSION`]): version 3 adds a trailing u32 feature word to `UcxOpen` and `UcxReady`
+/// (`UCX_FEATURE_*`). A server of this build accepts 1 to 3; an older one answers
+/// `Error(VersionMismatch)` and the client dials again one version lower.
+pub const HELLO_UCX_FEATURES: u16 = 3;
+/// The newest `Hello` version a server of this build accepts.
+pub const HELLO_MAX: u16 = HELLO_UCX_FEATURES;
+/// `UcxOpen`/`UcxReady` feature bit: the session carries vectored chunks as UCP active messages
+/// (one request per chunk with its piece list, scattered and bounds-checked by the target;
+/// [`UcxAm`]). Offered by the initiator, echoed by a target that serves it.
+pub const UCX_FEATURE_AM: u32 = 1;
 /// Most piece entries in one vectored request (an entry is one piece or one strided run).
 pub const MAX_VEC_ENTRIES: usize = 16384;
 /// Most pieces one vectored request names once its strided entries are counted out (the
@@ -165,8 +176,8 @@ impl Kind {
             Resp | Error => 2 + 8 + 2 + MAX_MSG,
             MetaGet => 0,
             Meta | MetaPut => MAX_META,
-            UcxOpen => 2 + 4 + MAX_UCX_ADDR,
-            UcxReady => MAX_UCX_READY,
+            UcxOpen => 2 + 4 + MAX_UCX_ADDR + 4,
+            UcxReady => MAX_UCX_READY + 4,
             UcxRkeys => 4 + 8 * MAX_UCX_RKEYS,
             IpcReq => 16 + 16 + 2 + (8 + 16) * MAX_IPC_REGIONS,
             IpcHandles => 2 + IPC_ENTRY * MAX_IPC_REGIONS,
@@ -428,6 +439,9 @@ pub enum Body {
         rail: u16,
         /// At most [`MAX_UCX_ADDR`] bytes.
         addr: Vec<u8>,
+        /// `UCX_FEATURE_*` bits offered. On the wire only when not 0 (a trailing u32), and
+        /// only to a peer that accepted `Hello` version [`HELLO_UCX_FEATURES`].
+        features: u32,
     },
     UcxReady {
         /// At most [`MAX_UCX_ADDR`] bytes; empty in the answer to `UcxRkeys`.
@@ -435,6 +449,8 @@ pub enum Body {
         /// Encoding leaves out regions with an rkey over [`MAX_UCX_RKEY`] and those past
         /// [`MAX_UCX_REGIONS`] or the [`MAX_UCX_READY`] body bound.
         regions: Vec<UcxRegion>,
+        /// The offered `UCX_FEATURE_*` bits this target serves (a trailing u32 when not 0).
+        features: u32,
     },
     /// Region ids (at most [`MAX_UCX_RKEYS`]).
     UcxRkeys(Vec<u64>),
@@ -542,11 +558,14 @@ impl Body {
                 out.extend_from_slice(&0u64.to_le_bytes());
                 put_str16(&mut out, truncate(msg, MAX_MSG));
             }
-            Body::UcxOpen { rail, addr } => {
+            Body::UcxOpen { rail, addr, features } => {
                 out.extend_from_slice(&rail.to_le_bytes());
                 put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
+                if *features != 0 {
+                    out.extend_from_slice(&features.to_le_bytes());
+                }
             }
-            Body::UcxReady { addr, regions } => {
+            Body::UcxReady { addr, regions, features } => {
                 put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
                 let count_at = out.len();
                 out.extend_from_slice(&0u32.to_le_bytes());
@@ -566,6 +585,9 @@ impl Body {
                     n += 1;
                 }
                 out[count_at..count_at + 4].copy_from_slice(&n.to_le_bytes());
+                if *features != 0 {
+                    out.extend_from_slice(&features.to_le_bytes());
+                }
             }
             Body::UcxRkeys(ids) => {
                 let ids = &ids[..ids.len().min(MAX_UCX_RKEYS)];
@@ -619,8 +641,8 @@ impl Body {
         let b = match kind {
             Kind::Hello => {
                 let version = r.u16()?;
-                if !(1..=HELLO_VERSION).contains(&version) {
-                    return Err(DecodeError::VersionMismatch { got: version.min(255) as u8, want: HELLO_VERSION as u8 });
+                if !(1..=HELLO_MAX).contains(&version) {
+                    return Err(DecodeError::VersionMismatch { got: version.min(255) as u8, want: HELLO_MAX as u8 });
                 }
                 let role = match r.u8()? {
                     1 => Role::Control,
@@ -685,7 +707,7 @@ impl Body {
             Kind::UcxOpen => {
                 let rail = r.u16()?;
                 let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
-                Body::UcxOpen { rail, addr }
+                Body::UcxOpen { rail, addr, features: ucx_features(&mut r)? }
             }
             Kind::UcxReady => {
                 let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
@@ -699,7 +721,7 @@ impl Body {
                     }
                     regions.push(UcxRegion { id, base, len, rkey: r.bytes(k)?.to_vec() });
                 }
-                Body::UcxReady { addr, regions }
+                Body::UcxReady { addr, regions, features: ucx_features(&mut r)? }
             }
             Kind::UcxRkeys => {
                 let n = r.count("ucx rkey requests", MAX_UCX_RKEYS, 8)?;
@@ -771,6 +793,102 @@ impl Body {
         };
         r.finish()?;
         Ok(b)
+    }
+}
+
+/// Active-message id of a ucx session's vectored request (initiator -> target's session worker).
+pub const UCX_AM_REQ: u16 = 0x4d52;
+/// Active-message id of its reply (target -> initiator's rail worker).
+pub const UCX_AM_REPLY: u16 = 0x4d53;
+/// Bytes of a [`UcxAm`] header: u8 op (1 READ, 2 WRITE), u64 token, u32 descriptor length.
+pub const UCX_AM_REQ_HEADER: usize = 13;
+/// Bytes of a reply header: u64 token, u16 status.
+pub const UCX_AM_REPLY_HEADER: usize = 10;
+/// Largest piece descriptor of a [`UcxAm`]: the `ReadVReq` body bound.
+const UCX_AM_DESC_MAX: usize = 8 + 16 + 4 + VEC_ENTRY_MAX * MAX_VEC_ENTRIES;
+
+/// A vectored chunk as one UCP active message (`UCX_FEATURE_AM`, docs/PROTOCOL.md "UCX active
+/// messages"). The AM header is [`UCX_AM_REQ_HEADER`] bytes; the AM data is the piece
+/// descriptor (exactly a `ReadVReq`/`WriteVReq` body: region, key, entries, with the same
+/// bounds) followed, for a WRITE, by the pieces' bytes in entry order. The key is not checked
+/// (the session is authenticated and the region must be exported to it); senders put zeros.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UcxAm {
+    /// Echoed in the reply.
+    pub token: u64,
+    pub write: bool,
+    pub op: VecOp,
+}
+
+impl UcxAm {
+    /// The AM header and the descriptor (the head of the AM data; a WRITE's bytes follow it).
+    pub fn encode(&self) -> ([u8; UCX_AM_REQ_HEADER], Vec<u8>) {
+        let body = if self.write { Body::WriteVReq(self.op.clone()) } else { Body::ReadVReq(self.op.clone()) }.encode(0);
+        let desc = body[HEADER_LEN..].to_vec();
+        let mut h = [0u8; UCX_AM_REQ_HEADER];
+        h[0] = if self.write { 2 } else { 1 };
+        h[1..9].copy_from_slice(&self.token.to_le_bytes());
+        h[9..13].copy_from_slice(&(desc.len() as u32).to_le_bytes());
+        (h, desc)
+    }
+
+    /// Decode a received request: `header` and the whole AM `data`. Checks everything a
+    /// `ReadVReq`/`WriteVReq` body is checked for, and that the data after the descriptor is
+    /// exactly the pieces' bytes (a WRITE) or empty (a READ). Returns the request and its
+    /// payload. Region bounds and access are the target's to check.
+    pub fn decode<'a>(header: &[u8], data: &'a [u8]) -> Result<(UcxAm, &'a [u8]), DecodeError> {
+        if header.len() != UCX_AM_REQ_HEADER {
+            return Err(DecodeError::Malformed("ucx active-message header of the wrong size"));
+        }
+        let write = match header[0] {
+            1 => false,
+            2 => true,
+            _ => return Err(DecodeError::Malformed("ucx active message of an unknown op")),
+        };
+        let token = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
+        let desc_len = u32::from_le_bytes(header[9..13].try_into().expect("4 bytes")) as usize;
+        if desc_len > UCX_AM_DESC_MAX {
+            return Err(DecodeError::TooMany { what: "ucx piece descriptor bytes", n: desc_len as u64, max: UCX_AM_DESC_MAX as u64 });
+        }
+        if desc_len > data.len() {
+            return Err(DecodeError::Truncated { need: desc_len, have: data.len() });
+        }
+        let (desc, payload) = data.split_at(desc_len);
+        let mut r = Reader::new(desc);
+        let op = decode_vec(&mut r)?;
+        r.finish()?;
+        let want = if write { op.total() } else { 0 };
+        if payload.len() as u64 != want {
+            return Err(DecodeError::Malformed("ucx active-message data is not the pieces' bytes"));
+        }
+        Ok((UcxAm { token, write, op }, payload))
+    }
+}
+
+/// The header of a [`UcxAm`]'s reply; a READ's reply carries the pieces' bytes as its data.
+pub fn encode_ucx_am_reply(token: u64, status: Status) -> [u8; UCX_AM_REPLY_HEADER] {
+    let mut h = [0u8; UCX_AM_REPLY_HEADER];
+    h[..8].copy_from_slice(&token.to_le_bytes());
+    h[8..].copy_from_slice(&(status as u16).to_le_bytes());
+    h
+}
+
+/// `(token, status)` of a reply header.
+pub fn decode_ucx_am_reply(header: &[u8]) -> Result<(u64, Status), DecodeError> {
+    if header.len() != UCX_AM_REPLY_HEADER {
+        return Err(DecodeError::Malformed("ucx active-message reply header of the wrong size"));
+    }
+    let token = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+    Ok((token, Status::from_u16(u16::from_le_bytes([header[8], header[9]]))))
+}
+
+/// The optional trailing feature word of `UcxOpen`/`UcxReady`: absent (a peer before `Hello`
+/// version 3) is 0; anything but exactly 4 bytes left is malformed.
+fn ucx_features(r: &mut Reader<'_>) -> Result<u32, DecodeError> {
+    match r.remaining() {
+        0 => Ok(0),
+        4 => r.u32(),
+        _ => Err(DecodeError::Malformed("ucx feature word is not 4 bytes")),
     }
 }
 
@@ -890,14 +1008,17 @@ mod tests {
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
         roundtrip(Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
-        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300] });
-        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![] });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: 0 });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: UCX_FEATURE_AM });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: 0 });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: UCX_FEATURE_AM });
         roundtrip(Body::UcxReady {
             addr: vec![],
             regions: vec![
                 UcxRegion { id: 1, base: 0x7f00_0000_0000, len: 1 << 20, rkey: vec![5; 40] },
                 UcxRegion { id: 9, base: 4096, len: 1, rkey: vec![] },
             ],
+            features: 0,
         });
         roundtrip(Body::UcxRkeys(vec![]));
         roundtrip(Body::UcxRkeys(vec![1, u64::MAX]));
@@ -914,9 +1035,10 @@ mod tests {
         assert_eq!(op.total(), 4096 + 819200);
         roundtrip(Body::ReadVReq(op.clone()));
         roundtrip(Body::WriteVReq(op.clone()));
-        // An old peer's Hello (version 1) is still understood; version 3 is not.
+        // An old peer's Hello (version 1) is still understood, so is 3 (ucx features); 4 is not.
         roundtrip(Body::Hello { version: 1, role: Role::Data, incarnation: 1, name: "old".into(), nonce: [0; 16] });
-        let v3 = Body::Hello { version: 3, role: Role::Data, incarnation: 1, name: "new".into(), nonce: [0; 16] }.encode(0);
+        roundtrip(Body::Hello { version: HELLO_UCX_FEATURES, role: Role::UcxSession, incarnation: 1, name: "u".into(), nonce: [0; 16] });
+        let v3 = Body::Hello { version: HELLO_MAX + 1, role: Role::Data, incarnation: 1, name: "new".into(), nonce: [0; 16] }.encode(0);
         assert!(matches!(Body::decode(Kind::Hello, &v3[HEADER_LEN..]), Err(DecodeError::VersionMismatch { .. })));
         // Every truncation and a trailing byte are refused.
         let bytes = Body::WriteVReq(op.clone()).encode(0);
@@ -986,7 +1108,8 @@ mod tests {
         ids.resize(ids.len() + 8 * (MAX_UCX_RKEYS + 1), 0);
         assert!(Body::decode(Kind::UcxRkeys, &ids).is_err());
         // Truncated and trailing bodies.
-        let ok = Body::UcxReady { addr: vec![1; 9], regions: vec![UcxRegion { id: 1, base: 2, len: 3, rkey: vec![4; 5] }] }.encode(0);
+        let ok = Body::UcxReady { addr: vec![1; 9], regions: vec![UcxRegion { id: 1, base: 2, len: 3, rkey: vec![4; 5] }], features: 0 }
+            .encode(0);
         let body = &ok[HEADER_LEN..];
         for cut in 0..body.len() {
             assert!(Body::decode(Kind::UcxReady, &body[..cut]).is_err(), "cut at {cut}");
@@ -1007,7 +1130,7 @@ mod tests {
         let big = UcxRegion { id: 1, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY + 1] };
         let fits = UcxRegion { id: 2, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY] };
         let regions: Vec<UcxRegion> = std::iter::once(big).chain((0..2000).map(|i| UcxRegion { id: i + 2, ..fits.clone() })).collect();
-        let bytes = Body::UcxReady { addr: vec![0; MAX_UCX_ADDR], regions }.encode(0);
+        let bytes = Body::UcxReady { addr: vec![0; MAX_UCX_ADDR], regions, features: UCX_FEATURE_AM }.encode(0);
         assert!(bytes.len() - HEADER_LEN <= MAX_UCX_READY);
         let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
         let Body::UcxReady { regions, .. } = Body::decode(h.kind, &bytes[HEADER_LEN..]).unwrap() else { panic!("not UcxReady") };
@@ -1116,6 +1239,71 @@ mod tests {
             if bytes.len() >= HEADER_LEN {
                 let _ = Header::decode(bytes[..HEADER_LEN].try_into().unwrap());
             }
+        }
+    }
+
+    #[test]
+    fn ucx_am_roundtrip_and_refusals() {
+        let op = VecOp {
+            region: 7,
+            key: RegionKey([0; 16]),
+            pieces: vec![VecPiece { offset: 8192, len: 4096, count: 1, stride: 0 }, VecPiece { offset: 0, len: 16, count: 3, stride: 64 }],
+        };
+        let total = op.total() as usize;
+        for write in [false, true] {
+            let am = UcxAm { token: 0x1234_5678_9abc, write, op: op.clone() };
+            let (h, desc) = am.encode();
+            let mut data = desc.clone();
+            if write {
+                data.extend(std::iter::repeat_n(0xa5, total));
+            }
+            let (back, payload) = UcxAm::decode(&h, &data).unwrap();
+            assert_eq!(back, am);
+            assert_eq!(payload.len(), if write { total } else { 0 });
+            // Payload one byte short or long, descriptor cut anywhere, a header of another size.
+            let mut short = data.clone();
+            short.pop();
+            assert!(UcxAm::decode(&h, &short).is_err());
+            let mut long = data.clone();
+            long.push(0);
+            assert!(UcxAm::decode(&h, &long).is_err());
+            for cut in 0..desc.len() {
+                assert!(UcxAm::decode(&h, &data[..cut]).is_err(), "cut at {cut}");
+            }
+            assert!(UcxAm::decode(&h[..12], &data).is_err());
+        }
+        // Unknown op, a descriptor length past the bound, a piece list over the entry bound.
+        let (mut h, desc) = UcxAm { token: 1, write: false, op: op.clone() }.encode();
+        h[0] = 3;
+        assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
+        h[0] = 1;
+        h[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
+        let many = VecOp { pieces: vec![VecPiece { offset: 0, len: 1, count: 1, stride: 0 }; MAX_VEC_ENTRIES + 1], ..op.clone() };
+        let (h, desc) = UcxAm { token: 1, write: false, op: many }.encode();
+        assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
+        // A zero-length piece.
+        let zero = VecOp { pieces: vec![VecPiece { offset: 0, len: 0, count: 1, stride: 0 }], ..op };
+        let (h, desc) = UcxAm { token: 1, write: false, op: zero }.encode();
+        assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
+        // Replies.
+        let r = encode_ucx_am_reply(99, Status::OutOfBounds);
+        assert_eq!(decode_ucx_am_reply(&r).unwrap(), (99, Status::OutOfBounds));
+        assert!(decode_ucx_am_reply(&r[..9]).is_err());
+    }
+
+    #[test]
+    fn ucx_features_word_is_optional_and_exact() {
+        let open = Body::UcxOpen { rail: 1, addr: vec![1; 4], features: 0 }.encode(0);
+        let body = &open[HEADER_LEN..];
+        assert_eq!(body.len(), 2 + 4 + 4, "no feature word when none is offered");
+        let mut with = body.to_vec();
+        with.extend_from_slice(&UCX_FEATURE_AM.to_le_bytes());
+        assert_eq!(Body::decode(Kind::UcxOpen, &with).unwrap(), Body::UcxOpen { rail: 1, addr: vec![1; 4], features: UCX_FEATURE_AM });
+        for extra in [1usize, 2, 3, 5] {
+            let mut bad = body.to_vec();
+            bad.extend(std::iter::repeat_n(0, extra));
+            assert!(Body::decode(Kind::UcxOpen, &bad).is_err(), "{extra} trailing bytes");
         }
     }
 }

@@ -589,14 +589,20 @@ fn body() -> impl Strategy<Value = Body> {
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Meta),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::MetaPut),
         (status(), name(512)).prop_map(|(status, msg)| Body::Error { status, msg }),
-        (any::<u16>(), prop::collection::vec(any::<u8>(), 0..300)).prop_map(|(rail, addr)| Body::UcxOpen { rail, addr }),
+        (any::<u16>(), prop::collection::vec(any::<u8>(), 0..300), any::<u32>()).prop_map(|(rail, addr, features)| Body::UcxOpen {
+            rail,
+            addr,
+            features
+        }),
         (
             prop::collection::vec(any::<u8>(), 0..300),
-            prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..100)), 0..5)
+            prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..100)), 0..5),
+            any::<u32>()
         )
-            .prop_map(|(addr, rs)| Body::UcxReady {
+            .prop_map(|(addr, rs, features)| Body::UcxReady {
                 addr,
-                regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect()
+                regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect(),
+                features
             }),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
         (any::<[u8; 16]>(), any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
@@ -721,7 +727,7 @@ fn write_fuzz_corpus() {
                 nonce: [6; 16],
             },
         ),
-        ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170] }),
+        ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170], features: 0 }),
         (
             "ucxready",
             Body::UcxReady {
@@ -730,6 +736,7 @@ fn write_fuzz_corpus() {
                     UcxRegion { id: 1, base: 0x7f00_0000_0000, len: MIB, rkey: vec![0x33; 48] },
                     UcxRegion { id: 2, base: 0x7f00_1000_0000, len: 64 * MIB, rkey: vec![0x44; 48] },
                 ],
+                features: 0,
             },
         ),
         ("ucxrkeys", Body::UcxRkeys(vec![3, 4])),
@@ -767,7 +774,35 @@ fn write_fuzz_corpus() {
         ("descs", DescList { mem: MemType::Dram, descs: vec![(4096, 100, 0), (1 << 40, MIB, 3)] }.encode()),
         ("descs_vram", DescList { mem: MemType::Vram, descs: vec![(0x7f00_0000_0000, 64 * MIB, 1)] }.encode()),
     ];
-    for (dir, items) in [("frame", frames.into_iter().map(|(n, b)| (n, b.encode(42))).collect::<Vec<_>>()), ("metadata", metas)] {
+    // ucx active messages: [header length][header][data] (fuzz/fuzz_targets/ucx_am.rs).
+    let am_seed = |write: bool, op: VecOp| {
+        let am = multirail_proto::codec::UcxAm { token: 0x1234, write, op };
+        let (h, mut d) = am.encode();
+        if write {
+            d.resize(d.len() + am.op.total() as usize, 0x77);
+        }
+        let mut v = vec![h.len() as u8];
+        v.extend_from_slice(&h);
+        v.extend_from_slice(&d);
+        v
+    };
+    let am_op = VecOp {
+        region: 3,
+        key: RegionKey([0; 16]),
+        pieces: vec![VecPiece { offset: 8192, len: 64, count: 1, stride: 0 }, VecPiece { offset: 0, len: 16, count: 4, stride: 4096 }],
+    };
+    let ams: Vec<(&str, Vec<u8>)> = vec![
+        ("am_read", am_seed(false, am_op.clone())),
+        ("am_write", am_seed(true, am_op)),
+        ("am_reply", {
+            let mut v = vec![10u8];
+            v.extend_from_slice(&multirail_proto::codec::encode_ucx_am_reply(0x1234, Status::OutOfBounds));
+            v
+        }),
+    ];
+    for (dir, items) in
+        [("frame", frames.into_iter().map(|(n, b)| (n, b.encode(42))).collect::<Vec<_>>()), ("metadata", metas), ("ucx_am", ams)]
+    {
         let d = root.join(dir);
         std::fs::create_dir_all(&d).expect("create corpus dir");
         for (n, bytes) in items {
@@ -817,5 +852,58 @@ fn sample_meta() -> AgentMeta {
             access: Access::ReadWrite,
             key: RegionKey([7; 16]),
         }],
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A ucx active-message request round-trips (header, descriptor and a WRITE's bytes), and
+    /// any mutation of its header or data decodes to an error or to a request whose payload is
+    /// exactly its pieces' bytes: never a panic, never a payload that disagrees with the list.
+    #[test]
+    fn ucx_am_roundtrip_and_mutations(
+        op in vec_op(),
+        token in any::<u64>(),
+        write in any::<bool>(),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..4),
+        cut in prop::option::of(any::<prop::sample::Index>()),
+    ) {
+        use multirail_proto::codec::UcxAm;
+        // Small pieces (the strides stay >= the lengths): a WRITE's bytes stay small.
+        let op = VecOp { pieces: op.pieces.into_iter().map(|p| VecPiece { len: p.len % 512 + 1, ..p }).collect(), ..op };
+        let am = UcxAm { token, write, op };
+        let (h, desc) = am.encode();
+        let mut data = desc.clone();
+        if write {
+            data.resize(desc.len() + am.op.total() as usize, 0x5a);
+        }
+        let (back, payload) = UcxAm::decode(&h, &data).expect("a valid request decodes");
+        prop_assert_eq!(&back, &am);
+        prop_assert_eq!(payload.len() as u64, if write { am.op.total() } else { 0 });
+        let (mut h2, mut d2) = (h.to_vec(), data.clone());
+        for (i, b) in &flips {
+            if i.index(2) == 0 {
+                let k = i.index(h2.len());
+                h2[k] ^= b | 1;
+            } else if !d2.is_empty() {
+                let k = i.index(d2.len());
+                d2[k] ^= b | 1;
+            }
+        }
+        if let Some(c) = cut {
+            d2.truncate(c.index(d2.len() + 1));
+        }
+        if let Ok((m, p)) = UcxAm::decode(&h2, &d2) {
+            prop_assert_eq!(p.len() as u64, if m.write { m.op.total() } else { 0 });
+            prop_assert!(m.op.pieces.iter().all(|q| q.len > 0 && q.count > 0 && q.end().is_some()));
+        }
+    }
+
+    /// Arbitrary bytes as a request or a reply header never panic the decoders.
+    #[test]
+    fn ucx_am_arbitrary_bytes(h in prop::collection::vec(any::<u8>(), 0..20), d in prop::collection::vec(any::<u8>(), 0..200)) {
+        let _ = multirail_proto::codec::UcxAm::decode(&h, &d);
+        let _ = multirail_proto::codec::decode_ucx_am_reply(&h);
     }
 }

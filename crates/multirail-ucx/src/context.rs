@@ -19,6 +19,7 @@ pub struct ContextConfig {
     env_prefix: Option<String>,
     settings: Vec<(String, String)>,
     wakeup: bool,
+    active_messages: bool,
     name: Option<String>,
 }
 
@@ -56,6 +57,14 @@ impl ContextConfig {
     /// Adds `UCP_FEATURE_WAKEUP`, so workers get an event fd ([`crate::Worker::wait_for_events`]).
     pub fn wakeup(mut self, on: bool) -> Self {
         self.wakeup = on;
+        self
+    }
+
+    /// Adds `UCP_FEATURE_AM`: workers take active-message handlers
+    /// ([`crate::Worker::set_am_handler`]) and endpoints send active messages
+    /// ([`crate::Endpoint::am_send`]).
+    pub fn active_messages(mut self, on: bool) -> Self {
+        self.active_messages = on;
         self
     }
 
@@ -141,7 +150,9 @@ impl Context {
         let name = cfg.name.as_deref().map(|n| cstring(n, "context name")).transpose()?;
         let mut params: sys::ucp_params_t = sys::zeroed();
         params.field_mask = sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-        params.features = sys::UCP_FEATURE_RMA | if cfg.wakeup { sys::UCP_FEATURE_WAKEUP } else { 0 };
+        params.features = sys::UCP_FEATURE_RMA
+            | if cfg.wakeup { sys::UCP_FEATURE_WAKEUP } else { 0 }
+            | if cfg.active_messages { sys::UCP_FEATURE_AM } else { 0 };
         params.mt_workers_shared = 1;
         if let Some(n) = &name {
             params.field_mask |= sys::UCP_PARAM_FIELD_NAME;

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::load::Version;
 use crate::status::{ptr_status, PtrStatus, Status};
 use crate::sys;
-use crate::worker::{EpFail, KeepAlive, Request, Worker, WorkerAddress, WorkerInner};
+use crate::worker::{AmKeep, EpFail, KeepAlive, Request, Worker, WorkerAddress, WorkerInner};
 
 /// How long dropping an endpoint waits for its close before leaving it to the worker.
 pub const DROP_CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -260,8 +260,54 @@ impl Endpoint {
             }
         };
         drop(l);
-        let keep = KeepAlive { _mem: Some(local.inner.clone()), _rkey: Some(rkey.inner.clone()) };
+        let keep = KeepAlive { _mem: Some(local.inner.clone()), _rkey: Some(rkey.inner.clone()), _am: None };
         Ok(Request::from_ptr(self.worker.clone(), name, Some(self.fail.clone()), p, keep))
+    }
+
+    /// `ucp_am_send_nbx` of active message `id` (eager protocol only: never rendezvous): `header`
+    /// as its header, and as its data `head` followed by `pieces` (local region, offset,
+    /// length) in order, gathered by UCX from their memory (an iov: no copy where the transport
+    /// sends from user memory). Every piece is checked against its region first. Complete =
+    /// the sources may be reused; nothing says the peer handled it (it replies for that).
+    /// `header`, `head` and the iov are kept alive by the request until it completes.
+    pub fn am_send(&self, id: u16, header: Vec<u8>, head: Vec<u8>, pieces: &[(&MemRegion, usize, usize)]) -> Result<Request> {
+        self.usable()?;
+        let mut iov: Vec<sys::ucp_dt_iov_t> = Vec::with_capacity(pieces.len() + 1);
+        if !head.is_empty() {
+            iov.push(sys::ucp_dt_iov_t { buffer: head.as_ptr() as *mut c_void, length: head.len() });
+        }
+        let mut mems = Vec::with_capacity(pieces.len().min(8));
+        for (mem, off, len) in pieces {
+            let ptr = mem.check(*off, *len)?;
+            if *len == 0 {
+                continue;
+            }
+            if !mems.iter().any(|m| Arc::ptr_eq(m, &mem.inner)) {
+                mems.push(mem.inner.clone());
+            }
+            iov.push(sys::ucp_dt_iov_t { buffer: ptr.cast(), length: *len });
+        }
+        let l = self.worker.lock()?;
+        let mut param: sys::ucp_request_param_t = sys::zeroed();
+        param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        let (buf, count) = if iov.is_empty() {
+            (std::ptr::null(), 0)
+        } else {
+            param.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
+            param.datatype = sys::UCP_DATATYPE_IOV;
+            (iov.as_ptr() as *const c_void, iov.len())
+        };
+        let hdr = if header.is_empty() { std::ptr::null() } else { header.as_ptr() as *const c_void };
+        // SAFETY: endpoint live, worker locked. The header, the head and the iov array are heap
+        // buffers moved into the request's keep-alive below (a Vec's buffer does not move with
+        // it), and every iov entry lies inside a mapped region (checked above) kept mapped by
+        // the same keep-alive, until the request completes.
+        let p = unsafe { (l.api().am_send_nbx)(self.handle, id.into(), hdr, header.len(), buf, count, &param) };
+        drop(l);
+        let keep =
+            KeepAlive { _am: Some(Box::new(AmKeep { _header: header, _head: head, _iov: iov, _mems: mems })), ..KeepAlive::default() };
+        Ok(Request::from_ptr(self.worker.clone(), "ucp_am_send_nbx", Some(self.fail.clone()), p, keep))
     }
 
     /// `ucp_ep_flush_nbx`: completes when every operation posted on this endpoint so far has

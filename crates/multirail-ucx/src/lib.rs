@@ -54,4 +54,4 @@ pub use endpoint::{CloseMode, Endpoint, Rkey, TransportEntry, TransportSource, T
 pub use error::{Error, Result};
 pub use load::{rdma_devices, LibInfo, LoadOptions, Source, Ucx, Version, ENV_LIB, ENV_SYSTEM, ENV_WHEEL_DIR, MIN_VERSION};
 pub use status::Status;
-pub use worker::{Request, ThreadMode, Worker, WorkerAddress, MAX_ADDRESS_LEN};
+pub use worker::{AmData, AmHandler, Request, ThreadMode, Worker, WorkerAddress, MAX_ADDRESS_LEN};

@@ -44,6 +44,7 @@ pub type ucp_send_nbx_callback_t = Option<unsafe extern "C" fn(request: *mut c_v
 /// `enum ucp_feature`.
 pub const UCP_FEATURE_RMA: u64 = 1 << 1;
 pub const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
+pub const UCP_FEATURE_AM: u64 = 1 << 6;
 /// `enum ucp_params_field`.
 pub const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
 pub const UCP_PARAM_FIELD_MT_WORKERS_SHARED: u64 = 1 << 5;
@@ -63,10 +64,28 @@ pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 /// `ucp_op_attr_t`.
+pub const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;
 /// `ucp_ep_close_flags_t`.
 pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+/// `enum ucp_dt_type`: `ucp_dt_make_iov()`.
+pub const UCP_DATATYPE_IOV: u64 = 2;
+/// `ucp_dt_make_contig(1)`: bytes.
+pub const UCP_DATATYPE_CONTIG_BYTES: u64 = 1 << 3;
+/// `enum ucp_send_am_flags`: eager protocol only (never rendezvous).
+pub const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+/// `enum ucp_am_cb_flags`: the whole message in one callback.
+pub const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
+/// `ucp_am_recv_attr_t`: data may be kept (returning `UCS_INPROGRESS`); we never keep it.
+pub const UCP_AM_RECV_ATTR_FLAG_DATA: u64 = 1 << 16;
+/// `ucp_am_recv_attr_t`: `data` is a rendezvous descriptor, not the bytes.
+pub const UCP_AM_RECV_ATTR_FLAG_RNDV: u64 = 1 << 17;
+/// `enum ucp_am_handler_param_field`.
+pub const UCP_AM_HANDLER_PARAM_FIELD_ID: u64 = 1 << 0;
+pub const UCP_AM_HANDLER_PARAM_FIELD_FLAGS: u64 = 1 << 1;
+pub const UCP_AM_HANDLER_PARAM_FIELD_CB: u64 = 1 << 2;
+pub const UCP_AM_HANDLER_PARAM_FIELD_ARG: u64 = 1 << 3;
 /// `enum ucp_ep_attr_field`. `TRANSPORTS` exists from UCX 1.14 on (not in 1.13).
 pub const UCP_EP_ATTR_FIELD_TRANSPORTS: u64 = 1 << 3;
 
@@ -174,6 +193,43 @@ pub struct ucp_request_param_t {
     pub remote_count: usize,
 }
 
+/// `ucp_am_recv_callback_t`.
+pub type ucp_am_recv_callback_t = Option<
+    unsafe extern "C" fn(
+        arg: *mut c_void,
+        header: *const c_void,
+        header_length: usize,
+        data: *mut c_void,
+        length: usize,
+        param: *const ucp_am_recv_param_t,
+    ) -> ucs_status_t,
+>;
+
+/// `ucp_am_handler_param_t` (32 bytes in both 1.13 and 1.22).
+#[repr(C)]
+pub struct ucp_am_handler_param_t {
+    pub field_mask: u64,
+    pub id: c_uint,
+    pub flags: u32,
+    pub cb: ucp_am_recv_callback_t,
+    pub arg: *mut c_void,
+}
+
+/// `struct ucp_am_recv_param` (16 bytes in both).
+#[repr(C)]
+pub struct ucp_am_recv_param_t {
+    pub recv_attr: u64,
+    pub reply_ep: ucp_ep_h,
+}
+
+/// `ucp_dt_iov_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ucp_dt_iov_t {
+    pub buffer: *mut c_void,
+    pub length: usize,
+}
+
 /// `ucp_transport_entry_t` (1.14+).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -241,6 +297,13 @@ const _: () = {
     assert!(size_of::<ucp_transports_t>() == 24);
     assert!(offset_of!(ucp_transports_t, entry_size) == 16);
     assert!(size_of::<ucp_transport_entry_t>() == 16);
+    assert!(size_of::<ucp_am_handler_param_t>() == 32);
+    assert!(offset_of!(ucp_am_handler_param_t, id) == 8);
+    assert!(offset_of!(ucp_am_handler_param_t, flags) == 12);
+    assert!(offset_of!(ucp_am_handler_param_t, cb) == 16);
+    assert!(offset_of!(ucp_am_handler_param_t, arg) == 24);
+    assert!(size_of::<ucp_am_recv_param_t>() == 16);
+    assert!(size_of::<ucp_dt_iov_t>() == 16);
 };
 
 /// The libucp functions this crate calls, resolved once per loaded library.
@@ -275,6 +338,9 @@ pub struct Api {
     pub rkey_destroy: unsafe extern "C" fn(ucp_rkey_h),
     pub put_nbx: unsafe extern "C" fn(ucp_ep_h, *const c_void, usize, u64, ucp_rkey_h, *const ucp_request_param_t) -> ucs_status_ptr_t,
     pub get_nbx: unsafe extern "C" fn(ucp_ep_h, *mut c_void, usize, u64, ucp_rkey_h, *const ucp_request_param_t) -> ucs_status_ptr_t,
+    pub worker_set_am_recv_handler: unsafe extern "C" fn(ucp_worker_h, *const ucp_am_handler_param_t) -> ucs_status_t,
+    pub am_send_nbx:
+        unsafe extern "C" fn(ucp_ep_h, c_uint, *const c_void, usize, *const c_void, usize, *const ucp_request_param_t) -> ucs_status_ptr_t,
     pub request_check_status: unsafe extern "C" fn(*mut c_void) -> ucs_status_t,
     pub request_free: unsafe extern "C" fn(*mut c_void),
 }
@@ -331,6 +397,8 @@ impl Api {
             rkey_destroy: sym!("ucp_rkey_destroy"),
             put_nbx: sym!("ucp_put_nbx"),
             get_nbx: sym!("ucp_get_nbx"),
+            worker_set_am_recv_handler: sym!("ucp_worker_set_am_recv_handler"),
+            am_send_nbx: sym!("ucp_am_send_nbx"),
             request_check_status: sym!("ucp_request_check_status"),
             request_free: sym!("ucp_request_free"),
         })
@@ -357,6 +425,8 @@ unsafe impl Zeroable for ucp_request_param_t {}
 unsafe impl Zeroable for ucp_ep_attr_t {}
 // SAFETY: as above.
 unsafe impl Zeroable for ucp_transport_entry_t {}
+// SAFETY: as above.
+unsafe impl Zeroable for ucp_am_handler_param_t {}
 
 /// A zeroed parameter struct: every field UCP may read is either set by us or masked out.
 pub fn zeroed<T: Zeroable>() -> T {

@@ -61,6 +61,71 @@ impl EpFail {
 pub(crate) struct KeepAlive {
     pub(crate) _mem: Option<Arc<MemInner>>,
     pub(crate) _rkey: Option<Arc<RkeyInner>>,
+    /// An active message's header, data head, iov array and the mappings its iov points into
+    /// (UCX reads all of them until the send completes).
+    pub(crate) _am: Option<Box<AmKeep>>,
+}
+
+/// What an active-message send needs alive until it completes (`Endpoint::am_send`).
+pub(crate) struct AmKeep {
+    pub(crate) _header: Vec<u8>,
+    pub(crate) _head: Vec<u8>,
+    pub(crate) _iov: Vec<sys::ucp_dt_iov_t>,
+    pub(crate) _mems: Vec<Arc<MemInner>>,
+}
+
+/// An active message's data as its handler sees it ([`Worker::set_am_handler`]).
+#[derive(Debug)]
+pub enum AmData<'a> {
+    /// The message's bytes, valid only during the call (the handler copies what it keeps).
+    Eager(&'a [u8]),
+    /// A rendezvous descriptor for `len` bytes: the bytes are not here. This crate never
+    /// receives it (dropped when the handler returns; the sender's request then completes);
+    /// its own sends are eager only ([`crate::Endpoint::am_send`]). A handler refuses it.
+    Rendezvous { len: usize },
+}
+
+/// An active-message handler: `(header, data)`. Runs inside `ucp_worker_progress`, on the
+/// thread progressing the worker, with the worker's lock held: it must not call anything of
+/// that worker (its endpoints, requests or progress), must not block for long, and a panic in
+/// it is caught and dropped (the message with it).
+pub type AmHandler = dyn Fn(&[u8], AmData<'_>) + Send + Sync;
+
+/// UCX's active-message callback: hands header and data to the registered [`AmHandler`].
+unsafe extern "C" fn on_am(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    if arg.is_null() {
+        return Status::OK.0;
+    }
+    // SAFETY: `arg` is a `Box<Box<AmHandler>>` owned by the worker's state, freed only after
+    // `ucp_worker_destroy` (no callback can run after that).
+    let f = unsafe { &*(arg as *const Box<AmHandler>) };
+    let h: &[u8] = if header.is_null() || header_length == 0 {
+        &[]
+    } else {
+        // SAFETY: UCX passes `header_length` readable bytes at `header`, valid during the call.
+        unsafe { std::slice::from_raw_parts(header as *const u8, header_length) }
+    };
+    // SAFETY: UCX passes a valid parameter struct (or NULL, handled) for the call's duration.
+    let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
+    let d = if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
+        AmData::Rendezvous { len: length }
+    } else if data.is_null() || length == 0 {
+        AmData::Eager(&[])
+    } else {
+        // SAFETY: not a rendezvous descriptor, so `data` is `length` bytes of the message,
+        // valid until this callback returns (we return UCS_OK: UCX releases them after).
+        AmData::Eager(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
+    };
+    // Never unwind into UCX.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(h, d)));
+    Status::OK.0
 }
 
 /// A request whose [`Request`] was dropped before it completed: polled on every progress,
@@ -72,6 +137,11 @@ struct Orphan {
 
 pub(crate) struct WorkerState {
     orphans: Vec<Orphan>,
+    /// Active-message handlers handed to UCX (their addresses are the callback arguments): kept
+    /// until the worker is destroyed. Boxed twice: the outer box's address is a thin pointer
+    /// that stays put while the Vec grows.
+    #[allow(clippy::vec_box)]
+    am_handlers: Vec<Box<Box<AmHandler>>>,
     /// Error-callback arguments of endpoints whose close did not finish in time: UCX may still
     /// call back with them until the worker is destroyed.
     zombies: Vec<*const EpFail>,
@@ -215,9 +285,9 @@ impl Drop for WorkerInner {
         while l.state().is_some_and(|s| !s.orphans.is_empty()) && Instant::now() < end {
             l.progress();
         }
-        let (orphans, zombies) = match l.state() {
-            Some(s) => (std::mem::take(&mut s.orphans), std::mem::take(&mut s.zombies)),
-            None => (Vec::new(), Vec::new()),
+        let (orphans, zombies, handlers) = match l.state() {
+            Some(s) => (std::mem::take(&mut s.orphans), std::mem::take(&mut s.zombies), std::mem::take(&mut s.am_handlers)),
+            None => (Vec::new(), Vec::new(), Vec::new()),
         };
         for o in &orphans {
             // SAFETY: not yet freed; UCX releases it when the worker goes.
@@ -227,6 +297,8 @@ impl Drop for WorkerInner {
         // ours is closed (each holds an Arc), so this only tears down UCX-internal state.
         unsafe { (api.worker_destroy)(self.handle) };
         drop(l);
+        // No callback runs after the worker is destroyed.
+        drop(handlers);
         drop(orphans);
         for z in zombies {
             // SAFETY: `z` came from Arc::into_raw in Endpoint::connect; the worker (and with it
@@ -282,7 +354,7 @@ impl Worker {
             mode,
             owner: thread::current().id(),
             efd,
-            state: Mutex::new(WorkerState { orphans: Vec::new(), zombies: Vec::new() }),
+            state: Mutex::new(WorkerState { orphans: Vec::new(), am_handlers: Vec::new(), zombies: Vec::new() }),
         };
         Ok(Worker { inner: Arc::new(inner) })
     }
@@ -417,6 +489,33 @@ impl Worker {
         let api = l.api();
         // SAFETY: worker live and locked; stream valid during the call.
         capture(|f| unsafe { (api.worker_print_info)(self.inner.handle, f) })
+    }
+
+    /// `ucp_worker_set_am_recv_handler`: `handler` receives every active message `id` that
+    /// arrives on this worker (whole messages, [`AmData`]); see [`AmHandler`] for what it may
+    /// do. Needs a context with [`crate::ContextConfig::active_messages`]. Setting `id` again
+    /// replaces the handler (the old one is kept until the worker goes).
+    pub fn set_am_handler(&self, id: u16, handler: Box<AmHandler>) -> Result<()> {
+        let mut l = self.inner.lock()?;
+        let boxed: Box<Box<AmHandler>> = Box::new(handler);
+        let arg = &*boxed as *const Box<AmHandler> as *mut c_void;
+        let mut param: sys::ucp_am_handler_param_t = sys::zeroed();
+        param.field_mask = sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG;
+        param.id = id.into();
+        param.flags = sys::UCP_AM_FLAG_WHOLE_MSG;
+        param.cb = Some(on_am);
+        param.arg = arg;
+        // SAFETY: worker live and locked; `arg` points into a heap box kept in the worker's
+        // state until after `ucp_worker_destroy`.
+        let st = unsafe { (l.api().worker_set_am_recv_handler)(self.inner.handle, &param) };
+        Status::check(st).map_err(|s| Error::ucx("ucp_worker_set_am_recv_handler", s))?;
+        if let Some(state) = l.state() {
+            state.am_handlers.push(boxed);
+        }
+        Ok(())
     }
 
     /// Creates an endpoint to the worker at `remote` (error mode PEER). See [`Endpoint::connect`].

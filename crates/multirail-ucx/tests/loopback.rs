@@ -262,3 +262,55 @@ fn dropping_pending_requests_and_endpoints_is_safe() {
     assert!(target == src);
     drop(region_b);
 }
+
+#[test]
+#[ignore = "needs libucp: run by `make test` (-- --ignored)"]
+fn active_message_gathers_iov_and_reaches_handler() {
+    let ucx = load("active_message_gathers_iov_and_reaches_handler");
+    let cfg = common::tcp_lo_config().active_messages(true);
+    let (ca, cb) = (multirail_ucx::Context::new(&ucx, &cfg).unwrap(), multirail_ucx::Context::new(&ucx, &cfg).unwrap());
+    let a = multirail_ucx::Worker::new(&ca, ThreadMode::Serialized).unwrap();
+    let b = multirail_ucx::Worker::new(&cb, ThreadMode::Serialized).unwrap();
+    type Got = Vec<(Vec<u8>, Result<Vec<u8>, usize>)>;
+    let got: std::sync::Arc<std::sync::Mutex<Got>> = Default::default();
+    let g = got.clone();
+    b.set_am_handler(
+        7,
+        Box::new(move |h, d| {
+            let d = match d {
+                multirail_ucx::AmData::Eager(x) => Ok(x.to_vec()),
+                multirail_ucx::AmData::Rendezvous { len } => Err(len),
+            };
+            g.lock().unwrap().push((h.to_vec(), d));
+        }),
+    )
+    .unwrap();
+    let _pb = Progressor::start(&b);
+    // Three scattered pieces of a 2 MiB source, 1 MiB in all (a size UCX would send by
+    // rendezvous without the eager flag), gathered behind a head.
+    let mut src = pattern(2 << 20, 0x3c);
+    // SAFETY: `src` outlives the region and the request (waited below).
+    let region = unsafe { ca.map(src.as_mut_ptr(), src.len()) }.unwrap();
+    let ep = a.connect(&b.address().unwrap()).unwrap();
+    let pieces = [(&region, 4096usize, 4096usize), (&region, 1 << 20, (1 << 20) - 8192), (&region, 0, 4096)];
+    let mut want = b"head".to_vec();
+    for (_, off, len) in &pieces {
+        want.extend_from_slice(&src[*off..off + len]);
+    }
+    ep.am_send(7, b"hdr!".to_vec(), b"head".to_vec(), &pieces).unwrap().wait(deadline(20)).unwrap();
+    // Header only, no data.
+    ep.am_send(7, vec![1, 2, 3], Vec::new(), &[]).unwrap().wait(deadline(20)).unwrap();
+    let end = deadline(20);
+    while got.lock().unwrap().len() < 2 && Instant::now() < end {
+        a.progress().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let got = got.lock().unwrap();
+    assert_eq!(got.len(), 2, "both messages handled");
+    assert_eq!(got[0].0, b"hdr!");
+    assert!(got[0].1.as_ref().is_ok_and(|d| *d == want), "gathered data differs (or came by rendezvous)");
+    assert_eq!(got[1], (vec![1, 2, 3], Ok(Vec::new())));
+    // A piece outside its region is refused before UCX sees it.
+    assert!(ep.am_send(7, vec![0], Vec::new(), &[(&region, (2 << 20) - 10, 11)]).is_err());
+    ep.close(CloseMode::Flush, deadline(10)).unwrap();
+}

@@ -1051,6 +1051,10 @@ impl Host for Link {
             .map(|c| (c.stream, c.id, c.version >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
     }
 
+    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
+        self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id, c.version))
+    }
+
     fn set_vectored(&self, ri: usize, on: bool) {
         self.sched.lock().expect("sched lock").planner.set_vectored(ri, on);
     }

@@ -7,7 +7,7 @@
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{Role, Status, HELLO_VERSION};
+use multirail_proto::codec::{Role, Status, HELLO_UCX_FEATURES, HELLO_VERSION};
 use multirail_proto::Body;
 
 use crate::auth;
@@ -116,14 +116,16 @@ pub(crate) struct Dialed {
 }
 
 /// Open one authenticated connection and check the peer is the life we have metadata for.
-/// Offers [`HELLO_VERSION`] first; a peer that answers `Error(VersionMismatch)` (a build from
-/// before vectored requests) is dialled again with version 1.
+/// Offers [`HELLO_VERSION`] first ([`HELLO_UCX_FEATURES`] on a `Role::UcxSession` connection); a
+/// peer that answers `Error(VersionMismatch)` (an older build) is dialled again one version
+/// lower, down to 1.
 pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
-    match dial_version(me, &to, HELLO_VERSION) {
-        Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) => {
-            dial_version(me, &to, 1).map(|(stream, id)| Dialed { stream, id, version: 1 })
+    let mut version = if to.role == Role::UcxSession { HELLO_UCX_FEATURES } else { HELLO_VERSION };
+    loop {
+        match dial_version(me, &to, version) {
+            Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) if version > 1 => version -= 1,
+            r => return r.map(|(stream, id)| Dialed { stream, id, version }),
         }
-        r => r.map(|(stream, id)| Dialed { stream, id, version: HELLO_VERSION }),
     }
 }
 
@@ -259,5 +261,21 @@ mod tests {
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, 1);
         assert_eq!(h.join().unwrap(), vec![HELLO_VERSION, 1]);
+    }
+
+    #[test]
+    fn ucx_session_offers_v3_and_steps_down_for_older_peers() {
+        let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
+        let t = Duration::from_secs(5);
+        let (addr, h) = server(HELLO_UCX_FEATURES, 1);
+        assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, HELLO_UCX_FEATURES);
+        assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES]);
+        // A build with vectored requests but no ucx features: 3 refused, 2 accepted.
+        let (addr, h) = server(HELLO_VERSION, 2);
+        assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, HELLO_VERSION);
+        assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES, HELLO_VERSION]);
+        let (addr, h) = server(1, 3);
+        assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, 1);
+        assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES, 2, 1]);
     }
 }

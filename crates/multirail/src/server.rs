@@ -139,6 +139,18 @@ pub struct ServedCounters {
     pub staging: Arc<crate::staging::StageStats>,
 }
 
+impl crate::transport::ucx::AmCounters for ServedCounters {
+    fn served(&self, write: bool, bytes: u64) {
+        let (b, n) = if write { (&self.bytes_written, &self.requests_written) } else { (&self.bytes_read, &self.requests_read) };
+        b.fetch_add(bytes, Ordering::Relaxed);
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn refused(&self, status: Status) {
+        self.refuse(status);
+    }
+}
+
 impl ServedCounters {
     pub fn refuse(&self, status: Status) {
         self.refused[(status as usize).min(N_STATUS - 1)].fetch_add(1, Ordering::Relaxed);
@@ -375,7 +387,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let _ = s.set_read_timeout(Some(TICK));
     let _ = s.set_write_timeout(Some(TICK));
     let timeout = sh.ctx.cfg.timeout;
-    let Some((role, peer_name, conn_id)) = handshake(sh, &mut s, &who, listener) else {
+    let Some((role, peer_name, conn_id, hello_version)) = handshake(sh, &mut s, &who, listener) else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
@@ -412,7 +424,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         return;
     }
     if role == Role::UcxSession {
-        serve_ucx(sh, &mut s, &me, &who);
+        serve_ucx(sh, &mut s, &me, &who, hello_version);
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
@@ -825,7 +837,7 @@ impl PendingWrites {
 /// fenced. The connection's `apply` lock is held for the worker's whole life: `fence` takes it
 /// after aborting the socket, so a fence returns only once the worker is destroyed, and then no
 /// late PUT of this session can land (the UCX fence).
-fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
+fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_version: u16) {
     let Some(ucx) = sh.ucx.as_ref() else {
         // Read the UcxOpen first (bounded), so the refusal is not lost to a reset.
         let deadline = Instant::now() + sh.ctx.cfg.timeout;
@@ -838,7 +850,8 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
     if me.fenced.load(Ordering::Acquire) {
         return;
     }
-    let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, &me.fenced, who);
+    let session = crate::transport::ucx::Session { fenced: &me.fenced, who, hello_version, counters: me.ctr.clone() };
+    let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, session);
     drop(guard);
     if let Err((status, msg)) = r {
         if !msg.is_empty() {
@@ -847,9 +860,9 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str) {
     }
 }
 
-/// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name and connection id (the
-/// nonce of its `Hello`).
-fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Option<(Role, String, [u8; 16])> {
+/// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name, connection id (the
+/// nonce of its `Hello`) and the `Hello` version it offered (accepted: 1 to `HELLO_MAX`).
+fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Option<(Role, String, [u8; 16], u16)> {
     // Refusals before the peer proved its name count under UNAUTHENTICATED_PEER.
     let deny = |s: &mut TcpStream, status: Status, msg: String| {
         refuse(sh, &sh.served_stats.counters(UNAUTHENTICATED_PEER, listener), s, who, status, msg)
@@ -864,8 +877,8 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
             Ok(())
         }
     };
-    let (role, name, client_nonce) = match wire::read_frame(s, &mut tick) {
-        Ok((_, Body::Hello { role, name, nonce, .. })) => (role, name, nonce),
+    let (role, name, client_nonce, version) = match wire::read_frame(s, &mut tick) {
+        Ok((_, Body::Hello { role, name, nonce, version, .. })) => (role, name, nonce, version),
         Ok((_, other)) => {
             deny(s, Status::Unexpected, format!("expected Hello, got {:?}", other.kind()));
             return None;
@@ -909,7 +922,7 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
         None => [0u8; 32],
     };
     wire::send(s, &Body::Welcome { mac: reply }, 0, &mut tick).ok()?;
-    Some((role, name, client_nonce))
+    Some((role, name, client_nonce, version))
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{Role, UcxRegion};
-use multirail_proto::{Access, Body, MemType, Status};
+use multirail_proto::codec::{Role, UcxAm, UcxRegion, VecOp, VecPiece};
+use multirail_proto::{Access, Body, MemType, RegionKey, Status};
 use multirail_ucx::{Context, ContextConfig, LoadOptions, ThreadMode, Ucx, Worker};
 
 use crate::agent::Agent;
@@ -40,7 +40,7 @@ fn try_open(init: &Agent, target: &Agent) -> Result<UcxRail> {
         &sh.ctx.identity(),
         Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(target), Role::UcxSession, T) },
     )?;
-    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, T)
+    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, c.version, T)
 }
 
 fn open(init: &Agent, target: &Agent) -> UcxRail {
@@ -295,7 +295,7 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
         let Body::UcxOpen { .. } = wire::read_frame(&mut s, &mut tick).unwrap().1 else { panic!("no UcxOpen") };
         let w = Worker::new(&ctx, ThreadMode::Serialized).unwrap();
         let regions = vec![UcxRegion { id: 1, base: tmap.addr(), len: 65536, rkey: tmap.pack_rkey().unwrap().into_bytes() }];
-        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions }, 0, &mut tick).unwrap();
+        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions, features: 0 }, 0, &mut tick).unwrap();
         while !h2.load(Ordering::Acquire) {
             let _ = w.wait_for_events(Duration::from_millis(10));
         }
@@ -307,7 +307,7 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
     });
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], T).unwrap();
+    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], 1, T).unwrap();
     let ibuf = vec![0u8; 65536];
     let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
     rail.post(1, false, ibuf.as_ptr() as u64, 1, 0, 4096).unwrap();
@@ -393,10 +393,205 @@ fn ucx_session_refused_by_an_agent_without_ucx() {
     let ucx_target = agent("ucx-target", TransportKind::Ucx);
     let sh = init.shared();
     let c = dial(&sh.ctx.identity(), Dial::to(rail_addr(&ucx_target), Role::UcxSession, T)).unwrap();
-    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, T).err().expect("refused");
+    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, c.version, T).err().expect("refused");
     assert!(e.to_string().contains("no rail 5"), "{e}");
     assert_eq!(ucx_target.shared().ucx.as_ref().unwrap().sessions(), 0);
     ucx_target.close();
+    init.close();
+    target.close();
+}
+
+/// One wire entry per piece (the remote side of `pieces`), as `planner::vec_pieces` makes for
+/// pieces that do not continue each other.
+fn wire_of(pieces: &[(u64, u64, u64)]) -> Vec<VecPiece> {
+    pieces.iter().map(|&(_, offset, len)| VecPiece { offset, len, count: 1, stride: 0 }).collect()
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_am_scattered_pages_land_exactly_both_ways() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let ibuf = pattern(11, MIB);
+    let tbuf = pattern(12, MIB);
+    let (iorig, torig) = (ibuf.clone(), tbuf.clone());
+    let _ir = init.register(ibuf.as_ptr() as u64, MIB as u64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, MIB as u64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = open(&init, &target);
+    assert!(rail.am(), "a session between two agents of this build negotiates active messages");
+    let ib = ibuf.as_ptr() as u64;
+    const PAGE: u64 = 4096;
+    // WRITE: 48 local pages (every third page of the first 576 KiB) to shuffled remote pages
+    // (page k -> remote slot (k * 29) % 64 of 8 KiB, 100 bytes in).
+    let writes: Vec<(u64, u64, u64)> = (0..48u64).map(|k| (ib + k * 3 * PAGE, ((k * 29) % 64) * 2 * PAGE + 100, PAGE)).collect();
+    rail.post_v(1, true, tr.id, &writes, Some(&wire_of(&writes))).unwrap();
+    // A strided remote entry: 16 pieces of 512 bytes, every 2 KiB from 700000, from one local run.
+    let strided: Vec<(u64, u64, u64)> = (0..16u64).map(|k| (ib + 600_000 + k * 512, 700_000 + k * 2048, 512)).collect();
+    let sw = [VecPiece { offset: 700_000, len: 512, count: 16, stride: 2048 }];
+    rail.post_v(2, true, tr.id, &strided, Some(&sw)).unwrap();
+    // READ: 40 remote pages from the upper half, shuffled, into scattered local pages.
+    let reads: Vec<(u64, u64, u64)> = (0..40u64).map(|k| (ib + 800_000 + ((k * 7) % 40) * 5000, 524_288 + k * PAGE, PAGE)).collect();
+    rail.post_v(3, false, tr.id, &reads, Some(&wire_of(&reads))).unwrap();
+    let mut done = collect(&rail, 3);
+    done.sort_by_key(|d| d.0);
+    assert_eq!(done, vec![(1, Ok(())), (2, Ok(())), (3, Ok(()))]);
+    assert_eq!(rail.outstanding(), 0);
+    // Every byte where its piece says, nothing else touched.
+    let mut texp = torig.clone();
+    for &(l, r, n) in writes.iter().chain(&strided) {
+        let (l, r, n) = ((l - ib) as usize, r as usize, n as usize);
+        texp[r..r + n].copy_from_slice(&iorig[l..l + n]);
+    }
+    assert!(tbuf == texp, "WRITE by active message: the target differs");
+    let mut iexp = iorig.clone();
+    for &(l, r, n) in &reads {
+        let (l, r, n) = ((l - ib) as usize, r as usize, n as usize);
+        iexp[l..l + n].copy_from_slice(&texp[r..r + n]);
+    }
+    assert!(ibuf == iexp, "READ by active message: the initiator differs");
+    // The target counted them as served requests (RMA would count none).
+    let served = target.served_stats();
+    let (rq, wq): (u64, u64) = served.iter().fold((0, 0), |a, s| (a.0 + s.requests_read, a.1 + s.requests_written));
+    assert_eq!((rq, wq), (1, 2), "{served:?}");
+    drop(rail);
+    init.close();
+    target.close();
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let mut ibuf = pattern(13, 65536);
+    let tbuf = pattern(14, 65536);
+    let robuf = pattern(15, 65536);
+    let lobuf = pattern(16, 65536);
+    let (torig, roorig, loorig) = (tbuf.clone(), robuf.clone(), lobuf.clone());
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let ro = target.register(robuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadOnly).unwrap();
+    let lo = target.register(lobuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::Local).unwrap();
+    let rail = open(&init, &target);
+    assert!(rail.am());
+    let ib = ibuf.as_ptr() as u64;
+    let two = [(ib, 0u64, 4096u64), (ib + 8192, 8192, 4096)];
+    // Checked on the initiator first, as RMA is: nothing sent.
+    let e = rail.post_v(1, true, tr.id, &[(ib, 65536 - 100, 4096), (ib + 8192, 0, 4096)], Some(&wire_of(&two))).unwrap_err();
+    assert!(e.contains("outside region"), "{e}");
+    // What a faulty initiator could send: refused by the target, each with its status.
+    let oob = [VecPiece { offset: 0, len: 4096, count: 1, stride: 0 }, VecPiece { offset: 65536 - 100, len: 4096, count: 1, stride: 0 }];
+    rail.post_am_unchecked(10, true, tr.id, &two, &oob).unwrap();
+    let strided_oob = [VecPiece { offset: 0, len: 4096, count: 2, stride: 65536 }];
+    rail.post_am_unchecked(11, true, tr.id, &two, &strided_oob).unwrap();
+    rail.post_am_unchecked(12, false, tr.id, &two, &oob).unwrap();
+    rail.post_am_unchecked(13, true, ro.id, &two, &wire_of(&two)).unwrap();
+    rail.post_am_unchecked(14, true, lo.id, &two, &wire_of(&two)).unwrap();
+    rail.post_am_unchecked(15, true, 12345, &two, &wire_of(&two)).unwrap();
+    // Malformed: an unknown op, a descriptor length past the data, a WRITE whose data is not
+    // its pieces' bytes, an empty piece list.
+    let good = multirail_proto::codec::UcxAm {
+        token: 16,
+        write: true,
+        op: VecOp { region: tr.id, key: RegionKey([0; 16]), pieces: wire_of(&two) },
+    };
+    let (mut h, desc) = good.encode();
+    h[0] = 9;
+    rail.post_am_raw(16, h.to_vec(), desc.clone()).unwrap();
+    let (mut h, desc) = UcxAm { token: 17, ..good.clone() }.encode();
+    h[9..13].copy_from_slice(&(desc.len() as u32 + 1).to_le_bytes());
+    rail.post_am_raw(17, h.to_vec(), desc).unwrap();
+    let (h, desc) = UcxAm { token: 18, ..good.clone() }.encode();
+    let mut short = desc.clone();
+    short.extend(std::iter::repeat_n(0xee, 8191));
+    rail.post_am_raw(18, h.to_vec(), short).unwrap();
+    let (mut h, _) = UcxAm { token: 19, ..good.clone() }.encode();
+    let mut empty = desc_of(tr.id);
+    h[9..13].copy_from_slice(&(empty.len() as u32).to_le_bytes());
+    rail.post_am_raw(19, h.to_vec(), std::mem::take(&mut empty)).unwrap();
+    let mut got = collect(&rail, 10);
+    got.sort_by_key(|d| d.0);
+    let want = [
+        (10, "outside"),
+        (11, "outside"),
+        (12, "outside"),
+        (13, "read-only"),
+        (14, "exports no such region"),
+        (15, "exports no such region"),
+        (16, "Malformed"),
+        (17, "Malformed"),
+        (18, "Malformed"),
+        (19, "Malformed"),
+    ];
+    for ((t, r), (wt, w)) in got.iter().zip(want) {
+        assert_eq!(*t, wt);
+        let e = r.as_ref().expect_err("refused");
+        assert!(e.contains(w), "chunk {t}: {e}");
+    }
+    // A header too short to name a token is dropped (nothing to answer): no effect either.
+    rail.post_am_raw(20, vec![2, 0, 0], Vec::new()).unwrap();
+    assert!(tbuf == torig && robuf == roorig && lobuf == loorig, "a refused request wrote");
+    // The rail is healthy: a good request goes through, and the read-only region reads.
+    rail.post_v(21, true, tr.id, &two, Some(&wire_of(&two))).unwrap();
+    let ro_pieces = [(ib + 16384, 0, 4096), (ib + 32768, 4096, 4096)];
+    rail.post_v(22, false, ro.id, &ro_pieces, Some(&wire_of(&ro_pieces))).unwrap();
+    let mut got = collect(&rail, 2);
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, vec![(21, Ok(())), (22, Ok(()))]);
+    assert!(tbuf[..4096] == ibuf[..4096] && tbuf[8192..12288] == ibuf[8192..12288], "WRITE after refusals");
+    assert!(ibuf[16384..16384 + 4096] == roorig[..4096] && ibuf[32768..32768 + 4096] == roorig[4096..8192], "READ of a read-only region");
+    let refused: u64 = target.served_stats().iter().map(|s| s.refused).sum();
+    assert_eq!(refused, 11, "every refusal counted (10 answered, 1 dropped)");
+    // Abort with an active message outstanding: reported lost, and no late reply lands.
+    let zero = vec![0u8; 8192];
+    ibuf[40960..40960 + 8192].copy_from_slice(&zero);
+    rail.post_v(30, false, tr.id, &[(ib + 40960, 0, 4096), (ib + 45056, 8192, 4096)], Some(&wire_of(&two))).unwrap();
+    rail.abort();
+    assert!(rail.take_unfinished().contains(&30));
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(ibuf[40960..40960 + 8192] == zero[..], "a READ reply landed after the abort");
+    drop(rail);
+    init.close();
+    target.close();
+}
+
+/// A piece descriptor with no entries (malformed).
+fn desc_of(region: u64) -> Vec<u8> {
+    let mut d = region.to_le_bytes().to_vec();
+    d.extend_from_slice(&[0; 16]);
+    d.extend_from_slice(&0u32.to_le_bytes());
+    d
+}
+
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_am_is_negotiated_and_rma_stays_for_older_peers() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let ibuf = pattern(17, 65536);
+    let tbuf = vec![0u8; 65536];
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    // An initiator that accepted an older Hello (version 2) offers nothing: RMA, as before.
+    let sh = init.shared();
+    let c = dial(
+        &sh.ctx.identity(),
+        Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(&target), Role::UcxSession, T) },
+    )
+    .unwrap();
+    assert_eq!(c.version, multirail_proto::codec::HELLO_UCX_FEATURES);
+    let rail = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 0, c.stream, c.id, 2, T).unwrap();
+    assert!(!rail.am());
+    let ib = ibuf.as_ptr() as u64;
+    let two = [(ib, 0u64, 4096u64), (ib + 8192, 8192, 4096)];
+    // The piece table is ignored without the feature: puts and a flush.
+    rail.post_v(1, true, tr.id, &two, Some(&wire_of(&two))).unwrap();
+    assert_eq!(collect(&rail, 1), vec![(1, Ok(()))]);
+    assert_eq!(&tbuf[..4096], &ibuf[..4096]);
+    assert_eq!(&tbuf[8192..12288], &ibuf[8192..12288]);
+    let served = target.served_stats();
+    assert_eq!(served.iter().map(|s| s.requests_written).sum::<u64>(), 0, "RMA is not a served request");
+    drop(rail);
     init.close();
     target.close();
 }

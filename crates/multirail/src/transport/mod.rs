@@ -72,6 +72,11 @@ pub(crate) trait Host: Send + Sync {
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])>;
     /// As `dial`, and whether the peer takes vectored requests on it (`Hello` version 2).
     fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)>;
+    /// As `dial`, and the `Hello` version the peer accepted (a `Role::UcxSession` connection
+    /// offers `HELLO_UCX_FEATURES`: version 3 carries the ucx feature words).
+    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
+        self.dial(ri, role, timeout).map(|(s, id)| (s, id, 1))
+    }
     /// Whether rail `ri` is handed vectored chunks (many pieces of one region per chunk, see
     /// `Chunk::vec`): a transport sets it once it knows it and the peer take them on that rail.
     fn set_vectored(&self, ri: usize, on: bool);

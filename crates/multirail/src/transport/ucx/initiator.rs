@@ -4,54 +4,24 @@
 
 use std::collections::HashMap;
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::UcxRegion;
-use multirail_proto::Body;
-use multirail_ucx::{CloseMode, Endpoint, MemRegion, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
+use multirail_proto::codec::{
+    decode_ucx_am_reply, UcxAm, UcxRegion, VecOp, VecPiece, HELLO_UCX_FEATURES, UCX_AM_REPLY, UCX_AM_REQ, UCX_FEATURE_AM,
+};
+use multirail_proto::{Body, RegionKey, Status};
+use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
 
-use super::{find_local, lock, Maps, UcxAgent};
+use super::{find_local, lock, Kick, Maps, UcxAgent};
 use crate::error::{Error, Result};
 use crate::net::{abort_socket, status_error};
 use crate::wire::{self, WireError};
 
 /// Bounded progress calls per sweep.
 const PROGRESS_BURST: usize = 64;
-
-/// An eventfd that wakes a rail's progress thread when a chunk is posted or the rail aborted
-/// (a PUT can complete locally inside the post, leaving no event on the worker's fd).
-struct Kick(OwnedFd);
-
-impl Kick {
-    fn new() -> std::io::Result<Kick> {
-        // SAFETY: plain syscall; the fd is owned below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a fresh fd nobody else owns.
-        Ok(Kick(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    fn fd(&self) -> RawFd {
-        self.0.as_raw_fd()
-    }
-
-    fn kick(&self) {
-        let one: u64 = 1;
-        // SAFETY: 8 bytes from a live u64 to our eventfd (a full counter only means "kicked").
-        unsafe { libc::write(self.fd(), (&one as *const u64).cast(), 8) };
-    }
-
-    fn drain(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: 8 bytes into a live u64 from our non-blocking eventfd.
-        unsafe { libc::read(self.fd(), (&mut v as *mut u64).cast(), 8) };
-    }
-}
 
 /// A target region as the session announced it; the rkey is unpacked on first use.
 struct Remote {
@@ -72,11 +42,77 @@ impl Remote {
     }
 }
 
+/// Set `MULTIRAIL_UCX_AM=0` to keep every chunk on RMA (no `UCX_FEATURE_AM` offered): an A/B
+/// switch for measurements.
+pub(crate) const ENV_AM: &str = "MULTIRAIL_UCX_AM";
+
+/// A chunk sent as one active message, waiting for its reply (`UcxRail::post_v`).
+struct AmPending {
+    write: bool,
+    /// A READ's local destinations (address, length), in the order of the reply's bytes.
+    dst: Vec<(u64, usize)>,
+    /// A READ's bytes in all.
+    total: usize,
+    /// The local mappings of `dst`, kept while the reply may still land.
+    _mems: Vec<MemRegion>,
+}
+
+/// What the reply handler shares with the rail: replies wait for their pending entry here.
+/// Locked innermost (inside the rail state and the worker's lock).
+#[derive(Default)]
+struct AmInbox {
+    pending: HashMap<u64, AmPending>,
+    /// Replies handled, not yet seen by `sweep`.
+    done: Vec<(u64, std::result::Result<(), String>)>,
+}
+
+/// A refusal status from the target, worded for `rails::refused`.
+fn target_refusal(op: &str, status: Status) -> String {
+    match status {
+        Status::OutOfBounds => format!("{op}: a piece is outside the remote region (refused by the target)"),
+        Status::UnknownRegion => format!("{op}: the peer exports no such region over ucx (refused by the target)"),
+        Status::ReadOnly => format!("{op}: the remote region is read-only (refused by the target)"),
+        s => format!("{op} refused by the target: {s:?}"),
+    }
+}
+
+/// The reply handler of a rail's worker (runs in `ucp_worker_progress`): a READ's bytes are
+/// scattered into its local pieces once their length is checked; a reply for no pending chunk
+/// (after an abort) is dropped untouched.
+fn on_reply(inbox: &Mutex<AmInbox>, header: &[u8], data: AmData<'_>) {
+    let Ok((token, status)) = decode_ucx_am_reply(header) else { return };
+    let mut ib = lock(inbox);
+    let Some(p) = ib.pending.remove(&token) else { return };
+    let op = if p.write { "WRITE" } else { "READ" };
+    let want = if p.write { 0 } else { p.total };
+    let r = match data {
+        _ if status != Status::Ok => Err(target_refusal(op, status)),
+        AmData::Eager(b) if b.len() == want => {
+            let mut at = 0usize;
+            for &(addr, n) in &p.dst {
+                // SAFETY: [addr, addr + n) is a piece of a READ posted on this rail, inside memory
+                // registered with this agent (checked at post) that the transfer keeps
+                // allocated until it is reported; the entry was pending, so the rail was not
+                // aborted (an abort empties the table under this lock). The lengths sum to
+                // `want` == b.len().
+                unsafe { std::ptr::copy_nonoverlapping(b[at..at + n].as_ptr(), addr as *mut u8, n) };
+                at += n;
+            }
+            Ok(())
+        }
+        AmData::Eager(b) => Err(format!("{op}: the target's reply carries {} bytes, expected {want}", b.len())),
+        AmData::Rendezvous { .. } => Err(format!("{op}: the target's reply came by rendezvous")),
+    };
+    ib.done.push((token, r));
+}
+
 struct Op {
     token: u64,
     write: bool,
-    /// The chunk's gets or puts, one per piece (never empty).
+    /// The chunk's gets or puts, one per piece (never empty); or its active message's send.
     reqs: Vec<Request>,
+    /// Sent as one active message: complete once its reply arrived (and the send completed).
+    am: bool,
     /// For a WRITE: an endpoint flush issued right after its puts, complete once they are
     /// complete at the target (remote completion). One per chunk, so each chunk is reported as
     /// soon as it landed: a flush covering the whole window would report nothing until the
@@ -97,6 +133,8 @@ struct RailState {
     last_event: Instant,
     transport: Option<String>,
     completed_any: bool,
+    /// Active-message replies taken from the inbox, by token, until their op is collected.
+    replied: HashMap<u64, std::result::Result<(), String>>,
 }
 
 impl RailState {
@@ -127,6 +165,9 @@ pub(crate) struct UcxRail {
     kick: Kick,
     timeout: Duration,
     aborted: AtomicBool,
+    /// The session negotiated `UCX_FEATURE_AM`.
+    am: bool,
+    inbox: Arc<Mutex<AmInbox>>,
 }
 
 fn wire_error(who: &str, e: WireError) -> Error {
@@ -149,7 +190,9 @@ fn remotes(regions: Vec<UcxRegion>) -> impl Iterator<Item = (u64, Remote)> {
 
 impl UcxRail {
     /// `session`: an already authenticated TCP connection to the target's rail (opened with
-    /// `net::dial` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names).
+    /// `net::dial` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names),
+    /// `hello_version` the `Hello` version the target accepted (3 and up: the active-message
+    /// path is offered, unless `MULTIRAIL_UCX_AM=0`).
     /// Does the UcxOpen/UcxReady exchange and connects the endpoint (waits for the wire-up with a
     /// flush). Bounded by `timeout`, which also bounds later `UcxRkeys` round trips and `abort`.
     pub fn open(
@@ -158,6 +201,7 @@ impl UcxRail {
         remote_rail: u16,
         session: TcpStream,
         id: [u8; 16],
+        hello_version: u16,
         timeout: Duration,
     ) -> Result<UcxRail> {
         let who = session.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
@@ -169,14 +213,22 @@ impl UcxRail {
             e => Error::PeerLost { peer: who.clone(), reason: format!("ucx session: {what}: {e}") },
         };
         let worker = Worker::new(&rail.ctx, ThreadMode::Serialized).map_err(|e| ucx_err("worker", e))?;
+        let inbox: Arc<Mutex<AmInbox>> = Arc::default();
+        let offer = hello_version >= HELLO_UCX_FEATURES && std::env::var(ENV_AM).map_or(true, |v| v.trim() != "0") && {
+            let ib = inbox.clone();
+            // Before UcxOpen: no reply can come earlier. A worker that refuses it offers nothing.
+            worker.set_am_handler(UCX_AM_REPLY, Box::new(move |h, d| on_reply(&ib, h, d))).is_ok()
+        };
         let addr = worker.address().map_err(|e| ucx_err("worker address", e))?;
         let deadline = Instant::now() + timeout;
         let mut s = session;
         let mut tick =
             |_: bool| if Instant::now() > deadline { Err(format!("ucx session with {who} not open within {timeout:?}")) } else { Ok(()) };
-        wire::send(&mut s, &Body::UcxOpen { rail: remote_rail, addr: addr.into_bytes() }, 0, &mut tick).map_err(|e| wire_error(&who, e))?;
-        let (peer_addr, regions) = match wire::read_frame(&mut s, &mut tick).map_err(|e| wire_error(&who, e))?.1 {
-            Body::UcxReady { addr, regions } => (addr, regions),
+        let features = if offer { UCX_FEATURE_AM } else { 0 };
+        let open = Body::UcxOpen { rail: remote_rail, addr: addr.into_bytes(), features };
+        wire::send(&mut s, &open, 0, &mut tick).map_err(|e| wire_error(&who, e))?;
+        let (peer_addr, regions, served) = match wire::read_frame(&mut s, &mut tick).map_err(|e| wire_error(&who, e))?.1 {
+            Body::UcxReady { addr, regions, features } => (addr, regions, features),
             Body::Error { status, msg } | Body::Resp { status, msg, .. } => return Err(status_error(&who, status, msg)),
             other => return Err(Error::Protocol { who, msg: format!("expected UcxReady, got {:?}", other.kind()) }),
         };
@@ -197,6 +249,7 @@ impl UcxRail {
             last_event: Instant::now(),
             transport: None,
             completed_any: false,
+            replied: HashMap::new(),
         };
         Ok(UcxRail {
             local_rail,
@@ -209,7 +262,14 @@ impl UcxRail {
             kick,
             timeout,
             aborted: AtomicBool::new(false),
+            am: offer && served & UCX_FEATURE_AM != 0,
+            inbox,
         })
+    }
+
+    /// Whether this rail may send a vectored chunk as one active message (negotiated).
+    pub fn am(&self) -> bool {
+        self.am
     }
 
     /// Wake a `progress` sleeping on this rail (work may be waiting in the planner).
@@ -236,7 +296,7 @@ impl UcxRail {
         remote_offset: u64,
         len: u64,
     ) -> std::result::Result<(), String> {
-        self.post_v(token, write, remote_region, &[(local, remote_offset, len)])
+        self.post_v(token, write, remote_region, &[(local, remote_offset, len)], None)
     }
 
     /// Post a chunk of `pieces` (local address, remote offset, length), all in remote region
@@ -247,7 +307,65 @@ impl UcxRail {
     /// a refusal by these checks leaves nothing in flight. A refusal by UCX of the first piece
     /// (nothing in flight yet) refuses the chunk; of a later piece, or of the flush, it fails
     /// the rail (pieces may be in flight: the chunk is reissued after the fence).
-    pub fn post_v(&self, token: u64, write: bool, remote_region: u64, pieces: &[(u64, u64, u64)]) -> std::result::Result<(), String> {
+    ///
+    /// `wire`: the chunk's piece table (`planner::vec_pieces`, the same pieces on the remote
+    /// side). Given on a rail with [`UcxRail::am`], the chunk goes as one active message instead
+    /// (`UcxAm`: the table, and a WRITE's pieces gathered from local memory by an iov); the
+    /// target checks and applies it and answers once, and the chunk completes on that reply (a
+    /// READ's reply is scattered into the local pieces). Same checks first; a refused send
+    /// refuses the chunk.
+    pub fn post_v(
+        &self,
+        token: u64,
+        write: bool,
+        remote_region: u64,
+        pieces: &[(u64, u64, u64)],
+        wire: Option<&[VecPiece]>,
+    ) -> std::result::Result<(), String> {
+        self.post_checked(token, write, remote_region, pieces, wire.filter(|_| self.am), true)
+    }
+
+    #[cfg(test)]
+    /// An active message with `wire` as its piece table as is, unchecked against the bounds the
+    /// session announced (what a faulty or hostile initiator could send: the target's checks
+    /// are under test). The local pieces are still checked.
+    pub fn post_am_unchecked(
+        &self,
+        token: u64,
+        write: bool,
+        remote_region: u64,
+        pieces: &[(u64, u64, u64)],
+        wire: &[VecPiece],
+    ) -> std::result::Result<(), String> {
+        self.post_checked(token, write, remote_region, pieces, Some(wire), false)
+    }
+
+    #[cfg(test)]
+    /// A raw active message (header and data exactly as given) waited for as WRITE chunk
+    /// `token`: malformed requests, to test the target's decoding. A request the target cannot
+    /// answer (no token) stays outstanding.
+    pub fn post_am_raw(&self, token: u64, header: Vec<u8>, data: Vec<u8>) -> std::result::Result<(), String> {
+        let mut g = lock(&self.state);
+        let st = &mut *g;
+        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        lock(&self.inbox).pending.insert(token, AmPending { write: true, dst: Vec::new(), total: 0, _mems: Vec::new() });
+        let req = ep.am_send(UCX_AM_REQ, header, data, &[]).map_err(|e| {
+            lock(&self.inbox).pending.remove(&token);
+            e.to_string()
+        })?;
+        st.ops.push(Op { token, write: true, reqs: vec![req], am: true, flush: None });
+        Ok(())
+    }
+
+    fn post_checked(
+        &self,
+        token: u64,
+        write: bool,
+        remote_region: u64,
+        pieces: &[(u64, u64, u64)],
+        wire: Option<&[VecPiece]>,
+        check_remote: bool,
+    ) -> std::result::Result<(), String> {
         let op = if write { "WRITE" } else { "READ" };
         if pieces.is_empty() {
             return Err(format!("{op}: a chunk with no pieces"));
@@ -269,7 +387,7 @@ impl UcxRail {
             };
             locals.push((mem, off, usize::try_from(len).map_err(|_| format!("{op}: length {len} too large"))?));
         }
-        if !lock(&self.state).remote.contains_key(&remote_region) {
+        if check_remote && !lock(&self.state).remote.contains_key(&remote_region) {
             self.fetch_rkey(remote_region)?;
         }
         let mut g = lock(&self.state);
@@ -278,6 +396,11 @@ impl UcxRail {
             return Err(format!("rail is down: {f}"));
         }
         let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        if !check_remote {
+            if let Some(wire) = wire {
+                return self.post_am(st, token, write, remote_region, pieces, &locals, wire);
+            }
+        }
         let remote =
             st.remote.get_mut(&remote_region).ok_or_else(|| format!("{op}: the peer exports no region {remote_region} over ucx"))?;
         let mut addrs = Vec::with_capacity(pieces.len());
@@ -291,6 +414,9 @@ impl UcxRail {
                     ))
                 }
             }
+        }
+        if let Some(wire) = wire {
+            return self.post_am(st, token, write, remote_region, pieces, &locals, wire);
         }
         let rkey = remote.rkey(ep).map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
         let mut reqs = Vec::with_capacity(pieces.len());
@@ -318,10 +444,64 @@ impl UcxRail {
         if st.outstanding() == 0 {
             st.last_event = Instant::now();
         }
-        st.ops.push(Op { token, write, reqs, flush });
+        st.ops.push(Op { token, write, reqs, am: false, flush });
         drop(g);
         self.kick.kick();
         Ok(())
+    }
+
+    /// Send a checked chunk as one active message (`post_v`); the state is locked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn post_am(
+        &self,
+        st: &mut RailState,
+        token: u64,
+        write: bool,
+        remote_region: u64,
+        pieces: &[(u64, u64, u64)],
+        locals: &[(MemRegion, usize, usize)],
+        wire: &[VecPiece],
+    ) -> std::result::Result<(), String> {
+        let op = if write { "WRITE" } else { "READ" };
+        let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
+        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        let am = UcxAm { token, write, op: VecOp { region: remote_region, key: RegionKey([0; 16]), pieces: wire.to_vec() } };
+        if am.op.total() != total {
+            return Err(format!("{op}: the piece table ({} bytes) does not match the chunk ({total} bytes)", am.op.total()));
+        }
+        let (header, desc) = am.encode();
+        let mut mems: Vec<MemRegion> = Vec::new();
+        let dst = if write {
+            Vec::new()
+        } else {
+            for (m, _, _) in locals {
+                if !mems.iter().any(|x| x.addr() == m.addr()) {
+                    mems.push(m.clone());
+                }
+            }
+            pieces.iter().map(|&(l, _, n)| (l, n as usize)).collect()
+        };
+        // Pending before the send: another thread's progress may run the reply handler at once.
+        lock(&self.inbox).pending.insert(token, AmPending { write, dst, total: total as usize, _mems: mems });
+        let iov: Vec<(&MemRegion, usize, usize)> = if write { locals.iter().map(|(m, o, n)| (m, *o, *n)).collect() } else { Vec::new() };
+        match ep.am_send(UCX_AM_REQ, header.to_vec(), desc, &iov) {
+            Ok(req) => {
+                if st.outstanding() == 0 {
+                    st.last_event = Instant::now();
+                }
+                st.ops.push(Op { token, write, reqs: vec![req], am: true, flush: None });
+                self.kick.kick();
+                Ok(())
+            }
+            Err(e) => {
+                lock(&self.inbox).pending.remove(&token);
+                match e {
+                    e @ multirail_ucx::Error::EndpointFailed { .. } => Err(format!("rail is down: {}", st.fail(e.to_string()))),
+                    // Nothing of this chunk in flight: only the chunk is refused.
+                    e => Err(format!("{op} refused: {e}")),
+                }
+            }
+        }
     }
 
     /// Ask the target for the rkey of a region registered after the session opened.
@@ -411,6 +591,11 @@ impl UcxRail {
         if let Some(status) = ep.failure() {
             return Err(st.fail(format!("ucx endpoint failed: {status}")));
         }
+        if self.am {
+            let replies = std::mem::take(&mut lock(&self.inbox).done);
+            st.replied.extend(replies);
+        }
+        let replied = &mut st.replied;
         let mut progressed = false;
         let mut i = 0;
         while i < st.ops.len() {
@@ -418,6 +603,9 @@ impl UcxRail {
             // The flush completes after the puts it follows, remotely; every get or put of the
             // chunk was posted before it.
             let r = (|| -> std::result::Result<bool, multirail_ucx::Error> {
+                if op.am && !replied.contains_key(&op.token) {
+                    return Ok(false);
+                }
                 if let Some(f) = op.flush.as_mut() {
                     if !f.check()? {
                         return Ok(false);
@@ -435,12 +623,18 @@ impl UcxRail {
                 Ok(true) => {
                     let op = st.ops.swap_remove(i);
                     progressed = true;
-                    done.push((op.token, Ok(())));
+                    // An active message is done as its reply says.
+                    let r = if op.am { replied.remove(&op.token).unwrap_or(Ok(())) } else { Ok(()) };
+                    done.push((op.token, r));
                 }
                 Err(e @ multirail_ucx::Error::EndpointFailed { .. }) => return Err(st.fail(e.to_string())),
                 Err(e) => {
                     let op = st.ops.swap_remove(i);
                     progressed = true;
+                    replied.remove(&op.token);
+                    if op.am {
+                        lock(&self.inbox).pending.remove(&op.token);
+                    }
                     done.push((op.token, Err(format!("{} failed: {e}", if op.write { "WRITE" } else { "READ" }))));
                 }
             }
@@ -546,6 +740,11 @@ impl UcxRail {
             let _ = ep.close(CloseMode::Force, Instant::now() + self.timeout.max(Duration::from_secs(1)));
             let lost: Vec<u64> = st.ops.drain(..).map(|o| o.token).collect();
             st.lost.extend(lost);
+            st.replied.clear();
+            // A reply that still arrives finds nothing pending and touches no memory.
+            let mut ib = lock(&self.inbox);
+            ib.pending.clear();
+            ib.done.clear();
             // Closed by the force close: these requests are complete (cancelled) and drop here.
         }
         drop(g);

@@ -36,11 +36,12 @@ mod target;
 
 pub(crate) use initiator::UcxRail;
 pub(crate) use rails::UcxRails;
-pub(crate) use target::serve_session;
+pub(crate) use target::{serve_session, AmCounters, Session};
 
 use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use multirail_proto::codec::UcxRegion;
@@ -67,12 +68,49 @@ struct Mapped {
     base: u64,
     len: u64,
     exported: bool,
+    /// What a peer may do to it (the active-message path checks it on the target).
+    access: Access,
+    /// Host memory: the target may copy into and out of it itself (active messages).
+    host: bool,
     /// None on rails without a UCX context (they run tcp).
     per_rail: Vec<Option<(MemRegion, Option<PackedRkey>)>>,
 }
 
 /// Region id -> mapping; shared with the rails (they find local memory handles in it).
 type Maps = RwLock<HashMap<u64, Arc<Mapped>>>;
+
+/// An eventfd that wakes a sleeper: a rail's progress thread when a chunk is posted or the rail
+/// aborted (a PUT can complete locally inside the post, leaving no event on the worker's fd); a
+/// session loop when its active-message handler left replies to send.
+pub(super) struct Kick(OwnedFd);
+
+impl Kick {
+    pub(super) fn new() -> std::io::Result<Kick> {
+        // SAFETY: plain syscall; the fd is owned below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd nobody else owns.
+        Ok(Kick(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    pub(super) fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+
+    pub(super) fn kick(&self) {
+        let one: u64 = 1;
+        // SAFETY: 8 bytes from a live u64 to our eventfd (a full counter only means "kicked").
+        unsafe { libc::write(self.fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub(super) fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: 8 bytes into a live u64 from our non-blocking eventfd.
+        unsafe { libc::read(self.fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+}
 
 fn find_local(maps: &Maps, rail: usize, addr: u64, len: u64) -> Option<(MemRegion, usize)> {
     let end = addr.checked_add(len)?;
@@ -154,7 +192,8 @@ impl UcxAgent {
                 };
             per_rail.push(Some((m, packed)));
         }
-        let mapped = Arc::new(Mapped { base: region.base, len: region.len, exported, per_rail });
+        let host = region.mem == multirail_proto::MemType::Dram;
+        let mapped = Arc::new(Mapped { base: region.base, len: region.len, exported, access: region.access, host, per_rail });
         self.maps.write().unwrap_or_else(PoisonError::into_inner).insert(region.id, mapped);
         Ok(())
     }
@@ -222,9 +261,13 @@ impl UcxAgent {
 ///   peer's send segment must fit our receive segment (UCX's default 64K: a peer with defaults
 ///   and one with these settings talk both ways).
 ///
+/// The contexts also request `UCP_FEATURE_AM` (the vectored active-message path,
+/// `UCX_FEATURE_AM`); every active message we send asks for the eager protocol
+/// (`UCP_AM_SEND_FLAG_EAGER`), and the threshold keeps rendezvous off as well.
+///
 /// Why these are safe for RDMA rails too: rendezvous is a protocol of tagged, stream and
-/// active-message sends, and our contexts request only `UCP_FEATURE_RMA` (and WAKEUP), so no
-/// rendezvous ever runs and no rendezvous buffer exists to invalidate; `ucp_put`/`ucp_get` over
+/// active-message sends; we send no tagged or stream messages and our active messages are eager,
+/// so no rendezvous ever runs and no rendezvous buffer exists to invalidate; `ucp_put`/`ucp_get` over
 /// rc/dc use their registered-memory RMA protocols whatever the threshold. The memory they
 /// touch is the agent's own mapping, which stays mapped, and a dead rail's late PUTs are stopped
 /// by the fence (the target destroys the session's worker), not by UCX invalidation. The
@@ -238,7 +281,8 @@ fn rail_config(i: usize, r: &LocalRail, rdma_dev: &str) -> (ContextConfig, Strin
         .set("MAX_EAGER_LANES", "1")
         .set("RNDV_THRESH", "inf")
         .set("TCP_TX_SEG_SIZE", "32K")
-        .set("TCP_RX_SEG_SIZE", "64K");
+        .set("TCP_RX_SEG_SIZE", "64K")
+        .active_messages(true);
     if !rdma_dev.is_empty() {
         let dev = if rdma_dev.contains(':') { rdma_dev.to_string() } else { format!("{rdma_dev}:1") };
         return (cfg.net_devices(dev.clone()), format!("NET_DEVICES={dev}"));

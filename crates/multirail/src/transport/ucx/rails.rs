@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
+use multirail_proto::planner::vec_pieces;
 use multirail_proto::Chunk;
 
 use super::{UcxAgent, UcxRail};
@@ -71,12 +72,24 @@ impl UcxRails {
     }
 }
 
-/// A refusal of one chunk (before or by UCX) that is not a rail failure.
+/// A vectored chunk goes as one active message (on a rail that negotiated them) when its
+/// pieces average at most this: small pieces are where one UCP put per piece costs a send and
+/// an acknowledgement each over tcp; large ones stay zero-copy RMA.
+pub(crate) const AM_MAX_AVG_PIECE: u64 = 64 << 10;
+
+/// Whether a chunk of `n` pieces and `bytes` in all goes as one active message.
+pub(crate) fn use_am(n: usize, bytes: u64) -> bool {
+    n > 1 && bytes <= AM_MAX_AVG_PIECE.saturating_mul(n as u64)
+}
+
+/// A refusal of one chunk (before or by UCX, or by the target) that is not a rail failure.
 fn refused(msg: &str) -> Status {
     if msg.contains("outside") || msg.contains("too large") {
         Status::OutOfBounds
-    } else if msg.contains("exports no region") {
+    } else if msg.contains("exports no region") || msg.contains("exports no such region") {
         Status::UnknownRegion
+    } else if msg.contains("read-only") {
+        Status::ReadOnly
     } else {
         Status::Internal
     }
@@ -109,8 +122,14 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
             Some(v) => v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect(),
             None => vec![(piece.local, piece.offset, piece.len)],
         };
+        // Many small pieces of host memory: one active message with the piece table instead.
+        let bytes: u64 = pieces.iter().map(|q| q.2).sum();
+        let wire = match chunk.vec.as_ref() {
+            Some(runs) if p.rail.am() && x.local_dev(piece.local).is_none() && use_am(pieces.len(), bytes) => Some(vec_pieces(runs)),
+            _ => None,
+        };
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
-        let posted = p.rail.post_v(token, write, piece.region, &pieces);
+        let posted = p.rail.post_v(token, write, piece.region, &pieces, wire.as_deref());
         if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
             if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
@@ -201,9 +220,9 @@ impl Transport for UcxRails {
 
     fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
         let (local_index, remote_index) = link.rail_indices(ri);
-        let (s, id) = link.dial(ri, Role::UcxSession, timeout)?;
+        let (s, id, hello) = link.dial_hello(ri, Role::UcxSession, timeout)?;
         let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
-        let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, timeout)?;
+        let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, hello, timeout)?;
         // One-sided: the target parses nothing, so any peer takes batched gets and puts.
         link.set_vectored(ri, link.cfg().vectored);
         link.set_byte_progress(ri, false); // no progress evidence below a completion

@@ -1,16 +1,27 @@
 //! The target's side of UCX sessions: per `Role::UcxSession` connection a worker of its own on
 //! the requested rail's context, progressed until the session ends; destroying it is the fence
 //! (module docs of `transport::ucx`).
+//!
+//! A session that negotiated `UCX_FEATURE_AM` also takes vectored chunks as active messages
+//! (`UcxAm`): the handler checks the piece list against the region this agent exports (known,
+//! exported, host memory, writable for a WRITE, every piece inside it) before it touches any
+//! byte, scatters a WRITE's data into the region itself, and leaves one reply per request for
+//! the session loop to send on an endpoint of its own to the initiator's worker (a READ's reply
+//! carries the pieces gathered from the region by an iov). A refused request is answered with
+//! its status and writes nothing.
 
+use std::collections::HashMap;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use multirail_proto::{Body, Status};
-use multirail_ucx::{ThreadMode, Worker};
+use multirail_proto::codec::{encode_ucx_am_reply, UcxAm, HELLO_UCX_FEATURES, UCX_AM_REPLY, UCX_AM_REQ, UCX_AM_REQ_HEADER, UCX_FEATURE_AM};
+use multirail_proto::{Access, Body, Status};
+use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, ThreadMode, Worker, WorkerAddress};
 
-use super::UcxAgent;
+use super::{Kick, Mapped, UcxAgent};
 
 /// A refused session's message when the asked rail does not run ucx on this agent.
 pub(crate) const NOT_ON_RAIL: &str = "this agent does not run the ucx transport on rail";
@@ -39,6 +50,105 @@ fn tick_until<'a>(
     }
 }
 
+/// What the active-message handler leaves for the session loop to send.
+enum AmReply {
+    /// A status only: a WRITE applied, or any refusal.
+    Status { token: u64, status: Status },
+    /// A READ's pieces (offset, length) of this mapping, sent gathered as the reply's data.
+    Read { token: u64, mem: MemRegion, pieces: Vec<(usize, usize)> },
+}
+
+/// The handler's replies, and the kick that wakes the session loop for them.
+struct AmInbox {
+    replies: Mutex<Vec<AmReply>>,
+    kick: Kick,
+}
+
+/// Where a session counts its active-message requests (the server's per-peer serving counters):
+/// they count as served READs/WRITEs and refusals by status, as tcp requests do.
+pub(crate) trait AmCounters: Send + Sync {
+    fn served(&self, write: bool, bytes: u64);
+    fn refused(&self, status: Status);
+}
+
+/// A served session's identity and bookkeeping (from the server's handshake).
+pub(crate) struct Session<'a> {
+    /// Set when the session is fenced (its worker must go).
+    pub fenced: &'a AtomicBool,
+    /// The peer, for logs.
+    pub who: &'a str,
+    /// The `Hello` version the initiator offered (3 and up: `UcxOpen` may offer features).
+    pub hello_version: u16,
+    /// The peer's serving counters: active-message requests count as served READs/WRITEs
+    /// (and refusals by status); RMA is one-sided and counted nowhere here.
+    pub counters: Arc<dyn AmCounters>,
+}
+
+/// Handle one `UcxAm` request (in UCX's callback, on the session thread): every check before
+/// any byte is touched, then a WRITE is scattered into the region; the reply to send, if the
+/// request named a token to answer (a header too short to hold one is dropped).
+fn handle_am(
+    maps: &RwLock<HashMap<u64, Arc<Mapped>>>,
+    rail: usize,
+    ctr: &dyn AmCounters,
+    header: &[u8],
+    data: AmData<'_>,
+) -> Option<AmReply> {
+    let Some(token) = (header.len() == UCX_AM_REQ_HEADER).then(|| u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"))) else {
+        ctr.refused(Status::Malformed);
+        return None;
+    };
+    let refuse = |status: Status| {
+        ctr.refused(status);
+        Some(AmReply::Status { token, status })
+    };
+    // Our initiators send eagerly only; the bytes of a rendezvous are never fetched.
+    let AmData::Eager(data) = data else { return refuse(Status::Unexpected) };
+    let Ok((am, payload)) = UcxAm::decode(header, data) else { return refuse(Status::Malformed) };
+    let m = maps.read().unwrap_or_else(PoisonError::into_inner).get(&am.op.region).cloned();
+    let Some(m) = m.filter(|m| m.exported) else { return refuse(Status::UnknownRegion) };
+    if !m.host {
+        // GPU memory is not the CPU's to copy (vectored requests are for host memory).
+        return refuse(Status::Unexpected);
+    }
+    if am.write && m.access != Access::ReadWrite {
+        return refuse(Status::ReadOnly);
+    }
+    if am.op.pieces.iter().any(|p| p.end().is_none_or(|end| end > m.len)) {
+        return refuse(Status::OutOfBounds);
+    }
+    if am.write {
+        let mut at = 0usize;
+        for p in &am.op.pieces {
+            for k in 0..p.count {
+                // In bounds: `end()` (the last piece's end) is within the region, checked above.
+                let off = p.offset + k * p.stride;
+                let n = p.len as usize;
+                let dst = (m.base + off) as *mut u8;
+                // SAFETY: [base + off, + n) lies inside a region registered with this agent and
+                // exported read-write (checked above), which the application keeps allocated
+                // while registered, as for any peer's WRITE; `payload` holds exactly the pieces'
+                // bytes (decode checked), so `at + n <= payload.len()`; UCX's buffer and the
+                // region do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(payload[at..at + n].as_ptr(), dst, n) };
+                at += n;
+            }
+        }
+        ctr.served(true, at as u64);
+        return Some(AmReply::Status { token, status: Status::Ok });
+    }
+    let Some(Some((mem, _))) = m.per_rail.get(rail) else { return refuse(Status::Internal) };
+    // At most MAX_VEC_PIECES (decode bounded the count).
+    let mut pieces = Vec::with_capacity(am.op.pieces.iter().map(|p| p.count as usize).sum());
+    for p in &am.op.pieces {
+        for k in 0..p.count {
+            pieces.push(((p.offset + k * p.stride) as usize, p.len as usize));
+        }
+    }
+    ctr.served(false, am.op.total());
+    Some(AmReply::Read { token, mem: mem.clone(), pieces })
+}
+
 /// Target side of one `Role::UcxSession` connection (already authenticated and registered in
 /// the agent's table of served connections; the caller holds the connection's `apply` lock for the whole call). Reads
 /// `UcxOpen`, creates a worker on that rail's context for this session only, answers
@@ -52,14 +162,14 @@ pub(crate) fn serve_session(
     log: &dyn Fn(&str),
     agent: &UcxAgent,
     s: &mut TcpStream,
-    fenced: &AtomicBool,
-    who: &str,
+    session: Session<'_>,
 ) -> std::result::Result<(), (Status, String)> {
+    let Session { fenced, who, hello_version, counters } = session;
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("no UcxOpen within {timeout:?}"));
-    let rail = match wire::read_frame(s, &mut tick) {
-        Ok((_, Body::UcxOpen { rail, addr: _ })) => rail as usize,
+    let (rail, peer_addr, offered) = match wire::read_frame(s, &mut tick) {
+        Ok((_, Body::UcxOpen { rail, addr, features })) => (rail as usize, addr, features),
         Ok((_, other)) => return Err((Status::Unexpected, format!("expected UcxOpen, got {:?}", other.kind()))),
         Err(WireError::Decode(e)) => return Err((Status::Malformed, e.to_string())),
         Err(WireError::GaveUp(m)) => return Err((Status::Malformed, m)),
@@ -73,13 +183,74 @@ pub(crate) fn serve_session(
         return Err((Status::Unexpected, format!("{NOT_ON_RAIL} {rail} (it runs tcp there)")));
     };
     let worker = Worker::new(&rc.ctx, ThreadMode::Serialized).map_err(|e| (Status::Internal, format!("ucx session worker: {e}")))?;
+    let am = if hello_version >= HELLO_UCX_FEATURES && offered & UCX_FEATURE_AM != 0 {
+        match am_setup(agent, rail, &worker, peer_addr, counters) {
+            Ok(am) => Some(am),
+            Err(e) => {
+                // The session still serves RMA; the initiator sees no AM feature in UcxReady.
+                log(&format!("ucx session from {who}: no active messages: {e}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
     agent.sessions.fetch_add(1, Ordering::SeqCst);
-    let r = session_loop(cfg, shutdown, log, agent, s, &worker, rail, fenced, who);
+    let r = session_loop(cfg, shutdown, log, agent, s, &worker, rail, fenced, who, am);
     // The session's worker goes here: its connections close, nothing of the session can touch
     // memory after this (the caller releases the fence lock only afterwards).
     drop(worker);
     agent.sessions.fetch_sub(1, Ordering::SeqCst);
     r
+}
+
+/// The active-message side of a session: the handler on its worker, and an endpoint of its own
+/// to the initiator's worker for the replies.
+fn am_setup(
+    agent: &UcxAgent,
+    rail: usize,
+    worker: &Worker,
+    peer_addr: Vec<u8>,
+    ctr: Arc<dyn AmCounters>,
+) -> std::result::Result<(Endpoint, Arc<AmInbox>), String> {
+    let kick = Kick::new().map_err(|e| format!("eventfd: {e}"))?;
+    let inbox = Arc::new(AmInbox { replies: Mutex::new(Vec::new()), kick });
+    let (maps, ib) = (agent.maps.clone(), inbox.clone());
+    worker
+        .set_am_handler(
+            UCX_AM_REQ,
+            Box::new(move |h, d| {
+                if let Some(r) = handle_am(&maps, rail, &*ctr, h, d) {
+                    let mut q = ib.replies.lock().unwrap_or_else(PoisonError::into_inner);
+                    q.push(r);
+                    if q.len() == 1 {
+                        ib.kick.kick();
+                    }
+                }
+            }),
+        )
+        .map_err(|e| e.to_string())?;
+    // SAFETY: the initiator's `ucp_worker_get_address`, intact over the authenticated session.
+    let addr = unsafe { WorkerAddress::from_peer(peer_addr) }.map_err(|e| format!("initiator worker address: {e}"))?;
+    let ep = worker.connect(&addr).map_err(|e| format!("reply endpoint: {e}"))?;
+    Ok((ep, inbox))
+}
+
+/// Send the replies the handler left; Err when the reply endpoint refuses (the initiator is gone).
+fn send_replies(ep: &Endpoint, inbox: &AmInbox) -> std::result::Result<(), String> {
+    let replies = std::mem::take(&mut *inbox.replies.lock().unwrap_or_else(PoisonError::into_inner));
+    for r in replies {
+        let sent = match r {
+            AmReply::Status { token, status } => ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, status).to_vec(), Vec::new(), &[]),
+            AmReply::Read { token, mem, pieces } => {
+                let iov: Vec<(&MemRegion, usize, usize)> = pieces.iter().map(|&(o, n)| (&mem, o, n)).collect();
+                ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, Status::Ok).to_vec(), Vec::new(), &iov)
+            }
+        };
+        // A pending send finishes in the background, keeping its buffers and mapping alive.
+        drop(sent.map_err(|e| format!("reply: {e}"))?);
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -93,17 +264,45 @@ fn session_loop(
     rail: usize,
     fenced: &AtomicBool,
     who: &str,
+    am: Option<(Endpoint, Arc<AmInbox>)>,
+) -> std::result::Result<(), (Status, String)> {
+    let r = session_serve(cfg, shutdown, log, agent, s, worker, rail, fenced, who, am.as_ref());
+    if let Some((ep, _)) = am {
+        // Pending replies are cancelled: the session is over (and the worker goes next).
+        let _ = ep.close(CloseMode::Force, Instant::now() + Duration::from_secs(1));
+    }
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn session_serve(
+    cfg: &Config,
+    shutdown: &AtomicBool,
+    log: &dyn Fn(&str),
+    agent: &UcxAgent,
+    s: &mut TcpStream,
+    worker: &Worker,
+    rail: usize,
+    fenced: &AtomicBool,
+    who: &str,
+    am: Option<&(Endpoint, Arc<AmInbox>)>,
 ) -> std::result::Result<(), (Status, String)> {
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("UcxReady not sent within {timeout:?}"));
     let Some(rc) = agent.rail(rail) else { return Err((Status::Internal, format!("rail {rail} has no UCX context"))) };
     let addr = worker.address().map_err(|e| (Status::Internal, format!("ucx session worker address: {e}")))?;
-    let ready = Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None) };
+    let features = if am.is_some() { UCX_FEATURE_AM } else { 0 };
+    let ready = Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None), features };
     if wire::send(s, &ready, 0, &mut tick).is_err() {
         return Err((Status::Ok, String::new()));
     }
-    log(&format!("ucx session from {who} on rail {rail} ({})", rc.devices));
+    log(&format!("ucx session from {who} on rail {rail} ({}){}", rc.devices, if am.is_some() { ", active messages" } else { "" }));
+    // Replies left by the handler go out after every progress that may have run it.
+    let answer = || match am {
+        Some((ep, inbox)) => send_replies(ep, inbox),
+        None => Ok(()),
+    };
     let fd = s.as_raw_fd();
     let spin = match cfg.progress {
         Progress::Block => Duration::ZERO,
@@ -127,10 +326,27 @@ fn session_loop(
                     Ok(_) => until = Instant::now() + spin,
                     Err(_) => break,
                 }
+                if let Err(e) = answer() {
+                    log(&format!("ucx session from {who}: {e}"));
+                    return Ok(());
+                }
             }
         }
-        let mut fds = [libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 }];
+        let kick_fd = am.map_or(-1, |(_, ib)| ib.kick.fd());
+        let mut fds = [
+            libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 },
+            libc::pollfd { fd: kick_fd, events: libc::POLLIN, revents: 0 },
+        ];
         if let Err(e) = worker.wait_for_events_or(SESSION_TICK, &mut fds) {
+            log(&format!("ucx session from {who}: {e}"));
+            break Ok(());
+        }
+        if let Some((_, ib)) = am {
+            if fds[1].revents != 0 {
+                ib.kick.drain();
+            }
+        }
+        if let Err(e) = answer() {
             log(&format!("ucx session from {who}: {e}"));
             break Ok(());
         }
@@ -144,7 +360,7 @@ fn session_loop(
         let mut op_tick = tick_until(&stop, Instant::now() + timeout, || format!("request not completed within {timeout:?}"));
         match wire::read_frame(s, &mut op_tick) {
             Ok((h, Body::UcxRkeys(ids))) => {
-                let resp = Body::UcxReady { addr: Vec::new(), regions: agent.ready_regions(rail, Some(&ids)) };
+                let resp = Body::UcxReady { addr: Vec::new(), regions: agent.ready_regions(rail, Some(&ids)), features: 0 };
                 if wire::send(s, &resp, h.req_id, &mut op_tick).is_err() {
                     break Ok(());
                 }
