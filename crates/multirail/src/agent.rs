@@ -236,8 +236,11 @@ impl Agent {
         // The registry let go only once no transfer holds the region, so no local UCX request
         // uses it any more (and a pending one keeps its own mapping alive until it completes).
         if let Some(u) = &self.shared.ucx {
-            // A no-op for regions never mapped (VRAM).
-            u.unmap(id);
+            // A no-op for regions never mapped (VRAM). Waits for the ucx sessions' active-message
+            // requests that still use the region (a WRITE being scattered, a READ reply sending).
+            u.unmap(id, self.shared.ctx.cfg.timeout).map_err(|why| {
+                Error::Timeout(format!("region {id} is deregistered, but {why}: do not free or reuse it until this agent is closed"))
+            })?;
         }
         crate::ipc::revoke(&self.shared.ctx, &self.shared.ipc_exports, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
             Error::Timeout(format!(

@@ -460,6 +460,33 @@ fn ucx_am_scattered_pages_land_exactly_both_ways() {
 
 #[test]
 #[ignore = "needs UCX"]
+fn deregistration_waits_for_an_active_message_request_using_the_region() {
+    // An active-message request holds the region's mapping while it scatters a WRITE into it or
+    // sends a READ reply from it: deregistration returns only once it let go, so nothing touches
+    // the application's memory after `deregister` returned.
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let buf = pattern(17, 65536);
+    let r = target.register(buf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let id = r.id;
+    drop(r);
+    let held = target.shared().ucx.as_ref().expect("ucx agent").hold(id).expect("mapped");
+    let done = AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let t = sc.spawn(|| {
+            let r = target.deregister(id);
+            done.store(true, Ordering::SeqCst);
+            r
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!done.load(Ordering::SeqCst), "deregister returned while a request still used the region");
+        drop(held);
+        t.join().unwrap().expect("deregistered once the request let go");
+    });
+    target.close();
+}
+
+#[test]
+#[ignore = "needs UCX"]
 fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
     let init = agent("ucx-init", TransportKind::Ucx);
     let target = agent("ucx-target", TransportKind::Ucx);

@@ -199,8 +199,28 @@ impl UcxAgent {
     }
 
     /// Drop a deregistered region's mappings (each is unmapped once no pending request uses it).
-    pub fn unmap(&self, region_id: u64) {
-        self.maps.write().unwrap_or_else(PoisonError::into_inner).remove(&region_id);
+    /// Hold region `id`'s mapping as an active-message request does while it uses the region
+    /// (tests of `unmap`'s wait).
+    #[cfg(test)]
+    pub(crate) fn hold(&self, id: u64) -> Option<Box<dyn std::any::Any + Send + Sync>> {
+        let m = self.maps.read().unwrap_or_else(PoisonError::into_inner).get(&id).cloned()?;
+        Some(Box::new(m))
+    }
+
+    /// Forget a region: no new request of any session finds it. Returns once no active-message
+    /// request uses it any more (a WRITE being scattered into it, a READ reply still being sent
+    /// from it; they hold its `Mapped`), or `Err` after `wait` with the region forgotten all the
+    /// same. UCX's own RMA over tcp is not covered (docs/ucx.md, "Trust").
+    pub fn unmap(&self, region_id: u64, wait: std::time::Duration) -> std::result::Result<(), String> {
+        let Some(m) = self.maps.write().unwrap_or_else(PoisonError::into_inner).remove(&region_id) else { return Ok(()) };
+        let deadline = std::time::Instant::now() + wait;
+        while Arc::strong_count(&m) > 1 {
+            if std::time::Instant::now() >= deadline {
+                return Err(format!("an active-message request of a ucx session still used it after {wait:?}"));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     #[cfg(test)]

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{encode_ucx_am_reply, UcxAm, HELLO_UCX_FEATURES, UCX_AM_REPLY, UCX_AM_REQ, UCX_AM_REQ_HEADER, UCX_FEATURE_AM};
 use multirail_proto::{Access, Body, Status};
-use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, ThreadMode, Worker, WorkerAddress};
+use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, Request, ThreadMode, Worker, WorkerAddress};
 
 use super::{Kick, Mapped, UcxAgent};
 
@@ -55,8 +55,14 @@ enum AmReply {
     /// A status only: a WRITE applied, or any refusal.
     Status { token: u64, status: Status },
     /// A READ's pieces (offset, length) of this mapping, sent gathered as the reply's data.
-    Read { token: u64, mem: MemRegion, pieces: Vec<(usize, usize)> },
+    /// `region` is held until the send completes: `UcxAgent::unmap` (deregistration) waits
+    /// for it, so no reply reads the application's memory after deregistration returned.
+    Read { token: u64, mem: MemRegion, region: Arc<Mapped>, pieces: Vec<(usize, usize)> },
 }
+
+/// READ replies still being sent (UCX may send an iov after `ucp_am_send_nbx` returned), each
+/// with the region it reads, released once the send completed or failed.
+type Sending = Mutex<Vec<(Request, Arc<Mapped>)>>;
 
 /// The handler's replies, and the kick that wakes the session loop for them.
 struct AmInbox {
@@ -146,7 +152,7 @@ fn handle_am(
         }
     }
     ctr.served(false, am.op.total());
-    Some(AmReply::Read { token, mem: mem.clone(), pieces })
+    Some(AmReply::Read { token, mem: mem.clone(), region: m.clone(), pieces })
 }
 
 /// Target side of one `Role::UcxSession` connection (already authenticated and registered in
@@ -237,18 +243,31 @@ fn am_setup(
 }
 
 /// Send the replies the handler left; Err when the reply endpoint refuses (the initiator is gone).
-fn send_replies(ep: &Endpoint, inbox: &AmInbox) -> std::result::Result<(), String> {
+/// A READ reply still sending is kept in `sending` with its region; finished ones are released.
+fn send_replies(ep: &Endpoint, inbox: &AmInbox, sending: &Sending) -> std::result::Result<(), String> {
+    let mut pending = sending.lock().unwrap_or_else(PoisonError::into_inner);
+    // Done or failed: either way UCX no longer reads the region for it.
+    pending.retain_mut(|(req, _)| matches!(req.check(), Ok(false)));
     let replies = std::mem::take(&mut *inbox.replies.lock().unwrap_or_else(PoisonError::into_inner));
     for r in replies {
-        let sent = match r {
-            AmReply::Status { token, status } => ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, status).to_vec(), Vec::new(), &[]),
-            AmReply::Read { token, mem, pieces } => {
-                let iov: Vec<(&MemRegion, usize, usize)> = pieces.iter().map(|&(o, n)| (&mem, o, n)).collect();
-                ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, Status::Ok).to_vec(), Vec::new(), &iov)
+        match r {
+            AmReply::Status { token, status } => {
+                // A pending status reply keeps only its own buffers alive.
+                drop(
+                    ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, status).to_vec(), Vec::new(), &[])
+                        .map_err(|e| format!("reply: {e}"))?,
+                );
             }
-        };
-        // A pending send finishes in the background, keeping its buffers and mapping alive.
-        drop(sent.map_err(|e| format!("reply: {e}"))?);
+            AmReply::Read { token, mem, region, pieces } => {
+                let iov: Vec<(&MemRegion, usize, usize)> = pieces.iter().map(|&(o, n)| (&mem, o, n)).collect();
+                let mut req = ep
+                    .am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, Status::Ok).to_vec(), Vec::new(), &iov)
+                    .map_err(|e| format!("reply: {e}"))?;
+                if matches!(req.check(), Ok(false)) {
+                    pending.push((req, region));
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -266,11 +285,15 @@ fn session_loop(
     who: &str,
     am: Option<(Endpoint, Arc<AmInbox>)>,
 ) -> std::result::Result<(), (Status, String)> {
-    let r = session_serve(cfg, shutdown, log, agent, s, worker, rail, fenced, who, am.as_ref());
+    let sending = Sending::default();
+    let r = session_serve(cfg, shutdown, log, agent, s, worker, rail, fenced, who, am.as_ref(), &sending);
     if let Some((ep, _)) = am {
         // Pending replies are cancelled: the session is over (and the worker goes next).
         let _ = ep.close(CloseMode::Force, Instant::now() + Duration::from_secs(1));
     }
+    // Cancelled with the endpoint, or done: their regions are free to go (a request still
+    // running here is released with the worker, which goes before this session returns).
+    drop(sending);
     r
 }
 
@@ -286,6 +309,7 @@ fn session_serve(
     fenced: &AtomicBool,
     who: &str,
     am: Option<&(Endpoint, Arc<AmInbox>)>,
+    sending: &Sending,
 ) -> std::result::Result<(), (Status, String)> {
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
@@ -300,7 +324,7 @@ fn session_serve(
     log(&format!("ucx session from {who} on rail {rail} ({}){}", rc.devices, if am.is_some() { ", active messages" } else { "" }));
     // Replies left by the handler go out after every progress that may have run it.
     let answer = || match am {
-        Some((ep, inbox)) => send_replies(ep, inbox),
+        Some((ep, inbox)) => send_replies(ep, inbox, sending),
         None => Ok(()),
     };
     let fd = s.as_raw_fd();
