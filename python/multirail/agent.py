@@ -62,7 +62,9 @@ class AgentConfig:
     caller busy-polls until its transfer completes or times out (serving connections as in
     adaptive); "block": sleep in the kernel at once (least CPU; every round trip then pays a
     scheduler wake-up). docs/benchmarks.md has what each costs and buys.
-    spin_us: the busy-poll budget, microseconds.
+    spin_us: the busy-poll budget, microseconds (default 1000: a serving connection waits that
+        long on the CPU for the next request before sleeping; with 200, 4 KiB READs every
+        250 us paid a wake-up each, docs/benchmarks.md "4 KiB READ latency at a request rate").
     metadata: "etcd://HOST:PORT[,HOST:PORT...]/PREFIX" to publish this agent's metadata in etcd
     (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/2 s, deleted by close())
     and fetch peers by name; None (default): side channel only. docs/etcd.md.
@@ -126,7 +128,7 @@ class AgentConfig:
     auth_secret: bytes | str | None = None
     bind_device: bool = True
     progress: str = "adaptive"
-    spin_us: float = 200.0
+    spin_us: float = 1000.0
     transport: Any = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "auto"))
     fallback_after: int = 3
     fallback_cooldown: float = 5.0

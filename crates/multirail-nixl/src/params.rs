@@ -27,7 +27,7 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
     ("policy", "MULTIRAIL_POLICY", "weighted", "weighted, round_robin or pinned:N"),
     ("auth_secret", "MULTIRAIL_SECRET", "", "shared secret for the handshake (empty: none)"),
     ("progress", "MULTIRAIL_PROGRESS", "adaptive", "adaptive, poll or block"),
-    ("spin_us", "MULTIRAIL_SPIN_US", "200", "busy-poll budget in microseconds"),
+    ("spin_us", "MULTIRAIL_SPIN_US", "1000", "busy-poll budget in microseconds"),
     ("timeout", "MULTIRAIL_TIMEOUT", "10", "connect/handshake/request timeout, seconds"),
     ("stall_timeout", "MULTIRAIL_STALL_TIMEOUT", "0.5", "a busy rail with no progress for this long is declared down, seconds"),
     ("gpu", "MULTIRAIL_GPU", "cuda", "cuda or standin (host memory posing as a GPU: tests)"),

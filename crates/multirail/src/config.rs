@@ -221,7 +221,7 @@ impl Default for Config {
             max_connections: 1024,
             conn_window: 16,
             progress: Progress::Adaptive,
-            spin: Duration::from_micros(200),
+            spin: Duration::from_micros(1000),
             transport: TransportKind::Tcp,
             rail_transports: Vec::new(),
             fallback: FallbackPolicy::default(),
