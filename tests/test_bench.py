@@ -294,7 +294,7 @@ def test_local_baseline(tmp_path: Path) -> None:
     assert doc["ratios"]["pingpong_worker"] == "mr-pingpong-poll"
     assert doc["ratios"]["waiter_cpu_pct"] > 0
     assert "of iperf3 -P 1" in res.stdout and "polling raw TCP ping-pong" in res.stdout
-    assert "progress: adaptive (spin 1000 us)" in res.stdout
+    assert "progress: adaptive (spin 200 us)" in res.stdout
 
 
 @pytest.mark.skipif(ENGINE_PY is None, reason="no interpreter can import the engine")

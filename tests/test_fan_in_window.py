@@ -109,6 +109,12 @@ def test_auto_starts_the_shares_at_16_connections_on_a_rail(agents):
     assert wait_for(lambda: sorted(served_rcvbufs(t.port))[-16:] == [want] * 16, 10.0), served_rcvbufs(t.port)
 
 
+@pytest.mark.parametrize("bad", [-1.0, 2e6])
+def test_a_bad_serve_spin_is_refused_clearly(agents, bad):
+    with pytest.raises(ValueError, match="serve_spin_us"):
+        agents("spin-bad", {"serve_spin_us": bad})
+
+
 @pytest.mark.parametrize("bad", ["x", "2Q", -1, 1.5, True])
 def test_a_bad_fan_in_window_is_refused_clearly(agents, bad):
     with pytest.raises(ValueError, match="fan_in_window"):

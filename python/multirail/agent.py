@@ -62,9 +62,13 @@ class AgentConfig:
     caller busy-polls until its transfer completes or times out (serving connections as in
     adaptive); "block": sleep in the kernel at once (least CPU; every round trip then pays a
     scheduler wake-up). docs/benchmarks.md has what each costs and buys.
-    spin_us: the busy-poll budget, microseconds (default 1000: a serving connection waits that
-        long on the CPU for the next request before sleeping; with 200, 4 KiB READs every
-        250 us paid a wake-up each, docs/benchmarks.md "4 KiB READ latency at a request rate").
+    spin_us: the busy-poll budget of waiting callers (and the ucx transport's threads),
+        microseconds.
+    serve_spin_us: how long a tcp serving connection waits on the CPU for the next request
+        before sleeping in the kernel, microseconds (default 1000; adaptive under "adaptive").
+        Longer than spin_us: with 200, 4 KiB READs every 250 us found the serving thread asleep
+        and paid a wake-up each (docs/benchmarks.md, "4 KiB READ latency at a request rate");
+        a 1000 us spin_us for everything cost ucx's kv pages 2-4 points on 2 cores.
     metadata: "etcd://HOST:PORT[,HOST:PORT...]/PREFIX" to publish this agent's metadata in etcd
     (PREFIX/agents/NAME, under a lease kept alive every metadata_ttl/2 s, deleted by close())
     and fetch peers by name; None (default): side channel only. docs/etcd.md.
@@ -128,7 +132,8 @@ class AgentConfig:
     auth_secret: bytes | str | None = None
     bind_device: bool = True
     progress: str = "adaptive"
-    spin_us: float = 1000.0
+    spin_us: float = 200.0
+    serve_spin_us: float = 1000.0
     transport: Any = field(default_factory=lambda: os.environ.get("MULTIRAIL_TRANSPORT", "auto"))
     fallback_after: int = 3
     fallback_cooldown: float = 5.0
@@ -601,6 +606,7 @@ class Agent:
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
             bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
             int(cfg.fallback_max_switches), bool(cfg.vectored), _fan_in_window(cfg.fan_in_window),
+            float(cfg.serve_spin_us),
         )
         if {transport, *rail_transports} & {"ucx", "auto"}:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with

@@ -27,7 +27,13 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
     ("policy", "MULTIRAIL_POLICY", "weighted", "weighted, round_robin or pinned:N"),
     ("auth_secret", "MULTIRAIL_SECRET", "", "shared secret for the handshake (empty: none)"),
     ("progress", "MULTIRAIL_PROGRESS", "adaptive", "adaptive, poll or block"),
-    ("spin_us", "MULTIRAIL_SPIN_US", "1000", "busy-poll budget in microseconds"),
+    ("spin_us", "MULTIRAIL_SPIN_US", "200", "busy-poll budget in microseconds"),
+    (
+        "serve_spin_us",
+        "MULTIRAIL_SERVE_SPIN_US",
+        "1000",
+        "busy-poll budget of a serving connection for its next request, microseconds",
+    ),
     ("timeout", "MULTIRAIL_TIMEOUT", "10", "connect/handshake/request timeout, seconds"),
     ("stall_timeout", "MULTIRAIL_STALL_TIMEOUT", "0.5", "a busy rail with no progress for this long is declared down, seconds"),
     ("gpu", "MULTIRAIL_GPU", "cuda", "cuda or standin (host memory posing as a GPU: tests)"),
@@ -140,6 +146,11 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
         return Err("spin_us: must be between 0 and 1000000".into());
     }
     cfg.spin = Duration::from_secs_f64(spin / 1e6);
+    let serve = get("serve_spin_us").trim().parse::<f64>().map_err(|_| "serve_spin_us: not a number".to_string())?;
+    if !(0.0..=1e6).contains(&serve) {
+        return Err("serve_spin_us: must be between 0 and 1000000".into());
+    }
+    cfg.serve_spin = Duration::from_secs_f64(serve / 1e6);
     cfg.timeout = Duration::from_secs_f64(parse_f64("timeout", &get("timeout"))?);
     cfg.planner.stall_timeout = Duration::from_secs_f64(parse_f64("stall_timeout", &get("stall_timeout"))?);
     cfg.staging.gpu = {
@@ -322,6 +333,8 @@ mod tests {
             ("gpu", "tpu"),
             ("fan_in_window", "2GiB"),
             ("fan_in_window", "x"),
+            ("serve_spin_us", "-1"),
+            ("serve_spin_us", "soon"),
             ("nope", "1"),
         ] {
             let mut p = HashMap::new();

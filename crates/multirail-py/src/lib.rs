@@ -141,7 +141,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=1000.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto"))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -171,6 +171,7 @@ impl PyAgent {
         fallback_max_switches: u32,
         vectored: bool,
         fan_in_window: &str,
+        serve_spin_us: f64,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -195,6 +196,10 @@ impl PyAgent {
             return Err(PyValueError::new_err("spin_us must be between 0 and 1,000,000"));
         }
         cfg.spin = Duration::from_secs_f64(spin_us / 1e6);
+        if !(0.0..=1e6).contains(&serve_spin_us) {
+            return Err(PyValueError::new_err("serve_spin_us must be between 0 and 1,000,000"));
+        }
+        cfg.serve_spin = Duration::from_secs_f64(serve_spin_us / 1e6);
         let kind = |t: &str| {
             multirail::config::TransportKind::parse(t)
                 .ok_or_else(|| PyValueError::new_err(format!("transport must be 'tcp', 'ucx' or 'auto', not {t:?}")))

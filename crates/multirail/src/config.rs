@@ -137,9 +137,15 @@ pub struct Config {
     pub conn_window: usize,
     /// How threads wait for data (see [`Progress`]).
     pub progress: Progress,
-    /// Busy-poll budget per wait for `Progress::Adaptive` (callers and serving connections)
-    /// and for serving connections under `Progress::Poll`.
+    /// Busy-poll budget per wait for `Progress::Adaptive` callers (and the ucx transport's
+    /// threads).
     pub spin: Duration,
+    /// Busy-poll budget of a tcp serving connection waiting for its next request, under
+    /// `Progress::Adaptive` (adapted: `wire::SpinBudget`) and `Progress::Poll` (whole). Longer
+    /// than `spin`: a request that comes after it is spent costs a scheduler wake-up, and
+    /// requests 250 us apart found a 200 us budget spent every time (docs/benchmarks.md,
+    /// "4 KiB READ latency at a request rate").
+    pub serve_spin: Duration,
     /// The data path of every rail not named in `rail_transports` (see [`TransportKind`]).
     pub transport: TransportKind,
     /// Per local rail (by index), the transport asked for; None (or missing): `transport`.
@@ -221,7 +227,8 @@ impl Default for Config {
             max_connections: 1024,
             conn_window: 16,
             progress: Progress::Adaptive,
-            spin: Duration::from_micros(1000),
+            spin: Duration::from_micros(200),
+            serve_spin: Duration::from_micros(1000),
             transport: TransportKind::Tcp,
             rail_transports: Vec::new(),
             fallback: FallbackPolicy::default(),

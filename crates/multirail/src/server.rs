@@ -446,7 +446,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let mut answers: Option<TcpStream> = None;
     let mut held: Option<std::sync::MutexGuard<'_, ()>> = None;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-    let spin = wire::SpinBudget::new(sh.ctx.cfg.spin);
+    let spin = wire::SpinBudget::new(sh.ctx.cfg.serve_spin);
     loop {
         if !pending.is_empty() && inb.unread() == 0 && !wire::readable_now(fd) {
             // Nothing more to read right now: let every pending WRITE land and answer it.
@@ -475,11 +475,11 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         if sh.ctx.cfg.progress != Progress::Block && inb.unread() == 0 {
             // Busy-poll for the next request before sleeping in the kernel: a client in a
             // round-trip loop sends it within microseconds, and a wake-up costs more.
-            // `Poll` spins the whole `spin` every time (its contract: busy-poll for `spin` after
+            // `Poll` spins the whole `serve_spin` every time (its contract: busy-poll for it after
             // each request); `Adaptive` adapts the budget to how often spinning pays.
             let adaptive = sh.ctx.cfg.progress == Progress::Adaptive;
             let t_spin = Instant::now();
-            let r = wire::spin_readable(fd, if adaptive { spin.get() } else { sh.ctx.cfg.spin }, || {
+            let r = wire::spin_readable(fd, if adaptive { spin.get() } else { sh.ctx.cfg.serve_spin }, || {
                 Ok::<bool, ()>(!sh.shutdown.load(Ordering::Acquire) && !me.fenced.load(Ordering::Acquire))
             });
             if let (Ok(how), true) = (r, adaptive) {

@@ -83,7 +83,7 @@ def _add_engine_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", default="adaptive", choices=["adaptive", "poll", "block"],
                    help="how waiting threads wait: busy-poll up to --spin-us then sleep (adaptive, "
                         "default), busy-poll until done (poll), or sleep at once (block)")
-    p.add_argument("--spin-us", type=float, default=1000.0, help="busy-poll budget, microseconds (default 1000)")
+    p.add_argument("--spin-us", type=float, default=200.0, help="busy-poll budget, microseconds (default 200)")
     p.add_argument("--transport", default=os.environ.get("MULTIRAIL_TRANSPORT") or "auto",
                    help="what carries the rails (default: $MULTIRAIL_TRANSPORT, else auto): auto (ucx on rails with an "
                         "RDMA device and an RDMA-capable UCX, tcp elsewhere), tcp (multirail's own connections), ucx (UCX "

@@ -20,7 +20,7 @@ from multirail.bench.kv_plan import DEFAULT_SEED, KV_BEGIN, KV_CLOCK, KV_DONE, K
 def serve(*, host: str, port: int, name: str, pool_bytes: int, connections: int, rails: list[str] | None,
           policy: str, chunk_size: int, timeout: float, stall_timeout: float, duration: float,
           idle_timeout: float, secret: str | None = None, progress: str = "adaptive",
-          spin_us: float = 1000.0, transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM",
+          spin_us: float = 200.0, transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM",
           device: int = 0, gpu_ipc: bool | None = None) -> int:
     """The decode side: one registered pool (DRAM, or VRAM on GPU `device`), answers the bench
     and kv control messages. Prints the same ready line as `bench target` (target.run_served)."""

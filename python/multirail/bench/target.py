@@ -35,7 +35,7 @@ from multirail.bench.mem import BenchMem, ipc_config
 def serve(*, host: str, port: int, name: str, buffer_size: int, connections: int,
           rails: list[str] | None, policy: str, chunk_size: int, timeout: float,
           stall_timeout: float, duration: float, idle_timeout: float, corrupt_offset: int | None,
-          secret: str | None = None, progress: str = "adaptive", spin_us: float = 1000.0,
+          secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0,
           transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM", device: int = 0,
           gpu_ipc: bool | None = None) -> int:
     engine = dict(host=host, port=port, connections=connections, rails=rails, policy=policy, chunk_size=chunk_size,

@@ -132,7 +132,7 @@ class EngineWorker:
     def __init__(self, *, op: str, target_host: str, target_port: int, target_name: str,
                  buffer_size: int, connections: int, rails: list[str] | None, policy: str,
                  chunk_size: int, timeout: float, fill_target: bool, stall_timeout: float = 0.5,
-                 secret: str | None = None, progress: str = "adaptive", spin_us: float = 1000.0,
+                 secret: str | None = None, progress: str = "adaptive", spin_us: float = 200.0,
                  transport: str = "tcp", gpu: str | None = None, seg_type: str = "DRAM",
                  target_seg_type: str = "DRAM", device: int = 0, gpu_ipc: bool | None = None) -> None:
         import multirail  # lazy: the tool must import without the extension
