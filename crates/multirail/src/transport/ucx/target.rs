@@ -202,10 +202,19 @@ pub(crate) fn serve_session(
         None
     };
     agent.sessions.fetch_add(1, Ordering::SeqCst);
-    let r = session_loop(cfg, shutdown, log, agent, s, &worker, rail, fenced, who, am);
+    let sending = Sending::default();
+    let r = session_serve(cfg, shutdown, log, agent, s, &worker, rail, fenced, who, am.as_ref(), &sending);
+    if let Some((ep, _)) = am {
+        // Pending replies are cancelled: the session is over (and the worker goes next).
+        let _ = ep.close(CloseMode::Force, Instant::now() + Duration::from_secs(1));
+    }
     // The session's worker goes here: its connections close, nothing of the session can touch
     // memory after this (the caller releases the fence lock only afterwards).
     drop(worker);
+    // Only now the READ replies' regions: a reply the close left running kept the worker alive
+    // (a request holds it), so it is destroyed, and the reply cancelled, as the last request
+    // drops here, before the region it reads is released (a tuple drops its request first).
+    drop(sending);
     agent.sessions.fetch_sub(1, Ordering::SeqCst);
     r
 }
@@ -270,31 +279,6 @@ fn send_replies(ep: &Endpoint, inbox: &AmInbox, sending: &Sending) -> std::resul
         }
     }
     Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn session_loop(
-    cfg: &Config,
-    shutdown: &AtomicBool,
-    log: &dyn Fn(&str),
-    agent: &UcxAgent,
-    s: &mut TcpStream,
-    worker: &Worker,
-    rail: usize,
-    fenced: &AtomicBool,
-    who: &str,
-    am: Option<(Endpoint, Arc<AmInbox>)>,
-) -> std::result::Result<(), (Status, String)> {
-    let sending = Sending::default();
-    let r = session_serve(cfg, shutdown, log, agent, s, worker, rail, fenced, who, am.as_ref(), &sending);
-    if let Some((ep, _)) = am {
-        // Pending replies are cancelled: the session is over (and the worker goes next).
-        let _ = ep.close(CloseMode::Force, Instant::now() + Duration::from_secs(1));
-    }
-    // Cancelled with the endpoint, or done: their regions are free to go (a request still
-    // running here is released with the worker, which goes before this session returns).
-    drop(sending);
-    r
 }
 
 #[allow(clippy::too_many_arguments)]
