@@ -60,12 +60,7 @@ pub struct Settings {
 }
 
 fn parse_size(key: &str, s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (num, mult) = [("KiB", 1u64 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)]
-        .iter()
-        .find_map(|(suf, m)| t.strip_suffix(suf).map(|n| (n.trim(), *m)))
-        .unwrap_or((t, 1));
-    num.parse::<u64>().ok().and_then(|n| n.checked_mul(mult)).ok_or_else(|| format!("{key}: {s:?} is not a size in bytes"))
+    multirail::config::parse_size(s).ok_or_else(|| format!("{key}: {s:?} is not a size in bytes"))
 }
 
 fn parse_f64(key: &str, s: &str) -> Result<f64, String> {

@@ -178,8 +178,20 @@ pub enum FanInWindow {
     Bytes(usize),
 }
 
+/// A byte count with an optional binary suffix, any case: `K`/`KiB`, `M`/`MiB`, `G`/`GiB`
+/// (`None`: not a size, or past u64).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let (num, mult) = [("kib", 1u64 << 10), ("mib", 1 << 20), ("gib", 1 << 30), ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30)]
+        .iter()
+        .find_map(|(suf, m)| lower.strip_suffix(suf).map(|n| (t[..n.len()].trim(), *m)))
+        .unwrap_or((t, 1));
+    num.parse::<u64>().ok()?.checked_mul(mult)
+}
+
 impl FanInWindow {
-    /// `"auto"`, `"off"` (or `"0"`), or a byte count with an optional K/M/G suffix (binary).
+    /// `"auto"`, `"off"` (or `"0"`), or a byte count ([`parse_size`]).
     pub fn parse(s: &str) -> Option<FanInWindow> {
         let t = s.trim();
         match t.to_ascii_lowercase().as_str() {
@@ -187,21 +199,7 @@ impl FanInWindow {
             "off" | "0" => return Some(FanInWindow::Off),
             _ => {}
         }
-        let (num, mult) = match t.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-            None => (t, 1u64),
-            Some((i, _)) => {
-                let m = match t[i..].to_ascii_lowercase().trim_end_matches("ib").trim_end_matches('b') {
-                    "" => 1u64,
-                    "k" => 1 << 10,
-                    "m" => 1 << 20,
-                    "g" => 1 << 30,
-                    _ => return None,
-                };
-                (&t[..i], m)
-            }
-        };
-        let n: u64 = num.parse().ok()?;
-        let b = n.checked_mul(mult)?;
+        let b = parse_size(t)?;
         Some(if b == 0 { FanInWindow::Off } else { FanInWindow::Bytes(usize::try_from(b).ok()?) })
     }
 }
