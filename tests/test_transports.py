@@ -19,6 +19,7 @@ UCX tests skip with the reason when no UCX library can be loaded (`pip install "
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -253,13 +254,24 @@ def test_close_mid_transfer_then_memory_is_left_alone(pair: Any) -> None:
     connect(t, i, remote, local)
     h = i.initialize_xfer("READ", [local], [remote], "target")
     i.transfer(h)
-    time.sleep(0.02)
+    _until_some_landed(local)
     i.close()
     snap = local.copy()
     # close() really came mid-transfer (else this test would prove nothing): not all landed
     assert not np.array_equal(snap, remote), "the READ finished before close(); make it larger"
     time.sleep(0.3)
     assert np.array_equal(local, snap), "memory changed after close() returned"
+
+
+def _until_some_landed(buf: np.ndarray, timeout: float = 20.0) -> None:
+    """Wait (bounded) until the first bytes of a transfer into the zeroed `buf` have landed.
+    A fixed sleep is no measure of "mid-transfer": a fast machine moves 256 MiB over loopback
+    in under 50 ms. This returns within a fraction of a millisecond of the first bytes."""
+    sample = buf[:: 64 * 1024]
+    deadline = time.monotonic() + timeout
+    while not sample.any():
+        assert time.monotonic() < deadline, "no byte of the transfer landed"
+        time.sleep(0.0002)
 
 
 TARGET_SCRIPT = r"""
@@ -290,7 +302,11 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(tr: str) -> None:
             i.fetch_remote_metadata("target", "127.0.0.1", port)
             h = i.initialize_xfer("READ", [dst], [(addr, n, 0)], "target")
             i.transfer(h)
-            time.sleep(0.05)
+            _until_some_landed(dst)
+            # Freeze the target first so that the READ cannot finish before the kill lands
+            # (on a fast machine it would in ~50 ms), and check that it really is in flight.
+            p.send_signal(signal.SIGSTOP)
+            assert i.check_xfer_state(h) == multirail.XferState.IN_PROGRESS, "the READ finished before the kill"
             p.kill()
             t0 = time.monotonic()
             with pytest.raises(multirail.errors.MultirailError):
