@@ -442,6 +442,15 @@ struct Rail {
     /// (time in flight, length) of the one with the least time beyond its own service time.
     /// The round trip is recomputed from it with the current rate (see [`Rail::rtt`]).
     idle_trip: Option<(Duration, u64)>,
+    /// The last completion, while a chunk issued before it is still in flight (see `late`).
+    last_done: Option<Instant>,
+    /// How late completions reach the planner beyond the service time of their chunk, in
+    /// seconds: a decaying maximum (same memory as the rate estimate) of the gap between two
+    /// completions of a busy rail less the second chunk's service time at the current rate. The
+    /// window covers it (see [`Rail::window`]). It decays with the time the rail is busy (from
+    /// one completion to the next), not across idle gaps: a rail whose completions come late
+    /// keeps its cover from one transfer to the next.
+    late: f64,
     bytes_done: u64,
     chunks_done: u64,
     chunks_reissued: u64,
@@ -523,6 +532,11 @@ impl Rail {
     /// unless the window has been found too small (see [`Rail::add_sample`]).
     fn window(&self, cfg: &PlannerConfig) -> u64 {
         let mut cover = self.rate * self.rtt().as_secs_f64();
+        // Completions that reach the planner late leave the link idle unless the window holds
+        // the work that arrives meanwhile (issue 22: UCX put acknowledgements processed late on
+        // a busy host; with the window of a 2 Gbit/s rail at two chunks the link idled, the
+        // rail's estimate fell short of its link and the slower rails got its share).
+        cover += self.rate * self.late;
         if self.est_secs == 0.0 {
             // No sample yet: the rate is a seed, and the excess of a chunk's time in flight over
             // its service time at a seed that is too high is mostly the chunk's own service,
@@ -746,6 +760,8 @@ impl Planner {
             last_held: None,
             failing: false,
             idle_trip: None,
+            last_done: None,
+            late: 0.0,
             bytes_done: 0,
             chunks_done: 0,
             chunks_reissued: 0,
@@ -1028,6 +1044,16 @@ impl Planner {
                 r.idle_trip = Some((trip, f.piece.len));
             }
         }
+        // How late this completion came: the gap since the last one, when this chunk was already
+        // in flight before it (so the rail had it to serve throughout), less its service time.
+        let busy = r.last_done.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64());
+        let keep = (1.0 - cfg.ewma_alpha).powf(busy / cfg.sample_interval.as_secs_f64());
+        let late = match r.last_done {
+            Some(prev) if f.issued <= prev => now.saturating_duration_since(prev).as_secs_f64() - f.piece.len as f64 / r.rate,
+            _ => 0.0,
+        };
+        r.late = (r.late * keep).max(late);
+        r.last_done = (r.inflight_chunks > 0).then_some(now);
         if let Some(t0) = r.busy_since {
             r.sample_bytes += f.piece.len;
             if let Some(w) = r.queued_for(now.saturating_duration_since(f.issued), f.piece.len).filter(|_| !f.idle_start) {
@@ -1144,6 +1170,8 @@ impl Planner {
                 r.last_held = None;
                 // The path may have changed: measure the round trip afresh.
                 r.idle_trip = None;
+                r.late = 0.0;
+                r.last_done = None;
                 r.probe = 1.0;
                 self.events.push_back(Event::RailUp(rail));
             }

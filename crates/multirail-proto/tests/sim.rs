@@ -337,6 +337,9 @@ enum Start {
     Noisy,
     /// A noisy host: equal hints, 25% per-chunk jitter and 2% of chunks held 5 ms longer.
     NoisyHost,
+    /// Exact hints; 10% of completions reach the planner up to 6 ms late while the pipe goes
+    /// on (reports in order per rail): UCX's put acknowledgements handled late on a busy host.
+    LateReports,
 }
 
 const STARTS: [Start; 8] =
@@ -375,6 +378,7 @@ fn started_rails(gbits: &[f64], start: Start, latency: Duration) -> Vec<RailSpec
                 }
                 Start::Noisy => r.hint(Some(gbit(mean))).jitter(0.10),
                 Start::NoisyHost => r.hint(Some(gbit(mean))).jitter(0.25).hiccups(0.02, ms(5.0)),
+                Start::LateReports => r.late_reports(LATE.0, ms(LATE.1)),
             }
         })
         .collect()
@@ -386,6 +390,8 @@ struct Converged {
     /// Largest relative error of a rail's weight (its share of the summed estimates against
     /// its share of the summed true rates) at any completion after the warm-up.
     weight_err: f64,
+    /// Mean relative error of each rail's weight over the completions after the warm-up.
+    weight_bias: Vec<f64>,
     /// Efficiency of each transfer submitted after the warm-up.
     effs: Vec<f64>,
 }
@@ -416,6 +422,16 @@ fn back_to_back(cfg: PlannerConfig, rails: &[RailSpec], n: u64, seed: u64) -> Co
         .collect();
     let total: f64 = truth.iter().sum();
     let mut weight_err: f64 = 0.0;
+    // The mean (signed) error of each rail's weight over the completions after the warm-up:
+    // a bias, where `weight_err` is the worst moment.
+    let after: Vec<_> = rep.trace.iter().filter(|s| s.bytes_done >= WARMUP).collect();
+    let mut weight_bias = vec![0.0; rails.len()];
+    for s in &after {
+        let sum: f64 = s.rates.iter().sum();
+        for (b, (r, t)) in weight_bias.iter_mut().zip(s.rates.iter().zip(&truth)) {
+            *b += ((r / sum) / (t / total) - 1.0) / after.len() as f64;
+        }
+    }
     for s in rep.trace.iter().filter(|s| s.bytes_done >= WARMUP) {
         let sum: f64 = s.rates.iter().sum();
         for (r, t) in s.rates.iter().zip(&truth) {
@@ -435,7 +451,7 @@ fn back_to_back(cfg: PlannerConfig, rails: &[RailSpec], n: u64, seed: u64) -> Co
         let cap: f64 = rep.realised_rates(x, rails.len()).iter().zip(rails).map(|(r, s)| r.unwrap_or(s.rate(at))).sum();
         effs.push((size as f64 / cap + rtt.as_secs_f64()) / took.as_secs_f64());
     }
-    Converged { weight_err, effs }
+    Converged { weight_err, weight_bias, effs }
 }
 
 /// Acceptance bounds of a convergence scenario.
@@ -516,6 +532,46 @@ fn uneven_rails_converge_on_a_long_path() {
 fn uneven_rails_on_a_noisy_host() {
     let bad = convergence(Duration::from_micros(25), &[Start::NoisyHost], Bounds { weight_err: 0.15, worst: 0.90, mean: 0.97 });
     assert!(bad.is_empty(), "{} out of bounds ({} runs):\n{}", bad.len(), UNEVEN.len() * 10, bad.join("\n"));
+}
+
+/// Late completion reports: with probability `.0` a completion reaches the planner up to `.1` ms
+/// late (uniform), the pipe going on meanwhile.
+const LATE: (f64, f64) = (0.1, 6.0);
+
+/// Issue 22 item 4 over ucx: WRITE over 2 + 1 + 0.5 Gbit/s testbed rails split 0.565 : 0.289 :
+/// 0.146 where tcp split 0.571 : 0.286 : 0.143 in the same minutes, and reached 93.6-96.4% in
+/// its bad runs. The 2 Gbit/s rail's chunk completions (put + flush) came in pairs after gaps:
+/// an acknowledgement handled late held back the next chunk, and with a window of two chunks
+/// (`chunk_size + rate * window_time`) the link idled until it came; the rail's estimate, which
+/// measures what the link delivers, fell 2-3% short of it and the slower rails (8 and 17 ms a
+/// chunk, more than the lateness) took its share. Late reports (10% of completions up to 6 ms
+/// late) reproduce it here: before the window covered how late completions come (`Rail::late`),
+/// the fastest rail's weight averaged 1.5-2% low and the worst seed's mean weight error was 3.1-
+/// 6.9% on these shapes; now it is within 2% in every seed.
+#[test]
+fn uneven_rails_with_late_reports() {
+    let mut bad = Vec::new();
+    let mut out = String::from("| Gbit/s          | worst mean weight error % | mean transfer % |\n|---|---:|---:|\n");
+    for gbits in [&[2.0, 1.0][..], &[2.0, 1.0, 0.5], &[4.0, 1.0]] {
+        let rails = started_rails(gbits, Start::LateReports, Duration::from_micros(25));
+        let (mut worst, mut effs) = (0.0f64, Vec::new());
+        for seed in 1..=10 {
+            let c = back_to_back(PlannerConfig::default(), &rails, 8, seed);
+            let b = c.weight_bias.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            if b > 0.02 {
+                bad.push(format!("{gbits:?} seed {seed}: mean weight errors {:?}", c.weight_bias));
+            }
+            worst = worst.max(b);
+            effs.extend(c.effs);
+        }
+        let mean = effs.iter().sum::<f64>() / effs.len() as f64;
+        if mean < 0.97 {
+            bad.push(format!("{gbits:?}: mean efficiency {:.1}%", mean * 100.0));
+        }
+        out += &format!("| {:<15} | {:>25.1} | {:>15.1} |\n", format!("{gbits:?}"), worst * 100.0, mean * 100.0);
+    }
+    println!("late reports ({}% up to {} ms):\n{out}", LATE.0 * 100.0, LATE.1);
+    assert!(bad.is_empty(), "{} out of bounds (30 runs):\n{}", bad.len(), bad.join("\n"));
 }
 
 /// Issue 22 item 4: the first transfer of a fresh engine on uneven rails. Every rail starts

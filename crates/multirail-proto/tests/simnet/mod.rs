@@ -14,6 +14,8 @@
 //!   that starts serialising for the first time, or after being idle a while, runs at a
 //!   fraction of its rate that doubles every step (TCP slow start). `hiccups` hold the pipe a
 //!   while after a random share of chunks (a noisy host descheduling the sender).
+//!   `late_reports` delay a random share of completions on their way to the planner while the
+//!   pipe goes on (a receiving thread that notices late; reports stay in order per rail).
 //! - Faults: an `Outage` takes a rail down with an error at `at` (the driver calls
 //!   `handle_rail_down`, everything in its pipe is lost) and brings it back at `until`
 //!   (`handle_rail_up`). A stall is a rate of 0 for a while; the planner's stall timeout has
@@ -108,6 +110,11 @@ pub struct RailSpec {
     /// A noisy host: with probability `.0` a chunk also holds its pipe for `.1` (the sender was
     /// descheduled).
     pub hiccups: Option<(f64, Duration)>,
+    /// With probability `.0` a chunk's completion reaches the planner up to `.1` (uniform) late,
+    /// while the pipe moves on: the data arrived, the thread that reports it noticed late (a
+    /// UCX acknowledgement processed late on a busy host). Reports stay in order per rail, so
+    /// the ones behind a late report arrive with it.
+    pub late_reports: Option<(f64, Duration)>,
     /// `[from, until)` stretches in which the pipe moves nothing because this host's own queue
     /// is full of other flows (TCP: its packets were dropped locally and it retries on a
     /// backing-off timer): the rate is 0 there and, with `byte_progress`, the driver reports the
@@ -127,6 +134,7 @@ impl RailSpec {
             start: Duration::ZERO,
             slow_start: None,
             hiccups: None,
+            late_reports: None,
             holds: Vec::new(),
         }
     }
@@ -160,6 +168,11 @@ impl RailSpec {
 
     pub fn hiccups(mut self, p: f64, d: Duration) -> Self {
         self.hiccups = Some((p, d));
+        self
+    }
+
+    pub fn late_reports(mut self, p: f64, d: Duration) -> Self {
+        self.late_reports = Some((p, d));
         self
     }
 
@@ -411,6 +424,8 @@ struct Pipe {
     used: bool,
     /// Start of the current slow-start ramp.
     ramp: Option<Duration>,
+    /// When the last completion scheduled for this pipe reaches the planner (reports in order).
+    reported_until: Duration,
 }
 
 /// The simulator: a planner, its rails and a timeline.
@@ -600,7 +615,14 @@ impl Sim {
                 pipe.serving += end - start;
                 pipe.busy_until = end;
                 let epoch = pipe.epoch;
-                let t = end + 2 * spec.latency;
+                let mut t = end + 2 * spec.latency;
+                if let Some((p, d)) = spec.late_reports {
+                    if self.rng.unit() < p {
+                        t += d.mul_f64(self.rng.unit());
+                    }
+                    t = t.max(pipe.reported_until);
+                    pipe.reported_until = t;
+                }
                 self.push(t, What::Complete { rail: c.rail, epoch, idx });
             }
             // Stalled for ever: never completes; only the stall timeout can recover.
