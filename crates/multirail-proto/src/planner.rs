@@ -296,6 +296,10 @@ impl Work {
     }
 }
 
+/// The most lateness of completions a rail's window covers, in `window_time`s (see
+/// [`Rail::window`]): 2 x 4 ms covers the 1-6 ms late reports of a busy host.
+const LATE_COVER_WINDOWS: f64 = 2.0;
+
 /// How chunks are assigned to rails. A named public type so callers and the bench can pick it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Policy {
@@ -536,7 +540,9 @@ impl Rail {
         // the work that arrives meanwhile (issue 22: UCX put acknowledgements processed late on
         // a busy host; with the window of a 2 Gbit/s rail at two chunks the link idled, the
         // rail's estimate fell short of its link and the slower rails got its share).
-        cover += self.rate * self.late;
+        // Capped at LATE_COVER_WINDOWS x `window_time`: one descheduled stretch of the host
+        // (a completion 100+ ms late) must not widen the window by that much work.
+        cover += self.rate * self.late.min(LATE_COVER_WINDOWS * cfg.window_time.as_secs_f64());
         if self.est_secs == 0.0 {
             // No sample yet: the rate is a seed, and the excess of a chunk's time in flight over
             // its service time at a seed that is too high is mostly the chunk's own service,
