@@ -387,7 +387,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let _ = s.set_read_timeout(Some(TICK));
     let _ = s.set_write_timeout(Some(TICK));
     let timeout = sh.ctx.cfg.timeout;
-    let Some((role, peer_name, conn_id, hello_version)) = handshake(sh, &mut s, &who, listener) else {
+    let Some(Greeted { role, name: peer_name, conn_id, version: hello_version, welcome }) = handshake(sh, &mut s, &who, listener) else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
@@ -420,6 +420,15 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
     // registered after that sees the flag here.
     if sh.shutdown.load(Ordering::SeqCst) {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
+    // Only now may the peer use the connection: a Fence that names it (sent over another
+    // connection right after this handshake) finds it registered. Welcomed before, a serving
+    // thread descheduled between the two could miss the Fence and apply a WRITE after it.
+    let deadline = Instant::now() + timeout;
+    let mut tick = |_: bool| if sh.shutdown.load(Ordering::Acquire) || Instant::now() > deadline { Err(String::new()) } else { Ok(()) };
+    if wire::send(&mut s, &Body::Welcome { mac: welcome }, 0, &mut tick).is_err() {
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
@@ -860,9 +869,20 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_versi
     }
 }
 
-/// Hello -> Challenge -> Auth -> Welcome. Returns the peer's role, name, connection id (the
-/// nonce of its `Hello`) and the `Hello` version it offered (accepted: 1 to `HELLO_MAX`).
-fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Option<(Role, String, [u8; 16], u16)> {
+/// What a handshake proved: see `handshake`.
+struct Greeted {
+    role: Role,
+    name: String,
+    conn_id: [u8; 16],
+    version: u16,
+    welcome: [u8; 32],
+}
+
+/// Hello -> Challenge -> Auth. Returns the peer's role, name, connection id (the nonce of its
+/// `Hello`), the `Hello` version it offered (accepted: 1 to `HELLO_MAX`) and the proof its
+/// `Welcome` carries. The caller sends the `Welcome` once the connection is in the fence table:
+/// from the moment the peer may send on it, a `Fence` naming it finds it.
+fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Option<Greeted> {
     // Refusals before the peer proved its name count under UNAUTHENTICATED_PEER.
     let deny = |s: &mut TcpStream, status: Status, msg: String| {
         refuse(sh, &sh.served_stats.counters(UNAUTHENTICATED_PEER, listener), s, who, status, msg)
@@ -921,8 +941,7 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
         }
         None => [0u8; 32],
     };
-    wire::send(s, &Body::Welcome { mac: reply }, 0, &mut tick).ok()?;
-    Some((role, name, client_nonce, version))
+    Some(Greeted { role, name, conn_id: client_nonce, version, welcome: reply })
 }
 
 #[cfg(test)]
