@@ -317,6 +317,87 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(tr: str) -> None:
         p.wait()
 
 
+def _stop_all_threads(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of `pid` is stopped (kill() only queues SIGSTOP)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"threads of {pid} not stopped: {states}"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_paused_target_is_a_slow_peer_not_a_dead_rail(op: str) -> None:
+    """The target is stopped (SIGSTOP) mid-transfer for 3 x stall_timeout, as a target whose
+    serving threads are off the CPU on a loaded host: every byte the initiator sent is
+    acknowledged, and the target's kernel answers the path's keepalive probes. No rail is
+    declared stalled; once the target runs again the transfer completes byte-exact. A target
+    that stays stopped still fails the transfer, after the planner's held_timeout (5 s)."""
+    import json
+
+    import multirail
+
+    n = 64 * MiB
+    cfg = {"transport": "tcp", "rails": LOOP2}
+    p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), json.dumps(cfg)], stdout=subprocess.PIPE, text=True)
+    try:
+        port, addr = map(int, p.stdout.readline().split())
+        with multirail.Agent("initiator", {**cfg, "timeout": 3.0, "stall_timeout": 0.5}) as i:
+            buf = np.zeros(n, np.uint8) if op == "READ" else pattern(n)
+            i.register_memory(buf)
+            i.fetch_remote_metadata("target", "127.0.0.1", port)
+            h = i.initialize_xfer(op, [buf], [(addr, n, 0)], "target")
+            for pause in (1.5, None):
+                if op == "READ":
+                    buf[:] = 0
+                i.transfer(h)
+                if op == "READ":
+                    _until_some_landed(buf)
+                else:
+                    time.sleep(0.002)
+                p.send_signal(signal.SIGSTOP)
+                _stop_all_threads(p.pid)
+                if i.check_xfer_state(h) == multirail.XferState.DONE:
+                    p.send_signal(signal.SIGCONT)
+                    pytest.fail("the transfer finished before the target stopped; make it larger")
+                if pause is None:
+                    break
+                time.sleep(pause)
+                stats = i.rail_stats("target")
+                assert all(r["up"] and r["stalls"] == 0 for r in stats), stats
+                p.send_signal(signal.SIGCONT)
+                i.wait(h, 30)
+                stats = i.rail_stats("target")
+                assert all(r["up"] and r["stalls"] == 0 and r["times_down"] == 0 for r in stats), stats
+                if op == "READ":
+                    assert (buf == 5).all(), "READ not byte-exact after the pause"
+                else:
+                    back = np.zeros(n, np.uint8)
+                    i.register_memory(back)
+                    hb = i.initialize_xfer("READ", [back], [(addr, n, 0)], "target")
+                    i.transfer(hb)
+                    i.wait(hb, 30)
+                    assert np.array_equal(back, buf), "WRITE not byte-exact after the pause"
+            # Stopped for good: not held forever.
+            t0 = time.monotonic()
+            with pytest.raises(multirail.errors.MultirailError):
+                i.wait(h, 30)
+            took = time.monotonic() - t0
+            assert 4.0 < took < 12.0, took
+            assert any(r["stalls"] >= 1 for r in i.rail_stats("target")), [(r["stalls"], r["times_down"], r["down_reason"]) for r in i.rail_stats("target")]
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_ucx_initiator_against_a_tcp_only_target_is_refused_clearly() -> None:
     if _UCX_SKIP:
         pytest.skip(_UCX_SKIP)

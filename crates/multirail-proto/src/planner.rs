@@ -343,7 +343,7 @@ pub struct PlannerConfig {
     /// may stay silent for up to `STALL_CHUNKS` (4) service times of its head chunk at its
     /// measured rate: a rail shared by many peers serves each one's chunks slowly.
     pub byte_progress: bool,
-    /// A rail whose driver reports it held back on this host ([`Planner::handle_held`]: every
+    /// A rail whose driver reports it held ([`Planner::handle_held`]; e.g. held back on this host: every
     /// byte it sent was acknowledged and the rest waits in this host's own full queue, which
     /// TCP retries on a backing-off timer) is not stalled until it has made no progress for
     /// this long: a path that answered everything it was asked is not dead.
@@ -437,7 +437,7 @@ struct Rail {
     /// Window gain, doubled while the window holds the rail back (see [`Rail::add_sample`]).
     probe: f64,
     last_progress: Instant,
-    /// When the driver last reported the rail held back on this host (`handle_held`).
+    /// When the driver last reported the rail held (`handle_held`).
     last_held: Option<Instant>,
     /// Declared stalled (`poll_stalled`) and not yet down: no new work, its chunks stay in
     /// flight until the driver has stopped the rail's paths and calls `handle_rail_down`.
@@ -1211,17 +1211,33 @@ impl Planner {
         }
     }
 
-    /// The driver saw `rail` held back on this host at `at`: its paths have had every byte
-    /// they sent acknowledged, and what is left waits in this host's own queue (TCP: the
-    /// egress queue dropped its packets and it retries on a backing-off timer, while the
-    /// queue is full of other flows). The path owes nothing, so the silence is not a stall;
-    /// the rail gets up to `held_timeout` without progress while the evidence keeps coming.
+    /// The driver saw `rail` held at `at`: its paths have had every byte they sent
+    /// acknowledged, and what is left waits in this host's own queue (TCP: the egress queue
+    /// dropped its packets and it retries on a backing-off timer, while the queue is full of
+    /// other flows), behind the peer's closed receive window, or on the peer's application
+    /// while its kernel answers the path's probes. The path owes nothing, so the silence is
+    /// not a stall; the rail gets up to `held_timeout` without progress while the evidence
+    /// keeps coming (a peer that never answers still fails it then).
     pub fn handle_held(&mut self, rail: RailId, at: Instant) {
         if let Some(r) = self.rails.get_mut(rail) {
             if r.inflight_chunks > 0 && r.last_held.is_none_or(|h| at > h) {
                 r.last_held = Some(at);
             }
         }
+    }
+
+    /// The driver saw a path of `rail` dead (TCP: a probe went unanswered): a hold reported
+    /// for it ends now, and the plain stall deadline applies.
+    pub fn handle_path_dead(&mut self, rail: RailId) {
+        if let Some(r) = self.rails.get_mut(rail) {
+            r.last_held = None;
+        }
+    }
+
+    /// Whether some busy rail is held at `now` (its hold may end before its next check: the
+    /// driver looks at its evidence more often meanwhile).
+    pub fn holding(&self, now: Instant) -> bool {
+        self.rails.iter().any(|r| r.up && !r.failing && r.inflight_chunks > 0 && self.held_now(r, now))
     }
 
     /// How long `r` may go without progress before it counts as stalled, ignoring holds:
@@ -1258,7 +1274,7 @@ impl Planner {
     /// flight is declared failing when it has made no progress (no chunk completed, no bytes
     /// moved per `handle_progress`) for its deadline: `stall_timeout` (with `byte_progress`;
     /// without, at least `STALL_CHUNKS` head-chunk times at its rate), or `held_timeout` while
-    /// the driver keeps reporting it held back on this host (`handle_held`, renewed within
+    /// the driver keeps reporting it held (`handle_held`, renewed within
     /// every `stall_timeout`). Rails are returned each once, with the reason. A failing rail
     /// takes no new work; its chunks stay in flight (their memory may still be touched) until
     /// the driver has stopped the rail's paths, fenced them if they wrote, and called
@@ -1277,7 +1293,7 @@ impl Planner {
                 continue;
             }
             let why = if held {
-                format!("stalled: held back on this host, no progress for {} ms", silent.as_millis())
+                format!("stalled: held (the path owes nothing, yet nothing moves), no progress for {} ms", silent.as_millis())
             } else {
                 format!("stalled: no progress for {} ms", silent.as_millis())
             };
@@ -1406,6 +1422,36 @@ mod tests {
         p.set_byte_progress(ucx, true);
         let stalled: Vec<RailId> = p.poll_stalled(t0 + Duration::from_secs(2)).into_iter().map(|(r, _)| r).collect();
         assert_eq!(stalled, vec![ucx]);
+    }
+
+    #[test]
+    fn a_hold_lasts_until_held_timeout_or_a_dead_path() {
+        // A held rail (its path answers, its peer does not) is not stalled at `stall_timeout`,
+        // only at `held_timeout` without progress; a dead path reported meanwhile ends the hold
+        // at once, and the plain deadline, long past, applies.
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let cfg = PlannerConfig { stall_timeout: ms(500), held_timeout: ms(5000), byte_progress: true, ..PlannerConfig::default() };
+        let mut p = Planner::new(cfg);
+        let (a, b) = (p.add_rail(Some(1e9), t0), p.add_rail(Some(1e9), t0));
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 64 << 20 }], t0);
+        assert!(p.poll_work(a, t0).is_some() && p.poll_work(b, t0).is_some());
+        let mut t = t0;
+        while t < t0 + ms(4000) {
+            t += ms(400);
+            p.handle_held(a, t);
+            p.handle_held(b, t);
+            assert!(p.holding(t));
+            assert!(p.poll_stalled(t).is_empty(), "held at {:?}", t - t0);
+        }
+        p.handle_path_dead(b);
+        let stalled: Vec<RailId> = p.poll_stalled(t).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(stalled, vec![b], "a dead path ends its rail's hold at once");
+        let t = t0 + ms(5000);
+        p.handle_held(a, t);
+        let stalled = p.poll_stalled(t);
+        assert_eq!(stalled.len(), 1, "held_timeout bounds a hold: {stalled:?}");
+        assert!(stalled[0].0 == a && stalled[0].1.contains("held"), "{stalled:?}");
     }
 
     #[test]

@@ -378,8 +378,10 @@ impl Link {
     /// The stall watchdog: the one place a rail is declared stalled, by the planner's rule
     /// (`Planner::poll_stalled`: work in flight, no progress for `stall_timeout`), the same
     /// rule the simulator runs. The transport's `quiet_for` (bytes or ACKs received lately)
-    /// counts as progress: a large chunk on a slow rail is not a stall; `held_back` (the rail
-    /// waits in this host's own full queue, the path owes nothing) gives it `held_timeout`.
+    /// counts as progress: a large chunk on a slow rail is not a stall; `held_back` (the path owes
+    /// nothing: the rail waits in this host's own full queue, behind the peer's closed window,
+    /// or on the peer's application while the path answers probes) gives it `held_timeout`,
+    /// and `path_dead` (a probe unanswered) ends a hold at once.
     /// A stalled rail is shut (`rail_failed`); its chunks are requeued once its paths stopped
     /// (and were fenced).
     fn watchdog(self: Arc<Self>) {
@@ -394,18 +396,27 @@ impl Link {
                 self.t.tick(&*self);
             }
             let now = Instant::now();
-            if self.is_shutdown() || self.sched.lock().expect("sched lock").planner.poll_timeout().is_none_or(|t| t > now) {
+            // Judged at the planner's next deadline, and at every nap while a rail is held: a
+            // hold may end early (a probe unanswered) and must not outlast it by a renewal.
+            let due = {
+                let g = self.sched.lock().expect("sched lock");
+                g.planner.poll_timeout().is_some_and(|t| t <= now) || g.planner.holding(now)
+            };
+            if self.is_shutdown() || !due {
                 continue;
             }
             // Evidence first, outside the lock (socket queries).
             let quiet: Vec<Option<Duration>> = (0..self.rails.len()).map(|ri| self.t.quiet_for(ri)).collect();
             let held: Vec<bool> = (0..self.rails.len()).map(|ri| self.t.held_back(ri)).collect();
+            let dead: Vec<bool> = (0..self.rails.len()).map(|ri| self.t.path_dead(ri)).collect();
             let mut g = self.sched.lock().expect("sched lock");
             for (ri, q) in quiet.iter().enumerate() {
                 if let Some(q) = q.filter(|q| *q < stall) {
                     g.planner.handle_progress(ri, now.checked_sub(q).unwrap_or(now));
                 }
-                if held[ri] {
+                if dead[ri] {
+                    g.planner.handle_path_dead(ri);
+                } else if held[ri] {
                     g.planner.handle_held(ri, now);
                 }
             }

@@ -157,6 +157,10 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         !self.active(ri).any(|(_, f)| f.kind == FaultKind::Blackhole) && self.inner.held_back(ri)
     }
 
+    fn path_dead(&self, ri: usize) -> bool {
+        self.inner.path_dead(ri)
+    }
+
     fn verdict(&self, ri: usize) -> Verdict {
         let mut v = Verdict::Deliver;
         for (_, f) in self.active(ri) {

@@ -330,6 +330,10 @@ impl Transport for Mixed {
         self.on(ri).held_back(ri)
     }
 
+    fn path_dead(&self, ri: usize) -> bool {
+        self.on(ri).path_dead(ri)
+    }
+
     fn verdict(&self, ri: usize) -> Verdict {
         self.on(ri).verdict(ri)
     }

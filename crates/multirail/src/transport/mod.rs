@@ -213,11 +213,19 @@ pub(crate) trait Transport: Send + Sync {
     fn quiet_for(&self, _ri: usize) -> Option<Duration> {
         None
     }
-    /// Whether rail `ri` is held back on this host: a path with work has had every byte it
-    /// sent acknowledged and the rest waits in this host's own full queue (TCP: its packets
-    /// were dropped by the local qdisc and it retries on a backing-off timer). Its silence is
-    /// then no sign of a dead path (`Planner::handle_held`). False when the transport cannot tell.
+    /// Whether rail `ri` is held: its silence is no sign of a dead path (`Planner::handle_held`).
+    /// A path with work has had every byte it sent acknowledged, and the rest waits in this
+    /// host's own full queue (TCP: its packets were dropped by the local qdisc and it retries on
+    /// a backing-off timer), or behind the peer's closed receive window, or the peer's
+    /// application has not answered yet while its kernel answers the path's probes. False when
+    /// the transport cannot tell, and whenever `path_dead` says true.
     fn held_back(&self, _ri: usize) -> bool {
+        false
+    }
+    /// Whether a path of rail `ri` with work shows that it is dead: a probe of it went
+    /// unanswered (TCP: the keepalive of a connection that owes nothing). A hold then ends at
+    /// once (`Planner::handle_path_dead`) instead of lasting out its renewal period.
+    fn path_dead(&self, _ri: usize) -> bool {
         false
     }
     /// What to do with a completion on rail `ri` (only `Faulty` says other than Deliver).

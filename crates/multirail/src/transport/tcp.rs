@@ -199,12 +199,45 @@ impl Conn {
 /// Milliseconds since the kernel last received anything that shows the path works on `fd`:
 /// data, or an ACK of data sent (a large WRITE chunk on a slow rail is progress) - from
 /// TCP_INFO, if it can say.
+///
+/// Once every byte sent is acknowledged and nothing waits to be sent, the ACKs that still come
+/// are the replies to keepalive probes (`keep_probing`), which prove the path, not progress:
+/// the last ACK of data then came after the last data sent, so that send's time stands in.
 fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
-    tcp_info(fd).map(|i| i.tcpi_last_data_recv.min(i.tcpi_last_ack_recv))
+    tcp_info(fd).map(|i| progress_ms(&i))
 }
 
-/// Whether the connection is held back on this host: it is in congestion window reduction,
-/// which a drop by the local qdisc puts it in (it then retries on the zero-window probe timer,
+fn progress_ms(i: &libc::tcp_info) -> u32 {
+    let acked = if i.tcpi_unacked == 0 && i.tcpi_notsent_bytes == 0 { i.tcpi_last_data_sent } else { i.tcpi_last_ack_recv };
+    i.tcpi_last_data_recv.min(acked)
+}
+
+/// The keepalive idle time and interval of a data connection (`keep_probing`; the kernel's
+/// smallest, whole seconds only).
+const KEEPALIVE_IDLE_MS: u32 = 1000;
+/// How long a keepalive probe may take to be answered before the path counts as unproven: the
+/// probe waits behind other flows' packets in the rail's queues (a shaped rail shared by many
+/// peers) and the peer's kernel answers it from its softirq, whatever its application does.
+const KEEPALIVE_GRACE_MS: u32 = 300;
+/// Unanswered keepalive probes after which the kernel gives an idle connection up
+/// (`ETIMEDOUT`): a path dead for about `KEEPALIVE_IDLE_MS` x (1 + this) while the connection
+/// was idle. A busy rail's death is the stall rule's, well before.
+const KEEPALIVE_PROBES: u32 = 8;
+
+/// Have the kernel probe an initiator's data connection once it has been silent for
+/// `KEEPALIVE_IDLE_MS`: a probe carries no data and the peer's kernel answers it whatever its
+/// application does, so a connection waiting on a busy target (every byte acknowledged, no
+/// response yet) keeps proving its path (`held_by`). Without it, a target whose serving
+/// threads were off the CPU past `stall_timeout` (32 initiators into one target on a loaded
+/// 2-core host, issue 22) was taken for a dead rail: fenced, requeued and readmitted.
+fn keep_probing(s: &TcpStream) -> Result<()> {
+    let every = Duration::from_millis(KEEPALIVE_IDLE_MS.into());
+    let ka = socket2::TcpKeepalive::new().with_time(every).with_interval(every).with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(s).set_tcp_keepalive(&ka).map_err(|e| Error::io("keepalive", e))
+}
+
+/// Whether the connection is held: its silence is no sign of a dead path. It is in congestion
+/// window reduction, which a drop by the local qdisc puts it in (it then retries on the zero-window probe timer,
 /// backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows' packets), no
 /// retransmission timed out (that would put it in Loss), and the path owes it nothing: every
 /// byte it sent is acknowledged with bytes still unsent, or what is unacknowledged went out
@@ -214,6 +247,16 @@ fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
 /// a 1.2 s hold. A blackholed path is not held for long: its first retransmission timeout
 /// moves the connection to Loss.
 ///
+/// Also held: a connection waiting for its peer's application, with every byte it sent
+/// acknowledged and nothing left to send, while the path answers the keepalive probes
+/// (`keep_probing`): the last ACK came less than a probe interval (plus its grace) ago, and at
+/// most the current probe is unanswered. Seen on the 32-initiator fan-in on a loaded host:
+/// every byte acknowledged, the window open, no response yet, because the target's serving
+/// threads were off the CPU past `stall_timeout`. A path that dies in that state leaves the
+/// next probe unanswered: held no more `KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS` after its last
+/// ACK. The hold is not progress: a target that stays silent still fails the rail after the
+/// planner's `held_timeout`.
+///
 /// Also held: the peer's receive window is closed (its application reads slower than we send,
 /// e.g. a busy target, or one that shares its window among many peers: `fanin`) with bytes
 /// waiting and nothing unacknowledged, while the zero-window probes are answered (at most the
@@ -222,6 +265,7 @@ fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
 /// Open, probes 1, backoff 2` on the connections the stall rule took for dead. A path that
 /// dies in that state stops answering probes: two unanswered probes (0.2 + 0.4 s of backoff)
 /// end the hold.
+#[cfg(test)]
 fn held_locally(fd: std::os::fd::RawFd) -> bool {
     tcp_info(fd).is_some_and(|i| held_by(&i))
 }
@@ -233,7 +277,22 @@ fn held_by(i: &libc::tcp_info) -> bool {
     let qdisc_held = i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing;
     let window_closed =
         i.tcpi_snd_wnd == 0 && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 && i.tcpi_retransmits == 0 && i.tcpi_probes <= 1;
-    qdisc_held || window_closed
+    let awaiting = owes_nothing_at_all(i) && i.tcpi_probes <= 1 && i.tcpi_last_ack_recv < KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS;
+    qdisc_held || window_closed || awaiting
+}
+
+/// Every byte sent acknowledged, nothing waiting to be sent, no retransmission pending.
+fn owes_nothing_at_all(i: &libc::tcp_info) -> bool {
+    i.tcpi_unacked == 0 && i.tcpi_notsent_bytes == 0 && i.tcpi_retransmits == 0
+}
+
+/// Evidence of a dead path: a connection that owes nothing has had a keepalive probe
+/// unanswered past its grace (`held_by`'s waiting clause ends), or one with bytes outstanding
+/// has seen two retransmission timeouts in a row go unanswered.
+fn dead_by(i: &libc::tcp_info) -> bool {
+    let probe_lost = owes_nothing_at_all(i) && i.tcpi_probes >= 1 && i.tcpi_last_ack_recv >= KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS;
+    let timed_out = i.tcpi_unacked > 0 && i.tcpi_retransmits >= 2;
+    probe_lost || timed_out
 }
 
 fn tcp_info(fd: std::os::fd::RawFd) -> Option<libc::tcp_info> {
@@ -352,6 +411,18 @@ impl TcpRails {
     }
 }
 
+impl TcpRails {
+    /// TCP_INFO of rail `ri`'s live connections with requests outstanding.
+    fn busy_infos(&self, ri: usize) -> Vec<libc::tcp_info> {
+        let conns = self.rails[ri].conns.read().expect("rail lock");
+        conns
+            .iter()
+            .filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0)
+            .filter_map(|c| tcp_info(c.fd))
+            .collect()
+    }
+}
+
 impl Transport for TcpRails {
     fn caps(&self) -> Caps {
         Caps { remote_vram: false, one_sided: false, gpu: GpuPath::Staged }
@@ -373,6 +444,7 @@ impl Transport for TcpRails {
         let mut conns = Vec::new();
         let mut fds = Vec::new();
         for (s, id) in streams {
+            keep_probing(&s)?;
             let reader = s.try_clone().map_err(|e| Error::io("clone socket", e))?;
             fds.push(s.try_clone().map_err(|e| Error::io("clone socket", e))?);
             let c = Arc::new(Conn {
@@ -493,8 +565,12 @@ impl Transport for TcpRails {
     }
 
     fn held_back(&self, ri: usize) -> bool {
-        let conns = self.rails[ri].conns.read().expect("rail lock");
-        conns.iter().filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0).any(|c| held_locally(c.fd))
+        let infos = self.busy_infos(ri);
+        infos.iter().any(held_by) && !infos.iter().any(dead_by)
+    }
+
+    fn path_dead(&self, ri: usize) -> bool {
+        self.busy_infos(ri).iter().any(dead_by)
     }
 
     fn wake(&self) {
@@ -1185,7 +1261,9 @@ mod tests {
         let (r, _) = l.accept().expect("accept");
         crate::fanin::set_window(std::os::fd::AsRawFd::as_raw_fd(&r), 64 << 10).expect("window");
         let wfd = std::os::fd::AsRawFd::as_raw_fd(&w);
-        assert!(!held_locally(wfd), "an idle connection is not held");
+        // Owing nothing, its last ACK fresh: held (the transport asks this only of connections
+        // with requests outstanding, whose peer has not answered yet).
+        assert!(held_locally(wfd), "a connection that owes nothing, just acknowledged, is held");
         w.set_nonblocking(true).expect("nonblocking");
         let buf = vec![7u8; 64 << 10];
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1215,6 +1293,33 @@ mod tests {
         i.tcpi_snd_wnd = 64 << 10;
         assert!(!held_by(&i), "an open window with nothing in flight is quiet, not held");
         drop(r);
+    }
+
+    /// A connection waiting on a peer whose application does not answer (every byte
+    /// acknowledged, nothing to send) keeps proving its path by keepalive: held, not dead, and
+    /// the probes' ACKs are not progress. A probe unanswered past its grace is a dead path.
+    #[test]
+    fn a_silent_peer_is_held_by_its_answered_keepalives_and_a_lost_probe_is_death() {
+        use std::io::Write;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut w = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (_r, _) = l.accept().expect("accept"); // never reads, never answers
+        keep_probing(&w).expect("keepalive");
+        w.write_all(b"a request").expect("write");
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&w);
+        std::thread::sleep(Duration::from_millis(1600));
+        let i = tcp_info(fd).expect("tcp_info");
+        assert!(i.tcpi_last_ack_recv < 1000, "no keepalive was answered: last ACK {} ms ago", i.tcpi_last_ack_recv);
+        assert!(progress_ms(&i) >= 1500, "a keepalive's ACK counted as progress: {} ms", progress_ms(&i));
+        assert!(held_by(&i) && !dead_by(&i), "a path that answers its probes is held, not dead");
+        let mut lost = i;
+        lost.tcpi_probes = 1;
+        lost.tcpi_last_ack_recv = KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS;
+        assert!(!held_by(&lost) && dead_by(&lost), "a probe unanswered past its grace");
+        let mut owed = i;
+        owed.tcpi_unacked = 3;
+        owed.tcpi_retransmits = 2;
+        assert!(!held_by(&owed) && dead_by(&owed), "two retransmission timeouts unanswered");
     }
 
     /// Adaptive callers spin for responses to small chunks (round trips, pages) and not for
