@@ -159,7 +159,7 @@ class Mover:
         return {"bytes": self.bytes_in(t0, t1), "transfers": len(self.done), "error": self.error,
                 "p50_ms": 1e3 * lat[len(lat) // 2] if lat else None, "max_ms": 1e3 * lat[-1] if lat else None,
                 "rails": [{k: r.get(k) for k in ("name", "bytes", "stalls", "times_down", "readmissions", "reissued",
-                                                 "rate_gbps", "up")} for r in stats]}
+                                                 "rate_gbps", "up", "last_down_reason")} for r in stats]}
 
 
 def role_initiator(a: argparse.Namespace) -> int:

@@ -51,9 +51,10 @@ def parse_status(body: bytes) -> tuple[str, int, str]:
 
 
 def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1",
-            nonce: bytes | None = None, hello_version: int = VERSION) -> socket.socket:
+            nonce: bytes | None = None, hello_version: int = VERSION, welcome: bool = True) -> socket.socket:
     """Open a connection and complete an unauthenticated handshake. `nonce` (16 bytes, random
-    by default) is the connection's id for FENCE."""
+    by default) is the connection's id for FENCE. `welcome=False`: stop after Auth, leaving the
+    server's answer (Welcome, or an Error in its place) unread."""
     s = socket.create_connection((host, port), timeout=5)
     nb = name.encode()
     body = struct.pack("<HBQH", hello_version, role, 1234, len(nb)) + nb + (nonce if nonce is not None else os.urandom(16))
@@ -61,6 +62,8 @@ def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1"
     kind, _, b = read_frame(s)
     assert kind == CHALLENGE, kind
     s.sendall(frame(AUTH, bytes(32)))
+    if not welcome:
+        return s
     kind, _, b = read_frame(s)
     assert kind == WELCOME, (kind, b)
     return s

@@ -474,8 +474,8 @@ def test_fence_stops_a_connection_mid_write(pair):
         b.sendall(rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(r["id"], r["key"], 0, 16), 7))
         k, req, body = rawpeer.read_frame(b)
         assert rawpeer.parse_status(body)[:2] == ("Ok", 16) and rawpeer.recv_exact(b, 16) == b"\xAA" * 16
-        # A connection id already in use is refused.
-        dup = rawpeer.connect(t.port, name="raw", nonce=idb)
+        # A connection id already in use is refused, in place of the Welcome.
+        dup = rawpeer.connect(t.port, name="raw", nonce=idb, welcome=False)
         k, _, body = rawpeer.read_frame(dup)
         dup.close()
         assert k == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "Unexpected"
@@ -673,7 +673,9 @@ def test_protocol_version_mismatch_from_peer():
 
 
 def test_peer_that_stops_answering_times_out():
-    """A peer that accepts a READ and never answers: ERROR within the stall timeout, no hang."""
+    """A peer that accepts a READ and never answers (its kernel acknowledges, its application
+    is silent): the rail is held, not stalled, but only up to the request `timeout` (2 s here):
+    ERROR then, no hang."""
     fake = FakeServer(None, complete_handshake=True)
     try:
         with Agent("me", {"timeout": 2.0, "stall_timeout": 0.5}) as a:

@@ -223,7 +223,7 @@ def test_progress_config_is_validated() -> None:
 @pytest.mark.parametrize("mode", ["poll", "adaptive"])
 def test_polling_waits_still_honour_stall_and_deadline(mode: str) -> None:
     """A peer that accepts a READ and never answers: a polling waiter still sees the stall
-    (ERROR within the stall timeout) and a short wait() still times out on time."""
+    (ERROR once the request `timeout` bounds the hold) and a short wait() still times out on time."""
     from test_agent import FakeServer, _fake_meta
 
     fake = FakeServer(None, complete_handshake=True)

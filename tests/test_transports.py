@@ -391,7 +391,8 @@ def test_a_paused_target_is_a_slow_peer_not_a_dead_rail(op: str) -> None:
             with pytest.raises(multirail.errors.MultirailError):
                 i.wait(h, 30)
             took = time.monotonic() - t0
-            assert 4.0 < took < 12.0, took
+            print(f"stopped for good: failed after {took:.2f} s")
+            assert 2.5 < took < 12.0, took  # held up to `timeout` (3 s), then the rails fail
             assert any(r["stalls"] >= 1 for r in i.rail_stats("target")), [(r["stalls"], r["times_down"], r["down_reason"]) for r in i.rail_stats("target")]
     finally:
         p.kill()

@@ -1000,7 +1000,8 @@ class Agent:
         "ucx/rc_mlx5", ...), transport_reason (why: "auto: no RDMA device", "explicit",
         "fallback after 3 ucx failures", ...), fallbacks and transport_switches (ucx -> tcp
         fallbacks and all changes of transport on this link), next_ucx_retry_s (seconds until a
-        fallen-back rail tries ucx again; None), one_sided, remote_vram, up, down_reason, rate_gbps, bytes, chunks,
+        fallen-back rail tries ucx again; None), one_sided, remote_vram, up, down_reason,
+        last_down_reason (why it last went down, kept after readmission), rate_gbps, bytes, chunks,
         reissued, times_down, and (kept across reconnections) bytes_read/bytes_written,
         chunks_read/chunks_written, readmissions, stalls. GPU memory (docs/gpu.md): gpu_path
         ("direct" on ucx rails with GPUDirect RDMA, else "staged": through pinned buffers,

@@ -402,6 +402,8 @@ pub struct RailStats {
     /// Times declared stalled (`Planner::poll_stalled`).
     pub stalls: u64,
     pub down_reason: Option<String>,
+    /// Why the rail last went down, kept after it is readmitted.
+    pub last_down_reason: Option<String>,
 }
 
 #[derive(Debug)]
@@ -462,6 +464,7 @@ struct Rail {
     /// Times declared stalled.
     stalls: u64,
     down_reason: Option<String>,
+    last_down_reason: Option<String>,
 }
 
 #[derive(Debug)]
@@ -774,6 +777,7 @@ impl Planner {
             times_down: 0,
             stalls: 0,
             down_reason: None,
+            last_down_reason: None,
         });
         self.rails.len() - 1
     }
@@ -794,6 +798,7 @@ impl Planner {
             times_down: r.times_down,
             stalls: r.stalls,
             down_reason: r.down_reason.clone(),
+            last_down_reason: r.last_down_reason.clone(),
         }
     }
 
@@ -1118,6 +1123,7 @@ impl Planner {
         r.failing = false;
         r.last_held = None;
         r.down_reason = Some(reason.clone());
+        r.last_down_reason = Some(reason.clone());
         r.inflight_bytes = 0;
         r.inflight_chunks = 0;
         r.clear_sample();

@@ -366,6 +366,7 @@ impl PyAgent {
             d.set_item("times_down", r.stats.times_down)?;
             d.set_item("rate_gbps", r.stats.rate * 8.0 / 1e9)?;
             d.set_item("down_reason", r.stats.down_reason)?;
+            d.set_item("last_down_reason", r.stats.last_down_reason)?;
             d.set_item("bytes_read", r.io.bytes_read)?;
             d.set_item("chunks_read", r.io.chunks_read)?;
             d.set_item("bytes_written", r.io.bytes_written)?;

@@ -127,7 +127,8 @@ pub struct Config {
     pub rail_map: Vec<(usize, usize)>,
     pub planner: PlannerConfig,
     /// Connect, handshake and request timeout (a stalled rail is declared down after
-    /// `planner.stall_timeout`).
+    /// `planner.stall_timeout`; a held one, whose path answers while nothing moves, after at
+    /// most this, or `planner.held_timeout` if shorter).
     pub timeout: Duration,
     /// Shared secret for the handshake; `None` disables authentication.
     pub secret: Option<Vec<u8>>,

@@ -269,7 +269,10 @@ impl Link {
         // tcp reports bytes moving below chunk level (`quiet_for`): a tcp rail's silence is
         // measured in bytes, a ucx rail's in whole chunks (docs/planner.md, failure detection).
         // Set per rail here and again by the transport that opens it (a fallback changes it).
-        let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress: true, ..ctx.cfg.planner.clone() });
+        // A hold (the path owes nothing, yet nothing moves: e.g. a peer whose kernel answers
+        // and whose application does not) lasts at most the request `timeout`.
+        let held_timeout = ctx.cfg.planner.held_timeout.min(ctx.cfg.timeout.max(ctx.cfg.planner.stall_timeout));
+        let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress: true, held_timeout, ..ctx.cfg.planner.clone() });
         let now = Instant::now();
         let io = (peer.rail_io)(pairs.len());
         let mut rails = Vec::new();
@@ -424,6 +427,12 @@ impl Link {
             drop(g);
             for (ri, reason) in stalled {
                 self.rails[ri].io.stalls.fetch_add(1, Ordering::Relaxed);
+                // The paths' state at the verdict goes with the reason (rail_stats, events): a
+                // stall on a rail that was not dead is diagnosed from it.
+                let reason = match self.t.evidence(ri) {
+                    Some(e) => format!("{reason} ({e})"),
+                    None => reason,
+                };
                 self.rail_failed(ri, reason);
             }
         }

@@ -161,6 +161,10 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.path_dead(ri)
     }
 
+    fn evidence(&self, ri: usize) -> Option<String> {
+        self.inner.evidence(ri)
+    }
+
     fn verdict(&self, ri: usize) -> Verdict {
         let mut v = Verdict::Deliver;
         for (_, f) in self.active(ri) {

@@ -334,6 +334,10 @@ impl Transport for Mixed {
         self.on(ri).path_dead(ri)
     }
 
+    fn evidence(&self, ri: usize) -> Option<String> {
+        self.on(ri).evidence(ri)
+    }
+
     fn verdict(&self, ri: usize) -> Verdict {
         self.on(ri).verdict(ri)
     }

@@ -228,6 +228,11 @@ pub(crate) trait Transport: Send + Sync {
     fn path_dead(&self, _ri: usize) -> bool {
         false
     }
+    /// What rail `ri`'s busy paths look like now, for the reason of a stall (TCP: each busy
+    /// connection's TCP_INFO in brief). None when the transport cannot say.
+    fn evidence(&self, _ri: usize) -> Option<String> {
+        None
+    }
     /// What to do with a completion on rail `ri` (only `Faulty` says other than Deliver).
     fn verdict(&self, _ri: usize) -> Verdict {
         Verdict::Deliver

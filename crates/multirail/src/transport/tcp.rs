@@ -247,6 +247,12 @@ fn keep_probing(s: &TcpStream) -> Result<()> {
 /// a 1.2 s hold. A blackholed path is not held for long: its first retransmission timeout
 /// moves the connection to Loss.
 ///
+/// Also held: a connection in Loss whose retransmission timeout's retry this host's own queue
+/// refused (retransmissions counted, no backoff: the kernel retries on its 0.5 s resource-probe
+/// timer). Seen at the last false stalls of the 32 -> 1 fan-in on a loaded host: `unacked 7,
+/// ca_state Loss, retrans 1, backoff 0, last ACK 500 ms ago`. Retries that leave the host and
+/// go unanswered back off; two backoffs are a dead path (`dead_by`).
+///
 /// Also held: a connection waiting for its peer's application, with every byte it sent
 /// acknowledged and nothing left to send, while the path answers the keepalive probes
 /// (`keep_probing`): the last ACK came less than a probe interval (plus its grace) ago, and at
@@ -272,13 +278,19 @@ fn held_locally(fd: std::os::fd::RawFd) -> bool {
 
 fn held_by(i: &libc::tcp_info) -> bool {
     const TCP_CA_CWR: u8 = 2;
+    const TCP_CA_LOSS: u8 = 4;
     let owes_nothing = (i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0)
         || (i.tcpi_unacked > 0 && u64::from(i.tcpi_last_data_sent) * 1000 < u64::from(i.tcpi_rto));
     let qdisc_held = i.tcpi_ca_state == TCP_CA_CWR && i.tcpi_retransmits == 0 && owes_nothing;
     let window_closed =
         i.tcpi_snd_wnd == 0 && i.tcpi_unacked == 0 && i.tcpi_notsent_bytes > 0 && i.tcpi_retransmits == 0 && i.tcpi_probes <= 1;
     let awaiting = owes_nothing_at_all(i) && i.tcpi_probes <= 1 && i.tcpi_last_ack_recv < KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS;
-    qdisc_held || window_closed || awaiting
+    // A retransmission timeout whose retry this host's own queue refused: the kernel then
+    // retries on its resource-probe timer (0.5 s) without backing off, so the connection is in
+    // Loss with retransmissions counted and no backoff. Retries that leave the host and go
+    // unanswered back off instead (`dead_by`).
+    let retry_held_locally = i.tcpi_ca_state == TCP_CA_LOSS && i.tcpi_retransmits >= 1 && i.tcpi_backoff == 0;
+    qdisc_held || window_closed || awaiting || retry_held_locally
 }
 
 /// Every byte sent acknowledged, nothing waiting to be sent, no retransmission pending.
@@ -288,10 +300,10 @@ fn owes_nothing_at_all(i: &libc::tcp_info) -> bool {
 
 /// Evidence of a dead path: a connection that owes nothing has had a keepalive probe
 /// unanswered past its grace (`held_by`'s waiting clause ends), or one with bytes outstanding
-/// has seen two retransmission timeouts in a row go unanswered.
+/// has backed off twice: two retransmissions that left this host went unanswered.
 fn dead_by(i: &libc::tcp_info) -> bool {
     let probe_lost = owes_nothing_at_all(i) && i.tcpi_probes >= 1 && i.tcpi_last_ack_recv >= KEEPALIVE_IDLE_MS + KEEPALIVE_GRACE_MS;
-    let timed_out = i.tcpi_unacked > 0 && i.tcpi_retransmits >= 2;
+    let timed_out = i.tcpi_unacked > 0 && i.tcpi_backoff >= 2;
     probe_lost || timed_out
 }
 
@@ -571,6 +583,36 @@ impl Transport for TcpRails {
 
     fn path_dead(&self, ri: usize) -> bool {
         self.busy_infos(ri).iter().any(dead_by)
+    }
+
+    fn evidence(&self, ri: usize) -> Option<String> {
+        let infos = self.busy_infos(ri);
+        let brief = |i: &libc::tcp_info| {
+            format!(
+                "unacked {} notsent {} snd_wnd {} ca_state {} retrans {} probes {} backoff {} rto {} ms, last data sent {} ms, data recv {} ms, ack recv {} ms ago",
+                i.tcpi_unacked,
+                i.tcpi_notsent_bytes,
+                i.tcpi_snd_wnd,
+                i.tcpi_ca_state,
+                i.tcpi_retransmits,
+                i.tcpi_probes,
+                i.tcpi_backoff,
+                i.tcpi_rto / 1000,
+                i.tcpi_last_data_sent,
+                i.tcpi_last_data_recv,
+                i.tcpi_last_ack_recv
+            )
+        };
+        (!infos.is_empty()).then(|| {
+            let shown: Vec<String> = infos.iter().take(4).map(brief).collect();
+            let more = infos.len().saturating_sub(4);
+            format!(
+                "{} busy connection(s): {}{}",
+                infos.len(),
+                shown.join("; "),
+                if more > 0 { format!("; {more} more") } else { String::new() }
+            )
+        })
     }
 
     fn wake(&self) {
@@ -1318,8 +1360,15 @@ mod tests {
         assert!(!held_by(&lost) && dead_by(&lost), "a probe unanswered past its grace");
         let mut owed = i;
         owed.tcpi_unacked = 3;
+        owed.tcpi_ca_state = 4; // Loss
         owed.tcpi_retransmits = 2;
+        owed.tcpi_backoff = 2;
         assert!(!held_by(&owed) && dead_by(&owed), "two retransmission timeouts unanswered");
+        // Seen on the 32 -> 1 fan-in on a loaded host, at a false stall: the retry of a
+        // retransmission timeout refused by this host's own queue (no backoff).
+        owed.tcpi_retransmits = 1;
+        owed.tcpi_backoff = 0;
+        assert!(held_by(&owed) && !dead_by(&owed), "a retry held in this host's queue");
     }
 
     /// Adaptive callers spin for responses to small chunks (round trips, pages) and not for
