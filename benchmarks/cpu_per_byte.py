@@ -23,6 +23,13 @@ loaded; that CPU is charged to no measured process, so each row also shows the k
 its window per GB (system-wide: other load counts there too). A run where it is large for one
 worker and not the other is skewed.
 
+With --floor, a third baseline runs in every run: a plain socket pair (this script, --role
+floor-send / floor-recv) that moves the same --size buffer as the engine, filled with real bytes,
+in --chunk-size send() / recv_into(MSG_WAITALL) calls cycling over it, one connection, the bulk
+bytes flowing the op's way. iperf3 sends and receives one 128 KiB buffer over and over (it stays
+in the L2 cache); the floor has the application's memory footprint, so multirail / floor is the
+engine's own overhead, and floor / iperf3 the cost of that footprint.
+
 Prints every run, then per op and progress mode the median and the worst ratio (multirail CPU/GB
 over iperf3 CPU/GB of the same op, same run), and the split by side (the side that sends the bulk
 bytes and the side that receives them, against iperf3's sender and receiver).
@@ -293,6 +300,108 @@ def run_iperf3(a: argparse.Namespace, op: str, net: dict[str, Any]) -> dict[str,
             "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
 
 
+def run_floor(a: argparse.Namespace, op: str, net: dict[str, Any]) -> dict[str, Any]:
+    """The socket floor (--floor): a fresh receiver + sender pair with the engine's buffers; CPU
+    of both over the sender's timed loop only."""
+    import tempfile
+
+    # READ: bulk bytes flow target (namespace a) -> initiator (b); WRITE: b -> a.
+    r_prefix, s_prefix = (net["prefix_b"], net["prefix_a"]) if op == "READ" else (net["prefix_a"], net["prefix_b"])
+    r_host = (net.get("i_host") or net["host"]) if op == "READ" else net["host"]
+    me = [sys.executable, str(Path(__file__).resolve()), "--size", a.size, "--chunk-size", a.chunk_size,
+          "--seconds", str(a.seconds), "--warmup", str(a.warmup), "--child-timeout", str(a.child_timeout)]
+    errs = [tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")]
+    recv: subprocess.Popen[str] | None = None
+    send: subprocess.Popen[str] | None = None
+    try:
+        recv = subprocess.Popen(r_prefix + me + ["--role", "floor-recv", "--connect", f"{r_host}:0"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=errs[0], text=True)
+        rr = _read_event(recv, "ready", a.child_timeout, "floor receiver")
+        send = subprocess.Popen(s_prefix + me + ["--role", "floor-send", "--connect", f"{r_host}:{rr['port']}"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errs[1], text=True)
+        try:
+            sr = _read_event(send, "ready", a.child_timeout, "floor sender")
+        except Failure as e:
+            raise Failure(f"{e}: {_tail(errs[1])} {_tail(errs[0])}") from None
+        spid, rpid = int(sr["pid"]), int(rr["pid"])
+        k0 = ksoftirqd_seconds()
+        c0 = (cpu_seconds(spid), cpu_seconds(rpid))
+        assert send.stdin is not None
+        send.stdin.write("go\n")
+        send.stdin.flush()
+        done = _read_event(send, "done", a.seconds * 10 + 60, "floor sender")
+        c1 = (cpu_seconds(spid), cpu_seconds(rpid))
+        k1 = ksoftirqd_seconds()
+    finally:
+        _stop(send)
+        _stop(recv)
+        for f in errs:
+            f.close()
+    nbytes = int(done["bytes"])
+    snd, rcv = c1[0] - c0[0], c1[1] - c0[1]
+    return {"worker": "floor", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]), "send_cpu_s": snd,
+            "recv_cpu_s": rcv, "cpu_per_gb": (snd + rcv) / (nbytes / GB), "send_cpu_per_gb": snd / (nbytes / GB),
+            "recv_cpu_per_gb": rcv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9,
+            "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
+
+
+def floor_main(a: argparse.Namespace) -> int:
+    """--role floor-recv / floor-send: one connection, a --size buffer of real bytes on each side,
+    --chunk-size calls cycling over it."""
+    import socket
+
+    import numpy as np
+
+    def emit(ev: dict[str, Any]) -> None:
+        print(json.dumps(ev), flush=True)
+
+    size, chunk = parse_size(a.size), parse_size(a.chunk_size)
+    chunk = min(chunk, size)
+    buf = np.empty(size, np.uint8)
+    buf[:] = 7  # faulted in, real pages
+    view = memoryview(buf)
+    host, _, port = a.connect.rpartition(":")
+    if a.role == "floor-recv":
+        with socket.socket() as ls:
+            ls.bind((host, int(port)))
+            ls.listen(1)
+            ls.settimeout(a.child_timeout)
+            emit({"event": "ready", "pid": os.getpid(), "port": ls.getsockname()[1]})
+            c, _ = ls.accept()
+        with c:
+            c.settimeout(a.child_timeout)
+            off = 0
+            while True:
+                end = min(off + chunk, size)
+                n = c.recv_into(view[off:end], end - off, socket.MSG_WAITALL)
+                if n == 0:
+                    return 0
+                off = off + n if off + n < size else 0
+    with socket.create_connection((host, int(port)), timeout=a.child_timeout) as c:
+        c.settimeout(a.child_timeout)
+        offs = list(range(0, size - chunk + 1, chunk))
+
+        def send_block() -> int:
+            for o in offs:
+                c.sendall(view[o:o + chunk])
+            return len(offs) * chunk
+
+        for _ in range(a.warmup):
+            send_block()
+        emit({"event": "ready", "pid": os.getpid()})
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        sent, t0 = 0, time.perf_counter()
+        while True:
+            sent += send_block()
+            wall = time.perf_counter() - t0
+            if wall >= a.seconds or wall > a.child_timeout:
+                break
+        emit({"event": "done", "bytes": sent, "wall_s": wall})
+        sys.stdin.readline()  # the driver reads our CPU, then closes stdin
+    return 0
+
+
 # -- the initiator child -------------------------------------------------------------------------
 
 def initiator_main(a: argparse.Namespace) -> int:
@@ -377,13 +486,18 @@ def main() -> int:
     ap.add_argument("--build", action="append", default=[], metavar="LABEL=DIR",
                     help="also run the multirail build whose python/ tree (package + _core extension) is DIR, "
                          "as workers multirail-MODE@LABEL (repeatable; e.g. a copy of main's for before/after)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also run the socket floor: a plain socket pair with the engine's buffers (see above)")
     ap.add_argument("--json", metavar="FILE")
-    ap.add_argument("--role", default="driver", choices=["driver", "initiator"], help=argparse.SUPPRESS)
+    ap.add_argument("--role", default="driver", choices=["driver", "initiator", "floor-send", "floor-recv"],
+                    help=argparse.SUPPRESS)
     ap.add_argument("--connect", help=argparse.SUPPRESS)
     ap.add_argument("--op", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role == "initiator":
         return initiator_main(a)
+    if a.role in ("floor-send", "floor-recv"):
+        return floor_main(a)
     if a.runs < 1 or a.seconds <= 0 or a.warmup < 0:
         ap.error("--runs and --seconds must be positive, --warmup >= 0")
     ops = [o.strip().upper() for o in a.ops.split(",") if o.strip()]
@@ -402,7 +516,7 @@ def main() -> int:
         builds["@" + label] = ("@" + label, str(Path(d).resolve()))
     net = _network(a)
     names = [f"multirail-{m}{b}" for b in builds for m in modes]
-    workers = [(op, w) for op in ops for w in ["iperf3"] + names]
+    workers = [(op, w) for op in ops for w in ["iperf3"] + (["floor"] if a.floor else []) + names]
     runs: list[list[dict[str, Any]]] = []
     t_begin = time.monotonic()
     for r in range(a.runs):
@@ -415,6 +529,8 @@ def main() -> int:
             try:
                 if w == "iperf3":
                     row = run_iperf3(a, op, net)
+                elif w == "floor":
+                    row = run_floor(a, op, net)
                 else:
                     mode, _, label = w.split("-", 1)[1].partition("@")
                     row = run_multirail(a, op, mode, net, builds["@" + label if label else ""])
@@ -430,13 +546,16 @@ def main() -> int:
     print(f"\nCPU seconds per GB (initiator + target; iperf3 client + server), {len(runs)} fresh run(s), "
           f"{a.size} blocks, {a.seconds:g} s windows, {'testbed ' + a.testbed if a.testbed else 'loopback'}")
     print(f"{'op':<5} {'worker':<20} {'CPU/GB med':>10} {'ratio med':>9} {'ratio worst':>11} "
-          f"{'send x':>7} {'recv x':>7} {'Gbit/s':>7} {'ksoftirqd/GB':>12}")
+          f"{'send x':>7} {'recv x':>7} {'Gbit/s':>7} {'ksoftirqd/GB':>12}" + ("  x floor med (worst)" if a.floor else ""))
     for op in ops:
-        for w in names:
-            ratios, sends, recvs, cpg, rates, ksi = [], [], [], [], [], []
+        for w in (["floor"] if a.floor else []) + names:
+            ratios, sends, recvs, cpg, rates, ksi, floors = [], [], [], [], [], [], []
             for rows in runs:
                 base = next(x for x in rows if x["op"] == op and x["worker"] == "iperf3")
                 mine = next(x for x in rows if x["op"] == op and x["worker"] == w)
+                if a.floor:
+                    floor = next(x for x in rows if x["op"] == op and x["worker"] == "floor")
+                    floors.append(mine["cpu_per_gb"] / floor["cpu_per_gb"])
                 ratios.append(mine["cpu_per_gb"] / base["cpu_per_gb"])
                 sends.append(mine["send_cpu_per_gb"] / base["send_cpu_per_gb"])
                 recvs.append(mine["recv_cpu_per_gb"] / base["recv_cpu_per_gb"])
@@ -447,9 +566,13 @@ def main() -> int:
                                    "ratios": ratios, "cpu_per_gb_median": statistics.median(cpg),
                                    "send_ratio_median": statistics.median(sends),
                                    "recv_ratio_median": statistics.median(recvs)}
+            if floors:
+                summary[f"{op}/{w}"].update({"floor_ratio_median": statistics.median(floors), "floor_ratio_worst": max(floors),
+                                             "floor_ratios": floors})
             print(f"{op:<5} {w:<20} {statistics.median(cpg):10.3f} {statistics.median(ratios):8.2f}x "
                   f"{max(ratios):10.2f}x {statistics.median(sends):6.2f}x {statistics.median(recvs):6.2f}x "
-                  f"{statistics.median(rates):7.2f} {statistics.median(ksi):12.3f}")
+                  f"{statistics.median(rates):7.2f} {statistics.median(ksi):12.3f}"
+                  + (f"  {statistics.median(floors):.2f}x ({max(floors):.2f}x)" if floors else ""))
         base = [next(x for x in rows if x["op"] == op and x["worker"] == "iperf3") for rows in runs]
         print(f"{op:<5} {'iperf3':<20} {statistics.median(b['cpu_per_gb'] for b in base):10.3f} {'1.00x':>9} "
               f"{'':>11} {'':>7} {'':>7} {statistics.median(b['gbps'] for b in base):7.2f} "
