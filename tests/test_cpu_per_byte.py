@@ -79,6 +79,30 @@ def test_one_short_run_measures_both_sides_of_both_workers(tmp_path: Path):
     assert "WRITE multirail-block" in p.stdout
 
 
+@pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
+@pytest.mark.skipif(shutil.which("iperf3") is None, reason="iperf3 is not installed")
+def test_the_socket_floor_measures_both_of_its_processes_both_ways(tmp_path: Path):
+    """--floor: a plain socket pair with the engine's buffer runs in every run, for each op in
+    the op's direction; multirail's ratio to it is reported."""
+    out = tmp_path / "cpb.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--runs", "1", "--ops", "READ,WRITE", "--progress", "block",
+                        "--size", "4MiB", "--chunk-size", "1MiB", "--seconds", "0.5", "--warmup", "1",
+                        "--iperf3-skip", "0.2", "--floor", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (rows,) = doc["runs"]
+    for op in ("READ", "WRITE"):
+        by = {r["worker"]: r for r in rows if r["op"] == op}
+        assert set(by) == {"iperf3", "floor", "multirail-block"}
+        fl = by["floor"]
+        assert fl["bytes"] >= 4 << 20 and fl["bytes"] % (4 << 20) == 0
+        assert fl["send_cpu_s"] > 0 and fl["recv_cpu_s"] > 0
+        assert fl["cpu_per_gb"] == pytest.approx(fl["send_cpu_per_gb"] + fl["recv_cpu_per_gb"])
+        s = doc["summary"][f"{op}/multirail-block"]
+        assert s["floor_ratio_worst"] == pytest.approx(by["multirail-block"]["cpu_per_gb"] / fl["cpu_per_gb"])
+    assert "x floor" in p.stdout
+
+
 def _perf_counts_syscalls() -> bool:
     """perf can count syscall tracepoints of other processes here (root, tracefs)."""
     if shutil.which("perf") is None or os.geteuid() != 0:
