@@ -94,6 +94,7 @@ unsafe impl Sync for ContextInner {}
 
 impl Drop for ContextInner {
     fn drop(&mut self) {
+        let _t = crate::quiesce::teardown();
         // SAFETY: the last owner is gone: every worker and mapped region holds an Arc to this,
         // so none is left when ucp_cleanup runs.
         unsafe { (self.ucx.api().cleanup)(self.handle) };

@@ -393,8 +393,10 @@ impl Endpoint {
         let mut param: sys::ucp_request_param_t = sys::zeroed();
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = if force { sys::UCP_EP_CLOSE_FLAG_FORCE } else { 0 };
+        let t = crate::quiesce::teardown();
         // SAFETY: endpoint live, worker locked; the handle is not used after this.
         let p = unsafe { (l.api().ep_close_nbx)(self.handle, &param) };
+        drop(t);
         let result = match ptr_status(p) {
             PtrStatus::Done(r) => r,
             PtrStatus::Pending(req) => {

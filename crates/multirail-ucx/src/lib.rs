@@ -45,6 +45,7 @@ pub mod context;
 pub mod endpoint;
 pub mod error;
 pub mod load;
+mod quiesce;
 pub mod status;
 pub mod sys;
 pub mod worker;

@@ -400,6 +400,7 @@ fn open(path: &Path, source: Source) -> std::result::Result<Ucx, Fail> {
     };
     let (modules, has_ib) = scan_modules(path);
     let info = LibInfo { path: path.to_path_buf(), source, version, version_string, deps, modules, has_ib };
+    crate::quiesce::hook();
     Ok(Ucx(Arc::new(Loaded { api, info, _libs: libs })))
 }
 

@@ -293,9 +293,11 @@ impl Drop for WorkerInner {
             // SAFETY: not yet freed; UCX releases it when the worker goes.
             unsafe { (api.request_free)(o.req.as_ptr()) };
         }
+        let t = crate::quiesce::teardown();
         // SAFETY: nothing else refers to the worker (this is the last Arc); every endpoint of
         // ours is closed (each holds an Arc), so this only tears down UCX-internal state.
         unsafe { (api.worker_destroy)(self.handle) };
+        drop(t);
         drop(l);
         // No callback runs after the worker is destroyed.
         drop(handlers);

@@ -150,7 +150,7 @@ impl Agent {
             notifs: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             rails_meta,
-            open_conns: AtomicUsize::new(0),
+            open_conns: Arc::new(AtomicUsize::new(0)),
             served: Mutex::new(HashMap::new()),
             fenced: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),

@@ -57,7 +57,10 @@ pub struct Shared {
     pub notifs: Mutex<Vec<(String, Vec<u8>)>>,
     pub shutdown: AtomicBool,
     pub rails_meta: Vec<RailInfo>,
-    pub open_conns: AtomicUsize,
+    /// Serving threads running (each leaves it only after dropping its `Shared`: `close` then
+    /// knows that no serving thread holds the last reference, whose drop would tear UCX down
+    /// on a thread the application no longer waits for).
+    pub open_conns: Arc<AtomicUsize>,
     /// Served connections by their `Hello` nonce, for `Fence`.
     pub served: Mutex<HashMap<[u8; 16], Arc<Served>>>,
     /// Connections aborted by a peer's `Fence`.
@@ -349,10 +352,11 @@ pub fn accept_loop(sh: Arc<Shared>, l: TcpListener, listener: usize) {
             continue;
         }
         sh.open_conns.fetch_add(1, Ordering::AcqRel);
-        let sh2 = sh.clone();
+        let (sh2, running) = (sh.clone(), sh.open_conns.clone());
         let spawned = std::thread::Builder::new().name("mr-serve".into()).spawn(move || {
             serve(&sh2, s, listener);
-            sh2.open_conns.fetch_sub(1, Ordering::AcqRel);
+            drop(sh2);
+            running.fetch_sub(1, Ordering::AcqRel);
         });
         if spawned.is_err() {
             sh.open_conns.fetch_sub(1, Ordering::AcqRel);
