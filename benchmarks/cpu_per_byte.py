@@ -163,6 +163,24 @@ def _tail(f: IO[str] | None) -> str:
     return f.read().strip()[-600:]
 
 
+def _timed_window(a: argparse.Namespace, driver: subprocess.Popen[str], pids: tuple[int, int], who: str,
+                  err: IO[str]) -> tuple[dict[str, Any], float, float, float]:
+    """Tell `driver` to go and wait for its "done": (done event, CPU s of each of `pids` and the
+    ksoftirqd CPU s over exactly that window)."""
+    k0 = ksoftirqd_seconds()
+    c0 = (cpu_seconds(pids[0]), cpu_seconds(pids[1]))
+    assert driver.stdin is not None
+    driver.stdin.write("go\n")
+    driver.stdin.flush()
+    try:
+        done = _read_event(driver, "done", a.seconds * 10 + 60, who)
+    except Failure as e:
+        raise Failure(f"{e}: {_tail(err)}") from None
+    c1 = (cpu_seconds(pids[0]), cpu_seconds(pids[1]))
+    k1 = ksoftirqd_seconds()
+    return done, c1[0] - c0[0], c1[1] - c0[1], k1 - k0
+
+
 def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, Any],
                   build: tuple[str, str | None] = ("", None)) -> dict[str, Any]:
     """One fresh target + initiator pair (of `build`: (label, python root)); CPU of both over
@@ -196,32 +214,20 @@ def run_multirail(a: argparse.Namespace, op: str, progress: str, net: dict[str, 
             ev = _read_event(init, "ready", a.child_timeout, "initiator")
         except Failure as e:
             raise Failure(f"{e}: {_tail(ierr)}") from None
-        ipid, tpid = int(ev["pid"]), int(ready["pid"])
-        k0 = ksoftirqd_seconds()
-        c0 = (cpu_seconds(ipid), cpu_seconds(tpid))
-        assert init.stdin is not None
-        init.stdin.write("go\n")
-        init.stdin.flush()
-        try:
-            done = _read_event(init, "done", a.seconds * 10 + 60, "initiator")
-        except Failure as e:
-            raise Failure(f"{e}: {_tail(ierr)}") from None
-        c1 = (cpu_seconds(ipid), cpu_seconds(tpid))
-        k1 = ksoftirqd_seconds()
+        done, ini, tgt, ksoft = _timed_window(a, init, (int(ev["pid"]), int(ready["pid"])), "initiator", ierr)
     finally:
         _stop(init)
         stop(target)
         ierr.close()
         terr.close()
     nbytes = int(done["bytes"])
-    ini, tgt = c1[0] - c0[0], c1[1] - c0[1]
     # READ: the target sends the bulk bytes; WRITE: the initiator does.
     send, recv = (tgt, ini) if op == "READ" else (ini, tgt)
     return {"worker": f"multirail-{progress}{build[0]}", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]),
             "iters": int(done["iters"]), "initiator_cpu_s": ini, "target_cpu_s": tgt,
             "cpu_per_gb": (ini + tgt) / (nbytes / GB), "send_cpu_per_gb": send / (nbytes / GB),
             "recv_cpu_per_gb": recv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9,
-            "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
+            "ksoftirqd_per_gb": ksoft / (nbytes / GB)}
 
 
 def _free_port(host: str, prefix: list[str]) -> int:
@@ -323,26 +329,17 @@ def run_floor(a: argparse.Namespace, op: str, net: dict[str, Any]) -> dict[str, 
             sr = _read_event(send, "ready", a.child_timeout, "floor sender")
         except Failure as e:
             raise Failure(f"{e}: {_tail(errs[1])} {_tail(errs[0])}") from None
-        spid, rpid = int(sr["pid"]), int(rr["pid"])
-        k0 = ksoftirqd_seconds()
-        c0 = (cpu_seconds(spid), cpu_seconds(rpid))
-        assert send.stdin is not None
-        send.stdin.write("go\n")
-        send.stdin.flush()
-        done = _read_event(send, "done", a.seconds * 10 + 60, "floor sender")
-        c1 = (cpu_seconds(spid), cpu_seconds(rpid))
-        k1 = ksoftirqd_seconds()
+        done, snd, rcv, ksoft = _timed_window(a, send, (int(sr["pid"]), int(rr["pid"])), "floor sender", errs[1])
     finally:
         _stop(send)
         _stop(recv)
         for f in errs:
             f.close()
     nbytes = int(done["bytes"])
-    snd, rcv = c1[0] - c0[0], c1[1] - c0[1]
     return {"worker": "floor", "op": op, "bytes": nbytes, "wall_s": float(done["wall_s"]), "send_cpu_s": snd,
             "recv_cpu_s": rcv, "cpu_per_gb": (snd + rcv) / (nbytes / GB), "send_cpu_per_gb": snd / (nbytes / GB),
             "recv_cpu_per_gb": rcv / (nbytes / GB), "gbps": nbytes * 8 / float(done["wall_s"]) / 1e9,
-            "ksoftirqd_per_gb": (k1 - k0) / (nbytes / GB)}
+            "ksoftirqd_per_gb": ksoft / (nbytes / GB)}
 
 
 def floor_main(a: argparse.Namespace) -> int:

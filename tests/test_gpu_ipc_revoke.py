@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import engine_available
+from conftest import engine_available, wait_stopped
 from gpu_peer import Initiator, Target
 
 pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
@@ -108,7 +108,7 @@ def test_a_peer_that_does_not_confirm_bounds_deregistration() -> None:
         assert pc["ipc_transfers"] == 1 and pc["ipc_regions_mapped"] == 1, pc
         os.kill(peer.p.pid, signal.SIGSTOP)
         stopped = True
-        _wait_stopped(peer.p.pid)
+        wait_stopped(peer.p.pid)
         t0 = time.monotonic()
         with pytest.raises(errors.TransferTimeoutError, match="initiator") as e:
             t.deregister_memory(reg)
@@ -138,23 +138,6 @@ def test_a_peer_that_does_not_confirm_bounds_deregistration() -> None:
         peer.close()
         t.close()
         block.free()
-
-
-def _wait_stopped(pid: int) -> None:
-    """Until every thread of `pid` is stopped (kill() only queues SIGSTOP)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        states = []
-        for t in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{t}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(st in ("T", "t") for st in states):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"process {pid} did not stop")
 
 
 @pytest.mark.parametrize("here,expect", [("0,1", [1]), ("1", [0])])

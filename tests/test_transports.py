@@ -29,7 +29,7 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from conftest import engine_available, netns_unavailable
+from conftest import engine_available, netns_unavailable, wait_stopped
 
 pytestmark = pytest.mark.skipif(not engine_available(), reason="multirail._core is not built (run `make setup`)")
 
@@ -317,23 +317,6 @@ def test_peer_killed_mid_transfer_fails_within_the_timeout(tr: str) -> None:
         p.wait()
 
 
-def _stop_all_threads(pid: int, timeout: float = 10.0) -> None:
-    """Until every thread of `pid` is stopped (kill() only queues SIGSTOP)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                pass
-        if states and all(s in "Tt" for s in states):
-            return
-        assert time.monotonic() < deadline, f"threads of {pid} not stopped: {states}"
-        time.sleep(0.001)
-
-
 @pytest.mark.parametrize("op", ["READ", "WRITE"])
 def test_a_paused_target_is_a_slow_peer_not_a_dead_rail(op: str) -> None:
     """The target is stopped (SIGSTOP) mid-transfer for 3 x stall_timeout, as a target whose
@@ -364,7 +347,7 @@ def test_a_paused_target_is_a_slow_peer_not_a_dead_rail(op: str) -> None:
                 else:
                     time.sleep(0.002)
                 p.send_signal(signal.SIGSTOP)
-                _stop_all_threads(p.pid)
+                wait_stopped(p.pid)
                 if i.check_xfer_state(h) == multirail.XferState.DONE:
                     p.send_signal(signal.SIGCONT)
                     pytest.fail("the transfer finished before the target stopped; make it larger")

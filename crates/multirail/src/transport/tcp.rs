@@ -196,17 +196,13 @@ impl Conn {
     }
 }
 
-/// Milliseconds since the kernel last received anything that shows the path works on `fd`:
+/// Milliseconds since the kernel last received anything that shows the path works (TCP_INFO `i`):
 /// data, or an ACK of data sent (a large WRITE chunk on a slow rail is progress) - from
-/// TCP_INFO, if it can say.
+/// the connection.
 ///
 /// Once every byte sent is acknowledged and nothing waits to be sent, the ACKs that still come
 /// are the replies to keepalive probes (`keep_probing`), which prove the path, not progress:
 /// the last ACK of data then came after the last data sent, so that send's time stands in.
-fn ms_since_progress(fd: std::os::fd::RawFd) -> Option<u32> {
-    tcp_info(fd).map(|i| progress_ms(&i))
-}
-
 fn progress_ms(i: &libc::tcp_info) -> u32 {
     let acked = if i.tcpi_unacked == 0 && i.tcpi_notsent_bytes == 0 { i.tcpi_last_data_sent } else { i.tcpi_last_ack_recv };
     i.tcpi_last_data_recv.min(acked)
@@ -567,13 +563,7 @@ impl Transport for TcpRails {
     }
 
     fn quiet_for(&self, ri: usize) -> Option<Duration> {
-        let conns = self.rails[ri].conns.read().expect("rail lock");
-        conns
-            .iter()
-            .filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0)
-            .filter_map(|c| ms_since_progress(c.fd))
-            .min()
-            .map(|ms| Duration::from_millis(ms as u64))
+        self.busy_infos(ri).iter().map(progress_ms).min().map(|ms| Duration::from_millis(ms as u64))
     }
 
     fn held_back(&self, ri: usize) -> bool {
