@@ -196,9 +196,9 @@ impl Conn {
     }
 }
 
-/// Milliseconds since the kernel last received anything that shows the path works (TCP_INFO `i`):
-/// data, or an ACK of data sent (a large WRITE chunk on a slow rail is progress) - from
-/// the connection.
+/// Milliseconds since the kernel last received, on the connection whose TCP_INFO is `i`,
+/// anything that shows the transfer moves: data, or an ACK of data sent (a large WRITE chunk on
+/// a slow rail is progress).
 ///
 /// Once every byte sent is acknowledged and nothing waits to be sent, the ACKs that still come
 /// are the replies to keepalive probes (`keep_probing`), which prove the path, not progress:
