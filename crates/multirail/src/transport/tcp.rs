@@ -233,8 +233,8 @@ fn keep_probing(s: &TcpStream) -> Result<()> {
 }
 
 /// Whether the connection is held: its silence is no sign of a dead path. It is in congestion
-/// window reduction, which a drop by the local qdisc puts it in (it then retries on the zero-window probe timer,
-/// backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows' packets), no
+/// window reduction, which a drop by the local qdisc puts it in (it then retries on the
+/// zero-window probe timer, backing off 0.2, 0.4, 0.8 s ... while the queue stays full of other flows' packets), no
 /// retransmission timed out (that would put it in Loss), and the path owes it nothing: every
 /// byte it sent is acknowledged with bytes still unsent, or what is unacknowledged went out
 /// less than a retransmission timeout ago (the retry that just got through). Seen on the
@@ -328,6 +328,16 @@ pub(crate) struct TcpRails {
 }
 
 impl TcpRails {
+    /// TCP_INFO of rail `ri`'s live connections with requests outstanding.
+    fn busy_infos(&self, ri: usize) -> Vec<libc::tcp_info> {
+        let conns = self.rails[ri].conns.read().expect("rail lock");
+        conns
+            .iter()
+            .filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0)
+            .filter_map(|c| tcp_info(c.fd))
+            .collect()
+    }
+
     pub(crate) fn new(n: usize) -> TcpRails {
         let rails = (0..n)
             .map(|_| Arc::new(TcpRail { conns: RwLock::new(Vec::new()), live: AtomicUsize::new(0), fds: Mutex::new(Vec::new()) }))
@@ -416,18 +426,6 @@ impl TcpRails {
             return x.state() != XferState::InProgress;
         }
         false
-    }
-}
-
-impl TcpRails {
-    /// TCP_INFO of rail `ri`'s live connections with requests outstanding.
-    fn busy_infos(&self, ri: usize) -> Vec<libc::tcp_info> {
-        let conns = self.rails[ri].conns.read().expect("rail lock");
-        conns
-            .iter()
-            .filter(|c| !c.dead.load(Ordering::Acquire) && c.inflight_n.load(Ordering::Acquire) > 0)
-            .filter_map(|c| tcp_info(c.fd))
-            .collect()
     }
 }
 
