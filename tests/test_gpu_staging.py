@@ -439,6 +439,57 @@ def test_ipc_refused_by_the_target_falls_back_to_staging(ipc: bool, access: str,
         tgt.close()
 
 
+def test_ipc_transfers_queued_back_to_back_land_and_notify_in_order() -> None:
+    """Sixteen IPC WRITEs posted back to back, each with its own notification: the copy worker
+    queues each on the device without waiting for the one before, the completer waits for them
+    in order. Every byte lands, every notification arrives in posting order, and a handle
+    released while later ones are queued leaves its memory alone."""
+    k, piece = 16, 256 * 1024 + 7
+    n = k * piece
+    tgt = _Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 10.0})
+    try:
+        src = buf("V", pattern(n, 91))
+        i.register_memory(src)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        hs = []
+        for j in range(k):
+            loc = i.get_xfer_descs([(src.addr + j * piece, piece, 0)], "VRAM")
+            rem = i.get_xfer_descs([(tgt.addr + j * piece, piece, 0)], "VRAM")
+            hs.append(i.initialize_xfer("WRITE", loc, rem, "target", f"w{j}".encode()))
+        for h in hs:
+            i.transfer(h)
+        for h in hs:
+            i.wait(h, 30)
+            i.release_xfer_handle(h)
+        assert tgt.ask("digest") == _sha(pattern(n, 91))
+        assert tgt.ask("notifs") == '{"initiator": [%s]}' % ", ".join(f'"w{j}"' for j in range(k))
+        assert i.peer_counters("target")["ipc_transfers"] == k
+        # READs into separate slices of one local buffer; the middle one released while the
+        # ones after it are queued: once release returns, its slice stays as it is.
+        local = np.zeros(n, np.uint8)
+        i.register_memory(local)
+        hs = [i.initialize_xfer("READ", [(local.ctypes.data + j * piece, piece, 0)],
+                                i.get_xfer_descs([(tgt.addr + j * piece, piece, 0)], "VRAM"), "target") for j in range(k)]
+        for h in hs:
+            i.transfer(h)
+        i.release_xfer_handle(hs[k // 2])
+        snap = local[(k // 2) * piece:(k // 2 + 1) * piece].copy()
+        for j, h in enumerate(hs):
+            if j != k // 2:
+                i.wait(h, 30)
+                i.release_xfer_handle(h)
+        time.sleep(0.1)
+        assert np.array_equal(snap, local[(k // 2) * piece:(k // 2 + 1) * piece]), "memory changed after release"
+        want = pattern(n, 91)
+        for j in range(k):
+            if j != k // 2:
+                assert np.array_equal(local[j * piece:(j + 1) * piece], want[j * piece:(j + 1) * piece]), j
+    finally:
+        i.close()
+        tgt.close()
+
+
 def test_ipc_release_and_close_leave_memory_alone() -> None:
     """A large IPC READ released right after posting, then close(): once each returns, the
     copy worker writes nothing more into the local buffer (release waits for a copy under way

@@ -628,9 +628,28 @@ impl Drop for OnDevice<'_> {
 pub struct CudaStream {
     rt: Arc<CudaRuntime>,
     raw: Stream,
-    /// Device buffer (address, capacity) holding the gather kernel's piece table; written in
-    /// stream order before each launch (`crate::gather`). 0: none yet.
-    table: std::sync::Mutex<(u64, usize)>,
+    /// The gather kernel's piece table (`crate::gather`), written in stream order before each
+    /// launch.
+    table: std::sync::Mutex<KernelTable>,
+}
+
+/// Pinned host slots a stream's piece tables are uploaded from, used in turn.
+const TABLE_SLOTS: usize = 4;
+
+/// A stream's gather-kernel piece table: the device buffer the kernel reads, and the pinned
+/// host slots it is uploaded from. Pinned, because `cudaMemcpyAsync` from pageable memory may
+/// wait for the stream (CUDA's "API synchronization behavior"), which would serialize a caller
+/// that queues transfers ahead of their completion (crate `multirail`'s IPC worker). A slot is
+/// written again only once the upload that read it has run (its event), so up to
+/// [`TABLE_SLOTS`] launches are queued without a host wait. Addresses are kept as integers
+/// (0: none yet); all are freed with the stream.
+#[derive(Debug, Default)]
+struct KernelTable {
+    dev: u64,
+    dev_cap: usize,
+    /// (pinned host address, capacity, event recorded after the upload that read it or 0).
+    slots: [(u64, usize, u64); TABLE_SLOTS],
+    next: usize,
 }
 
 /// A CUDA event (destroyed on drop).
@@ -650,11 +669,24 @@ impl Drop for CudaStream {
         // SAFETY: created by cudaStreamCreateWithFlags, destroyed once. Errors here (a context
         // torn down at exit) leave nothing to do.
         unsafe { (self.rt.api.stream_destroy)(self.raw) };
-        let (table, _) = *self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if table != 0 {
+        let t = std::mem::take(&mut *self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if t.dev != 0 {
             // SAFETY: allocated by cudaMalloc for this stream, which is gone (its work done:
             // cudaStreamDestroy lets queued work finish, and cudaFree waits for the device).
-            unsafe { (self.rt.api.free)(table as *mut c_void) };
+            unsafe { (self.rt.api.free)(t.dev as *mut c_void) };
+        }
+        for (host, _, ev) in t.slots {
+            if ev != 0 {
+                // SAFETY: our event, waited for before the slot goes.
+                unsafe {
+                    (self.rt.api.event_synchronize)(ev as Event);
+                    (self.rt.api.event_destroy)(ev as Event);
+                }
+            }
+            if host != 0 {
+                // SAFETY: from cudaMallocHost for this stream; its upload has run (above).
+                unsafe { (self.rt.api.free_host)(host as *mut c_void) };
+            }
         }
     }
 }
@@ -708,31 +740,63 @@ impl Cuda {
             let _ = self.rt.kernel_failed.set(why.clone());
         })?;
         let n = u32::try_from(copies.len()).map_err(|_| "more than 2^32 pieces".to_string())?;
-        let table: Vec<u64> = copies.iter().flat_map(|c| [c.1, c.2, c.3 as u64]).collect();
-        let bytes = table.len() * 8;
+        let bytes = copies.len() * 24;
         let mut t = stream.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        if t.1 < bytes {
-            if t.0 != 0 {
+        let t = &mut *t;
+        let check = |op: &'static str, rc: Err| self.rt.check(op, rc).map_err(|e| e.to_string());
+        if t.dev_cap < bytes {
+            if t.dev != 0 {
                 // The old table may still be read by a launch queued before: wait for it.
                 self.stream_synchronize(stream).map_err(|e| e.to_string())?;
                 // SAFETY: our own allocation, no longer used.
-                unsafe { (self.api().free)(t.0 as *mut c_void) };
-                *t = (0, 0);
+                unsafe { (self.api().free)(t.dev as *mut c_void) };
+                (t.dev, t.dev_cap) = (0, 0);
             }
             let cap = bytes.next_power_of_two().max(64 << 10);
             let mut p = std::ptr::null_mut();
             // SAFETY: valid out-pointer.
-            self.rt.check("cudaMalloc", unsafe { (self.api().malloc)(&mut p, cap) }).map_err(|e| e.to_string())?;
-            *t = (p as u64, cap);
+            check("cudaMalloc", unsafe { (self.api().malloc)(&mut p, cap) })?;
+            (t.dev, t.dev_cap) = (p as u64, cap);
         }
-        // From pageable memory: the call returns once it has taken the bytes, so `table` can go;
-        // in stream order, the launch below reads them and an earlier launch's read is done.
-        // SAFETY: t.0 has at least `bytes` bytes; table lives through the call.
-        let rc = unsafe { (self.api().memcpy_async)(t.0 as *mut c_void, table.as_ptr() as *const c_void, bytes, MEMCPY_H2D, stream.raw) };
-        self.rt.check("cudaMemcpyAsync", rc).map_err(|e| e.to_string())?;
+        let slot = &mut t.slots[t.next];
+        t.next = (t.next + 1) % TABLE_SLOTS;
+        if slot.2 != 0 {
+            // The upload that last read this slot (TABLE_SLOTS launches ago) must have run.
+            // SAFETY: our live event.
+            check("cudaEventSynchronize", unsafe { (self.api().event_synchronize)(slot.2 as Event) })?;
+        } else {
+            let mut e = std::ptr::null_mut();
+            // SAFETY: valid out-pointer.
+            check("cudaEventCreateWithFlags", unsafe { (self.api().event_create_with_flags)(&mut e, EVENT_FLAGS) })?;
+            slot.2 = e as u64;
+        }
+        if slot.1 < bytes {
+            if slot.0 != 0 {
+                // SAFETY: ours, and its last upload has run (above).
+                unsafe { (self.api().free_host)(slot.0 as *mut c_void) };
+                (slot.0, slot.1) = (0, 0);
+            }
+            let cap = bytes.next_power_of_two().max(16 << 10);
+            let mut p = std::ptr::null_mut();
+            // SAFETY: valid out-pointer.
+            check("cudaMallocHost", unsafe { (self.api().malloc_host)(&mut p, cap) })?;
+            (slot.0, slot.1) = (p as u64, cap);
+        }
+        // SAFETY: the slot holds `bytes` = 3 u64 per piece and nothing reads it now (its last
+        // upload has run); cudaMallocHost memory is page-aligned.
+        let host = unsafe { std::slice::from_raw_parts_mut(slot.0 as *mut u64, copies.len() * 3) };
+        for (h, c) in host.chunks_exact_mut(3).zip(copies) {
+            h.copy_from_slice(&[c.1, c.2, c.3 as u64]);
+        }
+        // In stream order: the launch below reads the table, an earlier launch's read is done.
+        // SAFETY: both buffers hold at least `bytes`; the slot stays untouched until `slot.2`.
+        let rc = unsafe { (self.api().memcpy_async)(t.dev as *mut c_void, slot.0 as *const c_void, bytes, MEMCPY_H2D, stream.raw) };
+        check("cudaMemcpyAsync", rc)?;
+        // SAFETY: live event and stream.
+        check("cudaEventRecord", unsafe { (self.api().event_record)(slot.2 as Event, stream.raw) })?;
         // SAFETY: the context is current (entered by the caller); the table is in place in stream
         // order; the caller's contract covers every piece.
-        unsafe { crate::gather::launch(f, t.0, n, stream.raw) }.inspect_err(|why| {
+        unsafe { crate::gather::launch(f, t.dev, n, stream.raw) }.inspect_err(|why| {
             let _ = self.rt.kernel_failed.set(why.clone());
         })?;
         Ok(2)
@@ -947,7 +1011,7 @@ impl Device for Cuda {
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaStreamCreateWithFlags", unsafe { (self.api().stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING) })?;
-        Ok(CudaStream { rt: self.rt.clone(), raw: s, table: std::sync::Mutex::new((0, 0)) })
+        Ok(CudaStream { rt: self.rt.clone(), raw: s, table: std::sync::Mutex::default() })
     }
 
     fn create_event(&self) -> Result<CudaEvent> {

@@ -11,9 +11,10 @@
 //! The kernel is PTX written for this crate (ISA 7.0, `sm_70`: any CUDA 11+ driver JIT-compiles
 //! it for the GPU at hand), loaded with the driver API (`cuModuleLoadDataEx`, once per context)
 //! and launched with `cuLaunchKernel` on the caller's stream. The piece table (dst, src, len as
-//! three u64 each) is copied to a device buffer of the stream ([`crate::cuda::CudaStream`]) in
-//! stream order before the launch, so the host's copy of it can be reused at once and the next
-//! transfer's table overwrites it only after this kernel has read it.
+//! three u64 each) is written to one of the stream's pinned host slots and copied from there to
+//! a device buffer of the stream ([`crate::cuda::CudaStream`]) in stream order before the
+//! launch, so the next transfer's table overwrites it only after this kernel has read it, and
+//! queuing a launch never waits for the stream (an upload from pageable memory may).
 //!
 //! Trade-off: a kernel takes SMs, copy engines do not. [`crate::Cuda`] uses it only for batches
 //! of small pieces ([`crate::cuda::ENV_CUDA_COPY`] says when and turns it on or off).

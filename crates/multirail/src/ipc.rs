@@ -27,10 +27,14 @@
 //!   watch connection is aborted. Transfers prepared against a revoked mapping fail with
 //!   `UnknownRegion` instead of copying; a new transfer asks again and is refused (then
 //!   staged, and refused by the target for the region it no longer has).
-//! - **Copies** run on one worker thread per peer: its own stream and event, all of a
-//!   transfer's copies queued, one event wait, then the notification, then completion.
-//!   `cancel` and `close` take the worker's lock, so once they return no copy touches the
-//!   application's memory.
+//! - **Copies** are queued by one worker thread per peer, on its own stream per device: all of
+//!   a transfer's copies, then an event of its own. The worker goes on to the next transfer at
+//!   once; a second thread (the completer) waits for each event in order, then sends the
+//!   transfer's notification and completes it. So the copies of transfer k+1 run while
+//!   transfer k's notification crosses to the peer. [`InFlight`] counts transfers queued on
+//!   the device and not yet waited for: `cancel`, `close` and a revocation take the worker's
+//!   `copying` lock (nothing new is queued) and wait until it is zero, so once they return no
+//!   copy touches the application's memory or a closed mapping.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Shutdown, TcpStream};
@@ -201,19 +205,33 @@ fn push_merged(copies: &mut Vec<multirail_gpu::BatchCopy>, c: multirail_gpu::Bat
 static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
 
 /// Queues every copy of `plan` on the device's stream (made once, kept in `queues`; batched,
-/// `Device::copy_batch_async`) and waits for them: on return, also on error, no copy runs.
-/// `counters` gets the device API calls that queued them and how.
-fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>, counters: &Counters) -> std::result::Result<(), String> {
+/// `Device::copy_batch_async`), then records an event from `events` after them, and returns it
+/// without waiting. On error nothing of this transfer runs any more (the stream was drained).
+/// `counters` gets the device API calls that queued the copies and how.
+fn queue_copies(
+    plan: &IpcPlan,
+    queues: &mut Vec<(i32, GpuStream)>,
+    events: &EventPool,
+    counters: &Counters,
+) -> std::result::Result<GpuEvent, String> {
     let id = plan.gpu.id();
     if !queues.iter().any(|q| q.0 == id) {
         let s = plan.gpu.create_stream().map_err(|e| e.to_string())?;
-        let e = plan.gpu.create_event().map_err(|e| e.to_string())?;
-        queues.push((id, s, e));
+        queues.push((id, s));
     }
-    let (_, s, e) = queues.iter().find(|q| q.0 == id).expect("made above");
+    let (_, s) = queues.iter().find(|q| q.0 == id).expect("made above");
+    let pooled = {
+        let mut p = events.lock().expect("ipc lock");
+        p.iter().position(|e| e.0 == id).map(|i| p.swap_remove(i).1)
+    };
+    let e = match pooled {
+        Some(e) => e,
+        None => plan.gpu.create_event().map_err(|e| e.to_string())?,
+    };
     // SAFETY: the local side is registered and held by the transfer, the remote side lies
     // inside the peer's mapped allocation (checked at plan time), pieces do not overlap, and
-    // the event wait below ends every copy before the transfer completes or is cancelled.
+    // the completer's event wait ends every copy before the transfer completes; a cancel, a
+    // close or a revocation waits for that (`InFlight`).
     match unsafe { plan.gpu.copy_batch_async(&plan.copies, s) } {
         Ok(q) => {
             counters.copy_calls.fetch_add(q.calls as u64, Ordering::Relaxed);
@@ -223,14 +241,19 @@ fn run_copies(plan: &IpcPlan, queues: &mut Vec<(i32, GpuStream, GpuEvent)>, coun
         Err(err) => {
             // Copies queued before the failing one still run: wait for the stream itself.
             let _ = plan.gpu.stream_synchronize(s);
+            events.lock().expect("ipc lock").push((id, e));
             return Err(err.to_string());
         }
     }
-    plan.gpu.record(e, s).and_then(|_| plan.gpu.synchronize(e)).map_err(|err| {
-        // A failed record tracks nothing: the stream is what holds the copies.
-        let _ = plan.gpu.stream_synchronize(s);
-        err.to_string()
-    })
+    match plan.gpu.record(&e, s) {
+        Ok(()) => Ok(e),
+        Err(err) => {
+            // A failed record tracks nothing: the stream is what holds the copies.
+            let _ = plan.gpu.stream_synchronize(s);
+            events.lock().expect("ipc lock").push((id, e));
+            Err(err.to_string())
+        }
+    }
 }
 
 /// One peer region mapped into this process.
@@ -289,7 +312,51 @@ struct Counters {
 struct Worker {
     tx: mpsc::Sender<Arc<XferShared>>,
     thread: JoinHandle<()>,
+    /// The completer's thread id (`close` from it must not wait for itself).
+    completer: std::thread::ThreadId,
 }
+
+/// Transfers whose copies are queued on the device and not yet waited for (module docs).
+#[derive(Default)]
+struct InFlight {
+    n: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl InFlight {
+    fn add(&self) {
+        *self.n.lock().expect("ipc lock") += 1;
+    }
+
+    fn done(&self) {
+        let mut n = self.n.lock().expect("ipc lock");
+        *n -= 1;
+        if *n == 0 {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Waits until no queued copy is left; the caller holds `copying`, so none is added. The
+    /// completer waits for every queued event without a timeout of its own, so neither does
+    /// this: a device that never finishes a copy cannot be unmapped safely anyway.
+    fn drain(&self) {
+        let mut n = self.n.lock().expect("ipc lock");
+        while *n > 0 {
+            n = self.cv.wait(n).expect("ipc lock");
+        }
+    }
+}
+
+/// One transfer between the worker and the completer: its copies are queued on `gpu`'s stream,
+/// followed by `event`.
+struct Queued {
+    x: Arc<XferShared>,
+    gpu: Gpu,
+    event: GpuEvent,
+}
+
+/// Events to mark each queued transfer's end, per device, reused.
+type EventPool = Arc<Mutex<Vec<(i32, GpuEvent)>>>;
 
 /// The initiator's end of its `Role::IpcWatch` connection.
 struct WatchConn {
@@ -308,8 +375,10 @@ pub(crate) struct IpcPeer {
     watch: Mutex<Option<WatchConn>>,
     revoked: Arc<AtomicU64>,
     worker: Mutex<Option<Worker>>,
-    /// Held by the worker while it decides on and copies a transfer; `cancel`/`close` take it.
+    /// Held by the worker while it decides on and queues a transfer; `cancel`/`close` take it,
+    /// then wait for `in_flight` to drain.
     copying: Arc<Mutex<()>>,
+    in_flight: Arc<InFlight>,
     closing: Arc<AtomicBool>,
     counters: Arc<Counters>,
     fallback: Mutex<String>,
@@ -386,12 +455,12 @@ impl IpcPeer {
         }
         let reader = sock.try_clone().map_err(|e| format!("IPC watch connection: {e}"))?;
         let dead = Arc::new(AtomicBool::new(false));
-        let (maps, copying, closing, revoked, d2) =
-            (self.maps.clone(), self.copying.clone(), self.closing.clone(), self.revoked.clone(), dead.clone());
+        let (maps, copying, in_flight, closing, revoked, d2) =
+            (self.maps.clone(), self.copying.clone(), self.in_flight.clone(), self.closing.clone(), self.revoked.clone(), dead.clone());
         let timeout = link.ctx.cfg.timeout;
         let thread = std::thread::Builder::new()
             .name("mr-ipc-watch".into())
-            .spawn(move || watch_reader(reader, maps, copying, closing, revoked, d2, timeout))
+            .spawn(move || watch_reader(reader, maps, copying, in_flight, closing, revoked, d2, timeout))
             .map_err(|e| format!("spawn: {e}"))?;
         if let Some(old) = w.replace(WatchConn { id, sock, dead, thread }) {
             let _ = old.sock.shutdown(Shutdown::Both);
@@ -464,12 +533,27 @@ impl IpcPeer {
         let mut w = self.worker.lock().expect("ipc lock");
         if w.is_none() {
             let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
-            let (copying, closing, counters, maps) = (self.copying.clone(), self.closing.clone(), self.counters.clone(), self.maps.clone());
-            let thread = std::thread::Builder::new()
-                .name("mr-ipc".into())
-                .spawn(move || worker(rx, copying, closing, counters, maps))
+            let (done_tx, done_rx) = mpsc::channel::<Queued>();
+            let events = EventPool::default();
+            let (in_flight, counters, pool) = (self.in_flight.clone(), self.counters.clone(), events.clone());
+            let completer = std::thread::Builder::new()
+                .name("mr-ipc-done".into())
+                .spawn(move || completer(done_rx, pool, in_flight, counters))
                 .map_err(|e| Error::io("spawn", e))?;
-            *w = Some(Worker { tx, thread });
+            let completer_id = completer.thread().id();
+            let (copying, closing, counters, maps, in_flight) =
+                (self.copying.clone(), self.closing.clone(), self.counters.clone(), self.maps.clone(), self.in_flight.clone());
+            let spawned = std::thread::Builder::new().name("mr-ipc".into()).spawn(move || {
+                worker(rx, done_tx, events, copying, closing, counters, maps, in_flight);
+                // The completer ends once the worker's sender is gone and every queued
+                // transfer is completed. Not joined when it is the thread that closes us.
+                if completer.thread().id() != std::thread::current().id() {
+                    let _ = completer.join();
+                }
+            });
+            // Without a worker, the completer's channel is already closed and it ends by itself.
+            let thread = spawned.map_err(|e| Error::io("spawn", e))?;
+            *w = Some(Worker { tx, thread, completer: completer_id });
         }
         w.as_ref().expect("started").tx.send(x).map_err(|_| Error::Gpu("the IPC worker stopped".into()))
     }
@@ -477,7 +561,17 @@ impl IpcPeer {
     /// Abort `x` if it has not run: once this returns, the worker does not touch its memory.
     pub fn cancel(&self, x: &XferShared) {
         let _g = self.copying.lock().expect("ipc lock");
+        // Its copies may be queued: wait for every queued transfer (nothing new is queued while
+        // we hold `copying`). A cancel from the completer (its transfer's last reference) finds
+        // nothing queued that it must wait for, as that transfer was counted out already.
+        if !self.on_completer() {
+            self.in_flight.drain();
+        }
         x.finish(Err(Error::InvalidArgument("transfer handle released while in progress".into())));
+    }
+
+    fn on_completer(&self) -> bool {
+        self.worker.lock().expect("ipc lock").as_ref().is_some_and(|w| w.completer == std::thread::current().id())
     }
 
     /// Stop the worker (queued transfers fail, a running copy completes first) and unmap.
@@ -486,14 +580,17 @@ impl IpcPeer {
         let w = self.worker.lock().expect("ipc lock").take();
         if let Some(w) = w {
             drop(w.tx);
-            // The worker itself may drop the last reference to the peer (through a finished
-            // transfer): it is between copies then, and must not wait for itself.
-            if w.thread.thread().id() != std::thread::current().id() {
+            // The worker or the completer may drop the last reference to the peer (through a
+            // finished transfer). Every transfer queued holds a reference, so none is queued
+            // then; neither must wait for itself, and the worker waits for the completer.
+            let me = std::thread::current().id();
+            if w.thread.thread().id() != me && w.completer != me {
                 let _ = w.thread.join();
             }
         }
         {
             let _c = self.copying.lock().expect("ipc lock");
+            self.in_flight.drain();
             for (_, m) in self.maps.lock().expect("ipc lock").drain() {
                 if let Ok(m) = m {
                     // SAFETY: the worker is gone (or between copies, holding no lock: we hold
@@ -546,9 +643,19 @@ fn region_room(alloc_len: u64, offset: u64) -> std::result::Result<u64, String> 
     alloc_len.checked_sub(offset).filter(|n| *n > 0).ok_or_else(|| "the region's offset lies outside its allocation".to_string())
 }
 
-fn worker(rx: mpsc::Receiver<Arc<XferShared>>, copying: Arc<Mutex<()>>, closing: Arc<AtomicBool>, counters: Arc<Counters>, maps: Maps) {
-    // One stream and event per device, made once.
-    let mut queues: Vec<(i32, GpuStream, GpuEvent)> = Vec::new();
+#[allow(clippy::too_many_arguments)]
+fn worker(
+    rx: mpsc::Receiver<Arc<XferShared>>,
+    done: mpsc::Sender<Queued>,
+    events: EventPool,
+    copying: Arc<Mutex<()>>,
+    closing: Arc<AtomicBool>,
+    counters: Arc<Counters>,
+    maps: Maps,
+    in_flight: Arc<InFlight>,
+) {
+    // One stream per device, made once.
+    let mut queues: Vec<(i32, GpuStream)> = Vec::new();
     for x in rx {
         let g = copying.lock().expect("ipc lock");
         if x.state() != XferState::InProgress {
@@ -573,25 +680,59 @@ fn worker(rx: mpsc::Receiver<Arc<XferShared>>, copying: Arc<Mutex<()>>, closing:
         }
         // The stream contract: after the application's work queued at post (already done when
         // the post came through the GPU-order waiter).
-        let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| run_copies(plan, &mut queues, &counters));
-        drop(g);
+        let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| queue_copies(plan, &mut queues, &events, &counters));
         match r {
-            Ok(()) => {
-                counters.transfers.fetch_add(1, Ordering::Relaxed);
-                counters.bytes.fetch_add(x.total, Ordering::Relaxed);
-                counters.copies.fetch_add(plan.copies.len() as u64, Ordering::Relaxed);
-                let notif = x.notif.lock().expect("xfer lock").clone();
-                let r = if notif.is_empty() { Ok(()) } else { x.peer.send_notif(&notif) };
-                x.finish(r);
+            Ok(event) => {
+                in_flight.add();
+                drop(g);
+                let gpu = plan.gpu.clone();
+                if let Err(mpsc::SendError(q)) = done.send(Queued { x, gpu, event }) {
+                    // No completer (it could not be started): wait here.
+                    complete(q, &events, &in_flight, &counters);
+                }
             }
-            Err(m) => x.finish(Err(Error::Gpu(format!("CUDA IPC copy failed: {m}")))),
+            Err(m) => {
+                drop(g);
+                x.finish(Err(Error::Gpu(format!("CUDA IPC copy failed: {m}"))));
+            }
         }
     }
 }
 
+/// The completer: each queued transfer in order, its event waited for, then its notification and
+/// completion.
+fn completer(rx: mpsc::Receiver<Queued>, events: EventPool, in_flight: Arc<InFlight>, counters: Arc<Counters>) {
+    for q in rx {
+        complete(q, &events, &in_flight, &counters);
+    }
+}
+
+fn complete(q: Queued, events: &EventPool, in_flight: &InFlight, counters: &Counters) {
+    let Queued { x, gpu, event } = q;
+    // A failed wait is a device error, sticky for the context: no copy of it runs after that.
+    let r = gpu.synchronize(&event);
+    events.lock().expect("ipc lock").push((gpu.id(), event));
+    in_flight.done();
+    match r {
+        // Released (or failed) meanwhile: its copies are done, and it sends no notification.
+        Ok(()) if x.state() != XferState::InProgress => {}
+        Ok(()) => {
+            let Some(plan) = x.ipc.as_ref() else { return };
+            counters.transfers.fetch_add(1, Ordering::Relaxed);
+            counters.bytes.fetch_add(x.total, Ordering::Relaxed);
+            counters.copies.fetch_add(plan.copies.len() as u64, Ordering::Relaxed);
+            let notif = x.notif.lock().expect("xfer lock").clone();
+            let r = if notif.is_empty() { Ok(()) } else { x.peer.send_notif(&notif) };
+            x.finish(r);
+        }
+        Err(e) => x.finish(Err(Error::Gpu(format!("CUDA IPC copy failed: {e}")))),
+    }
+}
+
 /// Close and forget the mappings of `regions` (all of them: None), with no copy running.
-fn unmap(maps: &Maps, copying: &Mutex<()>, regions: Option<&[u64]>, revoked: &AtomicU64) {
+fn unmap(maps: &Maps, copying: &Mutex<()>, in_flight: &InFlight, regions: Option<&[u64]>, revoked: &AtomicU64) {
     let _c = copying.lock().expect("ipc lock");
+    in_flight.drain();
     let mut m = maps.lock().expect("ipc lock");
     let gone: Vec<std::result::Result<Mapped, String>> = match regions {
         Some(ids) => ids.iter().filter_map(|r| m.remove(r)).collect(),
@@ -608,10 +749,12 @@ fn unmap(maps: &Maps, copying: &Mutex<()>, regions: Option<&[u64]>, revoked: &At
 /// The initiator's reader of its watch connection: answers each `IpcRevoke` once the mappings
 /// are closed; when the connection ends, closes every mapping of the peer (the target counts
 /// a closed connection as released).
+#[allow(clippy::too_many_arguments)]
 fn watch_reader(
     mut s: TcpStream,
     maps: Maps,
     copying: Arc<Mutex<()>>,
+    in_flight: Arc<InFlight>,
     closing: Arc<AtomicBool>,
     revoked: Arc<AtomicU64>,
     dead: Arc<AtomicBool>,
@@ -630,7 +773,7 @@ fn watch_reader(
         };
         match wire::read_frame(&mut s, &mut tick) {
             Ok((h, Body::IpcRevoke(ids))) => {
-                unmap(&maps, &copying, Some(&ids), &revoked);
+                unmap(&maps, &copying, &in_flight, Some(&ids), &revoked);
                 let deadline = Instant::now() + timeout;
                 let mut wtick = |_: bool| if Instant::now() > deadline { Err("IpcReleased not sent in time".to_string()) } else { Ok(()) };
                 if wire::send(&mut s, &Body::IpcReleased(ids), h.req_id, &mut wtick).is_err() {
@@ -643,7 +786,7 @@ fn watch_reader(
     dead.store(true, Ordering::Release);
     let _ = s.shutdown(Shutdown::Both);
     // No more revocations can reach us: keep no mapping that one could have been meant for.
-    unmap(&maps, &copying, None, &revoked);
+    unmap(&maps, &copying, &in_flight, None, &revoked);
 }
 
 /// The target's view of one `Role::IpcWatch` connection.
