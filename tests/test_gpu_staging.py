@@ -96,7 +96,9 @@ def test_every_direction_byte_exact(pair: Any, n: int, lk: str, rk: str) -> None
 
 def test_scattered_pages_vram_to_vram(pair: Any) -> None:
     """512 shuffled 4 KiB pages on each side, both in GPU memory (a paged KV cache): every page
-    lands where its descriptor says, both ways."""
+    lands where its descriptor says, both ways. The pages travel in vectored requests (many
+    pages per request, gathered into and scattered from the pinned buffers on both sides), not
+    one request per page."""
     t, i = pair
     page, n = 4096, 512
     remote, local = buf("V", pattern(page * n, 3)), buf("V", np.zeros(page * n, np.uint8))
@@ -114,6 +116,12 @@ def test_scattered_pages_vram_to_vram(pair: Any) -> None:
     run(i, "WRITE", ld, rd)
     lv, rv = host(local).reshape(n, page), host(remote).reshape(n, page)
     assert all(np.array_equal(lv[a], rv[b]) for a, b in zip(lp, rp))
+    served = next(r for r in t.served_stats() if r["peer"] == "initiator")
+    reqs = served["requests_read"] + served["requests_written"]
+    assert reqs <= 2 * 32, f"{reqs} requests for 2 x {n} pages: not vectored ({served})"
+    assert served["staging"]["d2h"]["bytes"] == page * n and served["staging"]["h2d"]["bytes"] == page * n, served
+    st = i.rail_stats("target")[0]["staging"]
+    assert st["d2h"]["bytes"] == page * n and st["h2d"]["bytes"] == page * n, st
 
 
 def test_pools_are_made_once_and_bounded(pair: Any) -> None:

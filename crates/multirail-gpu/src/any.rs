@@ -212,6 +212,16 @@ impl Device for Gpu {
             }
         }
     }
+    unsafe fn copy_batch_pinned_async(&self, copies: &[BatchCopy], stream: &GpuStream) -> Result<Queued> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match (self, stream) {
+                (Gpu::Cuda(d), GpuStream::Cuda(s)) => d.copy_batch_pinned_async(copies, s),
+                (Gpu::StandIn(d), GpuStream::StandIn(s)) => d.copy_batch_pinned_async(copies, s),
+                _ => Err(mismatch()),
+            }
+        }
+    }
     fn record(&self, event: &GpuEvent, stream: &GpuStream) -> Result<()> {
         match (self, event, stream) {
             (Gpu::Cuda(d), GpuEvent::Cuda(e), GpuStream::Cuda(s)) => d.record(e, s),

@@ -866,8 +866,20 @@ impl Cuda {
     /// # Safety
     /// As [`Device::copy_batch_async`].
     pub unsafe fn copy_batch_as(&self, mode: CopyMode, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
-        let d2d = copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice);
-        let nonempty: Vec<&BatchCopy> = if d2d { copies.iter().filter(|c| c.3 > 0).collect() } else { Vec::new() };
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_batch_with(mode, copies, false, stream) }
+    }
+
+    /// [`Cuda::copy_batch_as`]; `pinned`: every host side lies in pinned memory
+    /// ([`Device::copy_batch_pinned_async`]), which the kernel reaches by its host address
+    /// (unified addressing: memory from `cudaMallocHost` is mapped into every device at the
+    /// same address), so host-device batches may go as one launch too.
+    ///
+    /// # Safety
+    /// As [`Device::copy_batch_pinned_async`] when `pinned`, else [`Device::copy_batch_async`].
+    pub unsafe fn copy_batch_with(&self, mode: CopyMode, copies: &[BatchCopy], pinned: bool, stream: &CudaStream) -> Result<Queued> {
+        let batchable = copies.len() > 1 && copies.iter().all(|c| pinned || c.0 == CopyKind::DeviceToDevice);
+        let nonempty: Vec<&BatchCopy> = if batchable { copies.iter().filter(|c| c.3 > 0).collect() } else { Vec::new() };
         let mut note = None;
         if !nonempty.is_empty() {
             let avg = nonempty.iter().map(|c| c.3).sum::<usize>() / nonempty.len();
@@ -898,7 +910,7 @@ impl Cuda {
             // SAFETY: the caller's contract, per copy.
             unsafe { self.copy_async(kind, dst, src, len, stream) }?;
         }
-        Ok(Queued { calls: copies.len(), how: CopyHow::PerCopy, note: note.filter(|_| d2d) })
+        Ok(Queued { calls: copies.len(), how: CopyHow::PerCopy, note: note.filter(|_| batchable) })
     }
 
     /// Makes this device current on the calling thread until the guard drops, then puts the
@@ -1043,6 +1055,11 @@ impl Device for Cuda {
     unsafe fn copy_batch_async(&self, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
         // SAFETY: the caller's contract.
         unsafe { self.copy_batch_as(self.rt.copy_mode, copies, stream) }
+    }
+
+    unsafe fn copy_batch_pinned_async(&self, copies: &[BatchCopy], stream: &CudaStream) -> Result<Queued> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_batch_with(self.rt.copy_mode, copies, true, stream) }
     }
 
     fn record(&self, event: &CudaEvent, stream: &CudaStream) -> Result<()> {

@@ -236,6 +236,17 @@ pub trait Device: Send + Sync {
         }
         Ok(Queued { calls: copies.len(), how: CopyHow::PerCopy, note: None })
     }
+    /// [`Device::copy_batch_async`] where every host side lies in memory from
+    /// [`Device::alloc_pinned`] (a staging buffer): a device that can reach pinned memory
+    /// directly may copy them all in one kernel launch (CUDA with unified addressing does).
+    ///
+    /// # Safety
+    /// As [`Device::copy_batch_async`], and every host range lies in pinned memory of this
+    /// device's kind that stays allocated until the copies complete.
+    unsafe fn copy_batch_pinned_async(&self, copies: &[BatchCopy], stream: &Self::Stream) -> Result<Queued> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_batch_async(copies, stream) }
+    }
     /// Records `event` on `stream`: it completes when everything queued before it has.
     fn record(&self, event: &Self::Event, stream: &Self::Stream) -> Result<()>;
     /// Has the event completed (an event never recorded counts as complete)?

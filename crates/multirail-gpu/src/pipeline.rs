@@ -22,12 +22,20 @@
 //! that are completely done (a receiver's once its last H2D copy has completed), and
 //! [`Staged::finish`] runs everything to the end. A failure waits for the stream and drops
 //! every queued segment.
+//!
+//! **Scattered segments.** A segment is either one device range ([`Src::At`]) or many
+//! ([`Src::Pieces`]: the pages of a vectored request, sent or received as one byte stream in
+//! their order). A buffer's worth of a scattered segment is one batched copy
+//! ([`Device::copy_batch_pinned_async`]: on CUDA one launch of the gather kernel, which reads
+//! and writes the pinned buffer directly), not one copy per page: a device copy costs the GPU
+//! about 4 µs however small it is.
 
 use std::collections::VecDeque;
 use std::io;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::device::{CopyKind, Device, DeviceError, DevicePtr, PinnedMem};
+use crate::device::{BatchCopy, CopyKind, Device, DeviceError, DevicePtr, PinnedMem};
 use crate::staging::{Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 use crate::timeline::{Interval, Stage, Timeline};
 use crate::wire::Wire;
@@ -160,11 +168,98 @@ struct Seg {
     end: u64,
     /// Written by a sender just before the segment's first piece.
     preamble: Option<Vec<u8>>,
+    /// A scattered segment's pages (its pieces' offsets count from 0 in their byte stream);
+    /// None: one range (the pieces' offsets are device addresses).
+    pages: Option<Arc<Pages>>,
 }
 
-/// What a `refill` callback returns: the next segment of a sender's stream, (device address,
-/// length, tag, preamble).
-pub type NextSegment = (DevicePtr, u64, u64, Option<Vec<u8>>);
+/// Where a segment's bytes are in device memory (module docs).
+#[derive(Debug, Clone)]
+pub enum Src {
+    /// One range: (address, length).
+    At(DevicePtr, u64),
+    /// Many ranges, in the order their bytes travel.
+    Pieces(Arc<Pages>),
+}
+
+impl Src {
+    pub fn len(&self) -> u64 {
+        match self {
+            Src::At(_, n) => *n,
+            Src::Pieces(p) => p.total,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The device ranges of a scattered segment, in stream order, with where each starts in the
+/// stream (for a binary search by stream offset).
+#[derive(Debug)]
+pub struct Pages {
+    spans: Vec<(u64, u64)>,
+    starts: Vec<u64>,
+    total: u64,
+}
+
+impl Pages {
+    /// `spans`: (device address, length), in stream order; empty ones are dropped and ranges
+    /// adjacent in memory are merged.
+    pub fn new(spans: impl IntoIterator<Item = (u64, u64)>) -> Pages {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (a, n) in spans {
+            if n == 0 {
+                continue;
+            }
+            match out.last_mut() {
+                Some(l) if l.0 + l.1 == a => l.1 += n,
+                _ => out.push((a, n)),
+            }
+        }
+        let mut starts = Vec::with_capacity(out.len());
+        let mut total = 0;
+        for s in &out {
+            starts.push(total);
+            total += s.1;
+        }
+        Pages { spans: out, starts, total }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    pub fn spans(&self) -> &[(u64, u64)] {
+        &self.spans
+    }
+
+    /// The copies that move stream bytes `off..off+len` between the pages and a host buffer at
+    /// `host` (`kind` DeviceToHost: pages into the buffer; HostToDevice: the other way).
+    pub fn copies(&self, kind: CopyKind, off: u64, len: u64, host: u64) -> Vec<BatchCopy> {
+        let mut out = Vec::new();
+        let mut i = self.starts.partition_point(|&s| s <= off).saturating_sub(1);
+        let (mut at, end) = (off, off + len);
+        while at < end && i < self.spans.len() {
+            let (addr, n) = self.spans[i];
+            let skip = at - self.starts[i];
+            let take = (n - skip).min(end - at);
+            let (dev, h) = (addr + skip, host + (at - off));
+            out.push(match kind {
+                CopyKind::HostToDevice => (kind, dev, h, take as usize),
+                _ => (kind, h, dev, take as usize),
+            });
+            at += take;
+            i += 1;
+        }
+        out
+    }
+}
+
+/// What a `refill` callback returns: the next segment of a sender's stream, (where its bytes
+/// are, tag, preamble).
+pub type NextSegment = (Src, u64, Option<Vec<u8>>);
 
 /// A receiver that hands segments over as they land reads a piece in slices of this size.
 const RECV_SLICE: usize = 128 << 10;
@@ -312,6 +407,21 @@ impl<D: Device> Staged<D> {
     /// As [`Staged::send`] / [`Staged::recv`] for the range, until the segment is handed back
     /// by [`Staged::take_done`] (or a call fails).
     pub unsafe fn submit(&mut self, base: DevicePtr, len: u64, tag: u64, preamble: Option<Vec<u8>>) -> Result<(), PipelineError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.submit_src(Src::At(base, len), tag, preamble) }
+    }
+
+    /// [`Staged::submit`] of a segment that may be scattered over many device ranges.
+    ///
+    /// # Safety
+    /// As [`Staged::submit`], for every range of `src`.
+    pub unsafe fn submit_src(&mut self, src: Src, tag: u64, preamble: Option<Vec<u8>>) -> Result<(), PipelineError> {
+        let len = src.len();
+        let (base, pages) = match src {
+            Src::At(base, _) => (base, None),
+            // A scattered segment's pieces count from 0 in its stream (`start` maps them).
+            Src::Pieces(p) => (DevicePtr(0), Some(p)),
+        };
         let first = self.next_chunk;
         // Ramps (`piece_lengths`): a sender whose pipeline is empty starts with a short piece,
         // so the wire starts sooner; a receiver ends every segment with a short one, so its
@@ -328,7 +438,7 @@ impl<D: Device> Staged<D> {
         }
         self.next_chunk += n;
         self.unstarted += n;
-        self.segs.push_back(Seg { tag, first, end: first + n, preamble: preamble.filter(|_| self.role == Role::Sender) });
+        self.segs.push_back(Seg { tag, first, end: first + n, preamble: preamble.filter(|_| self.role == Role::Sender), pages });
         Ok(())
     }
 
@@ -484,7 +594,7 @@ impl<D: Device> Staged<D> {
                 if let Some(f) = refill.as_mut() {
                     match f() {
                         // SAFETY: the refill callback's contract is `submit`'s.
-                        Some((base, len, tag, pre)) => unsafe { self.submit(base, len, tag, pre)? },
+                        Some((src, tag, pre)) => unsafe { self.submit_src(src, tag, pre)? },
                         None => refill = None,
                     }
                 }
@@ -565,6 +675,32 @@ impl<D: Device> Staged<D> {
         }
     }
 
+    /// The pages of the scattered segment that holds `chunk`, if it is one.
+    fn pages_of(&self, chunk: ChunkId) -> Option<Arc<Pages>> {
+        self.segs.iter().find(|s| s.first <= chunk.0 && chunk.0 < s.end).and_then(|s| s.pages.clone())
+    }
+
+    /// Queues the copy of `piece` between the device and pinned buffer `host` (`kind`).
+    ///
+    /// # Safety
+    /// The buffer is ours to fill or drain (stager), the piece's ranges lie inside a submitted
+    /// segment (`submit`'s contract).
+    unsafe fn copy_piece(&self, kind: CopyKind, piece: Piece, host: u64) -> Result<(), PipelineError> {
+        match self.pages_of(piece.chunk) {
+            None => {
+                let (dst, src) = if kind == CopyKind::DeviceToHost { (host, piece.offset) } else { (piece.offset, host) };
+                // SAFETY: the caller's contract.
+                unsafe { self.dev.copy_async(kind, dst, src, piece.len as usize, &self.stream)? };
+            }
+            Some(p) => {
+                let copies = p.copies(kind, piece.offset, piece.len, host);
+                // SAFETY: the caller's contract; every host side lies in our pinned buffer.
+                unsafe { self.dev.copy_batch_pinned_async(&copies, &self.stream)? };
+            }
+        }
+        Ok(())
+    }
+
     fn start(&mut self, a: Action) -> Result<(), PipelineError> {
         let now = Instant::now();
         match (self.role, a) {
@@ -573,7 +709,7 @@ impl<D: Device> Staged<D> {
                 let dst = self.pool[buf.0].addr();
                 // SAFETY: the buffer is free (stager) and holds a chunk (len <= buffer size);
                 // the device range is inside the transfer (send's contract).
-                unsafe { self.dev.copy_async(CopyKind::DeviceToHost, dst, piece.offset, piece.len as usize, &self.stream)? };
+                unsafe { self.copy_piece(CopyKind::DeviceToHost, piece, dst)? };
                 self.dev.record(&self.events[buf.0], &self.stream)?;
                 self.copies.push_back((piece, buf, now));
             }
@@ -581,7 +717,7 @@ impl<D: Device> Staged<D> {
                 let src = self.pool[buf.0].addr();
                 // SAFETY: the buffer holds the received chunk and is not touched until its
                 // event completes; the device range is inside the transfer (recv's contract).
-                unsafe { self.dev.copy_async(CopyKind::HostToDevice, piece.offset, src, piece.len as usize, &self.stream)? };
+                unsafe { self.copy_piece(CopyKind::HostToDevice, piece, src)? };
                 self.dev.record(&self.events[buf.0], &self.stream)?;
                 self.copies.push_back((piece, buf, now));
             }

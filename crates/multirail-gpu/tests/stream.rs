@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use multirail_gpu::{mem_pair, Device, DevicePtr, PoolConfig, Role, Staged, StandIn, StandInConfig, Wire};
+use multirail_gpu::{mem_pair, Device, DevicePtr, Pages, PoolConfig, Role, Src, Staged, StandIn, StandInConfig, Wire};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2] ^ seed).collect()
@@ -92,7 +92,7 @@ fn a_stream_of_segments_overlaps_across_segment_boundaries() {
             taken_at.push(sent.load(Ordering::SeqCst));
             let i = next;
             next += 1;
-            Some((srcs[i].0, sizes[i] as u64, i as u64, Some((1000 + i as u64).to_le_bytes().to_vec())))
+            Some((Src::At(srcs[i].0, sizes[i] as u64), i as u64, Some((1000 + i as u64).to_le_bytes().to_vec())))
         };
         tx.run_until_wired(k, &mut a, Some(&mut refill)).unwrap();
         assert_eq!(tx.take_done(), Some(k), "a sender's segment is done once sent");
@@ -149,4 +149,67 @@ fn pieces_cover_segments_with_short_ramps() {
             assert!(p.iter().all(|&l| l > 0 && l <= buf.max(1)), "{len} {buf}: {p:?}");
         }
     }
+}
+
+/// Pages scattered on both sides (a vectored request's pieces, in shuffled order and of odd
+/// sizes, some adjacent): the sender gathers them into its pinned buffers, the receiver scatters
+/// the stream into other pages, in segments that follow one another through one pipeline; every
+/// byte lands where its page says.
+#[test]
+fn scattered_pages_stream_through_the_pinned_buffers_byte_exact() {
+    let dev = StandIn::new(0, StandInConfig::uniform(2e9));
+    let page = 4099usize;
+    let n_pages = 700;
+    let src = dev.alloc(page * n_pages).unwrap();
+    let dst = dev.alloc(page * n_pages).unwrap();
+    let data = pattern(page * n_pages, 9);
+    // SAFETY: stand-in device memory is host memory of that many bytes.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), src.0 as *mut u8, data.len()) };
+    // Page i of the stream comes from source page perm[i] and goes to destination page
+    // perm2[i]; a run of pages in order makes adjacent spans (merged by `Pages::new`).
+    let perm: Vec<usize> = (0..n_pages).map(|i| if i % 10 < 3 { i } else { (i * 389) % n_pages }).collect();
+    let perm2: Vec<usize> = (0..n_pages).map(|i| (i * 211 + 5) % n_pages).collect();
+    // Three segments of uneven page counts.
+    let cuts = [0, 123, 500, n_pages];
+    let segs = |base: DevicePtr, order: &[usize]| -> Vec<Arc<Pages>> {
+        cuts.windows(2)
+            .map(|w| Arc::new(Pages::new(order[w[0]..w[1]].iter().map(|&p| (base.0 + (p * page) as u64, page as u64)))))
+            .collect()
+    };
+    let (tx_pages, rx_pages) = (segs(src, &perm), segs(dst, &perm2));
+    assert!(tx_pages[0].spans().len() < cuts[1], "adjacent pages merged");
+    let pool = PoolConfig { buffers: 3, buffer_size: 64 << 10 };
+    let (mut a, mut b) = mem_pair(None);
+    let rxd = dev.clone();
+    let rx_pages2 = rx_pages.clone();
+    let receiver = std::thread::spawn(move || {
+        let mut rx = Staged::new(rxd, Role::Receiver, pool).unwrap();
+        for (i, p) in rx_pages2.iter().enumerate() {
+            // SAFETY: the destination pages are a live allocation nobody else touches.
+            unsafe { rx.submit_src(Src::Pieces(p.clone()), i as u64, None).unwrap() };
+            rx.run_until_wired(i as u64, &mut b, None).unwrap();
+        }
+        rx.finish(&mut b).unwrap();
+    });
+    let mut tx = Staged::new(dev.clone(), Role::Sender, pool).unwrap();
+    let mut next = 1;
+    // SAFETY: the source pages are a live allocation nobody writes.
+    unsafe { tx.submit_src(Src::Pieces(tx_pages[0].clone()), 0, None).unwrap() };
+    for k in 0..tx_pages.len() as u64 {
+        let mut refill = || {
+            let p = tx_pages.get(next)?.clone();
+            next += 1;
+            Some((Src::Pieces(p), next as u64 - 1, None))
+        };
+        tx.run_until_wired(k, &mut a, Some(&mut refill)).unwrap();
+    }
+    tx.finish(&mut a).unwrap();
+    receiver.join().unwrap();
+    // SAFETY: every copy is complete.
+    let got = unsafe { std::slice::from_raw_parts(dst.0 as *const u8, page * n_pages) };
+    for i in 0..n_pages {
+        let (s, d) = (perm[i] * page, perm2[i] * page);
+        assert!(got[d..d + page] == data[s..s + page], "stream page {i}: source page {} into destination page {}", perm[i], perm2[i]);
+    }
+    assert_eq!(tx.totals()[0].bytes, (page * n_pages) as u64);
 }

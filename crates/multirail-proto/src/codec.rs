@@ -19,16 +19,20 @@ pub const VERSION: u8 = 1;
 /// adds the vectored requests (`ReadVReq`, `WriteVReq`); a server accepts `Hello` versions 1
 /// and 2, and a client that offers 2 to an older server (answered `Error(VersionMismatch)`)
 /// dials again with 1 and sends no vectored request on that connection.
-pub const HELLO_VERSION: u16 = 2;
+pub const HELLO_VERSION: u16 = 4;
 /// The first `Hello` version whose connections may carry `ReadVReq` / `WriteVReq`.
 pub const HELLO_VECTORED: u16 = 2;
+/// The first `Hello` version whose server takes `ReadVReq` / `WriteVReq` on GPU regions too
+/// (staged through its pinned buffers). An older server refuses them (`Unexpected`), so an
+/// initiator sends them only where every connection of every rail accepted this version.
+pub const HELLO_VECTORED_GPU: u16 = 4;
 /// The `Hello` version a `Role::UcxSession` connection offers (other roles offer
 /// [`HELLO_VERSION`]): version 3 adds a trailing u32 feature word to `UcxOpen` and `UcxReady`
 /// (`UCX_FEATURE_*`). A server of this build accepts 1 to 3; an older one answers
 /// `Error(VersionMismatch)` and the client dials again one version lower.
 pub const HELLO_UCX_FEATURES: u16 = 3;
 /// The newest `Hello` version a server of this build accepts.
-pub const HELLO_MAX: u16 = HELLO_UCX_FEATURES;
+pub const HELLO_MAX: u16 = HELLO_VECTORED_GPU;
 /// `UcxOpen`/`UcxReady` feature bit: the session carries vectored chunks as UCP active messages
 /// (one request per chunk with its piece list, scattered and bounds-checked by the target;
 /// [`UcxAm`]). Offered by the initiator, echoed by a target that serves it.

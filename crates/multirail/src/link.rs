@@ -56,6 +56,9 @@ pub(crate) struct RailState {
     failure: Mutex<Option<String>>,
     /// Why the rail runs its transport (the agent's choice; `Transport::choice` once it switched).
     pub reason: String,
+    /// Every connection's peer takes vectored requests on GPU regions (`HELLO_VECTORED_GPU`);
+    /// set by the transport when it opens the rail.
+    vectored_gpu: AtomicBool,
 }
 
 struct Sched {
@@ -297,6 +300,7 @@ impl Link {
                 readmit: Mutex::new(()),
                 io: io[rails.len()].clone(),
                 failure: Mutex::new(None),
+                vectored_gpu: AtomicBool::new(false),
                 reason: match choice(li) {
                     Some(c) => c.reason.clone(),
                     None => "GPU memory staged over tcp (the agent's ucx rails cannot take it directly)".into(),
@@ -963,6 +967,12 @@ impl Link {
         self.any_ucx
     }
 
+    /// Whether vectored requests may name the peer's GPU regions: the peer on every connection
+    /// of every rail took them when the rail was opened (an older peer refuses them).
+    pub(crate) fn vectored_gpu(&self) -> bool {
+        self.rails.iter().all(|r| r.vectored_gpu.load(Ordering::Acquire))
+    }
+
     /// What the transport can do (GPU path included).
     pub(crate) fn caps(&self) -> Caps {
         self.t.caps()
@@ -1066,17 +1076,16 @@ impl Host for Link {
         self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id))
     }
 
-    fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)> {
-        self.dial_rail(ri, role, timeout)
-            .map(|c| (c.stream, c.id, c.version >= multirail_proto::codec::HELLO_VECTORED && self.ctx.cfg.vectored))
-    }
-
     fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
         self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id, c.version))
     }
 
     fn set_vectored(&self, ri: usize, on: bool) {
         self.sched.lock().expect("sched lock").planner.set_vectored(ri, on);
+    }
+
+    fn set_vectored_gpu(&self, ri: usize, on: bool) {
+        self.rails[ri].vectored_gpu.store(on, Ordering::Release);
     }
 
     fn set_byte_progress(&self, ri: usize, on: bool) {

@@ -215,7 +215,7 @@ pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use multirail_proto::codec::{Kind, HELLO_VECTORED};
+    use multirail_proto::codec::{Kind, HELLO_VECTORED, HELLO_VECTORED_GPU};
     use std::net::TcpListener;
 
     /// A server that speaks `max` as its newest `Hello` version: a newer Hello is answered
@@ -248,19 +248,25 @@ mod tests {
     }
 
     #[test]
-    fn hello_offers_v2_and_falls_back_to_v1_for_an_old_peer() {
+    fn hello_offers_v4_and_falls_back_for_an_old_peer() {
         let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
         let t = Duration::from_secs(5);
         let (addr, h) = server(HELLO_VERSION, 1);
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, HELLO_VERSION);
-        assert!(v >= HELLO_VECTORED);
+        assert!(v >= HELLO_VECTORED_GPU);
         assert_eq!(h.join().unwrap(), vec![HELLO_VERSION]);
-        // An old server: refused once, then dialled again with version 1 (no vectored requests).
-        let (addr, h) = server(1, 2);
+        // A build from before vectored requests on GPU regions (it speaks 3): vectored
+        // requests on host memory only.
+        let (addr, h) = server(3, 2);
+        let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
+        assert!((HELLO_VECTORED..HELLO_VECTORED_GPU).contains(&v), "{v}");
+        assert_eq!(h.join().unwrap(), vec![4, 3]);
+        // An old server: refused until version 1 (no vectored requests).
+        let (addr, h) = server(1, 4);
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, 1);
-        assert_eq!(h.join().unwrap(), vec![HELLO_VERSION, 1]);
+        assert_eq!(h.join().unwrap(), vec![4, 3, 2, 1]);
     }
 
     #[test]
@@ -271,9 +277,9 @@ mod tests {
         assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, HELLO_UCX_FEATURES);
         assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES]);
         // A build with vectored requests but no ucx features: 3 refused, 2 accepted.
-        let (addr, h) = server(HELLO_VERSION, 2);
-        assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, HELLO_VERSION);
-        assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES, HELLO_VERSION]);
+        let (addr, h) = server(2, 2);
+        assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, 2);
+        assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES, 2]);
         let (addr, h) = server(1, 3);
         assert_eq!(dial(&me, Dial::to(addr, Role::UcxSession, t)).unwrap().version, 1);
         assert_eq!(h.join().unwrap(), vec![HELLO_UCX_FEATURES, 2, 1]);

@@ -339,7 +339,7 @@ impl Peer {
         }
         runs.retain(|r| r.bytes() > 0);
         self.link()?;
-        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false)))
+        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false)))
     }
 
     /// `prepare` one check at a time, each over all rows, pairing without merging: the
@@ -395,7 +395,8 @@ impl Peer {
             None
         };
         let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
-        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote)))
+        let vectored_gpu = link.vectored_gpu();
+        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote, vectored_gpu)))
     }
 }
 

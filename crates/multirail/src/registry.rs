@@ -134,13 +134,11 @@ impl Registry {
 
     /// Validate a vectored request: the region, its key and access as `check_remote`, and
     /// every piece inside the region (its last byte, with overflow checked), all before the
-    /// caller forms any pointer. Only host memory: GPU regions take one request per piece.
+    /// caller forms any pointer. A GPU region's pieces are staged by the caller (the region
+    /// says which memory it is).
     pub fn check_vec(&self, op: &VecOp, write: bool) -> std::result::Result<Arc<Region>, (Status, String)> {
         let first = RemoteOp { region: op.region, key: op.key, offset: 0, len: 0 };
         let r = self.check_remote(&first, write)?;
-        if r.mem != MemType::Dram {
-            return Err((Status::Unexpected, format!("region {} is GPU memory: vectored requests are for host memory", op.region)));
-        }
         for (i, p) in op.pieces.iter().enumerate() {
             match p.end() {
                 Some(end) if p.len > 0 && p.count > 0 && end <= r.len => {}
@@ -202,9 +200,11 @@ mod tests {
         let ro = reg.register(buf.as_ptr() as u64, 16, 0, MemType::Dram, Access::ReadOnly).unwrap();
         let w = VecOp { region: ro.id, key: ro.key, pieces: vec![p(0, 1, 1, 0)] };
         assert_eq!(reg.check_vec(&w, true).unwrap_err().0, Status::ReadOnly);
+        // A GPU region passes the same checks and stays marked GPU (its server stages it).
         let gpu = reg.register(1 << 40, 4096, 0, MemType::Vram, Access::ReadWrite).unwrap();
-        let g = VecOp { region: gpu.id, key: gpu.key, pieces: vec![p(0, 1, 1, 0)] };
-        assert_eq!(reg.check_vec(&g, false).unwrap_err().0, Status::Unexpected);
+        let g = |pieces| VecOp { region: gpu.id, key: gpu.key, pieces };
+        assert_eq!(reg.check_vec(&g(vec![p(0, 1, 1, 0), p(8, 8, 511, 8)]), true).unwrap().mem, MemType::Vram);
+        assert_eq!(reg.check_vec(&g(vec![p(8, 8, 512, 8)]), false).unwrap_err().0, Status::OutOfBounds);
     }
 
     #[test]

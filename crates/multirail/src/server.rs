@@ -25,7 +25,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{Role, Status};
+use multirail_gpu::{DevicePtr, Pages, Src};
+use multirail_proto::codec::{Role, Status, VecOp};
 use multirail_proto::{AgentMeta, Body, DecodeError, MemType, RailInfo};
 
 use crate::auth;
@@ -35,7 +36,7 @@ use crate::error::{Error, Result};
 use crate::net::abort_socket;
 use crate::peer::Peer;
 use crate::registry::random_bytes;
-use crate::registry::Registry;
+use crate::registry::{Region, Registry};
 use crate::staging::{SockIn, SockOut, StageError, Stagers};
 use crate::transport::ucx::UcxAgent;
 use crate::wire::{self, WireError};
@@ -540,18 +541,29 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 Ok(())
             }
         };
+        // A WRITE into GPU memory (one range, or a vectored request's pages): staged, answered
+        // once it has landed. Refused ones take the normal path below (which says why).
         let vram_write = match &body {
-            Body::WriteReq(op) => sh.registry.check_remote(op, true).ok().filter(|r| r.mem == MemType::Vram),
+            Body::WriteReq(op) => sh
+                .registry
+                .check_remote(op, true)
+                .ok()
+                .filter(|r| r.mem == MemType::Vram)
+                .map(|r| (Src::At(DevicePtr(r.ptr(op.offset) as u64), op.len), r)),
+            Body::WriteVReq(op) => {
+                sh.registry.check_vec(op, true).ok().filter(|r| r.mem == MemType::Vram).map(|r| (region_pages(&r, op), r))
+            }
             _ => None,
         };
-        if !pending.is_empty() && vram_write.as_ref().is_none_or(|r| Some(r.dev) != pending.dev) {
+        if !pending.is_empty() && vram_write.as_ref().is_none_or(|(_, r)| Some(r.dev) != pending.dev) {
             // Responses go out in request order: the pending WRITEs first.
             if pending.flush(&mut stage, &mut s, &mut inb, &ctr, true, &mut op_tick).is_err() {
                 break;
             }
             held = None;
         }
-        if let (Body::WriteReq(op), Some(region)) = (&body, vram_write) {
+        if let Some((dst, region)) = vram_write {
+            let len = dst.len();
             if held.is_none() {
                 held = Some(me.apply.lock().expect("apply lock"));
             }
@@ -580,16 +592,14 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 }
             };
             let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
-            // SAFETY: check_remote proved the range lies in the region, GPU memory of
-            // `region.dev`, registered read-write; `pending` holds the region until the
-            // segment has landed, and the fence lock stays held until then.
-            let r = unsafe {
-                stage.recv_segment_notify(region.dev, region.ptr(op.offset) as u64, op.len, h.req_id, &mut inp, Some(&mut landed))
-            };
+            // SAFETY: check_remote / check_vec proved every range lies in the region, GPU
+            // memory of `region.dev`, registered read-write; `pending` holds the region until
+            // the segment has landed, and the fence lock stays held until then.
+            let r = unsafe { stage.recv_segment_notify(region.dev, dst, h.req_id, &mut inp, Some(&mut landed)) };
             if r.is_err() || answer_err.is_some() {
                 break; // the stream is out of step; the initiator reissues on another path
             }
-            pending.push(h.req_id, op.len, region);
+            pending.push(h.req_id, len, region);
             if pending.flush(&mut stage, &mut s, &mut inb, &ctr, false, &mut op_tick).is_err() {
                 break;
             }
@@ -613,22 +623,31 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                             if inb.peek_frame().is_none() {
                                 inb.fill_now(fd); // requests the initiator pipelined behind
                             }
-                            let (h2, op2, n) = match inb.peek_frame()? {
-                                (h2, Body::ReadReq(op2), n) => (h2, op2, n),
+                            let (h2, r2, src, n) = match inb.peek_frame()? {
+                                // A READ the normal path would refuse, or of other memory, waits.
+                                (h2, Body::ReadReq(op2), n) => {
+                                    let r2 = sh.registry.check_remote(&op2, false).ok()?;
+                                    let src = Src::At(DevicePtr(r2.ptr(op2.offset) as u64), op2.len);
+                                    (h2, r2, src, n)
+                                }
+                                (h2, Body::ReadVReq(op2), n) => {
+                                    let r2 = sh.registry.check_vec(&op2, false).ok()?;
+                                    (h2, r2.clone(), region_pages(&r2, &op2), n)
+                                }
                                 _ => return None,
                             };
-                            // A READ the normal path would refuse, or of other memory, waits.
-                            let r2 = sh.registry.check_remote(&op2, false).ok().filter(|r| r.mem == MemType::Vram && r.dev == dev)?;
+                            if r2.mem != MemType::Vram || r2.dev != dev {
+                                return None;
+                            }
                             inb.consume(n);
-                            ctr.bytes_read.fetch_add(op2.len, Ordering::Relaxed);
+                            ctr.bytes_read.fetch_add(src.len(), Ordering::Relaxed);
                             ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                            let hdr2 = Body::Resp { status: Status::Ok, bulk_len: op2.len, msg: String::new() }.encode(h2.req_id);
-                            let at = r2.ptr(op2.offset) as u64;
+                            let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
                             held_regions.push(r2);
-                            Some((at, op2.len, h2.req_id, hdr2))
+                            Some((src, h2.req_id, hdr2))
                         };
                         let mut out = SockOut::new(&mut s, &mut op_tick);
-                        let first = (region.ptr(op.offset) as u64, op.len, h.req_id, hdr.to_vec());
+                        let first = (Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len), h.req_id, hdr.to_vec());
                         // SAFETY: check_remote proved each range lies in its region (GPU memory
                         // of `dev`), held registered in `held_regions` until this returns.
                         unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
@@ -650,6 +669,22 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 }
             },
             Body::ReadVReq(op) => match sh.registry.check_vec(&op, false) {
+                Ok(region) if region.mem == MemType::Vram => {
+                    // The pages through one staging pipeline (gathered into the pinned buffers
+                    // a buffer's worth at a time), behind the response header.
+                    let total = op.total();
+                    let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
+                    let mut out = SockOut::new(&mut s, &mut op_tick);
+                    let first = (region_pages(&region, &op), h.req_id, hdr.to_vec());
+                    // SAFETY: check_vec proved every piece lies in the region (GPU memory of
+                    // `region.dev`), which `region` holds registered until this returns.
+                    let r = unsafe { stage.send_stream(region.dev, first, &mut out, &mut || None) }.map_err(staging_failed);
+                    if r.is_ok() {
+                        ctr.bytes_read.fetch_add(total, Ordering::Relaxed);
+                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+                    }
+                    r
+                }
                 Ok(region) => {
                     let total = op.total();
                     let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
@@ -946,6 +981,13 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
         None => [0u8; 32],
     };
     Some(Greeted { role, name, conn_id: client_nonce, version, welcome: reply })
+}
+
+/// The device ranges of a vectored request's pieces in region `r`, in stream order (checked
+/// against the region by `check_vec` first).
+fn region_pages(r: &Region, op: &VecOp) -> Src {
+    let spans = op.pieces.iter().flat_map(|p| (0..p.count).map(move |k| (r.ptr(p.offset + k * p.stride) as u64, p.len)));
+    Src::Pieces(Arc::new(Pages::new(spans)))
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use multirail_gpu::{DevicePtr, Gpu, GpuKind, PipelineError, PoolConfig, Role, StageTotal, Staged, Wire};
+use multirail_gpu::{DevicePtr, Gpu, GpuKind, PipelineError, PoolConfig, Role, Src, StageTotal, Staged, Wire};
 
 use crate::wire::{self, Inbound, WireError};
 
@@ -296,7 +296,8 @@ impl Stagers {
     }
 
     /// Sends a stream of segments of device `dev`'s memory through one pipeline (no fill at
-    /// segment boundaries): `first` = (address, length, tag, preamble), then whatever `refill`
+    /// segment boundaries): `first` = (where its bytes are: one range or a vectored request's
+    /// pages, tag, preamble), then whatever `refill`
     /// returns while it returns segments, each written as its preamble (the request header)
     /// followed by its bytes. Returns once every segment is on the wire.
     ///
@@ -305,22 +306,23 @@ impl Stagers {
     pub unsafe fn send_stream(
         &mut self,
         dev: u32,
-        first: (u64, u64, u64, Vec<u8>),
+        first: (Src, u64, Vec<u8>),
         out: &mut SockOut<'_>,
-        refill: &mut dyn FnMut() -> Option<(u64, u64, u64, Vec<u8>)>,
+        refill: &mut dyn FnMut() -> Option<(Src, u64, Vec<u8>)>,
     ) -> Result<(), StageError> {
         // `staged` counts the first segment; each refilled one counts too.
         let segments = self.stats.clone();
         let r = self.staged(dev, Role::Sender, |st| {
+            let current = first.1;
             // SAFETY: the caller's contract, for `first` and every refilled segment.
-            unsafe { st.submit(DevicePtr(first.0), first.1, first.2, Some(first.3))? };
+            unsafe { st.submit_src(first.0, first.1, Some(first.2))? };
             let mut more = || {
                 let next = refill()?;
                 segments.chunks.fetch_add(1, Ordering::Relaxed);
                 segments.overlapped.fetch_add(1, Ordering::Relaxed);
-                Some((DevicePtr(next.0), next.1, next.2, Some(next.3)))
+                Some((next.0, next.1, Some(next.2)))
             };
-            let mut current = first.2;
+            let mut current = current;
             loop {
                 st.run_until_wired(current, out, Some(&mut more))?;
                 while st.take_done().is_some() {}
@@ -333,7 +335,8 @@ impl Stagers {
         finish(r, &mut out.err)
     }
 
-    /// Receives segment `tag`: `len` bytes into device `dev`'s memory at `dst`, returning once
+    /// Receives segment `tag` into device `dev`'s memory at `dst` (one range, or the pages of a
+    /// vectored request in stream order), returning once
     /// they are off the wire; the segment's last H2D copies may still run (and those of the
     /// segments before it). [`Stagers::recv_done`] hands segments back once landed,
     /// [`Stagers::recv_finish`] waits for all. On error every queued segment is dropped, with no
@@ -342,9 +345,9 @@ impl Stagers {
     /// # Safety
     /// `dst..dst+len` is device memory of `dev`, registered, held and not otherwise touched
     /// until the segment is handed back (or a call fails).
-    pub unsafe fn recv_segment(&mut self, dev: u32, dst: u64, len: u64, tag: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
+    pub unsafe fn recv_segment(&mut self, dev: u32, dst: Src, tag: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
         // SAFETY: the caller's contract.
-        unsafe { self.recv_segment_notify(dev, dst, len, tag, inp, None) }
+        unsafe { self.recv_segment_notify(dev, dst, tag, inp, None) }
     }
 
     /// [`Stagers::recv_segment`], handing `landed` each earlier segment as soon as its last copy
@@ -355,8 +358,7 @@ impl Stagers {
     pub unsafe fn recv_segment_notify(
         &mut self,
         dev: u32,
-        dst: u64,
-        len: u64,
+        dst: Src,
         tag: u64,
         inp: &mut SockIn<'_>,
         landed: Option<&mut dyn FnMut(u64)>,
@@ -367,7 +369,7 @@ impl Stagers {
                 stats.overlapped.fetch_add(1, Ordering::Relaxed); // earlier ones still landing
             }
             // SAFETY: the caller's contract.
-            unsafe { st.submit(DevicePtr(dst), len, tag, None)? };
+            unsafe { st.submit_src(dst, tag, None)? };
             st.run_until_wired_notify(tag, inp, None, landed)
         })?;
         finish(r, &mut inp.err)

@@ -174,11 +174,12 @@ impl XferShared {
         via_gpu_link: bool,
     ) -> Arc<XferShared> {
         let runs: Vec<Run> = pairs.into_iter().map(Run::from).collect();
-        Self::with_runs(op, peer, runs, notif, hold, ipc, via_gpu_link, false)
+        Self::with_runs(op, peer, runs, notif, hold, ipc, via_gpu_link, false, false)
     }
 
     /// As `new`, from runs (strided descriptors kept compressed). `remote_vram`: some run
-    /// targets GPU memory of the peer (then no chunk is vectored).
+    /// targets GPU memory of the peer; `vectored_gpu`: the peer takes vectored requests on
+    /// its GPU regions (else such a transfer's chunks are not vectored).
     #[allow(clippy::too_many_arguments)]
     pub fn with_runs(
         op: Op,
@@ -189,12 +190,16 @@ impl XferShared {
         ipc: Option<IpcPlan>,
         via_gpu_link: bool,
         remote_vram: bool,
+        vectored_gpu: bool,
     ) -> Arc<XferShared> {
         let total = runs.iter().map(|r| r.bytes()).sum();
         let pieces = runs.iter().map(|r| r.count).sum();
         let vram: Vec<(u64, u64, u32)> =
             hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
-        let vectored = vram.is_empty() && !remote_vram && ipc.is_none() && !via_gpu_link;
+        // Vectored chunks gather or scatter the local pieces of one memory: host memory, or
+        // (staged, through the pinned buffers) GPU memory of one device.
+        let one_local_memory = vram.is_empty() || (vram.len() == hold.len() && vram.iter().all(|v| v.2 == vram[0].2));
+        let vectored = one_local_memory && (!remote_vram || vectored_gpu) && ipc.is_none() && !via_gpu_link;
         Arc::new(XferShared {
             vram,
             ipc,

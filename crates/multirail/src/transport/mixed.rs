@@ -562,9 +562,6 @@ mod tests {
         fn dial(&self, _: usize, _: Role, _: Duration) -> Result<(std::net::TcpStream, [u8; 16])> {
             unreachable!("a plan of tcp dials nothing")
         }
-        fn dial_vectored(&self, _: usize, _: Role, _: Duration) -> Result<(std::net::TcpStream, [u8; 16], bool)> {
-            unreachable!()
-        }
         fn set_vectored(&self, _: usize, _: bool) {}
         fn set_byte_progress(&self, _: usize, _: bool) {}
         fn enter(&self) -> Option<super::super::Active<'_>> {

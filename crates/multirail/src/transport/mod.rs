@@ -70,8 +70,6 @@ pub(crate) trait Host: Send + Sync {
     /// An authenticated connection of `role` on rail `ri` to the peer (its name and
     /// incarnation checked: a restarted peer is `StaleMetadata`) and its id (the `Hello` nonce).
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])>;
-    /// As `dial`, and whether the peer takes vectored requests on it (`Hello` version 2).
-    fn dial_vectored(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], bool)>;
     /// As `dial`, and the `Hello` version the peer accepted (a `Role::UcxSession` connection
     /// offers `HELLO_UCX_FEATURES`: version 3 carries the ucx feature words).
     fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
@@ -80,6 +78,10 @@ pub(crate) trait Host: Send + Sync {
     /// Whether rail `ri` is handed vectored chunks (many pieces of one region per chunk, see
     /// `Chunk::vec`): a transport sets it once it knows it and the peer take them on that rail.
     fn set_vectored(&self, ri: usize, on: bool);
+    /// Whether rail `ri`'s peer takes vectored requests on its GPU regions too (`Hello`
+    /// version `HELLO_VECTORED_GPU`, on every connection): transfers into the peer's GPU memory
+    /// are vectored only when every rail says so (`Link::vectored_gpu`).
+    fn set_vectored_gpu(&self, _ri: usize, _on: bool) {}
     /// Whether rail `ri` reports progress below chunk level (`quiet_for`): a transport sets it
     /// when it opens the rail (tcp: yes; ucx: no), so the planner measures that rail's silence
     /// in bytes or in whole chunks (`Planner::set_byte_progress`).

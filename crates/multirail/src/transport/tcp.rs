@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use multirail_proto::codec::{RemoteOp, Role, Status, VecOp};
+use multirail_gpu::{DevicePtr, Pages, Src};
+use multirail_proto::codec::{RemoteOp, Role, Status, VecOp, HELLO_VECTORED, HELLO_VECTORED_GPU};
 use multirail_proto::planner::{vec_pieces, Run};
 use multirail_proto::{Body, Chunk};
 
@@ -439,13 +440,15 @@ impl Transport for TcpRails {
         let rail = &self.rails[ri];
         let mut streams = Vec::new();
         // Vectored requests on this rail only when every connection's peer takes them.
-        let mut vectored = true;
+        let (mut vectored, mut gpu) = (true, true);
         for _ in 0..link.cfg().connections.max(1) {
-            let (s, id, v) = link.dial_vectored(ri, Role::Data, timeout)?;
-            vectored &= v;
+            let (s, id, v) = link.dial_hello(ri, Role::Data, timeout)?;
+            vectored &= v >= HELLO_VECTORED && link.cfg().vectored;
+            gpu &= v >= HELLO_VECTORED_GPU;
             streams.push((s, id));
         }
         link.set_vectored(ri, vectored);
+        link.set_vectored_gpu(ri, vectored && gpu);
         link.set_byte_progress(ri, true); // `quiet_for`: TCP_INFO's last data or ACK
         let mut conns = Vec::new();
         let mut fds = Vec::new();
@@ -656,17 +659,20 @@ fn local_spans(runs: &[Run]) -> Vec<(*mut u8, usize)> {
     spans
 }
 
-fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
-    send_chunk_on(link, c, chunk, x, None)
+/// Where a chunk's local bytes are, for the staging pipeline: its one range, or a vectored
+/// chunk's pieces in order (local GPU memory held by the transfer, as for `local_spans`).
+fn local_src(chunk: &Chunk) -> Src {
+    match &chunk.vec {
+        None => Src::At(DevicePtr(chunk.piece.local), chunk.piece.len),
+        Some(runs) => Src::Pieces(Arc::new(Pages::new(runs.iter().flat_map(|r| r.pieces()).map(|p| (p.local, p.len))))),
+    }
 }
 
-/// `send_chunk` with the connection's writer already locked (`held`) or not.
-fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>, held: Option<MutexGuard<'_, TcpStream>>) {
+/// The request of a chunk: plain or vectored, READ or WRITE.
+fn request(link: &dyn Host, chunk: &Chunk, write: bool) -> Body {
     let key = link.key(chunk.piece.region);
-    let write = x.op == Op::Write;
-    let vec = chunk.vec.clone();
     let piece = chunk.piece;
-    let body = match &vec {
+    match &chunk.vec {
         Some(runs) => {
             let op = VecOp { region: piece.region, key, pieces: vec_pieces(runs) };
             if write {
@@ -683,7 +689,20 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 Body::ReadReq(op)
             }
         }
-    };
+    }
+}
+
+fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
+    send_chunk_on(link, c, chunk, x, None)
+}
+
+/// `send_chunk` with the connection's writer already locked (`held`) or not.
+fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>, held: Option<MutexGuard<'_, TcpStream>>) {
+    let write = x.op == Op::Write;
+    let vec = chunk.vec.clone();
+    let piece = chunk.piece;
+    let body = request(link, &chunk, write);
+    let src = if write && x.local_dev(piece.local).is_some() { Some(local_src(&chunk)) } else { None };
     let mut w = match held {
         Some(w) => w,
         None => c.writer.lock().expect("conn lock"),
@@ -754,10 +773,9 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 if let Err(e) = xx.wait_gpu_order() {
                     xx.set_cause(e);
                 }
-                let key = link.key(ch.piece.region);
-                let op = RemoteOp { region: ch.piece.region, key, offset: ch.piece.offset, len: ch.piece.len };
+                let body = request(link, &ch, true);
+                let src = local_src(&ch);
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
-                let (local, len) = (ch.piece.local, ch.piece.len);
                 c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx });
                 if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
                     c.busy_at.store(link.now_us(), Ordering::Release);
@@ -765,10 +783,10 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
                     c.kick(); // a parked receiver reads the responses as they come
                 }
-                Some((local, len, id, Body::WriteReq(op).encode(id)))
+                Some((src, id, body.encode(id)))
             };
             let mut stage = c.stage_tx.lock().expect("conn lock");
-            let first = (piece.local, piece.len, req_id, hdr.to_vec());
+            let first = (src.expect("a WRITE from GPU memory"), req_id, hdr.to_vec());
             // SAFETY: GPU memory of `dev` inside regions registered and held as above (every
             // refilled chunk's transfer holds its regions until it completes).
             unsafe { stage.send_stream(dev, first, &mut SockOut::new(&mut w, &mut tick), &mut refill) }.map_err(|e| e.to_string())
@@ -1180,9 +1198,11 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
                             link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
                         }
                     };
-                    unsafe {
-                        stage.recv_segment_notify(dev, p.local, p.len, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed))
-                    }
+                    let dst = match &vec {
+                        None => Src::At(DevicePtr(p.local), p.len),
+                        Some(runs) => Src::Pieces(Arc::new(Pages::new(runs.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.len))))),
+                    };
+                    unsafe { stage.recv_segment_notify(dev, dst, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed)) }
                 }
             };
             match r {
