@@ -146,6 +146,28 @@ def test_notif_arrives_after_data_and_send_notif(pair):
     assert t.get_new_notifs() == {}
 
 
+def test_many_notifications_posted_at_once_arrive_once_each_after_their_data(pair):
+    """200 small WRITEs, each with its own notification, posted back to back: the notifier sends
+    the ones queued meanwhile pipelined (`Link::control_batch`). Every notification arrives
+    exactly once, and each transfer is DONE only once its notification was answered, so when
+    the last wait returns the target already holds all of them, each after its data."""
+    t, i = pair
+    k, n = 200, 4096
+    src, dst = pattern(k * n, 11), np.zeros(k * n, np.uint8)
+    loaded(t, i, dst, src)
+    hs = [i.initialize_xfer("WRITE", [(src.ctypes.data + j * n, n, 0)], [(dst.ctypes.data + j * n, n, 0)], "target",
+                            f"n{j}".encode()) for j in range(k)]
+    for h in hs:
+        i.transfer(h)
+    for h in hs:
+        i.wait(h, 20)
+    got = t.get_new_notifs()["initiator"]
+    assert sorted(got) == sorted(f"n{j}".encode() for j in range(k)), got
+    assert np.array_equal(src, dst)
+    for h in hs:
+        i.release_xfer_handle(h)
+
+
 def test_asyncio_awaitable(pair):
     t, i = pair
     src, dst = pattern(2 * MiB), np.zeros(2 * MiB, np.uint8)

@@ -29,9 +29,10 @@
 //!   staged, and refused by the target for the region it no longer has).
 //! - **Copies** are queued by one worker thread per peer, on its own stream per device: all of
 //!   a transfer's copies, then an event of its own. The worker goes on to the next transfer at
-//!   once; a second thread (the completer) waits for each event in order, then sends the
-//!   transfer's notification and completes it. So the copies of transfer k+1 run while
-//!   transfer k's notification crosses to the peer. [`InFlight`] counts transfers queued on
+//!   once; a second thread (the completer) waits for each event in order, then completes the
+//!   transfer, or hands it to the link's notifier, which sends the notifications queued
+//!   meanwhile pipelined (`Link::control_batch`) and completes each once the peer has it. So
+//!   the copies of transfer k+1 run while transfer k's notification crosses to the peer. [`InFlight`] counts transfers queued on
 //!   the device and not yet waited for: `cancel`, `close` and a revocation take the worker's
 //!   `copying` lock (nothing new is queued) and wait until it is zero, so once they return no
 //!   copy touches the application's memory or a closed mapping.
@@ -721,9 +722,13 @@ fn complete(q: Queued, events: &EventPool, in_flight: &InFlight, counters: &Coun
             counters.transfers.fetch_add(1, Ordering::Relaxed);
             counters.bytes.fetch_add(x.total, Ordering::Relaxed);
             counters.copies.fetch_add(plan.copies.len() as u64, Ordering::Relaxed);
-            let notif = x.notif.lock().expect("xfer lock").clone();
-            let r = if notif.is_empty() { Ok(()) } else { x.peer.send_notif(&notif) };
-            x.finish(r);
+            if x.notif.lock().expect("xfer lock").is_empty() {
+                x.finish(Ok(()));
+            } else {
+                // Sent by the link's notifier, pipelined with the notifications queued before
+                // it (`Link::control_batch`); it completes `x` once the peer has it.
+                x.peer.clone().notify_then_finish(x);
+            }
         }
         Err(e) => x.finish(Err(Error::Gpu(format!("CUDA IPC copy failed: {e}")))),
     }

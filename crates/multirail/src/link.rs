@@ -32,6 +32,8 @@ use crate::wire;
 use crate::xfer::{Op, XferShared};
 
 /// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
+/// Most notifications the notifier sends in one pipelined batch (`Link::control_batch`).
+const NOTIFY_BATCH: usize = 64;
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The watchdog's longest and shortest naps (it sleeps until the planner's next stall deadline).
 const WATCH_IDLE: Duration = Duration::from_millis(100);
@@ -367,10 +369,21 @@ impl Link {
         std::thread::Builder::new()
             .name(format!("mr-notify-{}", peer.name))
             .spawn(move || {
+                // Each pass takes every notification queued meanwhile (in order, at most
+                // NOTIFY_BATCH) and sends them pipelined: a request of 32 layer WRITEs pays about
+                // one round trip for its notifications, not 32, and a lone one pays no wait.
                 while let Ok(x) = rx.recv() {
-                    let msg = x.notif.lock().expect("xfer lock").clone();
-                    let r = l2.control_request(Body::Notif(msg));
-                    x.finish(r);
+                    let mut batch = vec![x];
+                    while batch.len() < NOTIFY_BATCH {
+                        match rx.try_recv() {
+                            Ok(x) => batch.push(x),
+                            Err(_) => break,
+                        }
+                    }
+                    let bodies = batch.iter().map(|x| Body::Notif(x.notif.lock().expect("xfer lock").clone())).collect();
+                    for (x, r) in batch.into_iter().zip(l2.control_batch(bodies)) {
+                        x.finish(r);
+                    }
                 }
             })
             .map_err(|e| Error::io("spawn", e))?;
@@ -861,6 +874,86 @@ impl Link {
     /// `timeout`. A notification whose answer was lost may thus arrive twice (at least once).
     pub(crate) fn control_request(&self, body: Body) -> Result<()> {
         self.control_call(body, Kind::Resp).map(|_| ())
+    }
+
+    /// Several `control_request`s pipelined on the open control connection: every frame is
+    /// written, then the answers are read in order (the peer serves the connection in order),
+    /// each within `stall_timeout` (at least 200 ms) of the one before. Each request gets its
+    /// own result. Without an open connection, or from the first that fails on the wire on,
+    /// the rest go one by one through `control_request` (which dials and fails over), so, as
+    /// there, a notification whose answer was lost may arrive twice.
+    pub(crate) fn control_batch(&self, bodies: Vec<Body>) -> Vec<Result<()>> {
+        if bodies.len() < 2 {
+            return bodies.into_iter().map(|b| self.control_request(b)).collect();
+        }
+        let who = self.peer_name.clone();
+        let per_try = self.ctx.cfg.planner.stall_timeout.max(Duration::from_millis(200)).min(self.ctx.cfg.timeout);
+        let mut out: Vec<Result<()>> = Vec::with_capacity(bodies.len());
+        {
+            let mut g = self.control.lock().expect("control lock");
+            if let Some(s) = g.as_mut() {
+                let deadline = std::cell::Cell::new(Instant::now() + per_try);
+                let mut tick =
+                    |_: bool| if Instant::now() > deadline.get() { Err("no answer on the control connection".to_string()) } else { Ok(()) };
+                let mut sent = 0;
+                for b in &bodies {
+                    if wire::send(s, b, 0, &mut tick).is_err() {
+                        break;
+                    }
+                    sent += 1;
+                }
+                let mut broken = sent < bodies.len();
+                while out.len() < sent {
+                    deadline.set(Instant::now() + per_try);
+                    match wire::read_frame(s, &mut tick) {
+                        Ok((_, Body::Resp { status: Status::Ok, .. })) => out.push(Ok(())),
+                        // A refusal answers its own request; the ones after it are answered too.
+                        Ok((_, Body::Resp { status, msg, .. })) => out.push(Err(status_error(&who, status, msg))),
+                        Ok((_, Body::Error { status, msg })) => {
+                            out.push(Err(status_error(&who, status, msg)));
+                            broken = true;
+                            break;
+                        }
+                        Ok((_, other)) => {
+                            out.push(Err(Error::Protocol {
+                                who: who.clone(),
+                                msg: format!("unexpected {:?} on the control connection", other.kind()),
+                            }));
+                            broken = true;
+                            break;
+                        }
+                        Err(_) => {
+                            broken = true;
+                            break;
+                        }
+                    }
+                }
+                if broken {
+                    if let Some(s) = g.take() {
+                        abort_socket(&s);
+                    }
+                }
+            }
+        }
+        let done = out.len();
+        out.extend(bodies.into_iter().skip(done).map(|b| self.control_request(b)));
+        out
+    }
+
+    /// Hands a transfer that has completed its data to the notifier, which sends its
+    /// notification and then completes it (CUDA IPC transfers; the rails' own completions go
+    /// there from `complete`).
+    pub(crate) fn notify_then_finish(&self, x: Arc<XferShared>) {
+        if let Some(tx) = self.notify_tx.lock().expect("link lock").as_ref() {
+            if let Err(mpsc::SendError(x)) = tx.send(x) {
+                x.finish(Err(Error::PeerLost {
+                    peer: self.peer_name.clone(),
+                    reason: "link closed before the notification was sent".into(),
+                }));
+            }
+            return;
+        }
+        x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() }));
     }
 
     /// Send `body` on the control connection and return the answer, which must be a `Resp`

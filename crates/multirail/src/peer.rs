@@ -429,8 +429,11 @@ impl Poster for Peer {
         };
     }
 
-    fn send_notif(&self, msg: &[u8]) -> Result<()> {
-        Peer::send_notif(self, msg)
+    fn notify_then_finish(&self, x: Arc<XferShared>) {
+        match self.link() {
+            Ok(l) => l.notify_then_finish(x),
+            Err(e) => x.finish(Err(e)),
+        }
     }
 
     fn gpu_kind(&self) -> multirail_gpu::GpuKind {

@@ -87,8 +87,9 @@ pub(crate) trait Poster: Send + Sync {
     fn progress(&self) -> (Progress, Duration);
     /// A post ended (DONE, or in ERROR): the peer's counters.
     fn count(&self, ok: bool);
-    /// Send a notification to the peer (after a transfer by CUDA IPC).
-    fn send_notif(&self, msg: &[u8]) -> Result<()>;
+    /// Send `x`'s notification to the peer, then complete `x` with its result (a transfer by
+    /// CUDA IPC whose copies are done): through the link's notifier, which batches them.
+    fn notify_then_finish(&self, x: Arc<XferShared>);
     /// The device kind local GPU memory is (the agent's `gpu` setting): the stream contract's
     /// events are made on it.
     fn gpu_kind(&self) -> multirail_gpu::GpuKind;
