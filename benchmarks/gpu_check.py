@@ -173,6 +173,9 @@ def gpu_sections(c: Check) -> None:
           "--requests", "4" if a.quick else "10", "--initiator-seg-type", "VRAM", "--target-seg-type", "VRAM",
           "--gpu", "cuda", "--check-consistency", "--timeout", "60"]
     c.run("bench kv, VRAM both sides, staged (--gpu-ipc off)", [*kv, "--gpu-ipc", "off"], 1800)
+    # 8 KiB pages (TP 8): where a request per page cost most; vectored requests gather them
+    # into the pinned buffers a buffer's worth per kernel launch (docs/gpu.md).
+    c.run("bench kv, VRAM both sides, staged, 8 KiB pages (--gpu-ipc off --tp 8)", [*kv, "--gpu-ipc", "off", "--tp", "8"], 1800)
     c.run("bench kv, VRAM both sides, CUDA IPC (--gpu-ipc on)", [*kv, "--gpu-ipc", "on"], 1800)
     # The IPC copies' baseline in the same run: one cudaMemcpyAsync per page (docs/gpu.md, "How the
     # copies are queued"); the row above used the default (the gather kernel for small pages).
