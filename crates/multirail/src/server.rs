@@ -709,7 +709,11 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                     wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
                 }
             },
-            Body::WriteVReq(op) => match sh.registry.check_vec(&op, true) {
+            // GPU regions were staged above; never a host write into one here.
+            Body::WriteVReq(op) => match sh.registry.check_vec(&op, true).and_then(|r| match r.mem {
+                MemType::Dram => Ok(r),
+                MemType::Vram => Err((Status::Unexpected, format!("region {} is GPU memory", op.region))),
+            }) {
                 Ok(region) => {
                     let total = op.total();
                     let guard = me.apply.lock().expect("apply lock");

@@ -164,6 +164,15 @@ struct GpuOrder {
     posts: u64,
 }
 
+/// Whether a transfer's chunks may be vectored (many pieces per request): its local pieces are
+/// all host memory, or all GPU memory of one device (`vram`: the local GPU regions held, of
+/// `held` regions in all; staged through the pinned buffers), and a transfer into the peer's GPU
+/// memory needs a peer that takes vectored requests there (`vectored_gpu`).
+fn chunks_vectored(vram: &[(u64, u64, u32)], held: usize, remote_vram: bool, vectored_gpu: bool) -> bool {
+    let one_local_memory = vram.is_empty() || (vram.len() == held && vram.iter().all(|v| v.2 == vram[0].2));
+    one_local_memory && (!remote_vram || vectored_gpu)
+}
+
 impl XferShared {
     pub fn new(
         op: Op,
@@ -197,10 +206,7 @@ impl XferShared {
         let pieces = runs.iter().map(|r| r.count).sum();
         let vram: Vec<(u64, u64, u32)> =
             hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
-        // Vectored chunks gather or scatter the local pieces of one memory: host memory, or
-        // (staged, through the pinned buffers) GPU memory of one device.
-        let one_local_memory = vram.is_empty() || (vram.len() == hold.len() && vram.iter().all(|v| v.2 == vram[0].2));
-        let vectored = one_local_memory && (!remote_vram || vectored_gpu) && ipc.is_none() && !via_gpu_link;
+        let vectored = chunks_vectored(&vram, hold.len(), remote_vram, vectored_gpu) && ipc.is_none() && !via_gpu_link;
         Arc::new(XferShared {
             vram,
             ipc,
@@ -583,5 +589,26 @@ impl XferHandle {
         }
         // Nothing touches the local memory any more: let it be deregistered.
         self.0.hold.lock().expect("xfer lock").clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chunks_vectored;
+
+    #[test]
+    fn vectored_chunks_need_one_local_memory_and_a_peer_that_takes_gpu_pieces() {
+        let gpu0 = (1 << 40, 2 << 40, 0);
+        // Host memory both sides, or the peer's GPU memory with a peer that takes it.
+        assert!(chunks_vectored(&[], 2, false, false));
+        assert!(chunks_vectored(&[], 1, true, true));
+        // An older peer (Hello below 4) is not sent vectored requests on its GPU regions.
+        assert!(!chunks_vectored(&[], 1, true, false));
+        // Local GPU memory of one device (staged), to host or GPU memory of the peer.
+        assert!(chunks_vectored(&[gpu0, (3 << 40, 4 << 40, 0)], 2, false, false));
+        assert!(chunks_vectored(&[gpu0], 1, true, true));
+        // Host and GPU memory mixed locally, or two devices: one request per piece.
+        assert!(!chunks_vectored(&[gpu0], 2, false, true));
+        assert!(!chunks_vectored(&[gpu0, (3 << 40, 4 << 40, 1)], 2, false, true));
     }
 }
