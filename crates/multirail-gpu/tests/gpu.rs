@@ -289,33 +289,27 @@ fn cuda_pages_gathered_into_and_scattered_from_pinned_memory() {
             unsafe { dev.copy_async(CopyKind::HostToDevice, back.0, zero.as_ptr() as u64, len, &s) }.unwrap();
             dev.record(&e, &s).unwrap();
             dev.synchronize(&e).unwrap();
-            // Best of 3 (the first launch of a way pays its setup).
-            let (mut t_gather, mut q) = (f64::MAX, None);
-            for _ in 0..3 {
-                let t0 = Instant::now();
-                // SAFETY: every copy lies inside src/back and the pinned buffer, none overlap.
-                q = Some(unsafe { dev.copy_batch_with(mode, &gather, true, &s) }.unwrap());
-                dev.record(&e, &s).unwrap();
-                dev.synchronize(&e).unwrap();
-                t_gather = t_gather.min(t0.elapsed().as_secs_f64());
-            }
-            let q = q.unwrap();
+            // Best of 3 (the first launch of a way pays its setup): (seconds, how it was queued).
+            let best_of_3 = |copies: &[multirail_gpu::BatchCopy]| {
+                let mut best = (f64::MAX, None);
+                for _ in 0..3 {
+                    let t0 = Instant::now();
+                    // SAFETY: every copy lies inside src/back and the pinned buffer, none overlap.
+                    let q = unsafe { dev.copy_batch_with(mode, copies, true, &s) }.unwrap();
+                    dev.record(&e, &s).unwrap();
+                    dev.synchronize(&e).unwrap();
+                    best = (best.0.min(t0.elapsed().as_secs_f64()), Some(q));
+                }
+                (best.0, best.1.unwrap())
+            };
+            let (t_gather, q) = best_of_3(&gather);
             // SAFETY: the gather has completed.
             let staged = unsafe { pin.as_slice() };
             for (i, p) in perm.iter().enumerate() {
                 let at = p * stride + skew;
                 assert!(staged[i * page..][..page] == data[at..][..page], "{mode:?}: page {i} gathered wrong");
             }
-            let (mut t_scatter, mut q2) = (f64::MAX, None);
-            for _ in 0..3 {
-                let t1 = Instant::now();
-                // SAFETY: as above.
-                q2 = Some(unsafe { dev.copy_batch_with(mode, &scatter, true, &s) }.unwrap());
-                dev.record(&e, &s).unwrap();
-                dev.synchronize(&e).unwrap();
-                t_scatter = t_scatter.min(t1.elapsed().as_secs_f64());
-            }
-            let q2 = q2.unwrap();
+            let (t_scatter, q2) = best_of_3(&scatter);
             let got = download(&dev, back, len);
             for (i, p) in perm.iter().enumerate() {
                 let at = p * stride + skew;

@@ -32,10 +32,11 @@
 //!   once; a second thread (the completer) waits for each event in order, then completes the
 //!   transfer, or hands it to the link's notifier, which sends the notifications queued
 //!   meanwhile pipelined (`Link::control_batch`) and completes each once the peer has it. So
-//!   the copies of transfer k+1 run while transfer k's notification crosses to the peer. [`InFlight`] counts transfers queued on
-//!   the device and not yet waited for: `cancel`, `close` and a revocation take the worker's
-//!   `copying` lock (nothing new is queued) and wait until it is zero, so once they return no
-//!   copy touches the application's memory or a closed mapping.
+//!   the copies of transfer k+1 run while transfer k's notification crosses to the peer.
+//!   [`InFlight`] counts transfers queued on the device and not yet waited for: `cancel`,
+//!   `close` and a revocation take the worker's `copying` lock (nothing new is queued) and wait
+//!   until it is zero, so once they return no copy touches the application's memory or a
+//!   closed mapping.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Shutdown, TcpStream};
