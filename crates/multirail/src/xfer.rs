@@ -206,7 +206,9 @@ impl XferShared {
         let pieces = runs.iter().map(|r| r.count).sum();
         let vram: Vec<(u64, u64, u32)> =
             hold.iter().filter(|r| r.mem == multirail_proto::MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev)).collect();
-        let vectored = chunks_vectored(&vram, hold.len(), remote_vram, vectored_gpu) && ipc.is_none() && !via_gpu_link;
+        // A GPU transfer of a ucx agent without GPUDirect goes over its tcp link for GPU memory
+        // (`via_gpu_link`), whose rails negotiate vectored requests as any tcp link's do.
+        let vectored = chunks_vectored(&vram, hold.len(), remote_vram, vectored_gpu) && ipc.is_none();
         Arc::new(XferShared {
             vram,
             ipc,
