@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use multirail_gpu::{DevicePtr, Pages, Src};
 use multirail_proto::codec::{RemoteOp, Role, Status, VecOp, HELLO_VECTORED, HELLO_VECTORED_GPU};
 use multirail_proto::planner::{vec_pieces, Run};
-use multirail_proto::{Body, Chunk};
+use multirail_proto::{Body, Chunk, Pair};
 
 use super::{Caps, GpuPath, Host, Transport};
 use crate::config::Progress;
@@ -659,11 +659,12 @@ fn local_spans(runs: &[Run]) -> Vec<(*mut u8, usize)> {
     spans
 }
 
-/// Where a chunk's local bytes are, for the staging pipeline: its one range, or a vectored
-/// chunk's pieces in order (local GPU memory held by the transfer, as for `local_spans`).
-fn local_src(chunk: &Chunk) -> Src {
-    match &chunk.vec {
-        None => Src::At(DevicePtr(chunk.piece.local), chunk.piece.len),
+/// Where a chunk's local bytes are, for the staging pipeline (`piece` and `vec` as in `Chunk`):
+/// its one range, or a vectored chunk's pieces in order (local GPU memory held by the
+/// transfer, as for `local_spans`).
+fn local_src(piece: &Pair, vec: Option<&[Run]>) -> Src {
+    match vec {
+        None => Src::At(DevicePtr(piece.local), piece.len),
         Some(runs) => Src::Pieces(Arc::new(Pages::new(runs.iter().flat_map(|r| r.pieces()).map(|p| (p.local, p.len))))),
     }
 }
@@ -702,7 +703,7 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
     let vec = chunk.vec.clone();
     let piece = chunk.piece;
     let body = request(link, &chunk, write);
-    let src = if write && x.local_dev(piece.local).is_some() { Some(local_src(&chunk)) } else { None };
+    let src = if write && x.local_dev(piece.local).is_some() { Some(local_src(&piece, vec.as_deref())) } else { None };
     let mut w = match held {
         Some(w) => w,
         None => c.writer.lock().expect("conn lock"),
@@ -774,7 +775,7 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                     xx.set_cause(e);
                 }
                 let body = request(link, &ch, true);
-                let src = local_src(&ch);
+                let src = local_src(&ch.piece, ch.vec.as_deref());
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
                 c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx });
                 if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
@@ -1198,10 +1199,7 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
                             link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Ok(()));
                         }
                     };
-                    let dst = match &vec {
-                        None => Src::At(DevicePtr(p.local), p.len),
-                        Some(runs) => Src::Pieces(Arc::new(Pages::new(runs.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.len))))),
-                    };
+                    let dst = local_src(&p, vec.as_deref());
                     unsafe { stage.recv_segment_notify(dev, dst, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed)) }
                 }
             };
