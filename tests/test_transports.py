@@ -653,6 +653,9 @@ def test_scattered_gpu_pages_both_sides_survive_a_killed_rail(op: str) -> None:
         assert 0 < requests and requests * 16 < k * n, f"{requests} requests for {k} x {n} pages: not vectored"
         staged = sum(r["staging"]["h2d" if op == "WRITE" else "d2h"]["bytes"] for r in served)
         assert staged >= k * page * n, (staged, k)
+        # The target ran requests read ahead behind one another through one pipeline (no fill
+        # and drain at every vectored request).
+        assert sum(r["staging"]["overlapped"] for r in served) > 0, served
         i.release_xfer_handle(h)
     finally:
         i.close()

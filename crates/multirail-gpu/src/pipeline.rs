@@ -227,10 +227,6 @@ impl Pages {
         Pages { spans: out, starts, total }
     }
 
-    pub fn total(&self) -> u64 {
-        self.total
-    }
-
     pub fn spans(&self) -> &[(u64, u64)] {
         &self.spans
     }

@@ -564,16 +564,10 @@ impl IpcPeer {
     pub fn cancel(&self, x: &XferShared) {
         let _g = self.copying.lock().expect("ipc lock");
         // Its copies may be queued: wait for every queued transfer (nothing new is queued while
-        // we hold `copying`). A cancel from the completer (its transfer's last reference) finds
-        // nothing queued that it must wait for, as that transfer was counted out already.
-        if !self.on_completer() {
-            self.in_flight.drain();
-        }
+        // we hold `copying`). Only an application thread releases a handle, never the worker or
+        // the completer, which hold transfers, not handles.
+        self.in_flight.drain();
         x.finish(Err(Error::InvalidArgument("transfer handle released while in progress".into())));
-    }
-
-    fn on_completer(&self) -> bool {
-        self.worker.lock().expect("ipc lock").as_ref().is_some_and(|w| w.completer == std::thread::current().id())
     }
 
     /// Stop the worker (queued transfers fail, a running copy completes first) and unmap.

@@ -753,15 +753,7 @@ impl Link {
         for (x, r) in done {
             let has_notif = r.is_ok() && !x.notif.lock().expect("xfer lock").is_empty();
             if has_notif {
-                if let Some(tx) = self.notify_tx.lock().expect("link lock").as_ref() {
-                    if tx.send(x.clone()).is_ok() {
-                        continue;
-                    }
-                }
-                x.finish(Err(Error::PeerLost {
-                    peer: self.peer_name.clone(),
-                    reason: "link closed before the notification was sent".into(),
-                }));
+                self.notify_then_finish(x);
             } else {
                 x.finish(r);
             }
@@ -941,18 +933,16 @@ impl Link {
     }
 
     /// Hands a transfer that has completed its data to the notifier, which sends its
-    /// notification and then completes it (CUDA IPC transfers; the rails' own completions go
-    /// there from `complete`).
+    /// notification and then completes it (the rails' transfers, from `complete`, and CUDA IPC
+    /// transfers); without a notifier (the link closed) it fails at once.
     pub(crate) fn notify_then_finish(&self, x: Arc<XferShared>) {
-        if let Some(tx) = self.notify_tx.lock().expect("link lock").as_ref() {
-            if let Err(mpsc::SendError(x)) = tx.send(x) {
-                x.finish(Err(Error::PeerLost {
-                    peer: self.peer_name.clone(),
-                    reason: "link closed before the notification was sent".into(),
-                }));
-            }
-            return;
-        }
+        let x = match self.notify_tx.lock().expect("link lock").as_ref() {
+            Some(tx) => match tx.send(x) {
+                Ok(()) => return,
+                Err(mpsc::SendError(x)) => x,
+            },
+            None => x,
+        };
         x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() }));
     }
 

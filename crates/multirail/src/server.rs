@@ -605,52 +605,56 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             }
             continue;
         }
+        // READs of GPU memory (one range, or a vectored request's pages): one staging
+        // pipeline over this READ and the READs of the same GPU already read ahead behind it:
+        // the D2H of the next overlaps the sends of this one (no fill at every request). Each
+        // answer's header goes right before its payload; the regions stay held until all are
+        // sent. `first` passed the registry's checks; a READ behind it that would be refused,
+        // or is of other memory, waits for the normal path.
+        let mut staged_reads = |first: (Src, u64, Vec<u8>), region: Arc<Region>| {
+            let dev = region.dev;
+            let mut held_regions = vec![region];
+            let mut more = || {
+                if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
+                    return None;
+                }
+                if inb.peek_frame().is_none() {
+                    inb.fill_now(fd); // requests the initiator pipelined behind
+                }
+                let (h2, r2, src, n) = match inb.peek_frame()? {
+                    (h2, Body::ReadReq(op2), n) => {
+                        let r2 = sh.registry.check_remote(&op2, false).ok()?;
+                        let src = Src::At(DevicePtr(r2.ptr(op2.offset) as u64), op2.len);
+                        (h2, r2, src, n)
+                    }
+                    (h2, Body::ReadVReq(op2), n) => {
+                        let r2 = sh.registry.check_vec(&op2, false).ok()?;
+                        (h2, r2.clone(), region_pages(&r2, &op2), n)
+                    }
+                    _ => return None,
+                };
+                if r2.mem != MemType::Vram || r2.dev != dev {
+                    return None;
+                }
+                inb.consume(n);
+                ctr.bytes_read.fetch_add(src.len(), Ordering::Relaxed);
+                ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+                let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
+                held_regions.push(r2);
+                Some((src, h2.req_id, hdr2))
+            };
+            let mut out = SockOut::new(&mut s, &mut op_tick);
+            // SAFETY: check_remote / check_vec proved each range lies in its region (GPU memory
+            // of `dev`), held registered in `held_regions` until this returns.
+            unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
+        };
         let r = match body {
             Body::ReadReq(op) => match sh.registry.check_remote(&op, false) {
                 Ok(region) => {
                     let hdr = Body::Resp { status: Status::Ok, bulk_len: op.len, msg: String::new() }.encode(h.req_id);
                     let r = if region.mem == MemType::Vram {
-                        // One staging pipeline over this READ and the READs of the same GPU
-                        // already read ahead behind it: the D2H of the next overlaps the sends
-                        // of this one (no fill at every request). Each answer's header goes
-                        // right before its payload; the regions stay held until all are sent.
-                        let dev = region.dev;
-                        let mut held_regions = vec![region.clone()];
-                        let mut more = || {
-                            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
-                                return None;
-                            }
-                            if inb.peek_frame().is_none() {
-                                inb.fill_now(fd); // requests the initiator pipelined behind
-                            }
-                            let (h2, r2, src, n) = match inb.peek_frame()? {
-                                // A READ the normal path would refuse, or of other memory, waits.
-                                (h2, Body::ReadReq(op2), n) => {
-                                    let r2 = sh.registry.check_remote(&op2, false).ok()?;
-                                    let src = Src::At(DevicePtr(r2.ptr(op2.offset) as u64), op2.len);
-                                    (h2, r2, src, n)
-                                }
-                                (h2, Body::ReadVReq(op2), n) => {
-                                    let r2 = sh.registry.check_vec(&op2, false).ok()?;
-                                    (h2, r2.clone(), region_pages(&r2, &op2), n)
-                                }
-                                _ => return None,
-                            };
-                            if r2.mem != MemType::Vram || r2.dev != dev {
-                                return None;
-                            }
-                            inb.consume(n);
-                            ctr.bytes_read.fetch_add(src.len(), Ordering::Relaxed);
-                            ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                            let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
-                            held_regions.push(r2);
-                            Some((src, h2.req_id, hdr2))
-                        };
-                        let mut out = SockOut::new(&mut s, &mut op_tick);
                         let first = (Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len), h.req_id, hdr.to_vec());
-                        // SAFETY: check_remote proved each range lies in its region (GPU memory
-                        // of `dev`), held registered in `held_regions` until this returns.
-                        unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
+                        staged_reads(first, region.clone())
                     } else {
                         // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
                         // `region` holds it registered for the duration of the write.
@@ -670,15 +674,11 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
             },
             Body::ReadVReq(op) => match sh.registry.check_vec(&op, false) {
                 Ok(region) if region.mem == MemType::Vram => {
-                    // The pages through one staging pipeline (gathered into the pinned buffers
-                    // a buffer's worth at a time), behind the response header.
+                    // The pages gathered into the pinned buffers a buffer's worth at a time.
                     let total = op.total();
                     let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
-                    let mut out = SockOut::new(&mut s, &mut op_tick);
                     let first = (region_pages(&region, &op), h.req_id, hdr.to_vec());
-                    // SAFETY: check_vec proved every piece lies in the region (GPU memory of
-                    // `region.dev`), which `region` holds registered until this returns.
-                    let r = unsafe { stage.send_stream(region.dev, first, &mut out, &mut || None) }.map_err(staging_failed);
+                    let r = staged_reads(first, region);
                     if r.is_ok() {
                         ctr.bytes_read.fetch_add(total, Ordering::Relaxed);
                         ctr.requests_read.fetch_add(1, Ordering::Relaxed);
