@@ -146,6 +146,47 @@ def test_notif_arrives_after_data_and_send_notif(pair):
     assert t.get_new_notifs() == {}
 
 
+def test_get_new_notifs_sleeps_until_a_notification_comes_and_close_ends_the_wait(pair):
+    """`get_new_notifs(timeout)` waits in the engine (GIL released) and returns as the
+    notification lands, not at its timeout; with none coming it returns {} after the timeout;
+    closing the agent wakes a waiter at once."""
+    t, i = pair
+    src, dst = pattern(1 * MiB, 6), np.zeros(1 * MiB, np.uint8)
+    loaded(t, i, dst, src)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append((t.get_new_notifs(60.0), time.monotonic())))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive(), "returned before any notification came"
+    # The transfer needs the GIL on this thread while the other one waits.
+    sent = time.monotonic()
+    w = i.initialize_xfer("WRITE", [src], [dst], "target", b"layer-79")
+    i.transfer(w)
+    i.wait(w, 10)
+    waiter.join(30)
+    assert not waiter.is_alive(), "the wait did not end when the notification came"
+    notifs, woke = got[0]
+    assert notifs == {"initiator": [b"layer-79"]}
+    assert woke - sent < 30, "woke at its timeout, not at the notification"
+    assert np.array_equal(src, dst), "the notification came before its data"
+
+    t0 = time.monotonic()
+    assert t.get_new_notifs(0.3) == {}
+    assert time.monotonic() - t0 >= 0.29
+    with pytest.raises(ValueError):
+        t.get_new_notifs(float("nan"))
+
+    got.clear()
+    waiter = threading.Thread(target=lambda: got.append(t.get_new_notifs(60.0)))
+    waiter.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    t.close()
+    waiter.join(30)
+    assert not waiter.is_alive() and got == [{}]
+    assert time.monotonic() - t0 < 30, "close() did not wake the waiter"
+
+
 def test_many_notifications_posted_at_once_arrive_once_each_after_their_data(pair):
     """200 small WRITEs, each with its own notification, posted back to back: the notifier sends
     the ones queued meanwhile pipelined (`Link::control_batch`). Every notification arrives

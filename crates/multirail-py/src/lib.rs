@@ -327,8 +327,21 @@ impl PyAgent {
         py.allow_threads(|| self.0.send_notif(peer, &msg)).map_err(to_py)
     }
 
-    fn take_notifs<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
-        Ok(self.0.take_notifs().into_iter().map(|(n, b)| (n, PyBytes::new(py, &b))).collect())
+    /// Notifications not yet taken; with none queued, sleep (GIL released) up to `timeout`
+    /// seconds for one.
+    #[pyo3(signature = (timeout=0.0))]
+    fn take_notifs<'py>(&self, py: Python<'py>, timeout: f64) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        if timeout.is_nan() {
+            return Err(PyValueError::new_err("timeout must be a number of seconds, not NaN"));
+        }
+        let got = if timeout > 0.0 {
+            // inf (or any longer wait) sleeps ~31 years: until a notification or close().
+            let wait = Duration::from_secs_f64(timeout.min(1e9));
+            py.allow_threads(|| self.0.wait_notifs(wait))
+        } else {
+            self.0.take_notifs()
+        };
+        Ok(got.into_iter().map(|(n, b)| (n, PyBytes::new(py, &b))).collect())
     }
 
     /// (transport, UCX version or None, UCX rail restrictions or None).

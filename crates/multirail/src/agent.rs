@@ -147,7 +147,7 @@ impl Agent {
             ctx,
             registry: Registry::default(),
             peers: RwLock::new(HashMap::new()),
-            notifs: Mutex::new(Vec::new()),
+            notifs: crate::inbox::Inbox::default(),
             shutdown: AtomicBool::new(false),
             rails_meta,
             open_conns: Arc::new(AtomicUsize::new(0)),
@@ -354,8 +354,15 @@ impl Agent {
         self.peer(peer)?.send_notif(msg)
     }
 
+    /// Every notification received and not yet taken, in arrival order (a poll).
     pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        std::mem::take(&mut *self.shared.notifs.lock().expect("notif lock"))
+        self.shared.notifs.take(Duration::ZERO)
+    }
+
+    /// As [`Agent::take_notifs`], but with none queued, sleep until one arrives, up to `wait`
+    /// (or until the agent closes). One wake-up per batch, where polling costs one per poll.
+    pub fn wait_notifs(&self, wait: Duration) -> Vec<(String, Vec<u8>)> {
+        self.shared.notifs.take(wait)
     }
 
     /// Per local rail: the transport it runs ("tcp", "ucx"), why, and whether it is UCX without
@@ -401,6 +408,7 @@ impl Agent {
         if self.shared.shutdown.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.shared.notifs.close();
         for p in self.shared.peers.write().expect("peers lock").drain() {
             p.1.close();
         }

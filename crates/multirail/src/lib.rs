@@ -22,6 +22,7 @@ pub mod config;
 pub mod ctx;
 pub mod error;
 pub mod fanin;
+pub mod inbox;
 pub mod ipc;
 pub mod link;
 pub mod net;

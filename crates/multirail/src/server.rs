@@ -55,7 +55,8 @@ pub struct Shared {
     pub ctx: Arc<Ctx>,
     pub registry: Registry,
     pub peers: RwLock<HashMap<String, Arc<Peer>>>,
-    pub notifs: Mutex<Vec<(String, Vec<u8>)>>,
+    /// Notifications from peers, until the application takes them.
+    pub notifs: crate::inbox::Inbox,
     pub shutdown: AtomicBool,
     pub rails_meta: Vec<RailInfo>,
     /// Serving threads running (each leaves it only after dropping its `Shared`: `close` then
@@ -779,7 +780,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 wire::send(&mut s, &answer, h.req_id, &mut op_tick)
             }
             Body::Notif(msg) => {
-                sh.notifs.lock().expect("notif lock").push((peer_name.clone(), msg));
+                sh.notifs.push(peer_name.clone(), msg);
                 wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
             }
             Body::Fence(ids) => {

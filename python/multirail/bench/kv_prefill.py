@@ -100,6 +100,10 @@ def kv_row(worker: str, workload: str, plan: KvPlan, lat_ns: list[int], wall_s: 
     return row
 
 
+#: the longest the reply pump sleeps in the engine before it looks at its slot threads again
+PUMP_WAIT_S = 0.005
+
+
 class _Mailbox:
     """Replies from the decode side, by (kind, request); filled by the thread that pumps."""
 
@@ -108,8 +112,9 @@ class _Mailbox:
         self.cond = threading.Condition()
         self.box: dict[tuple[str, Any], dict[str, Any]] = {}
 
-    def pump(self) -> None:
-        got = self.agent.get_new_notifs().get(self.peer, [])
+    def pump(self, wait: float = 0.0) -> None:
+        """File what has arrived; with nothing queued, sleep in the engine up to `wait` s for it."""
+        got = self.agent.get_new_notifs(wait).get(self.peer, [])
         if not got:
             return
         with self.cond:
@@ -130,8 +135,7 @@ class _Mailbox:
                 if pump:
                     self.cond.release()
                     try:
-                        self.pump()
-                        time.sleep(0.0002)
+                        self.pump(min(left, PUMP_WAIT_S))
                     finally:
                         self.cond.acquire()
                 else:
@@ -270,8 +274,8 @@ class KvInitiator:
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            self.mail.pump()
-            time.sleep(0.0002)
+            # Wakes when a reply comes, else every PUMP_WAIT_S to see whether the slots are done.
+            self.mail.pump(PUMP_WAIT_S)
             if errors:
                 break
         for t in threads:

@@ -99,8 +99,9 @@ def _corrupt(buf: BenchMem, offset: int | None, limit: int) -> None:
         buf.flip(offset)
 
 
-#: the control loop's sleep between looks at notifications: while busy, and after QUIET_S without one
-POLL_BUSY_S, POLL_QUIET_S, QUIET_S = 0.002, 0.02, 0.2
+#: the control loop's longest sleep waiting for a notification; with a reply waiting for its
+#: peer's metadata, it looks again after RETRY_S
+WAIT_S, RETRY_S = 0.05, 0.002
 
 
 def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
@@ -113,7 +114,10 @@ def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
             return "duration"
         if now - last > idle_timeout:
             return "idle"
-        for peer, msgs in agent.get_new_notifs().items():
+        # Sleep in the engine until a control message comes (one wake-up per batch): a timed
+        # loop then costs this process nothing but the messages - its CPU counts in
+        # benchmarks/cpu_per_byte.py.
+        for peer, msgs in agent.get_new_notifs(RETRY_S if outbox else WAIT_S).items():
             for msg in msgs:
                 decoded = proto.decode(msg)
                 if decoded is None:
@@ -132,10 +136,6 @@ def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
             except mr.UnknownPeerError:
                 pending.append((peer, reply))  # its metadata has not arrived yet: retry
         outbox = pending
-        # 2 ms between looks while messages come, 20 ms once quiet for QUIET_S: a timed loop
-        # (no control messages) then costs this process 50 wake-ups a second, not 500 - its
-        # CPU counts in benchmarks/cpu_per_byte.py.
-        time.sleep(POLL_BUSY_S if outbox or time.monotonic() - last < QUIET_S else POLL_QUIET_S)
 
 
 def _handle(kind: str, body: dict[str, Any], buf: BenchMem, corrupt_offset: int | None,

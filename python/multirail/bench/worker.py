@@ -209,15 +209,14 @@ class EngineWorker:
         """The next `kind` reply whose body agrees with `match` (older or duplicate replies, e.g.
         of a notification the engine delivered twice, are skipped)."""
         deadline = time.monotonic() + (max(self.timeout, 30.0) if timeout is None else timeout)
-        while time.monotonic() < deadline:
-            for msg in self.agent.get_new_notifs().get(self.peer, []):
+        while (left := deadline - time.monotonic()) > 0:
+            for msg in self.agent.get_new_notifs(min(left, 0.05)).get(self.peer, []):
                 decoded = proto.decode(msg)
                 if decoded and decoded[0] == kind:
                     if match and any(k in decoded[1] and decoded[1][k] != v for k, v in match.items()):
                         self.stale_replies += 1
                         continue
                     return decoded[1]
-            time.sleep(0.002)
         raise BenchFailure(f"timed out waiting for the target's {kind!r} reply")
 
     def prepare(self, block_size: int, batch_size: int, check: bool) -> None:
