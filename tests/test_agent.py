@@ -187,6 +187,30 @@ def test_get_new_notifs_sleeps_until_a_notification_comes_and_close_ends_the_wai
     assert time.monotonic() - t0 < 30, "close() did not wake the waiter"
 
 
+def test_notifications_not_taken_are_bounded_and_the_next_is_refused_clearly(pair):
+    """The target queues at most 64 MiB (or 65,536) of notifications the application has not
+    taken; beyond that a peer's notification is refused (Busy), never grown without bound.
+    Nothing queued is lost, a WRITE's data still lands (its transfer fails with the refusal),
+    and taking them makes room again."""
+    t, i = pair
+    src, dst = pattern(1 * MiB, 8), np.zeros(1 * MiB, np.uint8)
+    loaded(t, i, dst, src)
+    for k in range(64):
+        i.send_notif("target", bytes([k]) * MiB)
+    with pytest.raises(errors.TransferError, match="notification queue full"):
+        i.send_notif("target", b"one too many")
+    w = i.initialize_xfer("WRITE", [src], [dst], "target", b"late")
+    i.transfer(w)
+    with pytest.raises(errors.TransferError, match="notification queue full"):
+        i.wait(w, 10)
+    assert np.array_equal(src, dst), "the WRITE's data should have landed before its notification"
+    got = t.get_new_notifs()["initiator"]
+    assert [m[:1] * len(m) == m and len(m) == MiB for m in got] == [True] * 64
+    assert [m[0] for m in got] == list(range(64)), "lost or reordered"
+    i.send_notif("target", b"after")
+    assert t.get_new_notifs() == {"initiator": [b"after"]}
+
+
 def test_many_notifications_posted_at_once_arrive_once_each_after_their_data(pair):
     """200 small WRITEs, each with its own notification, posted back to back: the notifier sends
     the ones queued meanwhile pipelined (`Link::control_batch`). Every notification arrives

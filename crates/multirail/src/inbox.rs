@@ -8,6 +8,12 @@
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// Most notifications queued and not yet taken by the application, and most bytes of them: a
+/// peer's notifications beyond either are refused (`Status::Busy`; the initiator's transfer
+/// fails with that error) rather than grown without bound by the wire.
+pub const MAX_QUEUED: usize = 1 << 16;
+pub const MAX_QUEUED_BYTES: usize = 64 << 20;
+
 #[derive(Default)]
 pub struct Inbox {
     q: Mutex<State>,
@@ -17,14 +23,28 @@ pub struct Inbox {
 #[derive(Default)]
 struct State {
     msgs: Vec<(String, Vec<u8>)>,
+    /// Bytes of `msgs`' messages.
+    bytes: usize,
     closed: bool,
 }
 
 impl Inbox {
-    /// Queue a peer's notification and wake the waiters.
-    pub fn push(&self, peer: String, msg: Vec<u8>) {
-        self.q.lock().expect("inbox lock").msgs.push((peer, msg));
+    /// Queue a peer's notification and wake the waiters; refused (with why) when the queue
+    /// holds [`MAX_QUEUED`] notifications or this one would take it past [`MAX_QUEUED_BYTES`].
+    pub fn push(&self, peer: String, msg: Vec<u8>) -> Result<(), String> {
+        let mut g = self.q.lock().expect("inbox lock");
+        if g.msgs.len() >= MAX_QUEUED || g.bytes + msg.len() > MAX_QUEUED_BYTES {
+            return Err(format!(
+                "notification queue full: {} notifications ({} bytes) not taken by the application yet (at most {MAX_QUEUED}, {MAX_QUEUED_BYTES} bytes)",
+                g.msgs.len(),
+                g.bytes
+            ));
+        }
+        g.bytes += msg.len();
+        g.msgs.push((peer, msg));
+        drop(g);
         self.cv.notify_all();
+        Ok(())
     }
 
     /// Every notification queued, in arrival order. With an empty queue, wait up to `wait`
@@ -45,6 +65,7 @@ impl Inbox {
                 g = self.cv.wait_timeout(g, left).expect("inbox lock").0;
             }
         }
+        g.bytes = 0;
         std::mem::take(&mut g.msgs)
     }
 
@@ -68,7 +89,7 @@ mod tests {
         let t0 = Instant::now();
         let h = std::thread::spawn(move || i2.take(Duration::from_secs(30)));
         std::thread::sleep(Duration::from_millis(50));
-        inbox.push("p".into(), b"m".to_vec());
+        inbox.push("p".into(), b"m".to_vec()).unwrap();
         let got = h.join().unwrap();
         assert_eq!(got, vec![("p".to_string(), b"m".to_vec())]);
         assert!(t0.elapsed() < Duration::from_secs(20), "woke only at the timeout");
@@ -81,10 +102,33 @@ mod tests {
         assert!(inbox.take(Duration::ZERO).is_empty());
         assert!(inbox.take(Duration::from_millis(30)).is_empty());
         assert!(t0.elapsed() >= Duration::from_millis(30));
-        inbox.push("a".into(), vec![1]);
-        inbox.push("b".into(), vec![2]);
+        inbox.push("a".into(), vec![1]).unwrap();
+        inbox.push("b".into(), vec![2]).unwrap();
         assert_eq!(inbox.take(Duration::ZERO).len(), 2, "all queued, in order");
         assert!(inbox.take(Duration::ZERO).is_empty());
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_taking_makes_room() {
+        let inbox = Inbox::default();
+        for i in 0..MAX_QUEUED {
+            inbox.push("p".into(), (i as u32).to_le_bytes().to_vec()).unwrap();
+        }
+        let e = inbox.push("p".into(), vec![0]).unwrap_err();
+        assert!(e.contains("notification queue full") && e.contains("65536"), "{e}");
+        let got = inbox.take(Duration::ZERO);
+        assert_eq!(got.len(), MAX_QUEUED, "the queued ones are all kept");
+        assert!(got.iter().enumerate().all(|(i, (_, m))| m[..] == (i as u32).to_le_bytes()), "in order");
+        inbox.push("p".into(), vec![0]).unwrap();
+        // By bytes: 64 x 1 MiB fill it; one more byte does not fit.
+        inbox.take(Duration::ZERO);
+        let mib = vec![7u8; 1 << 20];
+        for _ in 0..MAX_QUEUED_BYTES >> 20 {
+            inbox.push("p".into(), mib.clone()).unwrap();
+        }
+        assert!(inbox.push("p".into(), vec![1]).is_err());
+        assert_eq!(inbox.take(Duration::ZERO).len(), MAX_QUEUED_BYTES >> 20);
+        inbox.push("p".into(), mib).unwrap();
     }
 
     #[test]
@@ -97,7 +141,7 @@ mod tests {
         inbox.close();
         assert!(h.join().unwrap().is_empty());
         assert!(t0.elapsed() < Duration::from_secs(20), "close did not wake the waiter");
-        inbox.push("p".into(), vec![3]);
+        inbox.push("p".into(), vec![3]).unwrap();
         assert_eq!(inbox.take(Duration::from_secs(30)).len(), 1);
         let t1 = Instant::now();
         assert!(inbox.take(Duration::from_secs(30)).is_empty());

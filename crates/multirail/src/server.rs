@@ -780,8 +780,14 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
                 wire::send(&mut s, &answer, h.req_id, &mut op_tick)
             }
             Body::Notif(msg) => {
-                sh.notifs.push(peer_name.clone(), msg);
-                wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
+                let (status, msg) = match sh.notifs.push(peer_name.clone(), msg) {
+                    Ok(()) => (Status::Ok, String::new()),
+                    Err(why) => {
+                        count_refused(sh, &ctr, Status::Busy);
+                        (Status::Busy, why)
+                    }
+                };
+                wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
             }
             Body::Fence(ids) => {
                 fence(sh, &peer_name, &ids);
