@@ -250,6 +250,8 @@ fn keep_probing(s: &TcpStream) -> Result<()> {
 /// ca_state Loss, retrans 1, backoff 0, last ACK 500 ms ago`. Retries that leave the host and
 /// go unanswered back off; two backoffs are a dead path (`dead_by`).
 ///
+/// Also held: a retransmission timeout that is due and has not run (`rto_overdue`).
+///
 /// Also held: a connection waiting for its peer's application, with every byte it sent
 /// acknowledged and nothing left to send, while the path answers the keepalive probes
 /// (`keep_probing`): the last ACK came less than a probe interval (plus its grace) ago, and at
@@ -287,7 +289,19 @@ fn held_by(i: &libc::tcp_info) -> bool {
     // Loss with retransmissions counted and no backoff. Retries that leave the host and go
     // unanswered back off instead (`dead_by`).
     let retry_held_locally = i.tcpi_ca_state == TCP_CA_LOSS && i.tcpi_retransmits >= 1 && i.tcpi_backoff == 0;
-    qdisc_held || window_closed || awaiting || retry_held_locally
+    qdisc_held || window_closed || awaiting || retry_held_locally || rto_overdue(i)
+}
+
+/// Bytes outstanding, no retransmission timeout since the last ACK that advanced (an ACK
+/// resets `retransmits` and `backoff`), and that ACK is older than the timeout: the kernel's
+/// timer is due and has not run. That is this host not running its timers (a starved CPU:
+/// timers run in softirq context, deferred to `ksoftirqd` under load), not the path: a timer
+/// that runs counts a retransmission at once, and from there the path is judged by the other
+/// rules (two backoffs: `dead_by`). Seen at the last false stalls of the 32 -> 1 fan-in on a
+/// host at load 8-10: `unacked 14, ca_state Loss, retrans 0, backoff 0, rto 208 ms, last data
+/// sent 504 ms, ack recv 500 ms ago`.
+fn rto_overdue(i: &libc::tcp_info) -> bool {
+    i.tcpi_unacked > 0 && i.tcpi_retransmits == 0 && i.tcpi_backoff == 0 && u64::from(i.tcpi_last_ack_recv) * 1000 > u64::from(i.tcpi_rto)
 }
 
 /// Every byte sent acknowledged, nothing waiting to be sent, no retransmission pending.
@@ -1375,6 +1389,31 @@ mod tests {
         owed.tcpi_retransmits = 1;
         owed.tcpi_backoff = 0;
         assert!(held_by(&owed) && !dead_by(&owed), "a retry held in this host's queue");
+        // Seen on the same fan-in at load 8-10: an ACK 500 ms ago reset the retransmission
+        // count; the timeout (208 ms) has been due since and has not run on this host.
+        let mut due = i;
+        due.tcpi_unacked = 14;
+        due.tcpi_ca_state = 4;
+        due.tcpi_retransmits = 0;
+        due.tcpi_backoff = 0;
+        due.tcpi_probes = 0;
+        due.tcpi_rto = 208_000;
+        due.tcpi_last_data_sent = 504;
+        due.tcpi_last_ack_recv = 500;
+        assert!(rto_overdue(&due) && held_by(&due) && !dead_by(&due), "a timer this host has not run");
+        // A blackholed path on a host that runs its timers: the timeout runs (a retransmission
+        // counted, backed off once) and the hold is gone; the second backoff is death.
+        let mut dead = due;
+        dead.tcpi_retransmits = 1;
+        dead.tcpi_backoff = 1;
+        assert!(!held_by(&dead) && !dead_by(&dead), "after its timeout ran, a silent path is not held");
+        dead.tcpi_retransmits = 2;
+        dead.tcpi_backoff = 2;
+        assert!(!held_by(&dead) && dead_by(&dead));
+        // Not due yet: not held by this rule (the stall rule applies as before).
+        let mut early = due;
+        early.tcpi_rto = 1_000_000;
+        assert!(!rto_overdue(&early));
     }
 
     /// Adaptive callers spin for responses to small chunks (round trips, pages) and not for
