@@ -82,17 +82,24 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    #[test]
-    fn a_waiter_wakes_when_a_notification_arrives_not_at_its_timeout() {
-        let inbox = Arc::new(Inbox::default());
+    /// A thread waits up to 30 s on `inbox`; after 50 ms `wake` runs here. Returns what the
+    /// wait took, having checked that it ended well before its timeout.
+    fn wait_then(inbox: &Arc<Inbox>, wake: impl FnOnce(&Inbox)) -> Vec<(String, Vec<u8>)> {
         let i2 = inbox.clone();
         let t0 = Instant::now();
         let h = std::thread::spawn(move || i2.take(Duration::from_secs(30)));
         std::thread::sleep(Duration::from_millis(50));
-        inbox.push("p".into(), b"m".to_vec()).unwrap();
+        wake(inbox);
         let got = h.join().unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(20), "the waiter woke only at its timeout");
+        got
+    }
+
+    #[test]
+    fn a_waiter_wakes_when_a_notification_arrives_not_at_its_timeout() {
+        let inbox = Arc::new(Inbox::default());
+        let got = wait_then(&inbox, |i| i.push("p".into(), b"m".to_vec()).unwrap());
         assert_eq!(got, vec![("p".to_string(), b"m".to_vec())]);
-        assert!(t0.elapsed() < Duration::from_secs(20), "woke only at the timeout");
     }
 
     #[test]
@@ -134,13 +141,7 @@ mod tests {
     #[test]
     fn close_wakes_a_waiter_and_keeps_what_was_queued() {
         let inbox = Arc::new(Inbox::default());
-        let i2 = inbox.clone();
-        let t0 = Instant::now();
-        let h = std::thread::spawn(move || i2.take(Duration::from_secs(30)));
-        std::thread::sleep(Duration::from_millis(50));
-        inbox.close();
-        assert!(h.join().unwrap().is_empty());
-        assert!(t0.elapsed() < Duration::from_secs(20), "close did not wake the waiter");
+        assert!(wait_then(&inbox, Inbox::close).is_empty());
         inbox.push("p".into(), vec![3]).unwrap();
         assert_eq!(inbox.take(Duration::from_secs(30)).len(), 1);
         let t1 = Instant::now();
