@@ -262,6 +262,32 @@ def test_consistency_passes_and_detects_corruption(op: str, tmp_path: Path) -> N
     assert "consistency check FAILED" in bad.stderr and "300000" in bad.stderr
 
 
+def test_a_reply_to_a_peer_that_left_is_dropped_and_the_target_serves_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """An initiator may close right after its request (one that is told its --target-seg-type is
+    wrong does): the target's reply then fails with the engine's error. The target drops that
+    reply with a line on stderr and keeps serving; a peer whose metadata has not arrived yet is
+    retried; the others are sent."""
+    from multirail import errors
+    from multirail.bench.target import send_replies
+
+    sent = []
+
+    class Agent:
+        def send_notif(self, peer: str, msg: bytes) -> None:
+            if peer == "gone":
+                raise errors.PeerLostError("peer gone: connection refused on every rail")
+            if peer == "early":
+                raise errors.UnknownPeerError("early")
+            sent.append((peer, msg))
+
+    class Mr:
+        MultirailError, UnknownPeerError = errors.MultirailError, errors.UnknownPeerError
+
+    left = send_replies(Agent(), [("gone", b"a"), ("early", b"b"), ("here", b"c")], Mr)
+    assert left == [("early", b"b")] and sent == [("here", b"c")]
+    assert "dropped a reply to gone: PeerLostError" in capsys.readouterr().err
+
+
 @needs_engine
 def test_connect_failure_is_clean() -> None:
     with socket.socket() as s:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,13 @@ STAGES = ("d2h", "wire", "h2d")
 def bench(*args: str, py: str | None = None, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run([py or sys.executable, "-c", RUNNER, "bench", *args], env=GPU_ENV,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def target_state(proc: subprocess.Popen[str], errf: Any) -> str:
+    """For a failure message: whether the `bench target` process still runs, and its stderr."""
+    errf.flush()
+    errf.seek(0)
+    return f"target: exit code {proc.poll()} (None: running); its stderr: {errf.read()[-3000:]!r}"
 
 
 def used_stages(op: str, side: str, seg: str) -> set[str]:
@@ -150,7 +158,7 @@ def test_initiator_against_target_process_and_seg_type_mismatch() -> None:
         ok = bench("initiator", "--connect", at, "--target-seg-type", "VRAM", "--gpu", "standin", "--op", "WRITE",
                    "--start-block-size", "1MiB", "--max-block-size", "1MiB", "--num-iter", "3",
                    "--check-consistency", "--json", "-", *STAGED, py=ENGINE_PY)
-        assert ok.returncode == 0, ok.stderr
+        assert ok.returncode == 0, f"{ok.stderr}\n{target_state(proc, errf)}"
         (row,) = json.loads(ok.stdout)["rows"]
         assert row["consistency"] == "ok"
         st = row["staging"]

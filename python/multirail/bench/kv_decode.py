@@ -45,7 +45,7 @@ class _DecodeLoop:
         self.outbox: list[tuple[str, bytes]] = []
 
     def run(self, duration: float, idle_timeout: float) -> str:
-        from multirail.bench.target import RETRY_S, WAIT_S, _handle
+        from multirail.bench.target import RETRY_S, WAIT_S, _handle, send_replies
 
         start = last = time.monotonic()
         while True:
@@ -72,13 +72,7 @@ class _DecodeLoop:
                         reply = _handle(kind, body, self.buf, None, self.agent, peer)
                     if reply is not None:
                         self.outbox.append((peer, reply))
-            pending = []
-            for peer, reply in self.outbox:
-                try:
-                    self.agent.send_notif(peer, reply)
-                except self.mr.UnknownPeerError:
-                    pending.append((peer, reply))
-            self.outbox = pending
+            self.outbox = send_replies(self.agent, self.outbox, self.mr)
 
     def _kv(self, kind: str, body: dict[str, Any], t_ns: int) -> bytes | None:
         if kind == KV_LAYER:

@@ -20,6 +20,7 @@ import json
 import os
 import selectors
 import subprocess
+import sys
 import tempfile
 import time
 from typing import IO, Any, Callable, Sequence
@@ -129,13 +130,22 @@ def _loop(agent: Any, buf: BenchMem, duration: float, idle_timeout: float,
                 reply = _handle(kind, body, buf, corrupt_offset, agent, peer)
                 if reply is not None:
                     outbox.append((peer, reply))
-        pending = []
-        for peer, reply in outbox:
-            try:
-                agent.send_notif(peer, reply)
-            except mr.UnknownPeerError:
-                pending.append((peer, reply))  # its metadata has not arrived yet: retry
-        outbox = pending
+        outbox = send_replies(agent, outbox, mr)
+
+
+def send_replies(agent: Any, outbox: list[tuple[str, bytes]], mr: Any) -> list[tuple[str, bytes]]:
+    """Send each (peer, reply); returns those to retry: the peer's metadata has not arrived yet.
+    A reply whose peer is gone (it closed right after its request, or vanished) is dropped
+    with a line on stderr, and the target goes on serving the others."""
+    pending = []
+    for peer, reply in outbox:
+        try:
+            agent.send_notif(peer, reply)
+        except mr.UnknownPeerError:
+            pending.append((peer, reply))
+        except mr.MultirailError as e:
+            print(f"bench target: dropped a reply to {peer}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return pending
 
 
 def _handle(kind: str, body: dict[str, Any], buf: BenchMem, corrupt_offset: int | None,
