@@ -211,6 +211,31 @@ def test_notifications_not_taken_are_bounded_and_the_next_is_refused_clearly(pai
     assert t.get_new_notifs() == {"initiator": [b"after"]}
 
 
+def test_a_notification_to_a_peer_that_closed_fails_at_once():
+    """Every rail of a peer that closed refuses the connection: send_notif says so at once
+    (PeerLostError), where it used to retry refused dials in a loop for the whole `timeout`,
+    taking a core all the while."""
+    t = Agent("t-gone", {"timeout": 20.0})
+    i = Agent("i-gone")
+    try:
+        t.fetch_remote_metadata("i-gone", "127.0.0.1", i.port)
+        deadline = time.monotonic() + 10
+        while not t.check_remote_metadata("i-gone"):
+            assert time.monotonic() < deadline, "metadata never arrived"
+            time.sleep(0.01)
+        t.send_notif("i-gone", b"first")
+        assert i.get_new_notifs(5.0) == {"t-gone": [b"first"]}
+        i.close()
+        t0, c0 = time.monotonic(), time.process_time()
+        with pytest.raises(errors.PeerLostError, match="every rail refused the connection"):
+            t.send_notif("i-gone", b"second")
+        assert time.monotonic() - t0 < 10, "waited for the timeout (20 s) instead of failing at once"
+        assert time.process_time() - c0 < 2
+    finally:
+        i.close()
+        t.close()
+
+
 def test_many_notifications_posted_at_once_arrive_once_each_after_their_data(pair):
     """200 small WRITEs, each with its own notification, posted back to back: the notifier sends
     the ones queued meanwhile pipelined (`Link::control_batch`). Every notification arrives

@@ -31,10 +31,13 @@ use crate::transport::{tcp::TcpRails, ucx::UcxRails, Active, Caps, Host, RailCho
 use crate::wire;
 use crate::xfer::{Op, XferShared};
 
-/// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
 /// Most notifications the notifier sends in one pipelined batch (`Link::control_batch`).
 const NOTIFY_BATCH: usize = 64;
+/// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pause after a failed control dial, doubling up to the max until the request's `timeout`.
+const DIAL_RETRY_MIN: Duration = Duration::from_millis(5);
+const DIAL_RETRY_MAX: Duration = Duration::from_millis(100);
 /// The watchdog's longest and shortest naps (it sleeps until the planner's next stall deadline).
 const WATCH_IDLE: Duration = Duration::from_millis(100);
 const WATCH_MIN: Duration = Duration::from_millis(5);
@@ -955,6 +958,11 @@ impl Link {
         let mut g = self.control.lock().expect("control lock");
         let mut last: Option<Error> = None;
         let mut tries = 0usize;
+        // Rails whose dial was refused (nothing listens there), and the pause after a failed
+        // dial: a refused connect returns at once, and retrying it in a loop took a core for
+        // the whole `timeout`.
+        let mut refused = vec![false; self.rails.len()];
+        let mut pause = DIAL_RETRY_MIN;
         while Instant::now() < overall {
             tries += 1;
             if g.is_none() {
@@ -970,7 +978,22 @@ impl Link {
                     Ok(c) => *g = Some(c.stream),
                     Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                     Err(e) => {
+                        refused[ri] = crate::net::refused(&e);
+                        if order.iter().all(|&r| refused[r]) {
+                            // Every rail's address refused us: the peer is not listening any
+                            // more. Waiting out `timeout` would not bring it back.
+                            let last = match &e {
+                                Error::PeerLost { reason, .. } => reason.clone(),
+                                other => other.to_string(),
+                            };
+                            return Err(Error::PeerLost {
+                                peer: who,
+                                reason: format!("every rail refused the connection (last: {last}): the peer closed or exited"),
+                            });
+                        }
                         last = Some(e);
+                        std::thread::sleep(pause.min(overall.saturating_duration_since(Instant::now())));
+                        pause = (pause * 2).min(DIAL_RETRY_MAX);
                         continue;
                     }
                 }

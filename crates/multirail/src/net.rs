@@ -129,6 +129,12 @@ pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
     }
 }
 
+/// Whether `e` is a dial refused by the peer's host: nothing listens on that address any more
+/// (the peer closed or exited; a restarted peer is a new incarnation, refused by metadata).
+pub(crate) fn refused(e: &Error) -> bool {
+    matches!(e, Error::PeerLost { reason, .. } if reason.starts_with("connection to ") && reason.ends_with(" refused"))
+}
+
 fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16])> {
     let Dial { local, remote, role, expect, timeout } = *to;
     let who = format!("{remote}");
