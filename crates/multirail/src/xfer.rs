@@ -416,6 +416,11 @@ impl XferShared {
     }
 }
 
+/// Posts handed to the GPU-order waiter and not yet submitted by it. While any are, later posts
+/// queue behind them there too, even when their own stream work is done: a post never
+/// overtakes an earlier one (CUDA IPC transfers complete, and notify, in posting order).
+static GPU_WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// The thread that hands posts to their link once the application's stream work they are ordered
 /// after has completed (`XferHandle::post_on` with work still queued); one per process.
 fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
@@ -425,18 +430,22 @@ fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
         let spawned = std::thread::Builder::new().name("mr-gpu-order".into()).spawn(move || {
             for x in rx {
                 let r = x.wait_gpu_order();
-                let _gate = x.post_gate.lock().expect("xfer lock");
-                if x.state() != XferState::InProgress {
-                    continue; // released meanwhile
-                }
-                match r {
-                    Err(e) => x.finish(Err(e)),
-                    Ok(()) => {
-                        if let Err(e) = x.peer.submit(x.clone(), false) {
-                            x.finish(Err(e));
+                {
+                    let _gate = x.post_gate.lock().expect("xfer lock");
+                    if x.state() == XferState::InProgress {
+                        match r {
+                            Err(e) => x.finish(Err(e)),
+                            Ok(()) => {
+                                if let Err(e) = x.peer.submit(x.clone(), false) {
+                                    x.finish(Err(e));
+                                }
+                            }
                         }
-                    }
+                    } // else: released meanwhile
                 }
+                // Only once it is submitted: a post that sees no one waiting goes straight in,
+                // after this one.
+                GPU_WAITING.fetch_sub(1, Ordering::AcqRel);
             }
         });
         if spawned.is_err() {
@@ -531,13 +540,16 @@ impl XferHandle {
         self.0.polled.store(mode == PostMode::Polled, Ordering::Release);
         self.0.handoff.store(mode == PostMode::Handoff, Ordering::Release);
         let x = self.0.clone();
-        if !x.gpu_order_ready() {
+        if !x.gpu_order_ready() || GPU_WAITING.load(Ordering::Acquire) > 0 {
             // The producer's work is still queued: the transfer enters the link (and the
             // planner's stall clocks) once it is done, from the waiter thread, so `post`
-            // returns at once and no rail waits on the GPU.
+            // returns at once and no rail waits on the GPU. Posts behind one waiting there
+            // queue behind it (`GPU_WAITING`).
+            GPU_WAITING.fetch_add(1, Ordering::AcqRel);
             return match gpu_waiter().lock().expect("waiter lock").send(x) {
                 Ok(()) => Ok(self.state()),
                 Err(_) => {
+                    GPU_WAITING.fetch_sub(1, Ordering::AcqRel);
                     let e = Error::Gpu("the GPU-order waiter thread is gone".into());
                     self.0.finish(Err(e.clone()));
                     Err(e)
