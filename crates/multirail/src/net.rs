@@ -132,8 +132,11 @@ pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
 /// Whether `e` is a dial refused by the peer's host: nothing listens on that address any more
 /// (the peer closed or exited; a restarted peer is a new incarnation, refused by metadata).
 pub(crate) fn refused(e: &Error) -> bool {
-    matches!(e, Error::PeerLost { reason, .. } if reason.starts_with("connection to ") && reason.ends_with(" refused"))
+    matches!(e, Error::PeerLost { reason, .. } if reason.starts_with(REFUSED.0) && reason.ends_with(REFUSED.1))
 }
+
+/// How `dial_version` words a refused connect (`refused` reads it back): "connection to ADDR refused".
+const REFUSED: (&str, &str) = ("connection to ", " refused");
 
 fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16])> {
     let Dial { local, remote, role, expect, timeout } = *to;
@@ -151,7 +154,7 @@ fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpS
     sock.connect_timeout(&remote.into(), timeout).map_err(|e| match e.kind() {
         std::io::ErrorKind::ConnectionRefused => Error::PeerLost {
             peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()),
-            reason: format!("connection to {remote} refused"),
+            reason: format!("{}{remote}{}", REFUSED.0, REFUSED.1),
         },
         _ => Error::io(format!("connect to {remote}"), e),
     })?;

@@ -48,6 +48,8 @@ pub struct Peer {
     pub counters: Arc<PeerCounters>,
     /// CUDA IPC mappings of the peer's GPU regions, and the copy worker (same host only).
     pub(crate) ipc: crate::ipc::IpcPeer,
+    /// Posts to this peer held by the GPU-order waiter, not yet submitted (`Poster::order_waiting`).
+    order_waiting: std::sync::atomic::AtomicUsize,
 }
 
 impl Peer {
@@ -68,6 +70,7 @@ impl Peer {
             io: Mutex::new(Vec::new()),
             counters: Arc::new(PeerCounters::default()),
             ipc: crate::ipc::IpcPeer::default(),
+            order_waiting: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -403,6 +406,10 @@ impl Peer {
 impl Poster for Peer {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn order_waiting(&self) -> &std::sync::atomic::AtomicUsize {
+        &self.order_waiting
     }
 
     fn submit(&self, x: Arc<XferShared>, will_drive: bool) -> Result<()> {

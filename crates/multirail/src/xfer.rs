@@ -93,6 +93,11 @@ pub(crate) trait Poster: Send + Sync {
     /// The device kind local GPU memory is (the agent's `gpu` setting): the stream contract's
     /// events are made on it.
     fn gpu_kind(&self) -> multirail_gpu::GpuKind;
+    /// Posts to this peer handed to the GPU-order waiter and not yet submitted by it. While any
+    /// are, later posts to the peer queue behind them there too, even when their own stream
+    /// work is done: a post never overtakes an earlier one to the same peer (CUDA IPC
+    /// transfers complete, and notify, in posting order). Other peers' posts are not held.
+    fn order_waiting(&self) -> &std::sync::atomic::AtomicUsize;
 }
 
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
@@ -416,11 +421,6 @@ impl XferShared {
     }
 }
 
-/// Posts handed to the GPU-order waiter and not yet submitted by it. While any are, later posts
-/// queue behind them there too, even when their own stream work is done: a post never
-/// overtakes an earlier one (CUDA IPC transfers complete, and notify, in posting order).
-static GPU_WAITING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
 /// The thread that hands posts to their link once the application's stream work they are ordered
 /// after has completed (`XferHandle::post_on` with work still queued); one per process.
 fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
@@ -445,7 +445,7 @@ fn gpu_waiter() -> &'static Mutex<std::sync::mpsc::Sender<Arc<XferShared>>> {
                 }
                 // Only once it is submitted: a post that sees no one waiting goes straight in,
                 // after this one.
-                GPU_WAITING.fetch_sub(1, Ordering::AcqRel);
+                x.peer.order_waiting().fetch_sub(1, Ordering::AcqRel);
             }
         });
         if spawned.is_err() {
@@ -540,16 +540,16 @@ impl XferHandle {
         self.0.polled.store(mode == PostMode::Polled, Ordering::Release);
         self.0.handoff.store(mode == PostMode::Handoff, Ordering::Release);
         let x = self.0.clone();
-        if !x.gpu_order_ready() || GPU_WAITING.load(Ordering::Acquire) > 0 {
+        if !x.gpu_order_ready() || x.peer.order_waiting().load(Ordering::Acquire) > 0 {
             // The producer's work is still queued: the transfer enters the link (and the
             // planner's stall clocks) once it is done, from the waiter thread, so `post`
             // returns at once and no rail waits on the GPU. Posts behind one waiting there
-            // queue behind it (`GPU_WAITING`).
-            GPU_WAITING.fetch_add(1, Ordering::AcqRel);
+            // to the same peer queue behind it (`Poster::order_waiting`).
+            x.peer.order_waiting().fetch_add(1, Ordering::AcqRel);
             return match gpu_waiter().lock().expect("waiter lock").send(x) {
                 Ok(()) => Ok(self.state()),
                 Err(_) => {
-                    GPU_WAITING.fetch_sub(1, Ordering::AcqRel);
+                    self.0.peer.order_waiting().fetch_sub(1, Ordering::AcqRel);
                     let e = Error::Gpu("the GPU-order waiter thread is gone".into());
                     self.0.finish(Err(e.clone()));
                     Err(e)
