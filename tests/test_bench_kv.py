@@ -258,6 +258,24 @@ def test_cli_usage_errors(args: list[str], needle: str) -> None:
     assert res.stdout == ""
 
 
+@pytest.mark.parametrize("extra,rounds", [
+    ([], 10),                                           # DRAM, concurrency 1: a segment per request
+    (["--requests", "12", "--concurrency", "4"], 3),    # segments of `concurrency` requests
+    (["--requests", "3", "--concurrency", "8"], 1),
+    (["--target-seg-type", "VRAM"], 1),                 # staging is measured per workload phase
+    (["--initiator-seg-type", "VRAM"], 1),
+    (["--rounds", "4"], 4),
+])
+def test_rounds_default_alternates_the_workloads_as_finely_as_the_concurrency_allows(
+        extra: list[str], rounds: int) -> None:
+    from multirail.bench.kv import plan_from_args
+    from multirail.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "kv", "--model", "llama-3.1-8b", "--isl", "64", *extra])
+    plan_from_args(args)
+    assert args.rounds == rounds
+
+
 def test_cli_bad_yaml(tmp_path: Path) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("layers: [80\n")

@@ -118,9 +118,10 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
     w.add_argument("--tp", type=int, default=1, help="tensor parallelism: the bench moves one rank's share (default 1)")
     w.add_argument("--requests", type=int, default=10, help="timed requests per workload (default 10)")
     w.add_argument("--warmup-requests", type=int, default=1, help="untimed requests per workload first (default 1)")
-    w.add_argument("--rounds", type=int, default=1,
+    w.add_argument("--rounds", type=int, default=None,
                    help="split each workload's timed requests into this many segments, alternating contiguous "
-                        "and kv (c k, k c, ...), so both see the same minutes of a noisy host (default 1: all "
+                        "and kv (c k, k c, ...), so both see the same seconds of a noisy host (default: "
+                        "requests / concurrency, a segment per request at concurrency 1; 1 with VRAM: all "
                         "contiguous requests, then all kv; DRAM only above 1)")
     w.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (default 1)")
     w.add_argument("--layout", default="layer", choices=list(LAYOUTS),
@@ -157,6 +158,12 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
 def plan_from_args(args: argparse.Namespace) -> KvPlan:
     if args.warmup_requests < 0:
         raise UsageError("--warmup-requests must be >= 0")
+    if args.rounds is None:
+        # A slow stretch of a shared host (seconds in which every copy costs more) must not land
+        # on one side of the ratio: alternate the workloads as finely as the concurrency allows.
+        # VRAM runs keep one segment each (their staging breakdown is per workload phase).
+        vram = "VRAM" in (args.initiator_seg_type, args.target_seg_type)
+        args.rounds = 1 if vram else max(1, args.requests // max(1, args.concurrency))
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
     if args.rounds > 1 and "VRAM" in (args.initiator_seg_type, args.target_seg_type):
