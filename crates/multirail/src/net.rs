@@ -132,11 +132,8 @@ pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
 /// Whether `e` is a dial refused by the peer's host: nothing listens on that address any more
 /// (the peer closed or exited; a restarted peer is a new incarnation, refused by metadata).
 pub(crate) fn refused(e: &Error) -> bool {
-    matches!(e, Error::PeerLost { reason, .. } if reason.starts_with(REFUSED.0) && reason.ends_with(REFUSED.1))
+    matches!(e, Error::Io { kind: std::io::ErrorKind::ConnectionRefused, .. })
 }
-
-/// How `dial_version` words a refused connect (`refused` reads it back): "connection to ADDR refused".
-const REFUSED: (&str, &str) = ("connection to ", " refused");
 
 fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16])> {
     let Dial { local, remote, role, expect, timeout } = *to;
@@ -151,13 +148,9 @@ fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpS
         }
         sock.bind(&SocketAddr::new(*addr, 0).into()).map_err(|e| Error::io(format!("bind to rail address {addr}"), e))?;
     }
-    sock.connect_timeout(&remote.into(), timeout).map_err(|e| match e.kind() {
-        std::io::ErrorKind::ConnectionRefused => Error::PeerLost {
-            peer: expect.map(|e| e.0.to_string()).unwrap_or(who.clone()),
-            reason: format!("{}{remote}{}", REFUSED.0, REFUSED.1),
-        },
-        _ => Error::io(format!("connect to {remote}"), e),
-    })?;
+    // A refusal stays typed (`Io` of kind `ConnectionRefused`, which `refused` reads and the
+    // Python and NIXL layers map to a lost peer).
+    sock.connect_timeout(&remote.into(), timeout).map_err(|e| Error::io(format!("connect to {remote}"), e))?;
     let mut s: TcpStream = sock.into();
     s.set_nodelay(true).map_err(|e| Error::io("nodelay", e))?;
     s.set_read_timeout(Some(TICK)).map_err(|e| Error::io("timeout", e))?;
@@ -276,6 +269,25 @@ mod tests {
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, 1);
         assert_eq!(h.join().unwrap(), vec![4, 3, 2, 1]);
+    }
+
+    #[test]
+    fn a_refused_dial_is_typed_and_other_failures_are_not_refusals() {
+        let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
+        let t = Duration::from_secs(5);
+        // A port nothing listens on any more.
+        let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let e = dial(&me, Dial::to(addr, Role::Control, t)).unwrap_err();
+        assert!(refused(&e), "{e:?}");
+        assert!(e.to_string().contains(&addr.to_string()), "{e}");
+        // A peer that answers and then hangs up is not a refusal (it may be restarting, or
+        // a path may be failing): the caller keeps trying other rails.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let h = std::thread::spawn(move || drop(l.accept().unwrap()));
+        let e = dial(&me, Dial::to(addr, Role::Control, t)).unwrap_err();
+        h.join().unwrap();
+        assert!(!refused(&e), "{e:?}");
     }
 
     #[test]
