@@ -276,6 +276,41 @@ def test_rounds_default_alternates_the_workloads_as_finely_as_the_concurrency_al
     assert args.rounds == rounds
 
 
+def _row(workload: str, lat_ms: list[float]) -> Any:
+    from multirail.bench.kv import KvRow
+
+    secs = sum(lat_ms) / 1e3
+    n, size = len(lat_ms), 1 << 30
+    return KvRow(worker=f"multirail {workload}", workload=workload, requests=n, concurrency=1, request_bytes=size,
+                 total_bytes=n * size, seconds=secs, gbps=n * size * 8 / secs / 1e9, gb_per_s=n * size / secs / 1e9,
+                 lat_avg_us=1e3 * secs / n, lat_p50_us=1e3 * sorted(lat_ms)[n // 2], lat_p99_us=1e3 * max(lat_ms),
+                 lat_min_us=1e3 * min(lat_ms), lat_max_us=1e3 * max(lat_ms), latencies_us=[1e3 * x for x in lat_ms],
+                 rounds=n)
+
+
+def test_the_ratio_comes_with_the_interval_its_requests_spread_allows() -> None:
+    from multirail.bench.kv import ratio_interval, summary
+
+    # Steady requests: the ratio is what it is.
+    s = summary([_row("contiguous", [300.0] * 10), _row("kv", [330.0] * 10)])
+    assert s["ratio_to_contiguous"] == pytest.approx(300 / 330)
+    assert s["ratio_to_contiguous_interval"] == pytest.approx([300 / 330] * 2)
+    assert "90% interval from the requests' spread 90.9-90.9%" in s["contiguous_text"]
+    # One kv request twice as long as the rest (a slow stretch of a shared host): the ratio
+    # drops ~9%, and the interval reaches back above where the other nine put it.
+    kv = [300.0] * 9 + [600.0]
+    s = summary([_row("contiguous", [300.0] * 10), _row("kv", kv)])
+    lo, hi = s["ratio_to_contiguous_interval"]
+    assert lo < s["ratio_to_contiguous"] < hi
+    assert s["ratio_to_contiguous"] == pytest.approx(3000 / 3300) and hi == pytest.approx(1.0)
+    assert lo < 0.85
+    # Seeded: the same requests give the same interval.
+    assert ratio_interval(0.9, kv, [300.0] * 10) == ratio_interval(0.9, kv, [300.0] * 10)
+    # Too few requests to say: no interval, and the text does not claim one.
+    s = summary([_row("contiguous", [300.0] * 4), _row("kv", [330.0] * 4)])
+    assert s["ratio_to_contiguous_interval"] is None and "interval" not in s["contiguous_text"]
+
+
 def test_cli_bad_yaml(tmp_path: Path) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("layers: [80\n")

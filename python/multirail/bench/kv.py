@@ -380,6 +380,34 @@ def format_kv_table(rows: list[KvRow]) -> str:
     return "\n".join(lines)
 
 
+#: Resamples of the requests for the ratio's interval (`ratio_interval`), and its coverage.
+INTERVAL_RESAMPLES = 2000
+INTERVAL_COVERAGE = 0.90
+
+
+def ratio_interval(ratio: float, kv_us: list[float], contig_us: list[float]) -> tuple[float, float] | None:
+    """How far `ratio` (kv Gbps / contiguous Gbps) could move on this host's noise alone: a
+    percentile bootstrap over the run's own requests. Each workload's request latencies are
+    resampled with replacement (seeded: the same run prints the same interval), and the spread of
+    mean(contiguous) / mean(kv) around its value on the real samples scales `ratio`. None with
+    fewer than 5 requests per workload. On a shared host a single request can take twice as long
+    as its neighbours (docs/benchmarks.md, issue 22 session 15); with 10 requests per workload, one
+    such request moves the ratio by ~10%, and the interval says so."""
+    if len(kv_us) < 5 or len(contig_us) < 5 or min(kv_us) <= 0 or min(contig_us) <= 0:
+        return None
+    import numpy as np
+
+    rng = np.random.default_rng(0x5eed)
+    k = np.asarray(kv_us, dtype=np.float64)
+    c = np.asarray(contig_us, dtype=np.float64)
+    base = c.mean() / k.mean()
+    km = k[rng.integers(0, len(k), (INTERVAL_RESAMPLES, len(k)))].mean(axis=1)
+    cm = c[rng.integers(0, len(c), (INTERVAL_RESAMPLES, len(c)))].mean(axis=1)
+    tail = 100 * (1 - INTERVAL_COVERAGE) / 2
+    lo, hi = np.percentile(cm / km, [tail, 100 - tail])
+    return float(ratio * lo / base), float(ratio * hi / base)
+
+
 def summary(rows: list[KvRow]) -> dict[str, Any]:
     kv = next((r for r in rows if r.worker == "multirail kv"), None)
     contig = next((r for r in rows if r.worker == "multirail contiguous"), None)
@@ -393,6 +421,11 @@ def summary(rows: list[KvRow]) -> dict[str, Any]:
                                   f"{contig.lat_p50_us / 1e3:.2f} ms)")
         if kv.rounds > 1:
             out["contiguous_text"] += f"; measured in {kv.rounds} interleaved rounds"
+        iv = ratio_interval(out["ratio_to_contiguous"], kv.latencies_us, contig.latencies_us)
+        out["ratio_to_contiguous_interval"] = list(iv) if iv else None
+        if iv:
+            out["contiguous_text"] += (f"; {100 * INTERVAL_COVERAGE:.0f}% interval from the requests' spread "
+                                       f"{100 * iv[0]:.1f}-{100 * iv[1]:.1f}%")
         if "not checked" not in (kv.consistency, contig.consistency):
             # Gbps is over each phase's wall time, and with --check-consistency that includes the
             # decode side's byte check after every request: the ratio then compares checks too.
