@@ -110,17 +110,23 @@ def main() -> int:
           f"{f'{a.warmup} warm-up' if a.warmup else 'no warm-up'}\n")
     ok = True
     for op, rs in rows.items():
-        print(f"| {op} run | Gbps | % of capacity | engine split | capacity split |")
-        print("|---|---|---|---|---|")
+        print(f"| {op} run | Gbps | % of capacity | engine split | capacity split | transfer ms min / p50 / max |")
+        print("|---|---|---|---|---|---|")
         pcts = []
         for k, r in enumerate(rs):
             pct = 100.0 * r["gbps"] * 1e9 / total
             pcts.append(pct)
             eb = [e["bytes"] for e in r["engine_rails"]]
             split = [b / max(1, sum(eb)) for b in eb]
+            # Whether a slow run was slow in every transfer (a split or an estimate off from the
+            # start) or in a few (a stretch of the host, a late convergence): the spread says.
+            lat_ms = [r[k] / 1e3 for k in ("lat_min_us", "lat_p50_us", "lat_max_us")]
             print(f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {':'.join(f'{s:.3f}' for s in split)} | "
-                  f"{':'.join(f'{w:.3f}' for w in want)} |")
-            results["runs"].setdefault(op, []).append({"gbps": r["gbps"], "pct": pct, "split": split})
+                  f"{':'.join(f'{w:.3f}' for w in want)} | {' / '.join(f'{x:.1f}' for x in lat_ms)} |")
+            results["runs"].setdefault(op, []).append({
+                "gbps": r["gbps"], "pct": pct, "split": split, "lat_ms": lat_ms,
+                # per rail, from the NIC counters of namespace b (what the wire carried)
+                "nic_gbps": [x["gbps"] for x in r.get("rails", [])]})
         ok &= min(pcts) >= a.floor
         print(f"\n{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "
               f"(floor {a.floor}%: {'met' if min(pcts) >= a.floor else 'NOT met'})\n")
