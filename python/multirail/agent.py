@@ -66,7 +66,7 @@ class AgentConfig:
     docs/benchmarks.md has what each costs and buys.
     spin_us: the busy-poll budget of waiting callers (and the ucx transport's threads),
         microseconds.
-    serve_spin_us: how long a tcp serving connection waits on the CPU for the next request
+    serve_spin_us: how long a tcp data connection's serving thread waits on the CPU for the next request
         before sleeping in the kernel, microseconds (default 1000; adaptive under "adaptive").
         Longer than spin_us: with 200, 4 KiB READs every 250 us found the serving thread asleep
         and paid a wake-up each (docs/benchmarks.md, "4 KiB READ latency at a request rate");

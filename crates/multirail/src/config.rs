@@ -141,7 +141,8 @@ pub struct Config {
     /// Busy-poll budget per wait for `Progress::Adaptive` callers (and the ucx transport's
     /// threads).
     pub spin: Duration,
-    /// Busy-poll budget of a tcp serving connection waiting for its next request, under
+    /// Busy-poll budget of a tcp data connection's serving thread waiting for its next request
+    /// (control connections never spin), under
     /// `Progress::Adaptive` (adapted: `wire::SpinBudget`) and `Progress::Poll` (whole). Longer
     /// than `spin`: a request that comes after it is spent costs a scheduler wake-up, and
     /// requests 250 us apart found a 200 us budget spent every time (docs/benchmarks.md,
