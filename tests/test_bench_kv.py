@@ -311,6 +311,18 @@ def test_the_ratio_comes_with_the_interval_its_requests_spread_allows() -> None:
     assert s["ratio_to_contiguous_interval"] is None and "interval" not in s["contiguous_text"]
 
 
+def test_a_run_whose_rails_failed_over_says_so() -> None:
+    from multirail.bench.kv import rail_event_notes
+
+    quiet, stalled = _row("contiguous", [300.0] * 10), _row("kv", [300.0] * 10)
+    quiet.rail_events = {"stalls": 0, "times_down": 0, "readmissions": 0, "reissued": 0}
+    stalled.rail_events = {"stalls": 1, "times_down": 1, "readmissions": 1, "reissued": 3}
+    assert rail_event_notes([quiet, stalled]) == [
+        "multirail kv: the engine's failure handling ran during the timed requests (stalls 1, times_down 1, "
+        "readmissions 1, reissued 3; rail_stats)"]
+    assert rail_event_notes([quiet, _row("kv", [300.0] * 10)]) == []
+
+
 def test_cli_bad_yaml(tmp_path: Path) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("layers: [80\n")
@@ -343,6 +355,10 @@ def test_local_kv_run_json(tiny: str) -> None:
     assert k["prep_descs_per_s"] > 0 and k["post_descs_per_s"] > 0
     assert c["transfers"] == 4
     assert doc["ratio_to_contiguous"] == pytest.approx(k["gbps"] / c["gbps"])
+    # The engine's failure handling is tallied over the timed requests: none on a healthy loopback.
+    for r in (k, c):
+        assert r["rail_events"] == {"stalls": 0, "times_down": 0, "readmissions": 0, "reissued": 0}, r["rail_events"]
+    assert "failure handling" not in res.stderr
     assert doc["descs_per_s"] == k["descs_per_s"] and doc["lat_p50_us"] == k["lat_p50_us"]
     assert doc["clock"]["same_clock"] is True
     assert "kv / contiguous" in res.stderr  # the table went to stderr

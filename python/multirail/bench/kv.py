@@ -408,6 +408,18 @@ def ratio_interval(ratio: float, kv_us: list[float], contig_us: list[float]) -> 
     return float(ratio * lo / base), float(ratio * hi / base)
 
 
+def rail_event_notes(rows: list[KvRow]) -> list[str]:
+    """A note per row whose timed requests saw the engine's failure handling run (stalls, rails
+    down, readmissions, reissued chunks): a slow run without one was not failover."""
+    notes = []
+    for r in rows:
+        ev = {k: v for k, v in (r.rail_events or {}).items() if v}
+        if ev:
+            notes.append(f"{r.worker}: the engine's failure handling ran during the timed requests ("
+                         + ", ".join(f"{k} {v}" for k, v in ev.items()) + "; rail_stats)")
+    return notes
+
+
 def summary(rows: list[KvRow]) -> dict[str, Any]:
     kv = next((r for r in rows if r.worker == "multirail kv"), None)
     contig = next((r for r in rows if r.worker == "multirail contiguous"), None)
@@ -478,6 +490,7 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
     problems = list(doc.get("problems", []))
     for note in sorted({r.staging["target_note"] for r in rows if r.staging and r.staging.get("target_note")}):
         problems.append(f"decode-side staging not measured ({note}): the breakdown shows the prefill side's stages only")
+    problems += rail_event_notes(rows)
     for p in problems:
         print(f"note: {p}", file=sys.stderr)
     failed = [r for r in rows if r.consistency.startswith("FAILED")]

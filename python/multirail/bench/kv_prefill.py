@@ -62,6 +62,9 @@ class KvRow:
     cpu_pct: float | None = None
     staging: dict[str, Any] | None = None  # runs with VRAM: per-stage breakdown (bench/staging.py)
     rounds: int = 1             # timed segments, interleaved with the other workload's (--rounds)
+    # The engine's failure handling during the timed requests, summed over rails (rail_stats):
+    # stalls, times_down, readmissions, reissued. A slow run with all zero was not failover.
+    rail_events: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,6 +105,8 @@ def kv_row(worker: str, workload: str, plan: KvPlan, lat_ns: list[int], wall_s: 
 
 #: the longest the reply pump sleeps in the engine before it looks at its slot threads again
 PUMP_WAIT_S = 0.005
+#: rail_stats counters of the engine's failure handling, tallied over the timed requests.
+RAIL_EVENTS = ("stalls", "times_down", "readmissions", "reissued")
 
 
 class _Mailbox:
@@ -428,6 +433,14 @@ class KvInitiator:
             return {}
         return {str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(stats)}
 
+    def rail_events(self) -> dict[str, int]:
+        """Counts of the engine's failure handling so far, summed over this peer's rails."""
+        try:
+            stats = self.agent.rail_stats(self.peer)
+        except (AttributeError, NotImplementedError, self.mr.MultirailError):
+            return {}
+        return {k: sum(int(s.get(k) or 0) for s in stats) for k in RAIL_EVENTS}
+
     def keepalive(self) -> None:
         self.agent.send_notif(self.peer, proto.encode(proto.KEEPALIVE))
 
@@ -513,7 +526,7 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
             if warm:
                 warm_bad = init.run_phase(workload, warm, progress, f"{workload} warmup").bad
             init.keepalive()
-            acc[workload] = {"warm_bad": warm_bad, "phases": [], "wall": 0.0, "cpu": 0.0, "nic": {}, "eng": {},
+            acc[workload] = {"warm_bad": warm_bad, "phases": [], "wall": 0.0, "cpu": 0.0, "nic": {}, "eng": {}, "ev": {},
                              "st_before": None, "st_after": None}
         for r, pair in enumerate(order):
             for workload in pair:
@@ -521,11 +534,14 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                 init.corrupt_next = workload == "kv" and args.corrupt_mapping
                 st_before = init.staging_snapshot()
                 before, eng_before = counters.snapshot(), init.engine_rails()
+                ev_before = init.rail_events()
                 cpu0, t_start = time.process_time(), time.monotonic_ns()
                 ph = init.run_phase(workload, counts[r], progress, workload)
                 a["wall"] += max(ph.t_end - t_start, 1) / 1e9
                 a["cpu"] += time.process_time() - cpu0
                 after, eng_after = counters.snapshot(), init.engine_rails()
+                for k, v in init.rail_events().items():
+                    a["ev"][k] = a["ev"].get(k, 0) + max(0, v - ev_before.get(k, 0))
                 st_after = init.staging_snapshot()
                 a["st_before"] = a["st_before"] if a["st_before"] is not None else st_before
                 a["st_after"] = st_after
@@ -549,6 +565,7 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                              prep_once_s=sum(ph.prep_once_s for ph in phs))
             row = kv_row(f"multirail {workload}", workload, plan, lat, wall, dec, **extra)
             row.rounds = rounds
+            row.rail_events = dict(a["ev"]) or None
             row.cpu_pct = 100.0 * a["cpu"] / wall
             if a["st_before"] is not None and a["st_after"] is not None:
                 # one segment per workload (rounds > 1 is refused with VRAM: staging totals are
