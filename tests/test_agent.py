@@ -6,6 +6,7 @@ valid requests is untouched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import socket
@@ -51,11 +52,11 @@ def loaded(t, i, src: np.ndarray, dst: np.ndarray, **kw):
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
 
 
-def fetch_and_await_metadata(i, t, timeout: float = 10.0) -> None:
-    """Fetch the target's metadata and wait (bounded) until the initiator holds it."""
-    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+def fetch_and_await_metadata(i, t, timeout: float = 10.0, name: str = "target") -> None:
+    """Fetch the metadata of `t` (agent `name`) and wait (bounded) until `i` holds it."""
+    i.fetch_remote_metadata(name, "127.0.0.1", t.port)
     deadline = time.monotonic() + timeout
-    while not i.check_remote_metadata("target"):
+    while not i.check_remote_metadata(name):
         assert time.monotonic() < deadline, "metadata never arrived"
         time.sleep(0.01)
 
@@ -211,29 +212,32 @@ def test_notifications_not_taken_are_bounded_and_the_next_is_refused_clearly(pai
     assert t.get_new_notifs() == {"initiator": [b"after"]}
 
 
+@contextlib.contextmanager
+def notifying(sender: str, receiver: str, sender_cfg: dict | None = None, receiver_cfg: dict | None = None):
+    """Two agents, `sender` holding `receiver`'s metadata, with one notification through (the
+    control connection is open); both closed on the way out."""
+    s, r = Agent(sender, sender_cfg or {}), Agent(receiver, receiver_cfg or {})
+    try:
+        fetch_and_await_metadata(s, r, name=receiver)
+        s.send_notif(receiver, b"first")
+        assert r.get_new_notifs(5.0) == {sender: [b"first"]}
+        yield s, r
+    finally:
+        r.close()
+        s.close()
+
+
 def test_a_notification_to_a_peer_that_closed_fails_at_once():
     """Every rail of a peer that closed refuses the connection: send_notif says so at once
     (PeerLostError), where it used to retry refused dials in a loop for the whole `timeout`,
     taking a core all the while."""
-    t = Agent("t-gone", {"timeout": 20.0})
-    i = Agent("i-gone")
-    try:
-        t.fetch_remote_metadata("i-gone", "127.0.0.1", i.port)
-        deadline = time.monotonic() + 10
-        while not t.check_remote_metadata("i-gone"):
-            assert time.monotonic() < deadline, "metadata never arrived"
-            time.sleep(0.01)
-        t.send_notif("i-gone", b"first")
-        assert i.get_new_notifs(5.0) == {"t-gone": [b"first"]}
+    with notifying("t-gone", "i-gone", sender_cfg={"timeout": 20.0}) as (t, i):
         i.close()
         t0, c0 = time.monotonic(), time.process_time()
         with pytest.raises(errors.PeerLostError, match="every rail refused the connection"):
             t.send_notif("i-gone", b"second")
         assert time.monotonic() - t0 < 10, "waited for the timeout (20 s) instead of failing at once"
         assert time.process_time() - c0 < 2
-    finally:
-        i.close()
-        t.close()
 
 
 def test_a_control_connection_does_not_busy_poll_between_notifications():
@@ -241,16 +245,7 @@ def test_a_control_connection_does_not_busy_poll_between_notifications():
     thread spun up to `serve_spin_us` after every notification: ~100 us of CPU per layer of a kv
     request, on the cores the data path needs (issue 22, session 15). With a 300 ms budget, five
     notifications 100 ms apart kept it spinning for ~0.5 s of CPU; now it sleeps in the kernel."""
-    t = Agent("t-spin", {"serve_spin_us": 300000.0})
-    i = Agent("i-spin")
-    try:
-        i.fetch_remote_metadata("t-spin", "127.0.0.1", t.port)
-        deadline = time.monotonic() + 10
-        while not i.check_remote_metadata("t-spin"):
-            assert time.monotonic() < deadline, "metadata never arrived"
-            time.sleep(0.01)
-        i.send_notif("t-spin", b"open")
-        assert t.get_new_notifs(5.0) == {"i-spin": [b"open"]}
+    with notifying("i-spin", "t-spin", receiver_cfg={"serve_spin_us": 300000.0}) as (i, t):
         time.sleep(1.0)  # the data connections' first (idle) spins run out meanwhile
         c0 = time.process_time()
         for k in range(5):
@@ -259,9 +254,6 @@ def test_a_control_connection_does_not_busy_poll_between_notifications():
         used = time.process_time() - c0
         assert t.get_new_notifs(5.0) == {"i-spin": [b"n%d" % k for k in range(5)]}
         assert used < 0.2, f"the process took {used:.3f} CPU-s over 0.5 s of five notifications"
-    finally:
-        i.close()
-        t.close()
 
 
 def test_many_notifications_posted_at_once_arrive_once_each_after_their_data(pair):
