@@ -426,20 +426,19 @@ class KvInitiator:
         finally:
             agent.release_xfer_handle(h)
 
-    def engine_rails(self) -> dict[str, int]:
+    def _rail_stats(self) -> list[dict[str, Any]]:
         try:
-            stats = self.agent.rail_stats(self.peer)
+            return list(self.agent.rail_stats(self.peer))
         except (AttributeError, NotImplementedError, self.mr.MultirailError):
-            return {}
-        return {str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(stats)}
+            return []
+
+    def engine_rails(self) -> dict[str, int]:
+        return {str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(self._rail_stats())}
 
     def rail_events(self) -> dict[str, int]:
         """Counts of the engine's failure handling so far, summed over this peer's rails."""
-        try:
-            stats = self.agent.rail_stats(self.peer)
-        except (AttributeError, NotImplementedError, self.mr.MultirailError):
-            return {}
-        return {k: sum(int(s.get(k) or 0) for s in stats) for k in RAIL_EVENTS}
+        stats = self._rail_stats()
+        return {k: sum(int(s.get(k) or 0) for s in stats) for k in RAIL_EVENTS} if stats else {}
 
     def keepalive(self) -> None:
         self.agent.send_notif(self.peer, proto.encode(proto.KEEPALIVE))
