@@ -40,6 +40,7 @@ def engine_child(page: int, layout: str, seconds: float) -> None:
     import numpy as np
 
     import multirail
+    from loopback_pair import join
 
     pool = 2 * LAYERS * LAYER
     t = multirail.Agent("pf-target", {"timeout": 30.0})
@@ -48,12 +49,7 @@ def engine_child(page: int, layout: str, seconds: float) -> None:
         src, dst = np.full(pool, 7, np.uint8), np.full(pool, 1, np.uint8)
         t.register_memory(dst)
         i.register_memory(src)
-        i.fetch_remote_metadata("pf-target", "127.0.0.1", t.port)
-        deadline = time.monotonic() + 30
-        while not i.check_remote_metadata("pf-target"):
-            if time.monotonic() > deadline:
-                raise SystemExit("metadata never arrived")
-            time.sleep(0.01)
+        join(i, t, "pf-target")
         per = LAYER // page
         rl, rr = np.random.default_rng(11), np.random.default_rng(12)
         handles = []

@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+from loopback_pair import join
 
 import multirail
 
@@ -58,13 +59,7 @@ def main() -> int:
         src, dst = np.full(size, 7, np.uint8), np.zeros(size, np.uint8)
         t.register_memory(dst)
         i.register_memory(src)
-        i.fetch_remote_metadata("slow-t", "127.0.0.1", t.port)
-        deadline = time.monotonic() + 10
-        while not i.check_remote_metadata("slow-t"):
-            if time.monotonic() > deadline:
-                print("slow_requests: the target's metadata never arrived", file=sys.stderr)
-                return 1
-            time.sleep(0.01)
+        join(i, t, "slow-t")
         h = i.initialize_xfer("WRITE", [(src.ctypes.data, size, 0)], [(dst.ctypes.data, size, 0)], "slow-t")
         for _ in range(2):  # warm-up
             i.transfer(h)
