@@ -982,13 +982,9 @@ impl Link {
                         if order.iter().all(|&r| refused[r]) {
                             // Every rail's address refused us: the peer is not listening any
                             // more. Waiting out `timeout` would not bring it back.
-                            let last = match &e {
-                                Error::PeerLost { reason, .. } => reason.clone(),
-                                other => other.to_string(),
-                            };
                             return Err(Error::PeerLost {
                                 peer: who,
-                                reason: format!("every rail refused the connection (last: {last}): the peer closed or exited"),
+                                reason: format!("every rail refused the connection (last: {e}): the peer closed or exited"),
                             });
                         }
                         last = Some(e);

@@ -63,6 +63,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from multirail.bench import staging
 from multirail.bench.core import RailRow, args_config, json_clean, write_json, UsageError, format_rails
 from multirail.bench.mem import BenchMem, uses_vram
@@ -395,8 +397,6 @@ def ratio_interval(ratio: float, kv_us: list[float], contig_us: list[float]) -> 
     such request moves the ratio by ~10%, and the interval says so."""
     if len(kv_us) < 5 or len(contig_us) < 5 or min(kv_us) <= 0 or min(contig_us) <= 0:
         return None
-    import numpy as np
-
     rng = np.random.default_rng(0x5eed)
     k = np.asarray(kv_us, dtype=np.float64)
     c = np.asarray(contig_us, dtype=np.float64)

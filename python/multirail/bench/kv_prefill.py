@@ -426,19 +426,17 @@ class KvInitiator:
         finally:
             agent.release_xfer_handle(h)
 
-    def _rail_stats(self) -> list[dict[str, Any]]:
+    def rail_snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        """One read of `rail_stats`: the bytes each rail carried so far, and the counts of the
+        engine's failure handling (`RAIL_EVENTS`) summed over the rails; empty without stats."""
         try:
-            return list(self.agent.rail_stats(self.peer))
+            stats = list(self.agent.rail_stats(self.peer))
         except (AttributeError, NotImplementedError, self.mr.MultirailError):
-            return []
-
-    def engine_rails(self) -> dict[str, int]:
-        return {str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(self._rail_stats())}
-
-    def rail_events(self) -> dict[str, int]:
-        """Counts of the engine's failure handling so far, summed over this peer's rails."""
-        stats = self._rail_stats()
-        return {k: sum(int(s.get(k) or 0) for s in stats) for k in RAIL_EVENTS} if stats else {}
+            return {}, {}
+        if not stats:
+            return {}, {}
+        return ({str(s.get("name", i)): int(s.get("bytes", 0)) for i, s in enumerate(stats)},
+                {k: sum(int(s.get(k) or 0) for s in stats) for k in RAIL_EVENTS})
 
     def keepalive(self) -> None:
         self.agent.send_notif(self.peer, proto.encode(proto.KEEPALIVE))
@@ -532,14 +530,13 @@ def run_prefill(args: argparse.Namespace, plan: KvPlan, host: str, port: int,
                 a = acc[workload]
                 init.corrupt_next = workload == "kv" and args.corrupt_mapping
                 st_before = init.staging_snapshot()
-                before, eng_before = counters.snapshot(), init.engine_rails()
-                ev_before = init.rail_events()
+                before, (eng_before, ev_before) = counters.snapshot(), init.rail_snapshot()
                 cpu0, t_start = time.process_time(), time.monotonic_ns()
                 ph = init.run_phase(workload, counts[r], progress, workload)
                 a["wall"] += max(ph.t_end - t_start, 1) / 1e9
                 a["cpu"] += time.process_time() - cpu0
-                after, eng_after = counters.snapshot(), init.engine_rails()
-                for k, v in init.rail_events().items():
+                after, (eng_after, ev_after) = counters.snapshot(), init.rail_snapshot()
+                for k, v in ev_after.items():
                     a["ev"][k] = a["ev"].get(k, 0) + max(0, v - ev_before.get(k, 0))
                 st_after = init.staging_snapshot()
                 a["st_before"] = a["st_before"] if a["st_before"] is not None else st_before
