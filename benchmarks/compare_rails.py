@@ -144,12 +144,16 @@ def _iperf3_received_bps(out: str) -> float:
     return float(doc["end"]["sum_received"]["bits_per_second"])
 
 
-def iperf3_rails(tb: Testbed, rails: list[int], seconds: int, mptcp: bool = False) -> float:
-    """Summed goodput of one iperf3 stream per listed rail, all at once (b -> a).
+def iperf3_each(tb: Testbed, rails: list[int], seconds: int, mptcp: bool = False,
+                reverse: bool = False) -> list[float]:
+    """Goodput of one iperf3 stream per listed rail, all at once, one figure per rail (b -> a;
+    a -> b with `reverse`, iperf3's -R: the direction of the engine's READ, where the target in
+    namespace a sends).
 
     With `mptcp`, there is a single connection to rail 0 (server on 0.0.0.0) and the kernel
     adds the other rails as subflows."""
     wrap = ["mptcpize", "run"] if mptcp else []
+    rev = ["-R"] if reverse else []
     servers = Servers()
     try:
         clients = []
@@ -161,16 +165,21 @@ def iperf3_rails(tb: Testbed, rails: list[int], seconds: int, mptcp: bool = Fals
             wait_listening(tb, port, srv)
             client_bind = [] if mptcp else ["-B", b]
             clients.append(servers.start(tb.exec_argv("b", [*wrap, "iperf3", "-c", a, "-p", str(port), *client_bind,
-                                                            "-t", str(seconds), "-J"]), stdout=subprocess.PIPE))
-        total = 0.0
+                                                            "-t", str(seconds), "-J", *rev]), stdout=subprocess.PIPE))
+        each = []
         for c in clients:
             out, err = c.communicate(timeout=seconds + SLACK_S)
             if c.returncode != 0:
                 raise RuntimeError(f"iperf3 client failed ({c.returncode}): {(err or out)[-400:]}")
-            total += _iperf3_received_bps(out)
-        return total
+            each.append(_iperf3_received_bps(out))
+        return each
     finally:
         servers.stop()
+
+
+def iperf3_rails(tb: Testbed, rails: list[int], seconds: int, mptcp: bool = False) -> float:
+    """Summed goodput of one iperf3 stream per listed rail, all at once (b -> a)."""
+    return sum(iperf3_each(tb, rails, seconds, mptcp))
 
 
 def mptcp_setup(tb: Testbed) -> None:

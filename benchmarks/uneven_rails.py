@@ -10,9 +10,16 @@ On one testbed (brought up here unless one with the same spec is up, and then le
    (namespace b) over every rail, ``--iters`` timed 64 MiB transfers and **no warm-up**, so every
    run starts with fresh weights and its first transfer includes the convergence (the planner
    must converge within the first ~100 MiB). Per run: Gbps, % of the capacity, and the
-   engine's byte split between the rails against the capacities' split.
+   engine's byte split between the rails against the capacities' split;
+3. around every run (``--adjacent-time`` s, 0 to skip), an **adjacent reference**: one iperf3
+   stream per rail, all rails at once, in the run's direction (``-R`` for READ, where the target
+   sends), right before and right after it. The mean of the two is what the host delivered in
+   those seconds, so a run that misses the capacity while its adjacent reference drops as much
+   was a slow stretch of the host, and one that misses while the reference holds is the
+   engine's. Each rail's NIC rate during the run is set against that rail's adjacent rate.
 
-The verdict: every run >= 97% of the capacity (``--floor``). ``--json FILE`` writes everything.
+The verdict: every run >= 97% of the capacity (``--floor``); the adjacent ratio is reported
+beside it and does not change the exit status. ``--json FILE`` writes everything.
 Every server is started by the script, bounded in time and killed by PID (compare_rails.py's
 helpers).
 """
@@ -26,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +72,72 @@ def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
             servers.stop()
 
 
+@dataclass
+class Ref:
+    """One adjacent reference: iperf3 per rail, all at once, in one direction."""
+    op: str
+    bps: list[float]
+
+
+def adjacent(before: Ref | None, after: Ref | None) -> list[float] | None:
+    """The per-rail mean of the references measured right before and right after a run (either
+    alone where the other is missing; None where neither was measured)."""
+    refs = [r.bps for r in (before, after) if r is not None]
+    if not refs:
+        return None
+    return [sum(xs) / len(refs) for xs in zip(*refs)]
+
+
+def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
+              adj: dict[str, list[list[float] | None]], floor: float) -> tuple[list[str], dict[str, Any], bool]:
+    """The report: a table per op (one line per run), its verdict, and the JSON `runs`.
+
+    `rows[op][k]` is run k's 64 MiB row of `multirail bench initiator`; `cap` each rail's capacity
+    (alone, mean of before/after the runs); `adj[op][k]` run k's adjacent per-rail reference."""
+    total = sum(cap)
+    want = [c / total for c in cap]
+    lines: list[str] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
+    ok = True
+    for op, rs in rows.items():
+        lines += ["| {op} run | Gbps | % of capacity | % of adjacent iperf3 | engine split | capacity split "
+                  "| NIC / adjacent per rail | transfer ms min / p50 / max |".format(op=op),
+                  "|---|---|---|---|---|---|---|---|"]
+        pcts, adj_pcts = [], []
+        for k, r in enumerate(rs):
+            pct = 100.0 * r["gbps"] * 1e9 / total
+            pcts.append(pct)
+            eb = [e["bytes"] for e in r["engine_rails"]]
+            split = [b / max(1, sum(eb)) for b in eb]
+            # Whether a slow run was slow in every transfer (a split or an estimate off from the
+            # start) or in a few (a stretch of the host, a late convergence): the spread says.
+            lat_ms = [r[key] / 1e3 for key in ("lat_min_us", "lat_p50_us", "lat_max_us")]
+            # per rail, from the NIC counters of namespace b (what the wire carried)
+            nic = [x["gbps"] for x in r.get("rails", [])]
+            ref = adj.get(op, [])[k] if k < len(adj.get(op, [])) else None
+            adj_pct = 100.0 * r["gbps"] * 1e9 / sum(ref) if ref else None
+            if adj_pct is not None:
+                adj_pcts.append(adj_pct)
+            per_rail = [100.0 * g * 1e9 / b for g, b in zip(nic, ref)] if ref and len(nic) == len(ref) else None
+            lines.append(
+                f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {'-' if adj_pct is None else f'{adj_pct:.1f}%'} | "
+                f"{':'.join(f'{x:.3f}' for x in split)} | {':'.join(f'{w:.3f}' for w in want)} | "
+                f"{'-' if per_rail is None else ' '.join(f'{x:.0f}%' for x in per_rail)} | "
+                f"{' / '.join(f'{x:.1f}' for x in lat_ms)} |")
+            runs.setdefault(op, []).append({
+                "gbps": r["gbps"], "pct": pct, "split": split, "lat_ms": lat_ms, "nic_gbps": nic,
+                "adjacent_bps": ref, "pct_of_adjacent": adj_pct, "nic_pct_of_adjacent": per_rail})
+        met = min(pcts) >= floor
+        ok &= met
+        lines += ["", f"{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "
+                  f"of capacity (floor {floor}%: {'met' if met else 'NOT met'})"]
+        if adj_pcts:
+            lines.append(f"{op}: of the adjacent iperf3: min {min(adj_pcts):.1f}%, median "
+                         f"{statistics.median(adj_pcts):.1f}%, max {max(adj_pcts):.1f}%")
+        lines.append("")
+    return lines, runs, ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="mruneven")
@@ -77,6 +151,8 @@ def main() -> int:
     ap.add_argument("--transport", choices=("tcp", "ucx"), default="tcp",
                     help="what carries the engine's rails (default tcp; ucx needs a UCX library)")
     ap.add_argument("--time", type=int, default=3, help="iperf3 seconds per rail (default 3)")
+    ap.add_argument("--adjacent-time", type=int, default=2,
+                    help="seconds of the all-rails iperf3 right before and after each run (default 2; 0: none)")
     ap.add_argument("--floor", type=float, default=97.0)
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
@@ -87,14 +163,26 @@ def main() -> int:
     except tbm.TestbedError as e:
         print(f"uneven_rails: {e}", file=sys.stderr)
         return 2
-    results: dict[str, Any] = {"rates": a.rates, "transport": a.transport, "runs": {}}
+    results: dict[str, Any] = {"rates": a.rates, "transport": a.transport}
+    ops = a.ops.split(",")
     try:
         rails = list(range(tb.n_rails))
         cap0 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
-        rows: dict[str, list[dict[str, Any]]] = {op: [] for op in a.ops.split(",")}
+        rows: dict[str, list[dict[str, Any]]] = {op: [] for op in ops}
+        adj: dict[str, list[list[float] | None]] = {op: [] for op in ops}
+        last: Ref | None = None  # the latest adjacent reference, reused when it is the same op's
+
+        def reference(op: str) -> Ref | None:
+            if a.adjacent_time <= 0:
+                return None
+            return Ref(op, cr.iperf3_each(tb, rails, a.adjacent_time, reverse=op == "READ"))
+
         for k in range(a.runs):
-            for op in rows:
+            for op in ops:
+                before = last if last is not None and last.op == op else reference(op)
                 rows[op].append(engine_run(tb, op, a.iters, 300, a.warmup, a.transport))
+                last = reference(op)
+                adj[op].append(adjacent(before, last))
                 r = rows[op][-1]
                 print(f"run {k + 1}/{a.runs} {op}: {r['gbps']:.3f} Gbps", file=sys.stderr, flush=True)
         cap1 = [cr.iperf3_rails(tb, [i], a.time) for i in rails]
@@ -102,35 +190,16 @@ def main() -> int:
         if action != "unchanged":
             tb.down()
     cap = [(x + y) / 2 for x, y in zip(cap0, cap1)]
-    total = sum(cap)
-    want = [c / total for c in cap]
     print(f"\n{tb.n_rails} rails ({a.rates}); per-rail iperf3 (mean of before/after): "
-          f"{', '.join(f'{c / 1e9:.3f}' for c in cap)} Gbps = {total / 1e9:.3f} Gbps; "
+          f"{', '.join(f'{c / 1e9:.3f}' for c in cap)} Gbps = {sum(cap) / 1e9:.3f} Gbps; "
           f"{a.runs} fresh {a.transport} engines x {a.iters} x 64 MiB, "
-          f"{f'{a.warmup} warm-up' if a.warmup else 'no warm-up'}\n")
-    ok = True
-    for op, rs in rows.items():
-        print(f"| {op} run | Gbps | % of capacity | engine split | capacity split | transfer ms min / p50 / max |")
-        print("|---|---|---|---|---|---|")
-        pcts = []
-        for k, r in enumerate(rs):
-            pct = 100.0 * r["gbps"] * 1e9 / total
-            pcts.append(pct)
-            eb = [e["bytes"] for e in r["engine_rails"]]
-            split = [b / max(1, sum(eb)) for b in eb]
-            # Whether a slow run was slow in every transfer (a split or an estimate off from the
-            # start) or in a few (a stretch of the host, a late convergence): the spread says.
-            lat_ms = [r[k] / 1e3 for k in ("lat_min_us", "lat_p50_us", "lat_max_us")]
-            print(f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {':'.join(f'{s:.3f}' for s in split)} | "
-                  f"{':'.join(f'{w:.3f}' for w in want)} | {' / '.join(f'{x:.1f}' for x in lat_ms)} |")
-            results["runs"].setdefault(op, []).append({
-                "gbps": r["gbps"], "pct": pct, "split": split, "lat_ms": lat_ms,
-                # per rail, from the NIC counters of namespace b (what the wire carried)
-                "nic_gbps": [x["gbps"] for x in r.get("rails", [])]})
-        ok &= min(pcts) >= a.floor
-        print(f"\n{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "
-              f"(floor {a.floor}%: {'met' if min(pcts) >= a.floor else 'NOT met'})\n")
-    results |= {"capacity_bps": cap, "capacity_before_bps": cap0, "capacity_after_bps": cap1, "ok": ok}
+          f"{f'{a.warmup} warm-up' if a.warmup else 'no warm-up'}"
+          + (f"; adjacent reference: {a.adjacent_time} s of iperf3 on all rails before and after each run"
+             if a.adjacent_time > 0 else "") + "\n")
+    lines, runs, ok = summarize(rows, cap, adj, a.floor)
+    print("\n".join(lines))
+    results |= {"runs": runs, "capacity_bps": cap, "capacity_before_bps": cap0, "capacity_after_bps": cap1,
+                "adjacent_time_s": a.adjacent_time, "ok": ok}
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0 if ok else 1
