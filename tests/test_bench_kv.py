@@ -259,7 +259,7 @@ def test_cli_usage_errors(args: list[str], needle: str) -> None:
 
 
 @pytest.mark.parametrize("extra,rounds", [
-    ([], 10),                                           # DRAM, concurrency 1: a segment per request
+    ([], 20),                                           # DRAM, concurrency 1: a segment per request (20 by default)
     (["--requests", "12", "--concurrency", "4"], 3),    # segments of `concurrency` requests
     (["--requests", "3", "--concurrency", "8"], 1),
     (["--target-seg-type", "VRAM"], 1),                 # staging is measured per workload phase

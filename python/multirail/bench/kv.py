@@ -118,7 +118,9 @@ def add_parser(sub: Any, add_engine_opts: Callable[[argparse.ArgumentParser], No
     w.add_argument("--isl", type=int, required=True, metavar="TOKENS", help="input sequence length per request")
     w.add_argument("--page-tokens", type=int, default=16, help="tokens per page (default 16)")
     w.add_argument("--tp", type=int, default=1, help="tensor parallelism: the bench moves one rank's share (default 1)")
-    w.add_argument("--requests", type=int, default=10, help="timed requests per workload (default 10)")
+    w.add_argument("--requests", type=int, default=20,
+                   help="timed requests per workload (default 20: at 10, random 10-request halves of one "
+                        "loopback run gave a ratio below 0.85 in 3.5%% of splits; docs/bench-kv.md)")
     w.add_argument("--warmup-requests", type=int, default=1, help="untimed requests per workload first (default 1)")
     w.add_argument("--rounds", type=int, default=None,
                    help="split each workload's timed requests into this many segments, alternating contiguous "
