@@ -46,6 +46,34 @@ _spec.loader.exec_module(cr)
 tbm = cr.tbm
 
 
+# TCP counters that say whether a slow transfer was loss recovery on a shaped rail (the
+# namespaces carry nothing but this script's traffic), and the host's CPU time (the engine's
+# included: a busier host than in the other runs is load from elsewhere).
+TCP_KEYS = {"Tcp": ("RetransSegs",), "TcpExt": ("TCPTimeouts", "TCPLossProbes")}
+
+
+def tcp_counters(tb: Any) -> dict[str, int]:
+    """RetransSegs, TCPTimeouts and TCPLossProbes of namespaces a and b, summed."""
+    out = {k: 0 for ks in TCP_KEYS.values() for k in ks}
+    for side in ("a", "b"):
+        cp = cr.run(tb.exec_argv(side, ["cat", "/proc/net/snmp", "/proc/net/netstat"]), 10)
+        lines = cp.stdout.splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            group, _, names = names.partition(": ")
+            for k, v in zip(names.split(), values.partition(": ")[2].split()):
+                if k in TCP_KEYS.get(group, ()):
+                    out[k] += int(v)
+    return out
+
+
+def host_cpu() -> tuple[int, int, int]:
+    """(busy, steal, total) clock ticks of the whole host so far (/proc/stat: idle and iowait are
+    not busy; steal is time the hypervisor gave to someone else)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks) - ticks[3] - ticks[4], ticks[7], sum(ticks)
+
+
 def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
                transport: str = "tcp") -> dict[str, Any]:
     """One fresh target + initiator pair: the 64 MiB row of `multirail bench initiator`."""
@@ -61,13 +89,19 @@ def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
                                                       "--duration", str(int(timeout_s)), "--idle-timeout", "60", *tr]),
                                    stdout=subprocess.PIPE)
             cr.wait_listening(tb, cr.MR_PORT, target)
+            tcp0, cpu0 = tcp_counters(tb), host_cpu()
             cp = cr.run(tb.exec_argv("b", [*mr, "initiator", "--connect", listen, "--rails", b_addrs, "--op", op,
                                            "--start-block-size", "64MiB", "--max-block-size", "64MiB",
                                            "--num-iter", str(iters), "--warmup-iter", str(warmup), "--json", str(out_json), *tr]),
                         timeout=timeout_s, check=False)
             if cp.returncode != 0:
                 raise RuntimeError(f"multirail bench initiator failed ({cp.returncode}): {cp.stderr.strip()[-400:]}")
-            return json.loads(out_json.read_text())["rows"][0]
+            tcp1, cpu1 = tcp_counters(tb), host_cpu()
+            row = json.loads(out_json.read_text())["rows"][0]
+            row["tcp"] = {k: tcp1[k] - tcp0[k] for k in tcp0}
+            row["host_busy_pct"], row["host_steal_pct"] = (100.0 * (cpu1[j] - cpu0[j]) / max(1, cpu1[2] - cpu0[2])
+                                                           for j in (0, 1))
+            return row
         finally:
             servers.stop()
 
@@ -101,8 +135,8 @@ def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
     ok = True
     for op, rs in rows.items():
         lines += ["| {op} run | Gbps | % of capacity | % of adjacent iperf3 | engine split | capacity split "
-                  "| NIC / adjacent per rail | transfer ms min / p50 / max |".format(op=op),
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| NIC / adjacent per rail | transfer ms min / p50 / max | retrans / RTOs / TLPs | host CPU busy |".format(op=op),
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         pcts, adj_pcts = [], []
         for k, r in enumerate(rs):
             pct = 100.0 * r["gbps"] * 1e9 / total
@@ -119,14 +153,20 @@ def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
             if adj_pct is not None:
                 adj_pcts.append(adj_pct)
             per_rail = [100.0 * g * 1e9 / b for g, b in zip(nic, ref)] if ref and len(nic) == len(ref) else None
+            # Loss recovery on the rails (both namespaces, the whole engine run) and how busy the
+            # host's CPUs were meanwhile: a slow run with neither was the engine's own.
+            tcp, busy = r.get("tcp", {}), r.get("host_busy_pct")
             lines.append(
                 f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {'-' if adj_pct is None else f'{adj_pct:.1f}%'} | "
                 f"{':'.join(f'{x:.3f}' for x in split)} | {':'.join(f'{w:.3f}' for w in want)} | "
                 f"{'-' if per_rail is None else ' '.join(f'{x:.0f}%' for x in per_rail)} | "
-                f"{' / '.join(f'{x:.1f}' for x in lat_ms)} |")
+                f"{' / '.join(f'{x:.1f}' for x in lat_ms)} | "
+                f"{' / '.join(str(tcp.get(key, '-')) for key in ('RetransSegs', 'TCPTimeouts', 'TCPLossProbes'))} | "
+                f"{'-' if busy is None else f'{busy:.0f}%'} |")
             runs.setdefault(op, []).append({
                 "gbps": r["gbps"], "pct": pct, "split": split, "lat_ms": lat_ms, "nic_gbps": nic,
-                "adjacent_bps": ref, "pct_of_adjacent": adj_pct, "nic_pct_of_adjacent": per_rail})
+                "adjacent_bps": ref, "pct_of_adjacent": adj_pct, "nic_pct_of_adjacent": per_rail,
+                "tcp": tcp, "host_busy_pct": busy, "host_steal_pct": r.get("host_steal_pct")})
         met = min(pcts) >= floor
         ok &= met
         lines += ["", f"{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "

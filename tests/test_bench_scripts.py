@@ -57,7 +57,9 @@ def test_adjacent_reference_is_the_mean_of_what_was_measured():
 def test_summary_sets_each_run_against_its_own_adjacent_reference():
     m = _uneven()
     cap = [2.0e9, 1.0e9]
-    rows = {"READ": [_row(2.97, [2 << 30, 1 << 30], [1.98, 0.99], (180, 181, 190)),
+    first = _row(2.97, [2 << 30, 1 << 30], [1.98, 0.99], (180, 181, 190))
+    first |= {"tcp": {"RetransSegs": 12, "TCPTimeouts": 0, "TCPLossProbes": 3}, "host_busy_pct": 55.0}
+    rows = {"READ": [first,
                      # a slow run in a slow stretch: 2.70 of 3.0 capacity, but of 2.75 adjacent
                      _row(2.70, [2 << 30, 1 << 30], [1.80, 0.90], (180, 200, 260))],
             "WRITE": [_row(2.95, [3, 1], [2.0, 0.95], (181, 182, 183))]}
@@ -77,7 +79,10 @@ def test_summary_sets_each_run_against_its_own_adjacent_reference():
     assert "READ: of the adjacent iperf3: min 98.2%" in text
     assert "WRITE: min 98.3%" in text and "(floor 97.0%: met)" in text
     assert "WRITE: of the adjacent" not in text
-    assert "| 2 | 2.700 | 90.0% | 98.2% | 0.667:0.333 | 0.667:0.333 | 97% 100% | 180.0 / 200.0 / 260.0 |" in text
+    assert "| 1 | 2.970 | 99.0% | 99.0% | 0.667:0.333 | 0.667:0.333 | 99% 99% | 180.0 / 181.0 / 190.0 | 12 / 0 / 3 | 55% |" in text
+    assert r0["tcp"]["RetransSegs"] == 12 and r0["host_busy_pct"] == 55.0
+    # counters not taken: a dash, not a zero
+    assert "| 2 | 2.700 | 90.0% | 98.2% | 0.667:0.333 | 0.667:0.333 | 97% 100% | 180.0 / 200.0 / 260.0 | - / - / - | - |" in text
 
 
 def _netns_reason() -> str | None:
@@ -113,6 +118,8 @@ def test_uneven_rails_measures_every_column(tmp_path: Path):
             assert r["pct_of_adjacent"] > 0 and len(r["nic_pct_of_adjacent"]) == 2
             assert len(r["nic_gbps"]) == 2 and all(g > 0 for g in r["nic_gbps"]), r  # both rails carried bytes
             assert r["lat_ms"][0] <= r["lat_ms"][1] <= r["lat_ms"][2]
+            assert set(r["tcp"]) == {"RetransSegs", "TCPTimeouts", "TCPLossProbes"} and all(v >= 0 for v in r["tcp"].values())
+            assert 0 < r["host_busy_pct"] <= 100 and 0 <= r["host_steal_pct"] <= 100
     assert "| READ run | Gbps | % of capacity | % of adjacent iperf3 |" in cp.stdout
     assert "READ: of the adjacent iperf3: min" in cp.stdout
     assert Testbed.load(name) is None  # the script removed the testbed it created
