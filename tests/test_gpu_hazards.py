@@ -118,6 +118,43 @@ def test_an_ipc_write_is_ordered_after_the_producers_stream() -> None:
         tgt.close()
 
 
+def test_a_post_behind_one_waiting_for_its_stream_waits_too() -> None:
+    """Posting order holds across a stream wait (docs/gpu.md): WRITE A's producer is still
+    queued on its stream when A is posted, so A waits for it off the caller's thread; WRITE B,
+    from host memory (nothing to wait for), is posted to the same peer right after. B queues
+    behind A: the target holds A's notification before B's, and both land byte-exact. An
+    engine that let B overtake A would deliver "b" first (A waits 0.4 s, B takes ~1 ms)."""
+    import hashlib
+
+    half = MiB + 3
+    n = 2 * half
+    tgt = _Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+    try:
+        src = DeviceBuffer(half, kind=SI)
+        host_src = pattern(half, 33)
+        i.register_memory(src)
+        i.register_memory(host_src)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        a = i.initialize_xfer("WRITE", [src], i.get_xfer_descs([(tgt.addr, half, 0)], "VRAM"), "target", b"a")
+        b = i.initialize_xfer("WRITE", [host_src], i.get_xfer_descs([(tgt.addr + half, half, 0)], "VRAM"), "target", b"b")
+        new = pattern(half, 31)
+        s = produce_later(src, new)
+        try:
+            i.transfer(a, stream=s)
+            i.transfer(b)
+            for h in (b, a):
+                i.wait(h, 30)
+                i.release_xfer_handle(h)
+        finally:
+            s.close()
+        assert tgt.ask("notifs") == '{"initiator": ["a", "b"]}'
+        assert tgt.ask("digest") == hashlib.sha256(new.tobytes() + host_src.tobytes()).hexdigest()
+    finally:
+        i.close()
+        tgt.close()
+
+
 def test_streams_are_checked(pair: Any) -> None:
     t, i = pair
     remote = np.zeros(4096, np.uint8)
