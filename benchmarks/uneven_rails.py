@@ -16,7 +16,10 @@ On one testbed (brought up here unless one with the same spec is up, and then le
    sends), right before and right after it. The mean of the two is what the host delivered in
    those seconds, so a run that misses the capacity while its adjacent reference drops as much
    was a slow stretch of the host, and one that misses while the reference holds is the
-   engine's. Each rail's NIC rate during the run is set against that rail's adjacent rate.
+   engine's. Each rail's NIC rate during the run is set against that rail's adjacent rate;
+4. per run, the TCP retransmissions, RTOs and tail-loss probes of both namespaces and the host's
+   busy and steal CPU over the engine run: whether a slow transfer was loss recovery on a shaped
+   rail or a busier host.
 
 The verdict: every run >= 97% of the capacity (``--floor``); the adjacent ratio is reported
 beside it and does not change the exit status. ``--json FILE`` writes everything.
@@ -154,7 +157,7 @@ def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
                 adj_pcts.append(adj_pct)
             per_rail = [100.0 * g * 1e9 / b for g, b in zip(nic, ref)] if ref and len(nic) == len(ref) else None
             # Loss recovery on the rails (both namespaces, the whole engine run) and how busy the
-            # host's CPUs were meanwhile: a slow run with neither was the engine's own.
+            # host's CPUs were meanwhile: a slow run with neither points at the engine.
             tcp, busy = r.get("tcp", {}), r.get("host_busy_pct")
             lines.append(
                 f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {'-' if adj_pct is None else f'{adj_pct:.1f}%'} | "
