@@ -6,7 +6,7 @@ asserted: the CPUs are shared)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import shutil
@@ -28,14 +28,10 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "python")}
 
 
 def _uneven() -> ModuleType:
+    """benchmarks/uneven_rails.py as a module (the benchmarks are scripts, not a package)."""
     sys.path.insert(0, str(BENCH))
     try:
-        spec = importlib.util.spec_from_file_location("uneven_rails", BENCH / "uneven_rails.py")
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["uneven_rails"] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-        return mod
+        return importlib.import_module("uneven_rails")
     finally:
         sys.path.remove(str(BENCH))
 
