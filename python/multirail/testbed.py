@@ -391,9 +391,7 @@ class Testbed:
         """Set one end of a rail administratively down or up (for failover tests).
 
         Bringing it back up also restores the rail's policy routes, which the kernel flushes
-        when a device goes down, and flushes both ends' neighbour entries: an ARP entry left
-        INCOMPLETE or FAILED by traffic sent while the rail was down would otherwise hold new
-        packets until its next probe timer (up to a second), so the rail would come back late."""
+        when a device goes down."""
         require_root()
         r = self._rail(rail)
         _run(["ip", "-n", self.ns(side), "link", "set", "dev", r.devs[side], "up" if up else "down"])
@@ -402,9 +400,6 @@ class Testbed:
                 _run(["ip", "-n", self.ns(s), "route", "replace", r.subnet, "dev", r.devs[s],
                       "src", r.addrs[s], "table", str(r.table)])
         self._wait_operstate([r], up)
-        if up:
-            for s in SIDES:
-                _run(["ip", "-n", self.ns(s), "neigh", "flush", "dev", r.devs[s]], check=False)
 
     def set_blackhole(self, rail: int, on: bool, side: str = "a") -> None:
         """Silently drop everything `side` sends to the other side's address on this rail (an
