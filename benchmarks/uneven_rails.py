@@ -19,7 +19,10 @@ On one testbed (brought up here unless one with the same spec is up, and then le
    engine's. Each rail's NIC rate during the run is set against that rail's adjacent rate;
 4. per run, the TCP retransmissions, RTOs and tail-loss probes of both namespaces and the host's
    busy and steal CPU over the engine run: whether a slow transfer was loss recovery on a shaped
-   rail or a busier host.
+   rail or a busier host;
+5. per run, the slowest transfer's trace (``bench initiator --trace``): when each rail's last
+   chunk completed, and how far apart the rails finished against the run's median spread. All
+   rails late together is the host; one rail late is a share or a rate estimate that was off.
 
 The verdict: every run >= 97% of the capacity (``--floor``); the adjacent ratio is reported
 beside it and does not change the exit status. ``--json FILE`` writes everything.
@@ -95,7 +98,8 @@ def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
             tcp0, cpu0 = tcp_counters(tb), host_cpu()
             cp = cr.run(tb.exec_argv("b", [*mr, "initiator", "--connect", listen, "--rails", b_addrs, "--op", op,
                                            "--start-block-size", "64MiB", "--max-block-size", "64MiB",
-                                           "--num-iter", str(iters), "--warmup-iter", str(warmup), "--json", str(out_json), *tr]),
+                                           "--num-iter", str(iters), "--warmup-iter", str(warmup), "--json", str(out_json),
+                                           "--trace", *tr]),
                         timeout=timeout_s, check=False)
             if cp.returncode != 0:
                 raise RuntimeError(f"multirail bench initiator failed ({cp.returncode}): {cp.stderr.strip()[-400:]}")
@@ -107,6 +111,32 @@ def engine_run(tb: Any, op: str, iters: int, timeout_s: float, warmup: int = 0,
             return row
         finally:
             servers.stop()
+
+
+def slowest(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's slowest timed transfer from its trace (`bench initiator --trace`): its time, and
+    per rail its bytes, when its last chunk completed and the planner's rate estimate at the post;
+    `start_ms` is when the last rail to start was handed its first chunk (a late start delays
+    every rail alike); `spread_ms` is how far apart the rails finished (the latest less the earliest rail that
+    carried bytes). A slow transfer whose rails all finished late was a slow stretch of the
+    host; one whose single rail finished late had a share or a rate estimate that was off.
+    `median_spread_ms` is the same spread over all the run's transfers, for comparison."""
+    traces = [t for t in row.get("traces") or [] if t.get("rails")]
+    if not traces:
+        return None
+
+    def spread(t: dict[str, Any]) -> float:
+        done = [x["last_done_us"] for x in t["rails"] if x["bytes"] and x["last_done_us"] is not None]
+        return (max(done) - min(done)) / 1e3 if done else 0.0
+
+    t = max(traces, key=lambda t: t["lat_us"])
+    starts = [x["first_issue_us"] for x in t["rails"] if x["first_issue_us"] is not None]
+    return {"lat_ms": t["lat_us"] / 1e3, "spread_ms": spread(t),
+            "start_ms": max(starts) / 1e3 if starts else None,
+            "median_spread_ms": statistics.median(spread(x) for x in traces),
+            "rails": [{"bytes": x["bytes"],
+                       "last_done_ms": None if x["last_done_us"] is None else x["last_done_us"] / 1e3,
+                       "rate_gbps_at_post": x["rate_gbps_at_post"]} for x in t["rails"]]}
 
 
 @dataclass
@@ -138,8 +168,10 @@ def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
     ok = True
     for op, rs in rows.items():
         lines += ["| {op} run | Gbps | % of capacity | % of adjacent iperf3 | engine split | capacity split "
-                  "| NIC / adjacent per rail | transfer ms min / p50 / max | retrans / RTOs / TLPs | host CPU busy |".format(op=op),
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| NIC / adjacent per rail | transfer ms min / p50 / max | slowest: rails done at ms (its last rail's start; "
+                  "spread; median spread) "
+                  "| retrans / RTOs / TLPs | host CPU busy |".format(op=op),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         pcts, adj_pcts = [], []
         for k, r in enumerate(rs):
             pct = 100.0 * r["gbps"] * 1e9 / total
@@ -159,17 +191,23 @@ def summarize(rows: dict[str, list[dict[str, Any]]], cap: list[float],
             # Loss recovery on the rails (both namespaces, the whole engine run) and how busy the
             # host's CPUs were meanwhile: a slow run with neither points at the engine.
             tcp, busy = r.get("tcp", {}), r.get("host_busy_pct")
+            slow = slowest(r)
+            slow_txt = "-" if slow is None else (
+                " / ".join("-" if x["last_done_ms"] is None else f"{x['last_done_ms']:.0f}" for x in slow["rails"])
+                + f" (start {slow['start_ms']:.1f}; spread {slow['spread_ms']:.1f}; median "
+                f"{slow['median_spread_ms']:.1f})")
             lines.append(
                 f"| {k + 1} | {r['gbps']:.3f} | {pct:.1f}% | {'-' if adj_pct is None else f'{adj_pct:.1f}%'} | "
                 f"{':'.join(f'{x:.3f}' for x in split)} | {':'.join(f'{w:.3f}' for w in want)} | "
                 f"{'-' if per_rail is None else ' '.join(f'{x:.0f}%' for x in per_rail)} | "
-                f"{' / '.join(f'{x:.1f}' for x in lat_ms)} | "
+                f"{' / '.join(f'{x:.1f}' for x in lat_ms)} | {slow_txt} | "
                 f"{' / '.join(str(tcp.get(key, '-')) for key in ('RetransSegs', 'TCPTimeouts', 'TCPLossProbes'))} | "
                 f"{'-' if busy is None else f'{busy:.0f}%'} |")
             runs.setdefault(op, []).append({
                 "gbps": r["gbps"], "pct": pct, "split": split, "lat_ms": lat_ms, "nic_gbps": nic,
                 "adjacent_bps": ref, "pct_of_adjacent": adj_pct, "nic_pct_of_adjacent": per_rail,
-                "tcp": tcp, "host_busy_pct": busy, "host_steal_pct": r.get("host_steal_pct")})
+                "tcp": tcp, "host_busy_pct": busy, "host_steal_pct": r.get("host_steal_pct"),
+                "slowest": slow})
         met = min(pcts) >= floor
         ok &= met
         lines += ["", f"{op}: min {min(pcts):.1f}%, median {statistics.median(pcts):.1f}%, max {max(pcts):.1f}% "

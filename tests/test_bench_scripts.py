@@ -55,6 +55,17 @@ def test_summary_sets_each_run_against_its_own_adjacent_reference():
     cap = [2.0e9, 1.0e9]
     first = _row(2.97, [2 << 30, 1 << 30], [1.98, 0.99], (180, 181, 190))
     first |= {"tcp": {"RetransSegs": 12, "TCPTimeouts": 0, "TCPLossProbes": 3}, "host_busy_pct": 55.0}
+
+    def trace(lat_ms: float, done_ms: list[float | None], start_ms: float = 0.0) -> dict[str, Any]:
+        return {"lat_us": lat_ms * 1e3, "total_us": max(d or 0 for d in done_ms) * 1e3,
+                "rails": [{"bytes": 0 if d is None else 1, "chunks": 0 if d is None else 1,
+                           "first_issue_us": None if d is None else start_ms * 1e3,
+                           "last_done_us": None if d is None else d * 1e3, "rate_gbps_at_post": 2.0 - k}
+                          for k, d in enumerate(done_ms)]}
+    # the slowest transfer (190 ms): one rail 9 ms behind the other, where the others' rails
+    # finished 1 ms apart; a rail that carried nothing does not count in the spread
+    first["traces"] = [trace(181, [180, 179]), trace(190, [180, 189], start_ms=0.5), trace(180, [179, 178]),
+                       trace(182, [181, None])]
     rows = {"READ": [first,
                      # a slow run in a slow stretch: 2.70 of 3.0 capacity, but of 2.75 adjacent
                      _row(2.70, [2 << 30, 1 << 30], [1.80, 0.90], (180, 200, 260))],
@@ -75,10 +86,14 @@ def test_summary_sets_each_run_against_its_own_adjacent_reference():
     assert "READ: of the adjacent iperf3: min 98.2%" in text
     assert "WRITE: min 98.3%" in text and "(floor 97.0%: met)" in text
     assert "WRITE: of the adjacent" not in text
-    assert "| 1 | 2.970 | 99.0% | 99.0% | 0.667:0.333 | 0.667:0.333 | 99% 99% | 180.0 / 181.0 / 190.0 | 12 / 0 / 3 | 55% |" in text
+    assert "| 1 | 2.970 | 99.0% | 99.0% | 0.667:0.333 | 0.667:0.333 | 99% 99% | 180.0 / 181.0 / 190.0 | 180 / 189 (start 0.5; spread 9.0; median 1.0) | 12 / 0 / 3 | 55% |" in text
     assert r0["tcp"]["RetransSegs"] == 12 and r0["host_busy_pct"] == 55.0
+    assert r0["slowest"] == {"lat_ms": 190, "spread_ms": 9, "start_ms": 0.5, "median_spread_ms": 1,
+                             "rails": [{"bytes": 1, "last_done_ms": 180, "rate_gbps_at_post": 2.0},
+                                       {"bytes": 1, "last_done_ms": 189, "rate_gbps_at_post": 1.0}]}
+    assert r1["slowest"] is None  # no trace: a dash
     # counters not taken: a dash, not a zero
-    assert "| 2 | 2.700 | 90.0% | 98.2% | 0.667:0.333 | 0.667:0.333 | 97% 100% | 180.0 / 200.0 / 260.0 | - / - / - | - |" in text
+    assert "| 2 | 2.700 | 90.0% | 98.2% | 0.667:0.333 | 0.667:0.333 | 97% 100% | 180.0 / 200.0 / 260.0 | - | - / - / - | - |" in text
 
 
 def _netns_reason() -> str | None:
@@ -116,6 +131,12 @@ def test_uneven_rails_measures_every_column(tmp_path: Path):
             assert r["lat_ms"][0] <= r["lat_ms"][1] <= r["lat_ms"][2]
             assert set(r["tcp"]) == {"RetransSegs", "TCPTimeouts", "TCPLossProbes"} and all(v >= 0 for v in r["tcp"].values())
             assert 0 < r["host_busy_pct"] <= 100 and 0 <= r["host_steal_pct"] <= 100
+            # the slowest of the run's transfers, traced: both rails carried bytes and finished
+            slow = r["slowest"]
+            assert slow["lat_ms"] == pytest.approx(r["lat_ms"][2], rel=1e-6), (slow, r["lat_ms"])
+            assert [x["bytes"] > 0 for x in slow["rails"]] == [True, True], slow
+            assert all(0 < x["last_done_ms"] <= slow["lat_ms"] for x in slow["rails"]), slow
+            assert 0 <= slow["start_ms"] < slow["lat_ms"] and slow["spread_ms"] >= 0, slow
     assert "| READ run | Gbps | % of capacity | % of adjacent iperf3 |" in cp.stdout
     assert "READ: of the adjacent iperf3: min" in cp.stdout
     assert Testbed.load(name) is None  # the script removed the testbed it created

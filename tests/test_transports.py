@@ -245,6 +245,44 @@ def test_rail_stats_name_the_transport(pair: Any) -> None:
     assert sum(s["bytes_read"] for s in stats) == MiB
 
 
+@pytest.mark.parametrize("tr", TRANSPORTS)
+def test_a_transfers_trace_says_what_each_rail_did(tr: str) -> None:
+    """`XferHandle.trace()`: per rail, the bytes and chunks of the last post, its first issue
+    and last completion, and the planner's rate estimates; reset by each post."""
+    import multirail
+
+    cfg = {**agent_cfg(tr), "rails": LOOP2}
+    with multirail.Agent("target", cfg) as t, \
+            multirail.Agent("initiator", {**cfg, "timeout": 10.0, "stall_timeout": 2.0}) as i:
+        n = 32 * MiB
+        remote, local = pattern(n, 7), np.zeros(n, np.uint8)
+        connect(t, i, remote, local)
+        h = i.initialize_xfer("READ", [local], [remote], "target")
+        assert h.trace() is None  # never posted
+        for post in range(2):
+            t0 = time.perf_counter()
+            i.transfer(h)
+            i.wait(h, 30)
+            wall_us = (time.perf_counter() - t0) * 1e6
+            assert np.array_equal(local, remote)
+            tr_ = h.trace()
+            assert tr_ is not None
+            rails = tr_["rails"]
+            assert len(rails) == 2, tr_
+            # each post's own bytes (reset by the post, not summed over posts)
+            assert sum(r["bytes"] for r in rails) == n, (post, tr_)
+            assert 0 < tr_["total_us"] <= wall_us, (tr_, wall_us)
+            for r in rails:
+                if r["bytes"]:
+                    assert r["chunks"] >= 1, tr_
+                    assert 0 <= r["first_issue_us"] <= r["last_done_us"] <= tr_["total_us"], tr_
+                    assert r["rate_gbps_at_end"] > 0, tr_
+            # the transfer ends with its latest rail's last chunk
+            assert 0 < max(r["last_done_us"] for r in rails if r["bytes"]) <= tr_["total_us"], tr_
+        # the second post started with the estimates the first one left
+        assert [r["rate_gbps_at_post"] for r in h.trace()["rails"]] != [0.0, 0.0]
+
+
 def test_close_mid_transfer_then_memory_is_left_alone(pair: Any) -> None:
     """close() with a large READ in flight: the transfer ends in error, and once close() has
     returned no byte of the destination changes any more."""

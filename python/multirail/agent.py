@@ -568,6 +568,17 @@ class XferHandle:
     def total_bytes(self) -> int:
         return self._h.total_bytes
 
+    def trace(self) -> dict[str, Any] | None:
+        """What each rail did for the last post, or None (never posted, or posted by CUDA IPC).
+
+        ``{"total_us": post to last completion (None while running or after a failure),
+        "rails": [per rail index: {"bytes", "chunks", "first_issue_us", "last_done_us",
+        "rate_gbps_at_post", "rate_gbps_at_end"}]}``; times are since the post, rates the
+        planner's estimates. Of a slow transfer it says whether one rail finished late (its share
+        or its rate estimate was off) or all of them did (docs/observability.md)."""
+        t: dict[str, Any] | None = self._h.trace()
+        return t
+
     def __repr__(self) -> str:
         return f"XferHandle({self.op} {self.total_bytes} bytes with {self.peer!r})"
 

@@ -802,6 +802,11 @@ impl Planner {
         }
     }
 
+    /// The rail's rate estimate, bytes/s (0 for a rail it does not have).
+    pub fn rail_rate(&self, rail: RailId) -> f64 {
+        self.rails.get(rail).map_or(0.0, |r| r.rate)
+    }
+
     pub fn is_up(&self, rail: RailId) -> bool {
         self.rails[rail].up
     }

@@ -505,6 +505,26 @@ impl PyXfer {
     fn num_pieces(&self) -> usize {
         self.0.num_pieces()
     }
+    /// The last post's trace (`XferHandle::trace`) as a dict, or None.
+    fn trace<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(t) = self.0.trace() else { return Ok(None) };
+        let us = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e6);
+        let out = PyDict::new(py);
+        out.set_item("total_us", us(t.total))?;
+        let rails = PyList::empty(py);
+        for r in t.rails {
+            let d = PyDict::new(py);
+            d.set_item("bytes", r.bytes)?;
+            d.set_item("chunks", r.chunks)?;
+            d.set_item("first_issue_us", us(r.first_issue))?;
+            d.set_item("last_done_us", us(r.last_done))?;
+            d.set_item("rate_gbps_at_post", r.rate_at_post * 8.0 / 1e9)?;
+            d.set_item("rate_gbps_at_end", r.rate_at_end * 8.0 / 1e9)?;
+            rails.append(d)?;
+        }
+        out.set_item("rails", rails)?;
+        Ok(Some(out))
+    }
 }
 
 /// A caller's timeout in seconds (None: no limit); negative, NaN or absurd values are refused.

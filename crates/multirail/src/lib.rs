@@ -40,4 +40,4 @@ mod ucx_tests;
 pub use agent::Agent;
 pub use config::{Config, FanInWindow, RailSpec, TransportKind};
 pub use error::{Error, Result};
-pub use xfer::{Op, XferHandle, XferState};
+pub use xfer::{Op, RailTrace, XferHandle, XferState, XferTrace};

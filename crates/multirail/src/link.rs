@@ -471,9 +471,13 @@ impl Link {
     /// nothing for the rail now (or its rail window is full: a completion wakes the senders).
     pub(crate) fn next_chunk(&self, ri: usize) -> Option<(Chunk, Arc<XferShared>)> {
         let mut g = self.sched.lock().expect("sched lock");
-        let chunk = g.planner.poll_work(ri, Instant::now())?;
+        let now = Instant::now();
+        let chunk = g.planner.poll_work(ri, now)?;
         match g.xfers.get(&chunk.xfer).cloned() {
-            Some(x) => Some((chunk, x)),
+            Some(x) => {
+                x.trace.lock().expect("xfer lock").issued(ri, now);
+                Some((chunk, x))
+            }
             None => {
                 // Cannot happen: the planner only hands out chunks of transfers in `xfers`.
                 g.planner.cancel(chunk.xfer);
@@ -495,8 +499,10 @@ impl Link {
                 return None;
             }
             if room() {
-                if let Some(chunk) = g.planner.poll_work(ri, Instant::now()) {
+                let now = Instant::now();
+                if let Some(chunk) = g.planner.poll_work(ri, now) {
                     if let Some(x) = g.xfers.get(&chunk.xfer).cloned() {
+                        x.trace.lock().expect("xfer lock").issued(ri, now);
                         return Some((chunk, x));
                     }
                     g.planner.cancel(chunk.xfer);
@@ -525,7 +531,9 @@ impl Link {
                 };
                 bytes.fetch_add(len, Ordering::Relaxed);
                 chunks.fetch_add(1, Ordering::Relaxed);
-                g.planner.handle_done(chunk, now);
+                if g.planner.handle_done(chunk, now) {
+                    x.trace.lock().expect("xfer lock").landed(ri, len, now);
+                }
             }
             Err((status, msg)) => {
                 x.set_cause(Error::Remote { peer: self.peer_name.clone(), status, msg: msg.clone() });
@@ -684,7 +692,10 @@ impl Link {
         x.current.store(id.0, Ordering::Release);
         let handoff = x.handoff.load(Ordering::Acquire);
         g.xfers.insert(id, x.clone());
-        g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, Instant::now());
+        let now = Instant::now();
+        let planner = &g.planner;
+        x.trace.lock().expect("xfer lock").start(now, (0..planner.num_rails()).map(|r| planner.rail_rate(r)));
+        g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, now);
         let done = self.drain_events(&mut g);
         g.chain_wake |= handoff;
         drop(g);
@@ -735,6 +746,8 @@ impl Link {
             match ev {
                 Event::XferDone(id) => {
                     if let Some(x) = g.xfers.remove(&id) {
+                        let planner = &g.planner;
+                        x.trace.lock().expect("xfer lock").done(Instant::now(), (0..planner.num_rails()).map(|r| planner.rail_rate(r)));
                         out.push((x, Ok(())));
                     }
                 }

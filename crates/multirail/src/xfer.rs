@@ -100,6 +100,79 @@ pub(crate) trait Poster: Send + Sync {
     fn order_waiting(&self) -> &std::sync::atomic::AtomicUsize;
 }
 
+/// What each rail did for the last post of a transfer over a link ([`XferHandle::trace`]): of a
+/// slow transfer, it says whether one rail finished late (its share or its rate estimate was
+/// off) or every rail did (the host was slow). Times are since the post.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct XferTrace {
+    /// From the post to the planner's last completion (before any notification); None while the
+    /// transfer runs, or when it failed.
+    pub total: Option<Duration>,
+    /// One per rail of the link, by rail index.
+    pub rails: Vec<RailTrace>,
+}
+
+/// One rail's part in one post (see [`XferTrace`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RailTrace {
+    /// Bytes and chunks that completed on the rail (reissued chunks where they landed).
+    pub bytes: u64,
+    pub chunks: u64,
+    /// When the rail was handed its first chunk of the post, and when its last one completed.
+    pub first_issue: Option<Duration>,
+    pub last_done: Option<Duration>,
+    /// The planner's rate estimate for the rail in bytes/s, at the post and at the end.
+    pub rate_at_post: f64,
+    pub rate_at_end: f64,
+}
+
+/// A post's trace as the link records it (under its scheduler lock).
+#[derive(Debug, Default)]
+pub(crate) struct TraceRec {
+    pub posted: Option<Instant>,
+    pub trace: XferTrace,
+}
+
+impl TraceRec {
+    /// A new post at `now` over rails whose rate estimates are `rates`; reuses the allocation.
+    pub(crate) fn start(&mut self, now: Instant, rates: impl Iterator<Item = f64>) {
+        self.posted = Some(now);
+        self.trace.total = None;
+        self.trace.rails.clear();
+        self.trace.rails.extend(rates.map(|r| RailTrace { rate_at_post: r, ..RailTrace::default() }));
+    }
+
+    fn since(&self, now: Instant) -> Option<Duration> {
+        self.posted.map(|p| now.saturating_duration_since(p))
+    }
+
+    /// Rail `ri` was handed a chunk at `now`.
+    pub(crate) fn issued(&mut self, ri: usize, now: Instant) {
+        let at = self.since(now);
+        if let Some(r) = self.trace.rails.get_mut(ri) {
+            r.chunks += 1;
+            r.first_issue = r.first_issue.or(at);
+        }
+    }
+
+    /// A chunk of `len` bytes completed on rail `ri` at `now`.
+    pub(crate) fn landed(&mut self, ri: usize, len: u64, now: Instant) {
+        let at = self.since(now);
+        if let Some(r) = self.trace.rails.get_mut(ri) {
+            r.bytes += len;
+            r.last_done = at;
+        }
+    }
+
+    /// The planner's last completion, at `now`, with the rails' rate estimates then.
+    pub(crate) fn done(&mut self, now: Instant, rates: impl Iterator<Item = f64>) {
+        self.trace.total = self.since(now);
+        for (r, rate) in self.trace.rails.iter_mut().zip(rates) {
+            r.rate_at_end = rate;
+        }
+    }
+}
+
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
 pub(crate) struct IpcPlan {
     pub gpu: multirail_gpu::Gpu,
@@ -157,6 +230,8 @@ pub(crate) struct XferShared {
     /// Posted by [`XferHandle::post_handoff`]: the link's own threads send every chunk; the
     /// posting thread only queues the transfer and wakes them.
     pub(crate) handoff: std::sync::atomic::AtomicBool,
+    /// What each rail did for the current (or last) post over a link; see [`XferTrace`].
+    pub(crate) trace: Mutex<TraceRec>,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -236,6 +311,7 @@ impl XferShared {
             post_gate: Mutex::new(()),
             polled: std::sync::atomic::AtomicBool::new(false),
             handoff: std::sync::atomic::AtomicBool::new(false),
+            trace: Mutex::new(TraceRec::default()),
         })
     }
 
@@ -589,6 +665,14 @@ impl XferHandle {
         self.0.total
     }
 
+    /// What each rail did for the last post: its bytes, chunks, first issue and last completion,
+    /// and the planner's rate estimates. None for a handle never posted over a link (a CUDA IPC
+    /// transfer, or one not posted yet).
+    pub fn trace(&self) -> Option<XferTrace> {
+        let rec = self.0.trace.lock().expect("xfer lock");
+        rec.posted.map(|_| rec.trace.clone())
+    }
+
     pub fn num_pieces(&self) -> usize {
         self.0.pieces as usize
     }
@@ -608,7 +692,51 @@ impl XferHandle {
 
 #[cfg(test)]
 mod tests {
-    use super::chunks_vectored;
+    use super::{chunks_vectored, RailTrace, TraceRec};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_trace_records_each_rails_part_and_a_new_post_resets_it() {
+        let mut rec = TraceRec::default();
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        rec.start(t0, [1e9, 5e8].into_iter());
+        rec.issued(0, ms(0));
+        rec.issued(1, ms(1));
+        rec.issued(0, ms(2));
+        rec.landed(0, 100, ms(5));
+        rec.landed(1, 50, ms(7));
+        rec.landed(0, 100, ms(9));
+        rec.issued(5, ms(9)); // a rail the post does not know: ignored
+        rec.done(ms(10), [2e9, 4e8].into_iter());
+        let t = &rec.trace;
+        assert_eq!(t.total, Some(Duration::from_millis(10)));
+        assert_eq!(
+            t.rails,
+            vec![
+                RailTrace {
+                    bytes: 200,
+                    chunks: 2,
+                    first_issue: Some(Duration::ZERO),
+                    last_done: Some(Duration::from_millis(9)),
+                    rate_at_post: 1e9,
+                    rate_at_end: 2e9
+                },
+                RailTrace {
+                    bytes: 50,
+                    chunks: 1,
+                    first_issue: Some(Duration::from_millis(1)),
+                    last_done: Some(Duration::from_millis(7)),
+                    rate_at_post: 5e8,
+                    rate_at_end: 4e8
+                },
+            ]
+        );
+        // The next post starts from nothing: no total until it is done, no bytes carried over.
+        rec.start(ms(20), [2e9, 4e8].into_iter());
+        assert_eq!(rec.trace.total, None);
+        assert!(rec.trace.rails.iter().all(|r| r.bytes == 0 && r.chunks == 0 && r.last_done.is_none()));
+    }
 
     #[test]
     fn vectored_chunks_need_one_local_memory_and_a_peer_that_takes_gpu_pieces() {

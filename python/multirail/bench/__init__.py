@@ -117,6 +117,9 @@ def _add_sweep_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png",
                    help="draw throughput against block size, rails stacked, capacity line (pip install 'multirail[plot]')")
     p.add_argument("--latency-row", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace", action="store_true",
+                   help="keep every timed transfer's per-rail trace (bytes, chunks, first issue, last "
+                        "completion, rate estimates) in the JSON's rows[].traces (docs/planner.md)")
 
 
 def _add_target_opts(p: argparse.ArgumentParser) -> None:
@@ -325,7 +328,8 @@ def _run_initiator(args: argparse.Namespace, host: str, port: int,
                           device=args.device_id, **eng)
     try:
         rows = run_sweep(worker, args.op, sizes, args.batch_size, args.num_iter, args.warmup_iter,
-                         args.check_consistency, counters, progress, keepalive=worker.keepalive)
+                         args.check_consistency, counters, progress, keepalive=worker.keepalive,
+                         trace=args.trace)
         if args.latency_row and LATENCY_SIZE not in sizes:
             lat_iter = max(args.num_iter, getattr(args, "latency_iter", 1000))
             rows += run_sweep(worker, args.op, [LATENCY_SIZE], 1, lat_iter, args.warmup_iter,
@@ -502,6 +506,7 @@ def _initiator_subprocess(args: argparse.Namespace, prefix: list[str], host: str
                         "--json", out] + _engine_argv(args, rails, total)
         cmd += ["--check-consistency"] if args.check_consistency else []
         cmd += ["--latency-row"] if args.latency_row else []
+        cmd += ["--trace"] if args.trace else []
         limit = args.duration
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=_child_env(args))

@@ -154,6 +154,8 @@ class BenchRow:
     engine_rails: list[RailRow] = field(default_factory=list)
     cpu_pct: float | None = None  # CPU time / wall time of the measuring thread (%), where known
     staging: dict[str, Any] | None = None  # runs with VRAM: per-stage breakdown (bench/staging.py)
+    # --trace: per timed transfer, its latency and what each rail did (XferHandle.trace)
+    traces: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

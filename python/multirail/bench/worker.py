@@ -57,7 +57,10 @@ class Worker(Protocol):
 
 def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters: int,
               warmup: int, check: bool, counters: RailCounters | None,
-              progress: Progress, keepalive: Callable[[], None] | None = None) -> list[BenchRow]:
+              progress: Progress, keepalive: Callable[[], None] | None = None,
+              trace: bool = False) -> list[BenchRow]:
+    """Per block size: warm-up, then `iters` timed transfers. `trace`: keep each timed transfer's
+    latency and per-rail trace (`XferHandle.trace`) in `BenchRow.traces`."""
     rows: list[BenchRow] = []
     stage_snap = getattr(worker, "staging_snapshot", None)
     for bs in sizes:
@@ -71,6 +74,7 @@ def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters:
             eng_before = worker.engine_rails()
             before = counters.snapshot() if counters else {}
             lat: list[float] = []
+            traces: list[dict[str, Any]] | None = [] if trace else None
             step = max(1, iters // 50)
             cpu_start = time.thread_time()  # this thread posts and waits: what waiting costs
             t_start = time.perf_counter()
@@ -78,6 +82,8 @@ def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters:
                 t0 = time.perf_counter()
                 worker.run_once()
                 lat.append(time.perf_counter() - t0)
+                if traces is not None:
+                    traces.append({"lat_us": lat[-1] * 1e6, **(worker.handle.trace() or {})})
                 if i % step == 0:
                     progress.update(f"{label}: iter {i + 1}/{iters}")
             wall = time.perf_counter() - t_start
@@ -86,6 +92,7 @@ def run_sweep(worker: Worker, op: str, sizes: list[int], batch_size: int, iters:
             eng_after = worker.engine_rails()
             st_after = stage_snap() if stage_snap else None
             row = make_row(op, bs, batch_size, lat, wall, worker=worker.name)
+            row.traces = traces
             if st_before is not None and st_after is not None:
                 row.staging = worker.staging_breakdown(st_before, st_after, wall)  # type: ignore[attr-defined]
             row.cpu_pct = 100.0 * cpu / wall if wall > 0 else None
