@@ -314,3 +314,47 @@ fn active_message_gathers_iov_and_reaches_handler() {
     assert!(ep.am_send(7, vec![0], Vec::new(), &[(&region, (2 << 20) - 10, 11)]).is_err());
     ep.close(CloseMode::Flush, deadline(10)).unwrap();
 }
+
+/// A request that the waiter's own progress completes is never slept on. `wait_for_events`
+/// progresses before it arms the event fd; it used to progress until idle (completing the
+/// request), arm, and sleep the whole timeout, since no further event came for a completion
+/// already run. Found by per-rail transfer traces: a ucx rail's last chunk of a transfer
+/// landed 17-19 ms (its progress thread's 20 ms wait) after the other rails'.
+#[test]
+#[ignore = "needs UCX (the libucx wheel or a system libucp): `make test` runs it with -- --ignored"]
+fn a_completion_run_by_the_wait_itself_is_not_slept_on() {
+    let ucx = load("a_completion_run_by_the_wait_itself_is_not_slept_on");
+    let a = side(&ucx, ThreadMode::Serialized);
+    let b = side(&ucx, ThreadMode::Serialized);
+    let _pb = Progressor::start(&b.worker);
+    let mut target = pattern(4096, 0x3c);
+    // SAFETY: `target` outlives the region and every request (all are waited below).
+    let region_b = unsafe { b.ctx.map(target.as_mut_ptr(), target.len()) }.unwrap();
+    let (addr_b, rkey_b) = over_the_wire(&b.worker.address().unwrap(), &region_b.pack_rkey().unwrap());
+    let mut dst = vec![0u8; 4096];
+    // SAFETY: `dst` outlives the region and every request.
+    let region_dst = unsafe { a.ctx.map(dst.as_mut_ptr(), dst.len()) }.unwrap();
+    let ep = a.worker.connect(&addr_b).unwrap();
+    let rkey = ep.unpack_rkey(&rkey_b, region_b.remote_region()).unwrap();
+    // Wire-up, then the case: a 4 KiB GET whose reply has arrived while nobody progressed `a`.
+    ep.get(&region_dst, 0, 4096, &rkey, region_b.addr()).unwrap().wait(deadline(20)).unwrap();
+    let timeout = Duration::from_secs(3);
+    let mut slept_on = 0;
+    for _ in 0..5 {
+        let mut req = ep.get(&region_dst, 0, 4096, &rkey, region_b.addr()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let t = Instant::now();
+        // What a progress thread does: look at its request, else wait for an event.
+        while !req.check().unwrap() {
+            assert!(t.elapsed() < timeout * 2, "GET never completed");
+            a.worker.wait_for_events(timeout).unwrap();
+        }
+        if t.elapsed() >= timeout / 2 {
+            slept_on += 1;
+        }
+    }
+    assert_eq!(slept_on, 0, "a completed GET was slept on for the whole wait");
+    assert!(dst == target);
+    ep.close(CloseMode::Flush, deadline(10)).unwrap();
+    drop((rkey, region_dst, region_b));
+}
