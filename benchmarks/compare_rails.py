@@ -73,8 +73,10 @@ class Row:
 
 
 def _env() -> dict[str, str]:
+    """The environment of every child: this repository's python/ on PYTHONPATH, after any the
+    caller set (so an A/B run can put another build's package first)."""
     path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": f"{REPO / 'python'}{os.pathsep + path if path else ''}"}
+    return {**os.environ, "PYTHONPATH": f"{path + os.pathsep if path else ''}{REPO / 'python'}"}
 
 
 def run(argv: Sequence[str], timeout: float, check: bool = True) -> subprocess.CompletedProcess[str]:
