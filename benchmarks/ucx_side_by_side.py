@@ -298,7 +298,9 @@ def run_worker(tb: Any, worker: dict[str, Any], a: argparse.Namespace) -> dict[s
     """One target + initiator pair for `worker`; the initiator's result (or {"error": ...})."""
     kind, rails = worker["kind"], worker["rails"]
     me = [sys.executable, str(Path(__file__).resolve())]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # The caller's PYTHONPATH first (an A/B run puts another build there), then this repository's.
+    path = os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": f"{path + os.pathsep if path else ''}{REPO / 'python'}"}
     env_a, env_b = dict(env), dict(env)
     a_addrs = [tb.rails[i].addrs["a"] for i in rails]
     b_addrs = [tb.rails[i].addrs["b"] for i in rails]
