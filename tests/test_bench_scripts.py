@@ -96,6 +96,16 @@ def test_summary_sets_each_run_against_its_own_adjacent_reference():
     assert "| 2 | 2.700 | 90.0% | 98.2% | 0.667:0.333 | 0.667:0.333 | 97% 100% | 180.0 / 200.0 / 260.0 | - | - / - / - | - |" in text
 
 
+def test_a_callers_pythonpath_goes_before_the_repositorys(monkeypatch: pytest.MonkeyPatch):
+    """An A/B run puts another build first on PYTHONPATH; the children the rail-shape scripts
+    start must import that build, not this repository's (they did not, until session 17)."""
+    cr = _uneven().cr
+    monkeypatch.setenv("PYTHONPATH", "/other/build")
+    assert cr._env()["PYTHONPATH"].split(os.pathsep) == ["/other/build", str(REPO / "python")]
+    monkeypatch.delenv("PYTHONPATH")
+    assert cr._env()["PYTHONPATH"] == str(REPO / "python")
+
+
 def _netns_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
