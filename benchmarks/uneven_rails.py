@@ -22,7 +22,8 @@ On one testbed (brought up here unless one with the same spec is up, and then le
    rail or a busier host;
 5. per run, the slowest transfer's trace (``bench initiator --trace``): when each rail's last
    chunk completed, and how far apart the rails finished against the run's median spread. All
-   rails late together is the host; one rail late is a share or a rate estimate that was off.
+   rails late together is the host (or a rail idle mid-transfer, its share taken by the others);
+   one rail late is that rail: its share, its rate estimate, or its completions came late.
 
 The verdict: every run >= 97% of the capacity (``--floor``); the adjacent ratio is reported
 beside it and does not change the exit status. ``--json FILE`` writes everything.
@@ -118,8 +119,9 @@ def slowest(row: dict[str, Any]) -> dict[str, Any] | None:
     per rail its bytes, when its last chunk completed and the planner's rate estimate at the post;
     `start_ms` is when the last rail to start was handed its first chunk (a late start delays
     every rail alike); `spread_ms` is how far apart the rails finished (the latest less the earliest rail that
-    carried bytes). A slow transfer whose rails all finished late was a slow stretch of the
-    host; one whose single rail finished late had a share or a rate estimate that was off.
+    carried bytes). A slow transfer whose rails all finished late was a slow stretch of the host
+    or a rail idle mid-transfer; one whose single rail finished late points at that rail (its
+    share, its rate estimate, or its completions came late).
     `median_spread_ms` is the same spread over all the run's transfers, for comparison."""
     traces = [t for t in row.get("traces") or [] if t.get("rails")]
     if not traces:

@@ -574,8 +574,8 @@ class XferHandle:
         ``{"total_us": post to last completion (None while running or after a failure),
         "rails": [per rail index: {"bytes", "chunks", "first_issue_us", "last_done_us",
         "rate_gbps_at_post", "rate_gbps_at_end"}]}``; times are since the post, rates the
-        planner's estimates. Of a slow transfer it says whether one rail finished late (its share
-        or its rate estimate was off) or all of them did (docs/planner.md, "Tracing a transfer")."""
+        planner's estimates. Of a slow transfer it says whether one rail finished late (its share,
+        its rate estimate, or its completions came late) or all of them did (docs/planner.md, "Tracing a transfer")."""
         t: dict[str, Any] | None = self._h.trace()
         return t
 

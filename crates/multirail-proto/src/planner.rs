@@ -802,9 +802,9 @@ impl Planner {
         }
     }
 
-    /// The rail's rate estimate, bytes/s (0 for a rail it does not have).
-    pub fn rail_rate(&self, rail: RailId) -> f64 {
-        self.rails.get(rail).map_or(0.0, |r| r.rate)
+    /// Every rail's rate estimate, bytes/s, by rail index.
+    pub fn rates(&self) -> impl Iterator<Item = f64> + '_ {
+        self.rails.iter().map(|r| r.rate)
     }
 
     pub fn is_up(&self, rail: RailId) -> bool {

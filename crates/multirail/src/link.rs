@@ -693,8 +693,7 @@ impl Link {
         let handoff = x.handoff.load(Ordering::Acquire);
         g.xfers.insert(id, x.clone());
         let now = Instant::now();
-        let planner = &g.planner;
-        x.trace.lock().expect("xfer lock").start(now, (0..planner.num_rails()).map(|r| planner.rail_rate(r)));
+        x.trace.lock().expect("xfer lock").start(now, g.planner.rates());
         g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, now);
         let done = self.drain_events(&mut g);
         g.chain_wake |= handoff;
@@ -746,8 +745,7 @@ impl Link {
             match ev {
                 Event::XferDone(id) => {
                     if let Some(x) = g.xfers.remove(&id) {
-                        let planner = &g.planner;
-                        x.trace.lock().expect("xfer lock").done(Instant::now(), (0..planner.num_rails()).map(|r| planner.rail_rate(r)));
+                        x.trace.lock().expect("xfer lock").done(Instant::now(), g.planner.rates());
                         out.push((x, Ok(())));
                     }
                 }

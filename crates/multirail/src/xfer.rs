@@ -102,7 +102,8 @@ pub(crate) trait Poster: Send + Sync {
 
 /// What each rail did for the last post of a transfer over a link ([`XferHandle::trace`]): of a
 /// slow transfer, it says whether one rail finished late (its share or its rate estimate was
-/// off) or every rail did (the host was slow). Times are since the post.
+/// off, or its completions reached the planner late) or every rail did (the host was slow, or a
+/// rail idled mid-transfer and the others took its share). Times are since the post.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct XferTrace {
     /// From the post to the planner's last completion (before any notification); None while the
@@ -150,7 +151,6 @@ impl TraceRec {
     pub(crate) fn issued(&mut self, ri: usize, now: Instant) {
         let at = self.since(now);
         if let Some(r) = self.trace.rails.get_mut(ri) {
-            r.chunks += 1;
             r.first_issue = r.first_issue.or(at);
         }
     }
@@ -160,6 +160,7 @@ impl TraceRec {
         let at = self.since(now);
         if let Some(r) = self.trace.rails.get_mut(ri) {
             r.bytes += len;
+            r.chunks += 1;
             r.last_done = at;
         }
     }
@@ -704,6 +705,7 @@ mod tests {
         rec.issued(0, ms(0));
         rec.issued(1, ms(1));
         rec.issued(0, ms(2));
+        rec.issued(1, ms(3)); // issued, never completed (its rail died): not counted
         rec.landed(0, 100, ms(5));
         rec.landed(1, 50, ms(7));
         rec.landed(0, 100, ms(9));
