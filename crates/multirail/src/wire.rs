@@ -232,13 +232,25 @@ impl BulkLowat {
     /// (raised only by [`BulkLowat::new`]).
     fn owed(&mut self, left: usize) {
         let want = left.min(self.cap).max(1);
-        if want < self.cur || self.cur == 1 {
+        if want != self.cur && (want < self.cur || self.cur == 1) {
             if set_lowat(self.fd, want).is_ok() {
                 self.cur = want;
             } else if self.cur != 1 && set_lowat(self.fd, 1).is_ok() {
                 // A mark that cannot be lowered must not be left above what is owed.
                 self.cur = 1;
             }
+        }
+    }
+}
+
+impl BulkLowat {
+    /// Drop the mark for the rest of this read: a wait ran out its timeout with bytes unread
+    /// under the mark, so the kernel did not count them toward it in time (a window or buffer
+    /// too small for the mark, or a peer slower than a mark per tick).
+    fn give_up(&mut self) {
+        self.cap = 1;
+        if self.cur != 1 && set_lowat(self.fd, 1).is_ok() {
+            self.cur = 1;
         }
     }
 }
@@ -290,14 +302,19 @@ pub fn read_bulk(s: &mut TcpStream, buf: &mut [u8], tick: &mut dyn FnMut(bool) -
     };
     let mut got = 0;
     while got < buf.len() {
-        if !mark.wait(buf.len() - got) {
-            tick(got > 0).map_err(WireError::GaveUp)?;
-            continue;
-        }
+        let ready = mark.wait(buf.len() - got);
+        // Read even after a wait that timed out: what is there is taken, as a blocking read's
+        // timeout would.
         // SAFETY: `buf[got..]` is writable for its length; recv writes at most that many bytes.
         let n = unsafe { libc::recv(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, libc::MSG_DONTWAIT) };
         match bulk_result(n)? {
-            Some(n) => got += n,
+            Some(n) => {
+                got += n;
+                if !ready {
+                    mark.give_up();
+                }
+            }
+            None if !ready => tick(got > 0).map_err(WireError::GaveUp)?,
             None => {}
         }
     }
@@ -496,12 +513,8 @@ impl Inbound {
         let mut mark = BulkLowat::new(fd, left, s.read_timeout().ok().flatten());
         let mut iov: Vec<libc::iovec> = Vec::with_capacity((dsts.len() - i).min(IOV_MAX));
         while i < dsts.len() {
-            if let Some(m) = mark.as_mut() {
-                if !m.wait(left) {
-                    tick(true).map_err(WireError::GaveUp)?;
-                    continue;
-                }
-            }
+            // As in `read_bulk`: a wait that timed out still reads what is there.
+            let ready = mark.as_mut().is_none_or(|m| m.wait(left));
             iov.clear();
             // SAFETY: `off` is within span `i` (advance keeps it so).
             iov.push(libc::iovec { iov_base: unsafe { dsts[i].0.add(off) }.cast(), iov_len: dsts[i].1 - off });
@@ -520,10 +533,15 @@ impl Inbound {
             };
             let r = if n < 0 { Err(io::Error::last_os_error()) } else { Ok(n as usize) };
             match r {
-                Err(e) if mark.is_some() && e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if mark.is_some() && ready && e.kind() == io::ErrorKind::WouldBlock => {}
                 Ok(0) => return Err(WireError::Io(io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => {
                     left -= n;
+                    if !ready {
+                        if let Some(m) = mark.as_mut() {
+                            m.give_up();
+                        }
+                    }
                     advance(n, dsts, &mut i, &mut off)
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -791,6 +809,57 @@ mod tests {
             assert!(took < Duration::from_secs(2), "{case}: the read took {took:?}: it waited for a read timeout");
             assert!(dst == payload, "{case}: payload differs");
             assert_eq!(lowat(r.as_raw_fd()), 1, "{case}: the mark was left set");
+            drop(writer.join().expect("writer"));
+        }
+    }
+
+    /// A wait that runs out its timeout with bytes unread under the mark takes them, as a
+    /// blocking read's timeout would, and drops the mark for the rest of the read: a peer that
+    /// sends 100 KiB and then pauses for several ticks leaves nothing on the socket after the
+    /// first tick (were the bytes left there, a mark the kernel never reaches would keep the
+    /// read from ever seeing them, and a stall check that counts idle ticks would blame the
+    /// peer).
+    #[test]
+    fn a_wait_that_times_out_takes_what_is_there_and_drops_the_mark() {
+        for spans in [false, true] {
+            let (mut w, mut r) = bulk_pair();
+            r.set_read_timeout(Some(Duration::from_millis(40))).expect("timeout");
+            let len = 300 << 10;
+            let payload: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(7).wrapping_add(spans as u8)).collect();
+            let head = payload[..100 << 10].to_vec();
+            let tail = payload[100 << 10..].to_vec();
+            let writer = std::thread::spawn(move || {
+                w.write_all(&head).expect("write");
+                std::thread::sleep(Duration::from_millis(400));
+                w.write_all(&tail).expect("write");
+                w
+            });
+            let fd = r.as_raw_fd();
+            let mut ticks = 0;
+            let mut tick = |_| {
+                ticks += 1;
+                if ticks > 1 {
+                    let mut unread: libc::c_int = -1;
+                    // SAFETY: FIONREAD writes one c_int.
+                    unsafe { libc::ioctl(fd, libc::FIONREAD, &mut unread) };
+                    assert_eq!(unread, 0, "spans={spans}: tick {ticks} with {unread} bytes left unread");
+                    assert_eq!(lowat(fd), 1, "spans={spans}: the mark was kept after a wait timed out");
+                }
+                Ok(())
+            };
+            let mut inb = Inbound::new();
+            let mut dst = vec![0u8; len];
+            if spans {
+                let p = dst.as_mut_ptr();
+                let d = [(p, 50 << 10), (unsafe { p.add(50 << 10) }, 250 << 10)];
+                // SAFETY: the spans cover `dst`, which nothing else touches meanwhile.
+                unsafe { inb.read_into_spans(&mut r, &d, &mut tick) }.expect("spans");
+            } else {
+                inb.read_into(&mut r, &mut dst, &mut tick).expect("bulk");
+            }
+            assert!(ticks >= 2, "spans={spans}: {ticks} ticks over a 400 ms pause with a 40 ms timeout");
+            assert!(dst == payload, "spans={spans}: payload differs");
+            assert_eq!(lowat(fd), 1);
             drop(writer.join().expect("writer"));
         }
     }
