@@ -167,12 +167,13 @@ pub fn read_full(s: &mut TcpStream, buf: &mut [u8], tick: &mut dyn FnMut(bool) -
 
 /// The most bytes of a bulk payload a read waits for before it wakes (`SO_RCVLOWAT`).
 ///
-/// Without it the kernel wakes a reader for every segment that lands (on loopback and veth, for
-/// every 64 KiB skb), and each wake-up costs a context switch on the reader and the wake on
-/// whoever delivered the segment. A bulk read knows how many bytes it is owed, so it asks to be
-/// woken once per this many, or once when the rest of its payload has come. Measured on
-/// loopback (docs/benchmarks.md, "Issue 22: CPU per byte, session 18"): a plain socket pair
-/// moving a 64 MiB buffer in 1 MiB reads took 15-20% less CPU per byte with a 256 KiB mark.
+/// Without it the kernel wakes a reader for every segment that lands (on loopback, up to 64 KiB
+/// each), and each wake-up costs a context switch on the reader and the wake on whoever
+/// delivered the segment. A bulk read knows how many bytes it is owed, so it asks to be woken
+/// once per this many, or once when the rest of its payload has come. Measured on loopback
+/// (docs/benchmarks.md, "Issue 22: session 18"): a plain C socket pair moving a 64 MiB buffer
+/// in 1 MiB reads took 15-20% less CPU per byte with a 256 KiB mark, and the engine 4-10% less
+/// at the median (its reads already woke less often).
 pub const BULK_LOWAT_MAX: usize = 256 << 10;
 
 /// Payloads shorter than this are read as they come: the mark's two `setsockopt`s would cost
