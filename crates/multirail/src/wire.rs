@@ -186,8 +186,8 @@ pub const BULK_LOWAT_MIN: usize = 64 << 10;
 /// The mark never exceeds what the payload still owes, so it never waits for bytes the peer has
 /// not promised (the kernel would otherwise sleep until the socket's timeout), and never
 /// exceeds a quarter of the receive buffer (half the window or so), so the peer keeps sending
-/// while the reader sleeps. A buffer pinned small (fan-in shares, `crate::fanin`) gets a small
-/// mark, or none.
+/// while the reader sleeps. A buffer pinned small (the target's fan-in shares) gets a small mark,
+/// or none.
 ///
 /// The reader waits in `poll`, never inside a blocking `recv`, and then reads without waiting.
 /// The kernel wakes a socket's sleepers when its unread bytes reach the mark; a blocking `recv`
@@ -242,9 +242,7 @@ impl BulkLowat {
             }
         }
     }
-}
 
-impl BulkLowat {
     /// Drop the mark for the rest of this read: a wait ran out its timeout with bytes unread
     /// under the mark, so the kernel did not count them toward it in time (a window or buffer
     /// too small for the mark, or a peer slower than a mark per tick).
@@ -268,7 +266,13 @@ fn set_lowat(fd: std::os::fd::RawFd, bytes: usize) -> io::Result<()> {
     let v = bytes.min(i32::MAX as usize) as libc::c_int;
     // SAFETY: `v` is a valid c_int for the duration of the call.
     let r = unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
     };
     if r < 0 {
         return Err(io::Error::last_os_error());
@@ -756,7 +760,13 @@ mod tests {
         let v: libc::c_int = 2 << 20;
         // SAFETY: a valid c_int for the call.
         let rc = unsafe {
-            libc::setsockopt(r.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUF, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+            libc::setsockopt(
+                r.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
         };
         assert_eq!(rc, 0);
         (w, r)
@@ -769,6 +779,7 @@ mod tests {
     /// - 100 KiB already queued when the read starts, and the other 200 KiB after a pause: a
     ///   blocking `recv` would copy the 100 KiB and sleep for the rest, and the kernel, which
     ///   wakes a socket's sleepers only when 256 KiB are unread, would leave it asleep.
+    ///
     /// Every byte lands, and the mark is back to 1 afterwards, so that the next frame read wakes
     /// on its first byte.
     #[test]
@@ -877,7 +888,19 @@ mod tests {
         assert_eq!(lowat(r.as_raw_fd()), BULK_LOWAT_MAX);
         drop(m);
         assert_eq!(lowat(r.as_raw_fd()), 1);
-        crate::fanin::set_window(r.as_raw_fd(), 32 << 10).expect("share");
+        // What a 32 KiB fan-in share sets: the receive buffer (the kernel doubles it).
+        let v: libc::c_int = 32 << 10;
+        // SAFETY: a valid c_int for the call.
+        let rc = unsafe {
+            libc::setsockopt(
+                r.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
         assert!(BulkLowat::new(r.as_raw_fd(), 1 << 20, None).is_none(), "a 32 KiB share got a mark");
     }
 
