@@ -757,19 +757,23 @@ mod tests {
     fn bulk_pair() -> (TcpStream, TcpStream) {
         let (w, r) = pair();
         r.set_read_timeout(Some(Duration::from_secs(3))).expect("timeout");
-        let v: libc::c_int = 2 << 20;
+        set_rcvbuf(&r, 2 << 20);
+        (w, r)
+    }
+
+    /// Pin `s`'s receive buffer to `bytes` (the kernel doubles it), as a fan-in share does.
+    fn set_rcvbuf(s: &TcpStream, bytes: libc::c_int) {
         // SAFETY: a valid c_int for the call.
         let rc = unsafe {
             libc::setsockopt(
-                r.as_raw_fd(),
+                s.as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUF,
-                (&v as *const libc::c_int).cast(),
+                (&bytes as *const libc::c_int).cast(),
                 std::mem::size_of::<libc::c_int>() as libc::socklen_t,
             )
         };
         assert_eq!(rc, 0);
-        (w, r)
     }
 
     /// A bulk read's mark never waits for bytes the peer has not promised, so it returns as
@@ -888,19 +892,7 @@ mod tests {
         assert_eq!(lowat(r.as_raw_fd()), BULK_LOWAT_MAX);
         drop(m);
         assert_eq!(lowat(r.as_raw_fd()), 1);
-        // What a 32 KiB fan-in share sets: the receive buffer (the kernel doubles it).
-        let v: libc::c_int = 32 << 10;
-        // SAFETY: a valid c_int for the call.
-        let rc = unsafe {
-            libc::setsockopt(
-                r.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(rc, 0);
+        set_rcvbuf(&r, 32 << 10);
         assert!(BulkLowat::new(r.as_raw_fd(), 1 << 20, None).is_none(), "a 32 KiB share got a mark");
     }
 
