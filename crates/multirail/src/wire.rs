@@ -173,7 +173,7 @@ pub fn read_full(s: &mut TcpStream, buf: &mut [u8], tick: &mut dyn FnMut(bool) -
 /// once per this many, or once when the rest of its payload has come. Measured on loopback
 /// (docs/benchmarks.md, "Issue 22: session 18"): a plain C socket pair moving a 64 MiB buffer
 /// in 1 MiB reads took 15-20% less CPU per byte with a 256 KiB mark, and the engine 4-10% less
-/// at the median (its reads already woke less often).
+/// at the median (new / old build in the same runs).
 pub const BULK_LOWAT_MAX: usize = 256 << 10;
 
 /// Payloads shorter than this are read as they come: the mark's two `setsockopt`s would cost
@@ -203,15 +203,18 @@ struct BulkLowat {
 }
 
 impl BulkLowat {
-    /// The mark for a read of `total` bytes on `fd`, or None when it would not pay.
-    fn new(fd: std::os::fd::RawFd, total: usize, timeout: Option<std::time::Duration>) -> Option<BulkLowat> {
+    /// The mark for a read of `total` bytes on `s`, or None when it would not pay. The wait is
+    /// the socket's read timeout (its tick).
+    fn new(s: &TcpStream, total: usize) -> Option<BulkLowat> {
         if total < BULK_LOWAT_MIN {
             return None;
         }
-        let cap = BULK_LOWAT_MAX.min(rcvbuf(fd)? / 4);
+        // The receive buffer as the kernel reports it (twice what was asked for).
+        let cap = BULK_LOWAT_MAX.min(socket2::SockRef::from(s).recv_buffer_size().ok()? / 4);
         if cap < BULK_LOWAT_MIN {
             return None;
         }
+        let (fd, timeout) = (std::os::fd::AsRawFd::as_raw_fd(s), s.read_timeout().ok().flatten());
         let mut m = BulkLowat { fd, cur: 1, cap, timeout };
         m.owed(total);
         Some(m)
@@ -221,12 +224,9 @@ impl BulkLowat {
     /// stream ended or failed (the read that follows reports it), or the timeout passed (false).
     fn wait(&mut self, left: usize) -> bool {
         self.owed(left);
-        let ms = self.timeout.map_or(-1, |t| t.as_millis().clamp(1, i32::MAX as u128) as i32);
-        let mut p = libc::pollfd { fd: self.fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, ms) };
-        // An interrupted poll reads (and so waits) again.
-        r != 0
+        // At least 1 ms: `poll_in` rounds down to whole milliseconds. An interrupted poll
+        // counts as ready: the read finds nothing and the loop waits again.
+        poll_in(self.fd, self.timeout.unwrap_or(std::time::Duration::MAX).max(std::time::Duration::from_millis(1)))
     }
 
     /// Before a read with `left` bytes still owed: lower the mark to `left` when it is above it
@@ -280,21 +280,12 @@ fn set_lowat(fd: std::os::fd::RawFd, bytes: usize) -> io::Result<()> {
     Ok(())
 }
 
-/// The socket's receive buffer (`SO_RCVBUF`, as the kernel reports it: doubled).
-fn rcvbuf(fd: std::os::fd::RawFd) -> Option<usize> {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `v` and `len` are valid for writes for the duration of the call.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut libc::c_int).cast(), &mut len) };
-    (r == 0 && v > 0).then_some(v as usize)
-}
-
 /// The socket's current `SO_RCVLOWAT` (tests).
 #[cfg(test)]
 fn lowat(fd: std::os::fd::RawFd) -> usize {
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: as in `rcvbuf`.
+    // SAFETY: `v` and `len` are valid for writes for the duration of the call.
     unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVLOWAT, (&mut v as *mut libc::c_int).cast(), &mut len) };
     v as usize
 }
@@ -302,7 +293,7 @@ fn lowat(fd: std::os::fd::RawFd) -> usize {
 /// Fill `buf` with a bulk payload under a [`BulkLowat`] mark (short payloads: [`read_full`]).
 pub fn read_bulk(s: &mut TcpStream, buf: &mut [u8], tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
     let fd = std::os::fd::AsRawFd::as_raw_fd(s);
-    let Some(mut mark) = BulkLowat::new(fd, buf.len(), s.read_timeout().ok().flatten()) else {
+    let Some(mut mark) = BulkLowat::new(s, buf.len()) else {
         return read_full(s, buf, tick);
     };
     let mut got = 0;
@@ -515,7 +506,7 @@ impl Inbound {
         }
         let fd = std::os::fd::AsRawFd::as_raw_fd(s);
         let mut left: usize = dsts[i.min(dsts.len())..].iter().map(|d| d.1).sum::<usize>() - off;
-        let mut mark = BulkLowat::new(fd, left, s.read_timeout().ok().flatten());
+        let mut mark = BulkLowat::new(s, left);
         let mut iov: Vec<libc::iovec> = Vec::with_capacity((dsts.len() - i).min(IOV_MAX));
         while i < dsts.len() {
             // As in `read_bulk`: a wait that timed out still reads what is there.
@@ -762,18 +753,8 @@ mod tests {
     }
 
     /// Pin `s`'s receive buffer to `bytes` (the kernel doubles it), as a fan-in share does.
-    fn set_rcvbuf(s: &TcpStream, bytes: libc::c_int) {
-        // SAFETY: a valid c_int for the call.
-        let rc = unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                (&bytes as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(rc, 0);
+    fn set_rcvbuf(s: &TcpStream, bytes: usize) {
+        socket2::SockRef::from(s).set_recv_buffer_size(bytes).expect("SO_RCVBUF");
     }
 
     /// A bulk read's mark never waits for bytes the peer has not promised, so it returns as
@@ -886,14 +867,14 @@ mod tests {
     #[test]
     fn the_bulk_mark_is_skipped_for_short_payloads_and_small_buffers() {
         let (_w, r) = bulk_pair();
-        assert!(BulkLowat::new(r.as_raw_fd(), BULK_LOWAT_MIN - 1, None).is_none());
-        let m = BulkLowat::new(r.as_raw_fd(), 1 << 20, None).expect("a mark for 1 MiB");
+        assert!(BulkLowat::new(&r, BULK_LOWAT_MIN - 1).is_none());
+        let m = BulkLowat::new(&r, 1 << 20).expect("a mark for 1 MiB");
         assert_eq!(m.cur, BULK_LOWAT_MAX);
         assert_eq!(lowat(r.as_raw_fd()), BULK_LOWAT_MAX);
         drop(m);
         assert_eq!(lowat(r.as_raw_fd()), 1);
         set_rcvbuf(&r, 32 << 10);
-        assert!(BulkLowat::new(r.as_raw_fd(), 1 << 20, None).is_none(), "a 32 KiB share got a mark");
+        assert!(BulkLowat::new(&r, 1 << 20).is_none(), "a 32 KiB share got a mark");
     }
 
     /// The end of the stream in the middle of a header is an error, never a frame made of
