@@ -332,3 +332,48 @@ def test_plan_json_names_pci_addresses(tmp_path: Path) -> None:
     g0 = next(g for g in data["gpus"] if g["pci_bus_id"] == "0000:59:00.0")
     assert [(c["name"], c["pci"]) for c in g0["chosen"]] == [("rdmap85s0", "0000:55:00.0"), ("rdmap86s0", "0000:56:00.0")]
     json.dumps(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# `multirail topology`
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from multirail.cli import main
+
+    rc = main(["topology", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_prints_matrix_choices_and_exclusions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sysr = F.build(tmp_path, F.dgx("b200"))
+    rc, out, _ = run_cli(capsys, "--sysfs", str(sysr))
+    assert rc == 0
+    gpu0 = next(line for line in out.splitlines() if line.startswith("GPU0 "))
+    nics = load(tmp_path / "again", F.dgx("b200")).nics
+    col = next(i for i, n in enumerate(nics) if n.rdma == "mlx5_0")
+    assert gpu0.split()[1 + col] == "PXB" and "0-55,112-167" in gpu0
+    assert "tier 1 PXB: ibp24s0" in out and "tier 2 NODE:" in out
+    assert "excluded ibp154s0 (0000:9a:00.0): SYS" in out
+    assert "ibp158s0f0 (0000:9e:00.0): PCIe x1" in out and "BlueField DPU" in out
+    assert "node 1 (CPUs 56-111,168-223):" in out
+
+
+def test_cli_json_gpus_file_and_hints(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sysr = F.build(tmp_path, F.azure_ndv5())
+    view = [{"ordinal": i, "uuid": f"GPU-{i}", "pci_bus_id": f"{d:08X}:00:00.0"} for i, d in enumerate(reversed(F.AZ_GPU_DOMS))]
+    (tmp_path / "gpus.json").write_text(json.dumps(view))
+    (tmp_path / "hints.json").write_text(json.dumps(F.AZ_HINTS))
+    rc, out, _ = run_cli(capsys, "--sysfs", str(sysr), "--gpus", str(tmp_path / "gpus.json"), "--hints",
+                         str(tmp_path / "hints.json"), "--json")
+    assert rc == 0
+    data = json.loads(out)
+    by_bus = {g["pci_bus_id"]: g for g in data["gpus"]}
+    assert by_bus["000c:00:00.0"]["ordinal"] == 0
+    assert [(c["name"], c["rdma"], c["pci"]) for c in by_bus["000c:00:00.0"]["chosen"]] == [("ib7", "mlx5_ib7", "0108:00:00.0")]
+    assert data["matrix"]["0001:00:00.0"]["ib0"] == "NODE" and data["cuda_view"].startswith("--gpus")
+    rc, out, _ = run_cli(capsys, "--sysfs", str(sysr))
+    assert "WARNING: no GPU shares a PCIe switch" in out
+    rc, _, err = run_cli(capsys, "--sysfs", str(tmp_path / "missing"))
+    assert rc == 2 and "bus/pci/devices" in err

@@ -1,6 +1,6 @@
 """`multirail` command line: one subcommand per tool module.
 
-Each tool module (bench, doctor, testbed, fabric) exposes `register(subparsers)`, which adds
+Each tool module (bench, doctor, topology, testbed, fabric) exposes `register(subparsers)`, which adds
 its parser and sets `func` (called with the parsed args, returning an exit code). Tool modules
 import the engine (`multirail._core`) lazily so that doctor/testbed/fabric work even where the
 extension is not built.
@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-TOOLS = ("bench", "doctor", "testbed", "fabric", "nixl_plugin")
+TOOLS = ("bench", "doctor", "topology", "testbed", "fabric", "nixl_plugin")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -690,6 +690,10 @@ def _same_bdf(text: str, bdf: str) -> bool:
         return False
 
 
+def _gbps(v: float | None) -> str:
+    return f"{v:g} Gbit/s" if v else "? Gbit/s"
+
+
 def _choice(n: Nic, cls: str, reason: str) -> NicChoice:
     return NicChoice(n.netdev, n.rdma, n.pci.bdf, n.link_gbps, n.pci.cpus, n.pci.numa_node, cls, reason)
 
@@ -717,7 +721,7 @@ def _tiers(cands: list[Nic], classes: dict[str, str], inc: set[str], where: str)
         if c not in by:
             continue
         nics = sorted(by[c], key=lambda n: (-(n.link_gbps or 0), _bdf_key(n.pci.bdf)))
-        tiers.append(Tier(c, tuple(_choice(n, c, f"{c}: {_CLASS_WHY[c]}; {n.link_gbps or '?'} Gbit/s") for n in nics),
+        tiers.append(Tier(c, tuple(_choice(n, c, f"{c}: {_CLASS_WHY[c]}; {_gbps(n.link_gbps)}") for n in nics),
                           f"{c} to {where}"))
     return tiers, excl
 
@@ -901,3 +905,111 @@ def _load_hints(hints: Any) -> dict[str, list[str]]:
     if not isinstance(data, dict) or not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in data.values()):
         raise TopologyError(f"{what}: expected a JSON object {{\"<gpu pci bus id>\": [\"<nic name or pci address>\", ...]}}")
     return {str(k): list(v) for k, v in data.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# `multirail topology`
+
+
+def format_matrix(topo: Topology) -> list[str]:
+    """nvidia-smi's GPU x NIC table, NICs numbered NIC0.. with a legend."""
+    m = topo.matrix()
+    heads = [f"NIC{i}" for i in range(len(topo.nics))]
+    width = max([4] + [len(h) for h in heads]) + 1
+    lines = ["      " + "".join(h.ljust(width) for h in heads) + "CPU Affinity    NUMA Affinity"]
+    for g in topo.gpus:
+        row = "".join(m[g.bus_id][n.name].ljust(width) for n in topo.nics)
+        numa = str(g.pci.numa_node) if g.pci.numa_node >= 0 else "N/A"
+        lines.append(f"GPU{g.ordinal:<3}" + row + f"{format_cpulist(g.pci.cpus) or 'N/A':<16}{numa}")
+    lines.append("")
+    lines.append("Legend: PIX = at most one PCIe bridge; PXB = several bridges, no host bridge; PHB = through a "
+                 "PCIe host bridge; NODE = across host bridges within a NUMA node; SYS = across the socket link")
+    lines.append("")
+    for i, n in enumerate(topo.nics):
+        bits = [f"NIC{i}: {n.netdev or '-'} / {n.rdma or '-'}", n.pci.bdf, f"numa {n.pci.numa_node}",
+                _gbps(n.link_gbps),
+                f"PCIe x{n.pci.cur_width or '?'}/x{n.pci.max_width or '?'} {n.pci.cur_speed or '?'}/{n.pci.max_speed or '?'} GT/s"]
+        lines.append("  " + "  ".join(bits))
+    for g in topo.gpus:
+        lines.append(f"  GPU{g.ordinal}: {g.bus_id}  {hex(g.pci.device or 0)}  {g.uuid or ''}".rstrip())
+    return lines
+
+
+def _fmt_choice(n: NicChoice) -> str:
+    return f"{n.name} ({n.rdma or '-'}, {n.pci}, {_gbps(n.link_gbps)}, numa {n.numa_node})"
+
+
+def format_plan(topo: Topology, plan: RailPlan) -> list[str]:
+    lines: list[str] = []
+
+    def tiers_out(tiers: list[Tier], excl: list[Exclusion]) -> None:
+        if not tiers:
+            lines.append("    (no NIC: every rail is used)")
+        for k, t in enumerate(tiers, 1):
+            lines.append(f"    tier {k} {t.cls}: {', '.join(n.name for n in t.nics)}  [{t.reason}]")
+            for n in t.nics:
+                lines.append(f"      {_fmt_choice(n)}: {n.reason}")
+        for e in excl:
+            lines.append(f"    excluded {e.name} ({e.pci}): {e.reason}")
+
+    lines.append(f"Rails per GPU (CUDA view: {topo.cuda_source}):")
+    for g in topo.gpus:
+        lines.append(f"  GPU{g.ordinal} {g.bus_id} (numa {g.pci.numa_node}):")
+        tiers_out(plan.gpus[g.bus_id], plan.excluded.get(g.bus_id, []))
+    lines.append("Rails per NUMA node (host memory):")
+    for node, tiers in plan.numa.items():
+        lines.append(f"  node {node} (CPUs {format_cpulist(topo.nodes[node])}):")
+        tiers_out(tiers, plan.excluded.get(f"numa{node}", []))
+    host = plan.excluded.get("host", [])
+    if host:
+        lines.append("Excluded for every location:")
+        lines.extend(f"  {e.name} ({e.pci}): {e.reason}" for e in host)
+    for w in plan.warnings:
+        lines.append(f"WARNING: {w}")
+    return lines
+
+
+def topology_json(topo: Topology, plan: RailPlan) -> dict[str, Any]:
+    nics = [{"name": n.name, "netdev": n.netdev, "rdma": n.rdma, "pci": n.pci.bdf, "numa_node": n.pci.numa_node,
+             "local_cpus": format_cpulist(n.pci.cpus), "link_gbps": n.link_gbps, "port_state": n.port_state,
+             "pcie": {"width": n.pci.cur_width, "max_width": n.pci.max_width, "speed": n.pci.cur_speed,
+                      "max_speed": n.pci.max_speed}} for n in topo.nics]
+    return {"tool": "multirail topology", "version": 1, "root": topo.root, "cuda_view": topo.cuda_source,
+            "nics": nics, "matrix": topo.matrix(), **plan.to_json()}
+
+
+def _cmd(args: Any) -> int:
+    import sys
+
+    include = [x.strip() for x in (args.include or "").split(",") if x.strip()]
+    try:
+        topo = Topology.load(args.sysfs, gpus=args.gpus, hints=args.hints)
+        plan = topo.rail_plan(include=include, share=args.share)
+    except TopologyError as e:
+        print(f"multirail topology: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(topology_json(topo, plan), indent=2))
+        return 0
+    if not topo.gpus:
+        print(f"no NVIDIA GPU under {args.sysfs} ({len(topo.nics)} NICs): rails are chosen per NUMA node only")
+    print("\n".join(format_matrix(topo) + [""] + format_plan(topo, plan)))
+    return 0
+
+
+def register(subparsers: Any) -> Any:
+    p = subparsers.add_parser(
+        "topology", help="GPU-NIC matrix and the rails chosen per GPU and NUMA node (docs/topology.md)",
+        description="Reads the PCI tree from sysfs, prints the GPU-NIC matrix in nvidia-smi's notation and, for "
+        "each GPU and NUMA node, the tiers of NICs chosen with the reason for each choice and exclusion.")
+    p.add_argument("--sysfs", default="/sys", metavar="ROOT", help="sysfs tree to read (default /sys)")
+    p.add_argument("--gpus", metavar="FILE", help="CUDA view where no CUDA runtime is present: JSON list of "
+                   "{ordinal, uuid, pci_bus_id} or `nvidia-smi --query-gpu=index,uuid,pci.bus_id --format=csv` output")
+    p.add_argument("--hints", metavar="FILE", help='JSON {"<gpu pci bus id>": ["<nic name or pci address>", ...]} '
+                   "pairing GPUs and NICs where the PCI tree cannot (flat VMs)")
+    p.add_argument("--include", metavar="KIND[,KIND...]", help=f"excluded kinds to allow: {', '.join(INCLUDE_KEYS)}")
+    p.add_argument("--share", choices=("split", "all"), default="split",
+                   help="GPUs sharing a switch's NICs: split them (default) or all use all")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd)
+    return p
