@@ -114,8 +114,8 @@ def _write_fn(sysr: Path, f: Fn, spec: Spec) -> None:
         elif not (d / "class").exists():
             cur, mx = spec.bridge_width.get(comp, (16, 16))
             _attrs(d, 0x1000, 0xC030, 0x060400, f.numa, f.cpus, cur, mx, f.max_speed or f.speed, f.max_speed or f.speed)
-            if comp in spec.bridges:
-                (d / "config").write_bytes(spec.bridges[comp])
+            # config space as root reads it: 4 KiB, ACS only where the spec puts it
+            (d / "config").write_bytes(spec.bridges.get(comp, NO_EXT_CAPS))
         _link(sysr / "bus" / "pci" / "devices" / comp, d)
     if f.ib:
         ibd = d / "infiniband" / f.ib
@@ -135,6 +135,9 @@ def _write_fn(sysr: Path, f: Fn, spec: Spec) -> None:
         (nd / "operstate").write_text("up\n")
         _link(nd / "device", d)
         _link(sysr / "class" / "net" / f.netdev, nd)
+
+
+NO_EXT_CAPS = bytes(4096)
 
 
 def acs_config(ctrl: int) -> bytes:

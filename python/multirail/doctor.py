@@ -19,6 +19,10 @@ Model
    or makes rails share a NIC), ``skip`` (not applicable or not readable, with the reason).
    Nothing is ever changed: the ``fix`` field is the command for a human to run.
 
+5. **GPU-NIC layout** (:mod:`multirail.doctor_topology`): the GPU-NIC matrix, and the
+   gpu-nic-distance, nic-link, acs, iommu and gpudirect-modules checks, read from ``--sysfs``
+   (default ``ROOT/sys``); they run with or without rails.
+
 Exit code: 0 when no check failed, 1 when at least one failed, 2 for usage errors.
 """
 
@@ -38,6 +42,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from multirail import doctor_topology
 from multirail.netinfo import (
     CmdResult,
     Interface,
@@ -852,6 +857,7 @@ class Report:
     peers: dict[str, str]
     results: list[CheckResult]
     facts: dict[str, Any]
+    matrix: list[str] = field(default_factory=list)  # GPU-NIC matrix lines (human output only)
 
     @property
     def exit_code(self) -> int:
@@ -877,12 +883,13 @@ class Report:
 
 def run_doctor(root: str = "/", rails: list[str] | None = None, peers: list[str] | None = None,
                peer_ucx_version: str | None = None, probe: Probe | None = None,
-               transport: str | None = None) -> Report:
+               transport: str | None = None, sysfs: str | None = None) -> Report:
     """Run every check. Raises DoctorError for usage errors."""
     if not os.path.isdir(os.path.join(root, "sys", "class", "net")):
         raise DoctorError(f"--root {root}: no sys/class/net under it (expected a tree laid out like /)")
     if peer_ucx_version is not None and parse_ucx_version(f"version={peer_ucx_version}") != peer_ucx_version:
         raise DoctorError(f"--peer-ucx-version {peer_ucx_version!r}: expected a version like 1.16.0")
+    sysfs_dir = sysfs
     sysfs = SysFS(root)
     probe = probe or make_probe(root)
     all_ifs = {i.name: i for i in interfaces(root, probe)}
@@ -895,11 +902,15 @@ def run_doctor(root: str = "/", rails: list[str] | None = None, peers: list[str]
     if rail_ifs:
         for _name, fn in CHECKS:
             results.extend(fn(ctx))
+    topo = doctor_topology.load_facts(root, sysfs_dir, probe)  # GPU-NIC layout (issue 34)
+    results.extend(CheckResult(n, Status(st), ev, fix, subj) for n, st, ev, fix, subj in doctor_topology.run(topo))
     facts = {"ucx_version": ctx.ucx_version, "rdma_devices": rdma_devices(sysfs),
+             "gpu_nic_matrix": topo.topo.matrix() if topo.topo else None,
              "interfaces": {r.name: {"ipv4": [f"{a}/{p}" for a, p in r.ipv4], "mtu": r.mtu,
                                      "rdma": f"{r.rdma_dev}/{r.rdma_port}" if r.rdma_dev else None}
                             for r in rail_ifs}}
-    return Report(str(root), [r.name for r in rail_ifs], selection, ctx.peers, results, facts)
+    return Report(str(root), [r.name for r in rail_ifs], selection, ctx.peers, results, facts,
+                  doctor_topology.matrix_lines(topo))
 
 
 _COLOURS = {Status.OK: "32", Status.WARN: "33", Status.FAIL: "31", Status.SKIP: "90"}
@@ -907,6 +918,8 @@ _COLOURS = {Status.OK: "32", Status.WARN: "33", Status.FAIL: "31", Status.SKIP: 
 
 def format_human(report: Report, colour: bool) -> str:
     lines = [f"rails: {', '.join(report.rails) or 'none'}  [{report.selection}]"]
+    if report.matrix:
+        lines += ["GPU-NIC matrix (multirail topology prints the rails chosen per GPU):"] + report.matrix
     if report.peers:
         lines.append("peers: " + ", ".join(f"{r}->{p}" for r, p in report.peers.items()))
     width = max(len(r.name) for r in report.results)
@@ -940,6 +953,7 @@ def _cmd(args: argparse.Namespace) -> int:
             peers=_split_list(args.peer),
             peer_ucx_version=args.peer_ucx_version,
             transport=args.transport,
+            sysfs=args.sysfs,
         )
     except DoctorError as e:
         print(f"multirail doctor: error: {e}", file=sys.stderr)
@@ -971,6 +985,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable results")
     p.add_argument("--root", default="/", metavar="DIR",
                    help="read /sys and /proc under DIR and recorded command outputs from DIR/.cmd (fixtures)")
+    p.add_argument("--sysfs", metavar="DIR", help="sysfs tree for the GPU-NIC layout checks (default: ROOT/sys)")
     p.add_argument("--rails", metavar="IF1,IF2", help="rail interfaces (default: auto-detect, reported)")
     p.add_argument("--peer-ucx-version", metavar="X.Y.Z", help="the peer's UCX version (`ucx_info -v` there)")
     p.add_argument("--transport", metavar="KIND[,KIND...]",

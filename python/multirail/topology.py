@@ -991,9 +991,11 @@ def _cmd(args: Any) -> int:
     if args.json:
         print(json.dumps(topology_json(topo, plan), indent=2))
         return 0
+    head = format_matrix(topo)
     if not topo.gpus:
-        print(f"no NVIDIA GPU under {args.sysfs} ({len(topo.nics)} NICs): rails are chosen per NUMA node only")
-    print("\n".join(format_matrix(topo) + [""] + format_plan(topo, plan)))
+        print(f"no NVIDIA GPU under {args.sysfs} ({len(topo.nics)} PCI NICs): rails are chosen per NUMA node only")
+        head = [ln for ln in head[3:] if ln.startswith("  NIC")]
+    print("\n".join(head + [""] + format_plan(topo, plan)))
     return 0
 
 
