@@ -292,8 +292,13 @@ pub struct ProcSpec {
     pub rails: Vec<usize>,
     /// Further classes of NICs, each admitted when every rail admitted so far is down.
     pub fallback: Vec<Vec<usize>>,
+    /// Each transfer's size.
     pub bytes: u64,
+    /// Transfers, back to back: the next is submitted when the previous is done.
+    pub count: u32,
     pub cfg: PlannerConfig,
+    /// What `add_rail` is told of each rail: the engine passes the NIC's link speed.
+    pub hint: Option<f64>,
 }
 
 /// A chunk in a connection's queue; the head is being served.
@@ -317,8 +322,14 @@ struct Proc {
     mem: Mem,
     conns: Vec<Conn>,
     fallback: VecDeque<Vec<usize>>,
+    /// The transfer in progress (process `i`'s `n`-th is `i << 32 | n`).
     xfer: XferId,
     bytes: u64,
+    hint: Option<f64>,
+    /// Transfers still to submit after the current one.
+    more: u32,
+    /// When each of its transfers ended.
+    dones: Vec<Duration>,
     done: Option<Duration>,
     failed: Option<String>,
     /// Something happened to it: poll its planner for work.
@@ -329,7 +340,10 @@ struct Proc {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProcReport {
     pub mem: Mem,
+    /// When its last transfer ended.
     pub done: Option<Duration>,
+    /// When each of its transfers ended.
+    pub dones: Vec<Duration>,
     pub failed: Option<String>,
     /// Per NIC: bytes its chunks carried to completion (accepted by the planner).
     pub bytes_per_nic: Vec<u64>,
@@ -410,14 +424,13 @@ impl FabricSim {
             .enumerate()
             .map(|(i, s)| {
                 let mut planner = Planner::new(s.cfg.clone());
-                let xfer = XferId(i as u64 + 1);
+                let xfer = XferId((i as u64) << 32);
                 let mut conns = Vec::new();
                 for &nic in &s.rails {
-                    assert_eq!(planner.add_rail(Some(fabric.params.wire), t0), conns.len());
+                    assert_eq!(planner.add_rail(s.hint, t0), conns.len());
                     conns.push(Conn { nic, path: fabric.path(s.mem, nic), queue: VecDeque::new(), epoch: 0, up: true });
                 }
-                let pairs = vec![Pair { local: (i as u64) << 40, region: i as u64, offset: 0, len: s.bytes }];
-                planner.submit(xfer, pairs, t0);
+                planner.submit(xfer, Self::pairs(i, s.bytes), t0);
                 Proc {
                     planner,
                     mem: s.mem,
@@ -425,6 +438,9 @@ impl FabricSim {
                     fallback: s.fallback.into_iter().collect(),
                     xfer,
                     bytes: s.bytes,
+                    hint: s.hint,
+                    more: s.count.saturating_sub(1),
+                    dones: Vec::new(),
                     done: None,
                     failed: None,
                     dirty: true,
@@ -448,6 +464,11 @@ impl FabricSim {
             wire_bytes: 0.0,
             steps: 0,
         }
+    }
+
+    /// Process `i`'s transfer: `bytes` of its memory to its region on the peer.
+    fn pairs(i: usize, bytes: u64) -> Vec<Pair> {
+        vec![Pair { local: (i as u64) << 40, region: i as u64, offset: 0, len: bytes }]
     }
 
     /// NIC `nic` fails at `at` and stays down.
@@ -493,7 +514,6 @@ impl FabricSim {
     /// this was the last rail up.
     fn rail_down(&mut self, proc: usize, rail: RailId, reason: String) {
         let now = self.at();
-        let wire = self.fabric.params.wire;
         let p = &mut self.procs[proc];
         let c = &mut p.conns[rail];
         c.up = false;
@@ -503,7 +523,7 @@ impl FabricSim {
         if !others_up {
             if let Some(next) = p.fallback.pop_front() {
                 for nic in next {
-                    assert_eq!(p.planner.add_rail(Some(wire), now), p.conns.len());
+                    assert_eq!(p.planner.add_rail(p.hint, now), p.conns.len());
                     p.conns.push(Conn { nic, path: self.fabric.path(p.mem, nic), queue: VecDeque::new(), epoch: 0, up: true });
                 }
             }
@@ -518,28 +538,46 @@ impl FabricSim {
             if !std::mem::take(&mut p.dirty) {
                 continue;
             }
-            loop {
-                let mut any = false;
-                for rail in 0..p.conns.len() {
-                    if let Some(c) = p.planner.poll_work(rail, now) {
-                        assert_eq!(c.rail, rail);
-                        assert!(p.conns[rail].up, "work for a rail that is down");
-                        self.chunk_nic[i].insert(c.id, (p.conns[rail].nic, c.piece.len));
-                        p.conns[rail].queue.push_back(Queued { id: c.id, left: c.piece.len as f64 });
-                        any = true;
+            let mut again = true;
+            while std::mem::take(&mut again) {
+                Self::poll_proc(p, &mut self.chunk_nic[i], now);
+                while let Some(e) = p.planner.poll_event() {
+                    match &e {
+                        Event::XferDone(x) if *x == p.xfer => {
+                            p.dones.push(self.now);
+                            if p.more > 0 {
+                                p.more -= 1;
+                                p.xfer = XferId(p.xfer.0 + 1);
+                                p.planner.submit(p.xfer, Self::pairs(i, p.bytes), now);
+                                again = true;
+                            } else {
+                                p.done = Some(self.now);
+                            }
+                        }
+                        Event::XferFailed { xfer, reason } if *xfer == p.xfer => p.failed = Some(reason.clone()),
+                        _ => {}
                     }
-                }
-                if !any {
-                    break;
+                    self.events[i].push((self.now, e));
                 }
             }
-            while let Some(e) = p.planner.poll_event() {
-                match &e {
-                    Event::XferDone(x) if *x == p.xfer => p.done = Some(self.now),
-                    Event::XferFailed { xfer, reason } if *xfer == p.xfer => p.failed = Some(reason.clone()),
-                    _ => {}
+        }
+    }
+
+    /// Hand out work to a process's rails until none takes more.
+    fn poll_proc(p: &mut Proc, chunk_nic: &mut HashMap<ChunkId, (usize, u64)>, now: Instant) {
+        loop {
+            let mut any = false;
+            for rail in 0..p.conns.len() {
+                if let Some(c) = p.planner.poll_work(rail, now) {
+                    assert_eq!(c.rail, rail);
+                    assert!(p.conns[rail].up, "work for a rail that is down");
+                    chunk_nic.insert(c.id, (p.conns[rail].nic, c.piece.len));
+                    p.conns[rail].queue.push_back(Queued { id: c.id, left: c.piece.len as f64 });
+                    any = true;
                 }
-                self.events[i].push((self.now, e));
+            }
+            if !any {
+                break;
             }
         }
     }
@@ -633,7 +671,14 @@ impl FabricSim {
             .iter()
             .zip(self.events)
             .zip(self.bytes_per_nic)
-            .map(|((p, events), bytes_per_nic)| ProcReport { mem: p.mem, done: p.done, failed: p.failed.clone(), bytes_per_nic, events })
+            .map(|((p, events), bytes_per_nic)| ProcReport {
+                mem: p.mem,
+                done: p.done,
+                dones: p.dones.clone(),
+                failed: p.failed.clone(),
+                bytes_per_nic,
+                events,
+            })
             .collect();
         RunReport { procs, end, wire_trace: self.wire_trace, link_bytes: self.link_bytes, steps: self.steps }
     }
