@@ -15,7 +15,11 @@ status, time and output (the last ``--tail`` lines; the whole output goes to ``-
    one copy call per page: the gather kernel's baseline);
 5. host facts that need no GPU: ``ibv_devices``/``ibv_devinfo`` (when present) and the UCX
    transports this machine offers (``ucx_info -d`` of the system UCX when present, and of the
-   ``libucx`` wheel the engine falls back to, crates/multirail-ucx/src/load.rs).
+   ``libucx`` wheel the engine falls back to, crates/multirail-ucx/src/load.rs);
+6. the machine's real GPU-NIC topology (issue 34): ``multirail topology`` (the matrix in
+   nvidia-smi's notation and the rails chosen per GPU and NUMA node, with reasons; its JSON goes
+   to the logs) and ``nvidia-smi topo -m`` beside it when present, to compare the classes. On a
+   machine without GPUs it records what it found (NICs, the per-NUMA choice).
 
 Exit status: 0 when every section passed, 1 when any failed, 2 when there is no usable GPU.
 A missing optional tool (``ibv_devices``, a system ``ucx_info``) is recorded, not a failure.
@@ -105,6 +109,21 @@ def probe_gpu(c: Check) -> None:
     if s.rc != 0:
         last = [ln for ln in s.output.strip().splitlines() if ln.strip()]
         c.gpu = last[-1] if last else f"the probe exited {s.rc}"
+
+
+def topology_sections(c: Check) -> None:
+    """The real topology through multirail.topology (docs/topology.md), and nvidia-smi's view."""
+    c.a.logs.mkdir(parents=True, exist_ok=True)
+    c.run("GPU-NIC topology (multirail topology)", [str(VPY), "-m", "multirail", "topology"], 120)
+    s = c.run("GPU-NIC topology as JSON (multirail topology --json)", [str(VPY), "-m", "multirail", "topology", "--json"],
+              120, required=False)
+    if s.rc == 0:
+        (c.a.logs / "topology.json").write_text(s.output)
+    if shutil.which("nvidia-smi"):
+        c.run("nvidia-smi topo -m", ["nvidia-smi", "topo", "-m"], 60, required=False)
+    else:
+        c.skip("nvidia-smi topo -m", ["nvidia-smi", "topo", "-m"], "nvidia-smi is not installed", verdict="absent",
+               required=False)
 
 
 def host_sections(c: Check) -> None:
@@ -257,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gpu_sections(c)
     host_sections(c)
+    topology_sections(c)
     return report(c)
 
 

@@ -47,6 +47,10 @@ def test_gpu_check_says_no_gpu_and_fails_here(tmp_path: Path) -> None:
     assert "- result: pass, exit status 0" in ucx and "Transport: tcp" in ucx, ucx
     assert "- command: `" in ucx and "ucx_info -d`" in ucx, ucx
     assert (tmp_path / "report-logs").is_dir()
+    # The machine's real topology, recorded with what it found (no GPU here: NICs and NUMA plan).
+    topo = text.split("## GPU-NIC topology (multirail topology)")[1].split("\n## ")[0]
+    assert "- result: pass, exit status 0" in topo and "Rails per NUMA node" in topo, topo
+    assert (tmp_path / "report-logs" / "topology.json").is_file()
 
 
 def test_offline_gpu_check_runs_on_the_given_python_and_packs_its_output(tmp_path: Path) -> None:
