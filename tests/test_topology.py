@@ -377,3 +377,35 @@ def test_cli_json_gpus_file_and_hints(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "WARNING: no GPU shares a PCIe switch" in out
     rc, _, err = run_cli(capsys, "--sysfs", str(tmp_path / "missing"))
     assert rc == 2 and "bus/pci/devices" in err
+
+
+def test_hint_problems_are_warnings_not_silence(tmp_path: Path) -> None:
+    sysr = F.build(tmp_path, F.azure_ndv5())
+    hints = {"0001:00:00.0": ["mlx5_an0"], "0099:00:00.0": ["ib1"], "GPU-nope": ["ib2"], "0002:00:00.0": ["ib1"]}
+    topo = Topology.load(sysr, hints=hints)
+    assert any("0099:00:00.0" in w and "no such GPU" in w for w in topo.warnings)
+    assert any("GPU-nope" in w for w in topo.warnings)
+    plan = topo.rail_plan()
+    assert any("none of ['mlx5_an0']" in w for w in plan.warnings), "an excluded NIC named by a hint is said"
+    assert plan.for_gpu("0001:00:00.0")[0].cls == "NODE"
+    assert (plan.for_gpu("0002:00:00.0")[0].cls, rdma(plan.for_gpu("0002:00:00.0"))) == ("HINT", ["mlx5_ib1"])
+    assert len(topo.rail_plan().warnings) == len(plan.warnings), "planning twice adds nothing to the facts"
+
+
+def test_virtio_netdev_maps_to_its_pci_function(tmp_path: Path) -> None:
+    spec = F.Spec("vm", [F.Fn(("pci0000:00", "0000:00:03.0"), 0x1AF4, 0x1041, F.ETH_CLS, 0, "0-3")], {0: "0-3"})
+    sysr = F.build(tmp_path, spec)
+    fn_dir = Path(os.path.realpath(sysr / "bus" / "pci" / "devices" / "0000:00:03.0"))
+    (fn_dir / "virtio0" / "net" / "eth0").mkdir(parents=True)
+    os.symlink("../../../virtio0", fn_dir / "virtio0" / "net" / "eth0" / "device")
+    os.symlink(os.path.relpath(fn_dir / "virtio0" / "net" / "eth0", sysr / "class" / "net"), sysr / "class" / "net" / "eth0")
+    topo = Topology.load(sysr)
+    assert [(n.netdev, n.pci.bdf) for n in topo.nics] == [("eth0", "0000:00:03.0")]
+    assert nic_affinity("eth0", sysr).numa_node == 0
+    assert rdma(topo.rail_plan().for_numa(0)) == [None], "a host without RDMA: every PCI netdev is a candidate"
+
+
+def test_numa_matrix(tmp_path: Path) -> None:
+    topo = load(tmp_path, F.dgx())
+    m = topo.numa_matrix()
+    assert m[0]["ibp24s0"] == "NODE" and m[1]["ibp24s0"] == "SYS" and m[0]["eno1"] == "NODE"

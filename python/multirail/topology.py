@@ -86,7 +86,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -326,12 +326,17 @@ def _read(p: Path) -> str | None:
 
 
 def _pci_dir_of(link: Path) -> Path | None:
-    """The PCI function directory a ``class/*/X/device`` link points at, if it is one."""
+    """The PCI function directory a ``class/*/X/device`` link points at, if it is one; a virtio
+    NIC's link points at ``.../<BDF>/virtio<N>``, whose parent is the function."""
     try:
         real = Path(os.path.realpath(link))
     except OSError:
         return None
-    return real if real.is_dir() and _BDF_RE.match(real.name) else None
+    if not real.is_dir():
+        return None
+    if _BDF_RE.match(real.name):
+        return real
+    return real.parent if re.fullmatch(r"virtio\d+", real.name) and _BDF_RE.match(real.parent.name) else None
 
 
 @dataclass(frozen=True)
@@ -540,8 +545,20 @@ class Topology:
         topo.gpus = _assign_ordinals(gpu_devs, cuda, warnings)
         if hints is not None:
             topo.hints = _load_hints(hints)
+            topo._check_hints()
         topo._check_flat()
         return topo
+
+    def _check_hints(self) -> None:
+        known = {g.bus_id for g in self.gpus}
+        for key in self.hints:
+            try:
+                bus = self.gpu_bus_id(key, visible="")
+            except TopologyError as e:
+                self.warnings.append(f"hint for {key!r} ignored: {e}")
+                continue
+            if bus not in known:
+                self.warnings.append(f"hint for {key!r} ignored: no such GPU in this topology")
 
     def _check_flat(self) -> None:
         rdma = [n for n in self.nics if n.rdma] or self.nics
@@ -587,6 +604,10 @@ class Topology:
         """{gpu bus id: {nic name: class}}."""
         return {g.bus_id: {n.name: classify(g.pci, n.pci) for n in self.nics} for g in self.gpus}
 
+    def numa_matrix(self) -> dict[int, dict[str, str]]:
+        """{NUMA node (with CPUs): {nic name: NODE or SYS}}."""
+        return {node: {n.name: self.numa_class(node, n) for n in self.nics} for node in sorted(self.nodes)}
+
     def numa_class(self, node: int, nic: Nic) -> str:
         """NODE when the NIC is on the node (or its node is unknown on a one-node host), else SYS."""
         if nic.pci.numa_node >= 0:
@@ -616,8 +637,9 @@ class Topology:
             gpu_tiers[g.bus_id], excluded[g.bus_id] = _tiers(cands, classes, inc, f"GPU {g.bus_id}")
         if share == "split":
             _split_shared(self.gpus, gpu_tiers)
+        warnings = list(self.warnings)
         for g in self.gpus:
-            hinted = self._hint_tier(g, cands)
+            hinted = self._hint_tier(g, cands, warnings)
             if hinted is not None:
                 keep = {n.pci for n in hinted.nics}
                 rest = [Tier(t.cls, tuple(n for n in t.nics if n.pci not in keep), t.reason) for t in gpu_tiers[g.bus_id]]
@@ -626,7 +648,7 @@ class Topology:
         for node in sorted(self.nodes):
             classes = {n.pci.bdf: self.numa_class(node, n) for n in cands}
             numa_tiers[node], excluded[f"numa{node}"] = _tiers(cands, classes, inc, f"NUMA node {node}")
-        return RailPlan(gpu_tiers, numa_tiers, excluded, list(self.warnings),
+        return RailPlan(gpu_tiers, numa_tiers, excluded, warnings,
                         {g.ordinal: g.bus_id for g in self.gpus}, self)
 
     def _candidates(self, inc: set[str]) -> tuple[list[Nic], list[Exclusion]]:
@@ -662,14 +684,14 @@ class Topology:
                 final.append(n)
         return final, out
 
-    def _hint_tier(self, g: Gpu, cands: list[Nic]) -> Tier | None:
+    def _hint_tier(self, g: Gpu, cands: list[Nic], warnings: list[str]) -> Tier | None:
         names = None
         for k, v in self.hints.items():
             try:
                 if self.gpu_bus_id(k, visible="") == g.bus_id:
                     names = v
             except TopologyError:
-                continue
+                continue  # said once by _check_hints
         if not names:
             return None
         chosen: list[NicChoice] = []
@@ -678,7 +700,8 @@ class Topology:
                 if want in (n.netdev, n.rdma) or _same_bdf(want, n.pci.bdf):
                     chosen.append(_choice(n, classify(g.pci, n.pci), "named for this GPU by the hint file"))
         if not chosen:
-            self.warnings.append(f"hint for GPU {g.bus_id}: none of {names} is a usable NIC")
+            warnings.append(f"hint for GPU {g.bus_id}: none of {names} is a usable NIC (unknown or excluded): "
+                            "the GPU's tiers come from the PCI tree")
             return None
         return Tier("HINT", tuple(chosen), "the hint file pairs them")
 
@@ -745,8 +768,8 @@ def _split_shared(gpus: list[Gpu], tiers: dict[str, list[Tier]]) -> None:
             mine = set(ordered[lo:hi])
             why = (f"shared-switch split: {gcount} GPUs share these {ncount} NICs; GPU {i + 1} of {gcount} "
                    f"(by PCI address) takes NICs {lo + 1}-{hi} (by PCI address)")
-            own = tuple(NicChoice(**{**n.__dict__, "reason": f"{n.reason}; {why}"}) for n in first.nics if n.pci in mine)
-            sib = tuple(NicChoice(**{**n.__dict__, "reason": f"{n.reason}; the other GPUs' share, used after this GPU's own"})
+            own = tuple(replace(n, reason=f"{n.reason}; {why}") for n in first.nics if n.pci in mine)
+            sib = tuple(replace(n, reason=f"{n.reason}; the other GPUs' share, used after this GPU's own")
                         for n in first.nics if n.pci not in mine)
             tiers[g.bus_id] = [Tier(cls, own, f"{first.reason}, this GPU's share"),
                                Tier(cls, sib, f"{first.reason}, shared with the other GPUs")] + tiers[g.bus_id][1:]
@@ -975,7 +998,8 @@ def topology_json(topo: Topology, plan: RailPlan) -> dict[str, Any]:
              "pcie": {"width": n.pci.cur_width, "max_width": n.pci.max_width, "speed": n.pci.cur_speed,
                       "max_speed": n.pci.max_speed}} for n in topo.nics]
     return {"tool": "multirail topology", "version": 1, "root": topo.root, "cuda_view": topo.cuda_source,
-            "nics": nics, "matrix": topo.matrix(), **plan.to_json()}
+            "nics": nics, "matrix": topo.matrix(), "numa_matrix": {str(k): v for k, v in topo.numa_matrix().items()},
+            **plan.to_json()}
 
 
 def _cmd(args: Any) -> int:
