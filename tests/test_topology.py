@@ -409,3 +409,20 @@ def test_numa_matrix(tmp_path: Path) -> None:
     topo = load(tmp_path, F.dgx())
     m = topo.numa_matrix()
     assert m[0]["ibp24s0"] == "NODE" and m[1]["ibp24s0"] == "SYS" and m[0]["eno1"] == "NODE"
+
+
+def test_live_cuda_view_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the live /sys, the CUDA view comes from nvidia-smi (here a stand-in script)."""
+    from multirail import topology
+
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid,pci.bus_id ] || exit 3\n"
+                    "echo '0, GPU-aaaa, 00000000:1B:00.0'\necho '1, GPU-bbbb, 00000000:43:00.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    view, source = topology._cuda_view(None, Path("/sys"))
+    assert source == "nvidia-smi"
+    assert view == [{"ordinal": 0, "uuid": "GPU-aaaa", "pci_bus_id": "0000:1b:00.0"},
+                    {"ordinal": 1, "uuid": "GPU-bbbb", "pci_bus_id": "0000:43:00.0"}]
+    assert topology._cuda_view(None, tmp_path)[1] == "pci order", "a fixture root never asks the host's nvidia-smi"
