@@ -426,3 +426,15 @@ def test_live_cuda_view_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.Monk
     assert view == [{"ordinal": 0, "uuid": "GPU-aaaa", "pci_bus_id": "0000:1b:00.0"},
                     {"ordinal": 1, "uuid": "GPU-bbbb", "pci_bus_id": "0000:43:00.0"}]
     assert topology._cuda_view(None, tmp_path)[1] == "pci order", "a fixture root never asks the host's nvidia-smi"
+
+
+def test_storage_rule_counts_only_usable_nics(tmp_path: Path) -> None:
+    """A DPU (or a management NIC) under a GPU switch must not turn the host's real NICs into
+    'storage': only NICs that survive the other exclusions pair with a GPU."""
+    spec = F.gb200()
+    # a BF-3 function on GPU 0008's root port (PIX to it), as a DPU next to a GPU would be
+    spec.fns.append(F.Fn(("pci0008:00", "0008:00:00.0", "0008:02:00.0"), 0x15B3, F.BF3, F.ETH_CLS, 0, "0-71",
+                         ib="mlx5_9", netdev="roceP8p2s0", hca_type="MT41692", link_layer="Ethernet"))
+    plan = load(tmp_path, spec).rail_plan()
+    assert rdma(plan.for_gpu("0008:01:00.0")) == ["mlx5_0", "mlx5_1"]
+    assert rdma(plan.for_numa(1)) == ["mlx5_4", "mlx5_5"]

@@ -652,37 +652,44 @@ class Topology:
                         {g.ordinal: g.bus_id for g in self.gpus}, self)
 
     def _candidates(self, inc: set[str]) -> tuple[list[Nic], list[Exclusion]]:
+        """The NICs any location may use, and why each other one is out. In passes: the NIC's
+        kind, then its speed against the fastest left, then (among those left) storage."""
         out: list[Exclusion] = []
-        has_rdma = any(n.rdma for n in self.nics)
-        paired = {n.pci.bdf for n in self.nics for g in self.gpus if _RANK[classify(g.pci, n.pci)] <= _RANK["PXB"]}
-        keep: list[Nic] = []
-        for n in self.nics:
-            why = None
-            if has_rdma and not n.rdma and "tcp" not in inc:
-                why = "no RDMA device while the host has RDMA NICs (a management or ENA-style NIC; include 'tcp' to use it)"
-            elif n.is_dpu and "dpu" not in inc:
-                why = f"BlueField DPU function ({n.hca_type or hex(n.pci.device or 0)}): storage/in-band, not GPU data (include 'dpu')"
-            elif n.pci.max_width == 1 and "narrow" not in inc:
-                why = "PCIe x1: a management function (e.g. NVLink-management CX-7), not a data NIC (include 'narrow')"
-            elif n.port_state is not None and n.port_state != "ACTIVE" and "down" not in inc:
-                why = f"RDMA port state {n.port_state} (no cable or link down; include 'down')"
-            elif paired and n.pci.bdf not in paired and "storage" not in inc:
-                why = (f"at PHB or farther from every GPU while {len(paired)} NICs are at PXB or better to one: "
-                       "a storage or in-band NIC (include 'storage')")
-            if why:
-                out.append(Exclusion(n.name, n.pci.bdf, why))
-            else:
-                keep.append(n)
+        keep = [n for n in self.nics if not self._kind_excluded(n, inc, out)]
         widest = max((n.link_gbps or 0 for n in keep), default=0)
-        final: list[Nic] = []
+        fast: list[Nic] = []
         for n in keep:
             bw = n.link_gbps
             if bw and widest and bw < widest / 4 and "narrow" not in inc:
                 out.append(Exclusion(n.name, n.pci.bdf, f"{bw:g} Gbit/s (port rate or PCIe link), under a quarter of "
                                      f"the fastest NIC's {widest:g}: not a data rail (include 'narrow')"))
             else:
+                fast.append(n)
+        paired = {n.pci.bdf for n in fast for g in self.gpus if _RANK[classify(g.pci, n.pci)] <= _RANK["PXB"]}
+        if not paired or "storage" in inc:
+            return fast, out
+        final: list[Nic] = []
+        for n in fast:
+            if n.pci.bdf in paired:
                 final.append(n)
+            else:
+                out.append(Exclusion(n.name, n.pci.bdf, f"at PHB or farther from every GPU while {len(paired)} NICs are "
+                                     "at PXB or better to one: a storage or in-band NIC (include 'storage')"))
         return final, out
+
+    def _kind_excluded(self, n: Nic, inc: set[str], out: list[Exclusion]) -> bool:
+        why = None
+        if not n.rdma and "tcp" not in inc and any(m.rdma for m in self.nics):
+            why = "no RDMA device while the host has RDMA NICs (a management or ENA-style NIC; include 'tcp' to use it)"
+        elif n.is_dpu and "dpu" not in inc:
+            why = f"BlueField DPU function ({n.hca_type or hex(n.pci.device or 0)}): storage/in-band, not GPU data (include 'dpu')"
+        elif n.pci.max_width == 1 and "narrow" not in inc:
+            why = "PCIe x1: a management function (e.g. NVLink-management CX-7), not a data NIC (include 'narrow')"
+        elif n.port_state is not None and n.port_state != "ACTIVE" and "down" not in inc:
+            why = f"RDMA port state {n.port_state} (no cable or link down; include 'down')"
+        if why:
+            out.append(Exclusion(n.name, n.pci.bdf, why))
+        return why is not None
 
     def _hint_tier(self, g: Gpu, cands: list[Nic], warnings: list[str]) -> Tier | None:
         names = None
