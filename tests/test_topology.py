@@ -438,3 +438,15 @@ def test_storage_rule_counts_only_usable_nics(tmp_path: Path) -> None:
     plan = load(tmp_path, spec).rail_plan()
     assert rdma(plan.for_gpu("0008:01:00.0")) == ["mlx5_0", "mlx5_1"]
     assert rdma(plan.for_numa(1)) == ["mlx5_4", "mlx5_5"]
+
+
+def test_cli_include_and_share(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sysr = F.build(tmp_path, F.aws_p5en())
+    rc, out, _ = run_cli(capsys, "--sysfs", str(sysr), "--share", "all", "--json")
+    g0 = next(g for g in json.loads(out)["gpus"] if g["pci_bus_id"] == "0000:59:00.0")
+    assert rc == 0 and [c["rdma"] for c in g0["chosen"]] == [f"rdmap{e}s0" for e in (85, 86, 87, 88)]
+    rc, out, _ = run_cli(capsys, "--sysfs", str(sysr), "--include", "tcp,sys", "--json")
+    g0 = next(g for g in json.loads(out)["gpus"] if g["pci_bus_id"] == "0000:59:00.0")
+    assert any(n["netdev"] == "enp71s0" for t in g0["tiers"] for n in t["nics"]) and g0["tiers"][-1]["class"] == "SYS"
+    rc, _, err = run_cli(capsys, "--sysfs", str(sysr), "--include", "everything")
+    assert rc == 2 and "unknown include" in err

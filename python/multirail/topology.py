@@ -44,7 +44,8 @@ Model
      NIC, is excluded); on a host without RDMA, every PCI netdev is a candidate.
    * Excluded unless asked for (``include=``): ``"dpu"`` BlueField DPU functions (0xa2d6,
      0xa2dc, or ``hca_type`` MT41686/MT41692); ``"storage"`` NICs at PHB or farther from every
-     GPU while other NICs are at PXB or better to some GPU (DGX storage/in-band NICs);
+     GPU while other NICs, not excluded otherwise, are at PXB or better to some GPU (DGX
+     storage/in-band NICs);
      ``"narrow"`` x1 functions (NVLink management CX-7 on HGX B200) and NICs that carry less
      than a quarter of the fastest candidate (port rate capped by the PCIe link: Azure's
      accelerated-networking VF next to 400G IB VFs); ``"down"`` RDMA ports that are not
