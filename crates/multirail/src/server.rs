@@ -22,11 +22,11 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_gpu::{DevicePtr, Pages, Src};
-use multirail_proto::codec::{Role, Status, VecOp};
+use multirail_proto::codec::{RemoteOp, Role, Status, VecOp};
 use multirail_proto::{AgentMeta, Body, DecodeError, MemType, RailInfo};
 
 use crate::auth;
@@ -448,51 +448,176 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
-    let mut inb = wire::Inbound::new();
-    // Bounce pools for GPU regions, made on the first request that needs one.
-    let mut stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
-    // WRITEs into GPU memory received but maybe not landed: their last H2D copies run while the
-    // next request is read, so the pipeline does not drain at every request. Their responses go
-    // out in order once landed, and always before this connection waits for the socket or
-    // serves anything else. The fence lock is held meanwhile (`held`).
-    let mut pending = PendingWrites::default();
-    // Answers of landed WRITEs go out on a second handle of the socket while this one is
-    // receiving the next payload (made on first use).
-    let mut answers: Option<TcpStream> = None;
-    let mut held: Option<std::sync::MutexGuard<'_, ()>> = None;
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-    let spin = wire::SpinBudget::new(sh.ctx.cfg.serve_spin);
     // Only data connections busy-poll for their next request. A control connection carries
     // notifications, fences, probes and metadata: nothing waits on its round trip by the
     // microsecond, and its spin after each of a request's per-layer notifications took ~100 us
     // of CPU apiece (~10% of a core in loopback kv at 8 KiB pages) from the data path's threads.
     let spins = role == Role::Data && sh.ctx.cfg.progress != Progress::Block;
-    loop {
-        if !pending.is_empty() && inb.unread() == 0 && !wire::readable_now(fd) {
-            // Nothing more to read right now: let every pending WRITE land and answer it.
-            let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
-            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, true, &mut t).is_err() {
-                break;
-            }
-            held = None;
+    Conn::new(sh, &me, ctr, &peer_name, &who, s).run(spins);
+}
+
+/// What a request handler returns; an error ends the connection (the stream is out of step, the
+/// connection was fenced or the agent is closing; the initiator reissues on another path).
+type Handled = std::result::Result<(), WireError>;
+type TickFn<'t> = dyn FnMut(bool) -> std::result::Result<(), String> + 't;
+
+/// The error a handler returns to end its connection without a word to the peer.
+fn hang_up() -> WireError {
+    WireError::GaveUp(String::new())
+}
+
+fn ok_resp() -> Body {
+    Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }
+}
+
+/// The tick of one request: gives up when the agent closes, the connection is fenced, or the
+/// request has run `timeout`.
+fn request_tick<'t>(sh: &'t Shared, me: &'t Served, timeout: Duration) -> impl FnMut(bool) -> std::result::Result<(), String> + 't {
+    let t0 = Instant::now();
+    move |_| {
+        if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
+            Err(String::new())
+        } else if t0.elapsed() > timeout {
+            Err(format!("request not completed within {timeout:?}"))
+        } else {
+            Ok(())
         }
-        // Idle between frames is fine; a frame, once started, must finish within `timeout`.
-        let mut started_at: Option<Instant> = None;
-        let mut tick = |started: bool| {
-            if sh.shutdown.load(Ordering::Acquire) {
-                return Err(String::new());
-            }
-            if started {
-                let t = *started_at.get_or_insert_with(Instant::now);
-                if t.elapsed() > timeout {
-                    return Err(format!("frame not completed within {timeout:?}"));
+    }
+}
+
+/// The fence lock of a served connection (`Served::apply`) and the GPU WRITEs it covers.
+///
+/// Invariant, between requests: the lock is held exactly while GPU WRITEs are pending (received,
+/// their last copies maybe still running). `check` asserts it in debug builds at every request.
+/// Every acquisition of the lock on the serving thread goes through these methods, so that thread
+/// never takes it twice, and a `Fence` of the connection waits only for WRITEs in flight.
+struct FenceLock<'a> {
+    apply: &'a Mutex<()>,
+    held: Option<MutexGuard<'a, ()>>,
+    pending: PendingWrites,
+}
+
+impl<'a> FenceLock<'a> {
+    fn new(apply: &'a Mutex<()>) -> Self {
+        FenceLock { apply, held: None, pending: PendingWrites::default() }
+    }
+
+    fn check(&self) {
+        debug_assert_eq!(self.held.is_some(), !self.pending.is_empty(), "the fence lock is held exactly while GPU WRITEs are pending");
+    }
+
+    /// Take the lock (or keep it) for a GPU WRITE about to be staged; `push` records it.
+    fn hold(&mut self) {
+        if self.held.is_none() {
+            self.held = Some(self.apply.lock().expect("apply lock"));
+        }
+    }
+
+    fn push(&mut self, req_id: u64, len: u64, region: Arc<Region>) {
+        debug_assert!(self.held.is_some(), "a staged WRITE is pending only under the fence lock");
+        self.pending.push(req_id, len, region);
+    }
+
+    /// After pending WRITEs were answered: the lock goes once none is left.
+    fn settle(&mut self) {
+        if self.pending.is_empty() {
+            self.held = None;
+        }
+    }
+
+    /// The lock for one host WRITE, which the caller applies and then drops. No GPU WRITE is
+    /// pending then (the dispatcher answers them before anything else).
+    fn for_host_write(&mut self) -> MutexGuard<'a, ()> {
+        debug_assert!(self.pending.is_empty() && self.held.is_none());
+        self.held.take().unwrap_or_else(|| self.apply.lock().expect("apply lock"))
+    }
+}
+
+/// One served control or data connection after its handshake: its socket and what its requests
+/// share. `run` is the dispatcher: it waits for a frame and hands it to the handler of its kind
+/// (one per row of docs/PROTOCOL.md's table); a handler answers, or ends the connection.
+struct Conn<'a> {
+    sh: &'a Shared,
+    me: &'a Served,
+    ctr: Arc<ServedCounters>,
+    peer: &'a str,
+    who: &'a str,
+    timeout: Duration,
+    s: TcpStream,
+    fd: std::os::fd::RawFd,
+    inb: wire::Inbound,
+    /// Bounce pools for GPU regions, made on the first request that needs one.
+    stage: Stagers,
+    /// Answers of landed GPU WRITEs go out on a second handle of the socket while this one is
+    /// receiving the next payload (made on first use).
+    answers: Option<TcpStream>,
+    /// WRITEs into GPU memory received but maybe not landed: their last H2D copies run while
+    /// the next request is read, so the pipeline does not drain at every request. Their
+    /// responses go out in order once landed, and always before this connection waits for the
+    /// socket or serves anything else. The fence lock is held meanwhile.
+    lock: FenceLock<'a>,
+}
+
+impl<'a> Conn<'a> {
+    fn new(sh: &'a Shared, me: &'a Served, ctr: Arc<ServedCounters>, peer: &'a str, who: &'a str, s: TcpStream) -> Self {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
+        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
+        Conn {
+            sh,
+            me,
+            ctr,
+            peer,
+            who,
+            timeout: sh.ctx.cfg.timeout,
+            s,
+            fd,
+            inb: wire::Inbound::new(),
+            stage,
+            answers: None,
+            lock: FenceLock::new(&me.apply),
+        }
+    }
+
+    fn closing(&self) -> bool {
+        self.sh.shutdown.load(Ordering::Acquire) || self.me.fenced.load(Ordering::Acquire)
+    }
+
+    /// The dispatcher.
+    fn run(mut self, spins: bool) {
+        let spin = wire::SpinBudget::new(self.sh.ctx.cfg.serve_spin);
+        loop {
+            self.lock.check();
+            if !self.lock.pending.is_empty() && self.inb.unread() == 0 && !wire::readable_now(self.fd) {
+                // Nothing more to read right now: let every pending WRITE land and answer it.
+                let sh = self.sh;
+                let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
+                if self.flush_writes(true, &mut t).is_err() {
+                    break;
                 }
             }
-            Ok(())
-        };
+            self.wait_for_request(spins, &spin);
+            let Some((h, body)) = self.next_frame() else { break };
+            if self.sh.shutdown.load(Ordering::SeqCst) || self.me.fenced.load(Ordering::Acquire) {
+                break; // closing (or fenced): serve nothing more, touch no memory
+            }
+            let mut tick = request_tick(self.sh, self.me, self.timeout);
+            if self.dispatch(h.req_id, body, &mut tick).is_err() {
+                break;
+            }
+        }
+        // Before the fence lock goes: no staged copy may still write the application's memory.
+        let Conn { mut stage, lock, s, .. } = self;
+        stage.abandon();
+        drop(lock);
+        let _ = s.shutdown(Shutdown::Both);
+    }
+
+    /// Waits until a request starts to arrive (or the agent closes, or a fence aborts the socket).
+    fn wait_for_request(&mut self, spins: bool, spin: &wire::SpinBudget) {
+        let (sh, me, fd) = (self.sh, self.me, self.fd);
         // When a spin ran out: when it began (the budget grows back if the request came soon after).
         let mut spun_out: Option<Instant> = None;
-        if spins && inb.unread() == 0 {
+        if spins && self.inb.unread() == 0 {
             // Busy-poll for the next request before sleeping in the kernel: a client in a
             // round-trip loop sends it within microseconds, and a wake-up costs more.
             // `Poll` spins the whole `serve_spin` every time (its contract: busy-poll for it after
@@ -511,324 +636,355 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         // (an idle peer cost 20 wake-ups a second per connection; 64 idle peers x 2 rails took
         // 2.6% of a core). Close and fence abort the socket, which wakes the poll at once;
         // IDLE_WAIT only bounds a wake-up that could be missed.
-        while inb.unread() == 0 && !wire::poll_in(fd, IDLE_WAIT) {
-            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
+        while self.inb.unread() == 0 && !wire::poll_in(fd, IDLE_WAIT) {
+            if self.closing() {
                 break;
             }
         }
         if let Some(t) = spun_out {
             spin.woke(t.elapsed());
         }
-        let (h, body) = match inb.read_frame(&mut s, &mut tick) {
-            Ok(f) => f,
+    }
+
+    /// The next frame; None ends the connection (refused with a reason where there is one).
+    fn next_frame(&mut self) -> Option<(multirail_proto::codec::Header, Body)> {
+        let (sh, timeout) = (self.sh, self.timeout);
+        // Idle between frames is fine; a frame, once started, must finish within `timeout`.
+        let mut started_at: Option<Instant> = None;
+        let mut tick = |started: bool| {
+            if sh.shutdown.load(Ordering::Acquire) {
+                return Err(String::new());
+            }
+            if started {
+                let t = *started_at.get_or_insert_with(Instant::now);
+                if t.elapsed() > timeout {
+                    return Err(format!("frame not completed within {timeout:?}"));
+                }
+            }
+            Ok(())
+        };
+        match self.inb.read_frame(&mut self.s, &mut tick) {
+            Ok(f) => Some(f),
             Err(WireError::Decode(e)) => {
-                refuse(sh, &ctr, &mut s, &who, decode_status(&e), e.to_string());
-                break;
+                refuse(sh, &self.ctr, &mut self.s, self.who, decode_status(&e), e.to_string());
+                None
             }
             Err(WireError::GaveUp(m)) => {
                 if !m.is_empty() {
-                    refuse(sh, &ctr, &mut s, &who, Status::Malformed, m);
+                    refuse(sh, &self.ctr, &mut self.s, self.who, Status::Malformed, m);
                 }
-                break;
+                None
             }
-            Err(WireError::Io(_)) => break,
-        };
-        if sh.shutdown.load(Ordering::SeqCst) || me.fenced.load(Ordering::Acquire) {
-            // Closing (or fenced): serve nothing more, touch no memory.
-            break;
+            Err(WireError::Io(_)) => None,
         }
-        let t0 = Instant::now();
-        let mut op_tick = |_: bool| {
-            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
-                Err(String::new())
-            } else if t0.elapsed() > timeout {
-                Err(format!("request not completed within {timeout:?}"))
-            } else {
-                Ok(())
+    }
+
+    /// One request to its handler. Answers go out in request order: GPU WRITEs still pending are
+    /// answered first, unless this is another GPU WRITE into the same device.
+    fn dispatch(&mut self, req: u64, body: Body, tick: &mut TickFn<'_>) -> Handled {
+        let gpu_write = self.gpu_write_target(&body);
+        if !self.lock.pending.is_empty() && gpu_write.as_ref().is_none_or(|(_, r)| Some(r.dev) != self.lock.pending.dev) {
+            self.flush_writes(true, tick)?;
+        }
+        if let Some((dst, region)) = gpu_write {
+            return self.write_gpu(req, dst, region, tick);
+        }
+        match body {
+            Body::ReadReq(op) => self.read(req, op, tick),
+            Body::WriteReq(op) => self.write(req, op, tick),
+            Body::Notif(msg) => self.notif(req, msg, tick),
+            Body::Ping => self.answer(req, &ok_resp(), tick),
+            Body::Fence(ids) => self.fence(req, &ids, tick),
+            Body::ReadVReq(op) => self.read_vec(req, op, tick),
+            Body::WriteVReq(op) => self.write_vec(req, op, tick),
+            Body::MetaGet => self.answer(req, &Body::Meta(self.sh.metadata().encode()), tick),
+            Body::MetaPut(blob) => self.meta_put(req, &blob, tick),
+            Body::IpcReq { host, watch, regions } => {
+                let answer =
+                    crate::ipc::answer(&self.sh.ctx.cfg, &self.sh.registry, &self.sh.ipc_exports, self.peer, host, watch, &regions);
+                self.answer(req, &answer, tick)
             }
-        };
-        // A WRITE into GPU memory (one range, or a vectored request's pages): staged, answered
-        // once it has landed. Refused ones take the normal path below (which says why).
-        let vram_write = match &body {
-            Body::WriteReq(op) => sh
-                .registry
+            other => {
+                refuse(self.sh, &self.ctr, &mut self.s, self.who, Status::Unexpected, format!("{:?} is not a request", other.kind()));
+                Err(hang_up())
+            }
+        }
+    }
+
+    fn answer(&mut self, req: u64, body: &Body, tick: &mut TickFn<'_>) -> Handled {
+        wire::send(&mut self.s, body, req, tick)
+    }
+
+    /// A request the registry (or a handler) refused: counted, answered with why.
+    fn refused(&mut self, req: u64, status: Status, msg: String, tick: &mut TickFn<'_>) -> Handled {
+        count_refused(self.sh, &self.ctr, status);
+        self.answer(req, &Body::Resp { status, bulk_len: 0, msg }, tick)
+    }
+
+    fn served(&self, write: bool, bytes: u64) {
+        let c = &self.ctr;
+        let (b, n) = if write { (&c.bytes_written, &c.requests_written) } else { (&c.bytes_read, &c.requests_read) };
+        b.fetch_add(bytes, Ordering::Relaxed);
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Answers the pending GPU WRITEs that have landed (all of them when `wait`); the fence lock
+    /// goes when none is left.
+    fn flush_writes(&mut self, wait: bool, tick: &mut TickFn<'_>) -> Handled {
+        let r = self.lock.pending.flush(&mut self.stage, &mut self.s, &mut self.inb, &self.ctr, wait, tick);
+        self.lock.settle();
+        r
+    }
+
+    /// Where a request writes into GPU memory (one range, or a vectored request's pages), when
+    /// the registry accepts it and it carries bytes. Refused ones take their handler, which says
+    /// why; a zero-length WRITE is answered there without touching staging.
+    fn gpu_write_target(&self, body: &Body) -> Option<(Src, Arc<Region>)> {
+        let reg = &self.sh.registry;
+        match body {
+            Body::WriteReq(op) if op.len > 0 => reg
                 .check_remote(op, true)
                 .ok()
                 .filter(|r| r.mem == MemType::Vram)
                 .map(|r| (Src::At(DevicePtr(r.ptr(op.offset) as u64), op.len), r)),
-            Body::WriteVReq(op) => {
-                sh.registry.check_vec(op, true).ok().filter(|r| r.mem == MemType::Vram).map(|r| (region_pages(&r, op), r))
-            }
+            Body::WriteVReq(op) => reg.check_vec(op, true).ok().filter(|r| r.mem == MemType::Vram).map(|r| (region_pages(&r, op), r)),
             _ => None,
-        };
-        if !pending.is_empty() && vram_write.as_ref().is_none_or(|(_, r)| Some(r.dev) != pending.dev) {
-            // Responses go out in request order: the pending WRITEs first.
-            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, true, &mut op_tick).is_err() {
-                break;
-            }
-            held = None;
-        }
-        if let Some((dst, region)) = vram_write {
-            let len = dst.len();
-            if held.is_none() {
-                held = Some(me.apply.lock().expect("apply lock"));
-            }
-            if me.fenced.load(Ordering::Acquire) {
-                break;
-            }
-            if answers.is_none() {
-                match s.try_clone() {
-                    Ok(w) => answers = Some(w),
-                    Err(_) => break,
-                }
-            }
-            let w = answers.as_mut().expect("made above");
-            let mut answer_err = None;
-            let mut landed = |tag: u64| {
-                if answer_err.is_none() {
-                    if let Err(e) = pending.answer(tag, w, &ctr, &mut |_| {
-                        if sh.shutdown.load(Ordering::Acquire) {
-                            Err(String::new())
-                        } else {
-                            Ok(())
-                        }
-                    }) {
-                        answer_err = Some(e);
-                    }
-                }
-            };
-            let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
-            // SAFETY: check_remote / check_vec proved every range lies in the region, GPU
-            // memory of `region.dev`, registered read-write; `pending` holds the region until
-            // the segment has landed, and the fence lock stays held until then.
-            let r = unsafe { stage.recv_segment_notify(region.dev, dst, h.req_id, &mut inp, Some(&mut landed)) };
-            if r.is_err() || answer_err.is_some() {
-                break; // the stream is out of step; the initiator reissues on another path
-            }
-            pending.push(h.req_id, len, region);
-            if pending.flush(&mut stage, &mut s, &mut inb, &ctr, false, &mut op_tick).is_err() {
-                break;
-            }
-            continue;
-        }
-        // READs of GPU memory (one range, or a vectored request's pages): one staging
-        // pipeline over this READ and the READs of the same GPU already read ahead behind it:
-        // the D2H of the next overlaps the sends of this one (no fill at every request). Each
-        // answer's header goes right before its payload; the regions stay held until all are
-        // sent. `first` passed the registry's checks; a READ behind it that would be refused,
-        // or is of other memory, waits for the normal path.
-        let mut staged_reads = |first: (Src, u64, Vec<u8>), region: Arc<Region>| {
-            let dev = region.dev;
-            let mut held_regions = vec![region];
-            let mut more = || {
-                if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
-                    return None;
-                }
-                if inb.peek_frame().is_none() {
-                    inb.fill_now(fd); // requests the initiator pipelined behind
-                }
-                let (h2, r2, src, n) = match inb.peek_frame()? {
-                    (h2, Body::ReadReq(op2), n) => {
-                        let r2 = sh.registry.check_remote(&op2, false).ok()?;
-                        let src = Src::At(DevicePtr(r2.ptr(op2.offset) as u64), op2.len);
-                        (h2, r2, src, n)
-                    }
-                    (h2, Body::ReadVReq(op2), n) => {
-                        let r2 = sh.registry.check_vec(&op2, false).ok()?;
-                        (h2, r2.clone(), region_pages(&r2, &op2), n)
-                    }
-                    _ => return None,
-                };
-                if r2.mem != MemType::Vram || r2.dev != dev {
-                    return None;
-                }
-                inb.consume(n);
-                ctr.bytes_read.fetch_add(src.len(), Ordering::Relaxed);
-                ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
-                held_regions.push(r2);
-                Some((src, h2.req_id, hdr2))
-            };
-            let mut out = SockOut::new(&mut s, &mut op_tick);
-            // SAFETY: check_remote / check_vec proved each range lies in its region (GPU memory
-            // of `dev`), held registered in `held_regions` until this returns.
-            unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
-        };
-        let r = match body {
-            Body::ReadReq(op) => match sh.registry.check_remote(&op, false) {
-                Ok(region) => {
-                    let hdr = Body::Resp { status: Status::Ok, bulk_len: op.len, msg: String::new() }.encode(h.req_id);
-                    let r = if region.mem == MemType::Vram {
-                        let first = (Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len), h.req_id, hdr.to_vec());
-                        staged_reads(first, region.clone())
-                    } else {
-                        // SAFETY: check_remote proved [offset, offset+len) lies in the region, and
-                        // `region` holds it registered for the duration of the write.
-                        let data = unsafe { std::slice::from_raw_parts(region.ptr(op.offset), op.len as usize) };
-                        wire::write_full(&mut s, &[&hdr, data], &mut op_tick)
-                    };
-                    if r.is_ok() {
-                        ctr.bytes_read.fetch_add(op.len, Ordering::Relaxed);
-                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r
-                }
-                Err((status, msg)) => {
-                    count_refused(sh, &ctr, status);
-                    wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
-                }
-            },
-            Body::ReadVReq(op) => match sh.registry.check_vec(&op, false) {
-                Ok(region) if region.mem == MemType::Vram => {
-                    // The pages gathered into the pinned buffers a buffer's worth at a time.
-                    let total = op.total();
-                    let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
-                    let first = (region_pages(&region, &op), h.req_id, hdr.to_vec());
-                    let r = staged_reads(first, region);
-                    if r.is_ok() {
-                        ctr.bytes_read.fetch_add(total, Ordering::Relaxed);
-                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r
-                }
-                Ok(region) => {
-                    let total = op.total();
-                    let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(h.req_id);
-                    let mut bufs: Vec<&[u8]> = Vec::with_capacity(op.pieces.len() + 1);
-                    bufs.push(&hdr);
-                    for p in &op.pieces {
-                        for k in 0..p.count {
-                            // SAFETY: check_vec proved every piece lies in the region (host
-                            // memory), which `region` holds registered while this is sent.
-                            bufs.push(unsafe { std::slice::from_raw_parts(region.ptr(p.offset + k * p.stride), p.len as usize) });
-                        }
-                    }
-                    let r = wire::write_full(&mut s, &bufs, &mut op_tick);
-                    if r.is_ok() {
-                        ctr.bytes_read.fetch_add(total, Ordering::Relaxed);
-                        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r
-                }
-                Err((status, msg)) => {
-                    count_refused(sh, &ctr, status);
-                    wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
-                }
-            },
-            // GPU regions were staged above; never a host write into one here.
-            Body::WriteVReq(op) => match sh.registry.check_vec(&op, true).and_then(|r| match r.mem {
-                MemType::Dram => Ok(r),
-                MemType::Vram => Err((Status::Unexpected, format!("region {} is GPU memory", op.region))),
-            }) {
-                Ok(region) => {
-                    let total = op.total();
-                    let guard = me.apply.lock().expect("apply lock");
-                    if me.fenced.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let mut spans: Vec<(*mut u8, usize)> = Vec::with_capacity(op.pieces.len());
-                    for p in &op.pieces {
-                        spans.extend((0..p.count).map(|k| (region.ptr(p.offset + k * p.stride), p.len as usize)));
-                    }
-                    // SAFETY: check_vec proved every piece lies in the region, host memory
-                    // registered read-write and held by `region` while this runs.
-                    let r = unsafe { inb.read_into_spans(&mut s, &spans, &mut op_tick) };
-                    drop(guard);
-                    if r.is_ok() {
-                        ctr.bytes_written.fetch_add(total, Ordering::Relaxed);
-                        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r.and_then(|_| {
-                        wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
-                    })
-                }
-                Err((status, msg)) => {
-                    // The payload is drained, never applied, so the stream stays in step.
-                    count_refused(sh, &ctr, status);
-                    inb.discard(&mut s, op.total(), &mut op_tick)
-                        .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
-                }
-            },
-            Body::WriteReq(op) => match sh.registry.check_remote(&op, true) {
-                Ok(region) => {
-                    let guard = me.apply.lock().expect("apply lock");
-                    if me.fenced.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let r = if region.mem == MemType::Vram {
-                        let mut inp = SockIn::new(&mut s, &mut inb, &mut op_tick);
-                        // SAFETY: as above, GPU memory of `region.dev`; every copy into it has
-                        // completed when this returns (so a fence after it finds none running).
-                        unsafe { stage.recv(region.dev, region.ptr(op.offset) as u64, op.len, &mut inp) }.map_err(staging_failed)
-                    } else {
-                        // SAFETY: as above; the region is registered read-write.
-                        let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
-                        inb.read_into(&mut s, dst, &mut op_tick)
-                    };
-                    drop(guard);
-                    if r.is_ok() {
-                        ctr.bytes_written.fetch_add(op.len, Ordering::Relaxed);
-                        ctr.requests_written.fetch_add(1, Ordering::Relaxed);
-                    }
-                    r.and_then(|_| {
-                        wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
-                    })
-                }
-                Err((status, msg)) => {
-                    count_refused(sh, &ctr, status);
-                    inb.discard(&mut s, op.len, &mut op_tick)
-                        .and_then(|_| wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick))
-                }
-            },
-            Body::IpcReq { host, watch, regions } => {
-                let answer = crate::ipc::answer(&sh.ctx.cfg, &sh.registry, &sh.ipc_exports, &peer_name, host, watch, &regions);
-                wire::send(&mut s, &answer, h.req_id, &mut op_tick)
-            }
-            Body::Notif(msg) => {
-                let (status, msg) = match sh.notifs.push(peer_name.clone(), msg) {
-                    Ok(()) => (Status::Ok, String::new()),
-                    Err(why) => {
-                        count_refused(sh, &ctr, Status::Busy);
-                        (Status::Busy, why)
-                    }
-                };
-                wire::send(&mut s, &Body::Resp { status, bulk_len: 0, msg }, h.req_id, &mut op_tick)
-            }
-            Body::Fence(ids) => {
-                fence(sh, &peer_name, &ids);
-                wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick)
-            }
-            Body::Ping => wire::send(&mut s, &Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() }, h.req_id, &mut op_tick),
-            Body::MetaGet => wire::send(&mut s, &Body::Meta(sh.metadata().encode()), h.req_id, &mut op_tick),
-            Body::MetaPut(blob) => {
-                let hint = s.peer_addr().ok().map(|a| a.ip());
-                let resp = match AgentMeta::decode(&blob) {
-                    Ok(meta) if meta.name != peer_name => Body::Resp {
-                        status: Status::Unexpected,
-                        bulk_len: 0,
-                        msg: format!("metadata names {:?} but the connection is from {peer_name:?}", meta.name),
-                    },
-                    Ok(meta) => match sh.add_remote(meta, hint) {
-                        Ok(_) => Body::Resp { status: Status::Ok, bulk_len: 0, msg: String::new() },
-                        Err(e) => Body::Resp { status: Status::Malformed, bulk_len: 0, msg: e.to_string() },
-                    },
-                    Err(e) => Body::Resp { status: decode_status(&e), bulk_len: 0, msg: e.to_string() },
-                };
-                wire::send(&mut s, &resp, h.req_id, &mut op_tick)
-            }
-            other => {
-                refuse(sh, &ctr, &mut s, &who, Status::Unexpected, format!("{:?} is not a request", other.kind()));
-                break;
-            }
-        };
-        if r.is_err() {
-            break;
         }
     }
-    // Before the fence lock goes: no staged copy may still write the application's memory.
-    stage.abandon();
-    drop(held);
-    let _ = s.shutdown(Shutdown::Both);
+
+    /// WriteReq / WriteVReq into GPU memory: staged under the fence lock, answered once landed.
+    fn write_gpu(&mut self, req: u64, dst: Src, region: Arc<Region>, tick: &mut TickFn<'_>) -> Handled {
+        let len = dst.len();
+        self.lock.hold();
+        if self.me.fenced.load(Ordering::Acquire) {
+            return Err(hang_up());
+        }
+        if self.answers.is_none() {
+            self.answers = Some(self.s.try_clone().map_err(|_| hang_up())?);
+        }
+        let Conn { sh, ctr, s, inb, stage, answers, lock, .. } = self;
+        let sh: &Shared = sh;
+        let w = answers.as_mut().ok_or_else(hang_up)?;
+        let pending = &mut lock.pending;
+        let mut answer_err = None;
+        let mut landed = |tag: u64| {
+            if answer_err.is_none() {
+                let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
+                if let Err(e) = pending.answer(tag, w, ctr, &mut t) {
+                    answer_err = Some(e);
+                }
+            }
+        };
+        let mut inp = SockIn::new(s, inb, tick);
+        // SAFETY: check_remote / check_vec proved every range lies in the region, GPU memory of
+        // `region.dev`, registered read-write; `pending` holds the region until the segment has
+        // landed, and the fence lock stays held until then.
+        let r = unsafe { stage.recv_segment_notify(region.dev, dst, req, &mut inp, Some(&mut landed)) };
+        if r.is_err() || answer_err.is_some() {
+            return Err(hang_up()); // the stream is out of step; the initiator reissues on another path
+        }
+        self.lock.push(req, len, region);
+        self.flush_writes(false, tick)
+    }
+
+    /// ReadReq: the range's bytes follow the answer.
+    fn read(&mut self, req: u64, op: RemoteOp, tick: &mut TickFn<'_>) -> Handled {
+        let region = match self.sh.registry.check_remote(&op, false) {
+            Ok(r) => r,
+            Err((status, msg)) => return self.refused(req, status, msg, tick),
+        };
+        let hdr = Body::Resp { status: Status::Ok, bulk_len: op.len, msg: String::new() }.encode(req);
+        let r = if op.len == 0 {
+            // Nothing to stage or copy: a staged segment without pieces would never send its header.
+            wire::write_full(&mut self.s, &[&hdr], tick)
+        } else if region.mem == MemType::Vram {
+            let first = (Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len), req, hdr.to_vec());
+            self.staged_reads(first, region.clone(), tick)
+        } else {
+            // SAFETY: check_remote proved [offset, offset+len) lies in the region, and `region`
+            // holds it registered for the duration of the write.
+            let data = unsafe { std::slice::from_raw_parts(region.ptr(op.offset), op.len as usize) };
+            wire::write_full(&mut self.s, &[&hdr, data], tick)
+        };
+        if r.is_ok() {
+            self.served(false, op.len);
+        }
+        r
+    }
+
+    /// ReadVReq: the pieces' bytes follow the answer, in entry order.
+    fn read_vec(&mut self, req: u64, op: VecOp, tick: &mut TickFn<'_>) -> Handled {
+        let region = match self.sh.registry.check_vec(&op, false) {
+            Ok(r) => r,
+            Err((status, msg)) => return self.refused(req, status, msg, tick),
+        };
+        let total = op.total();
+        let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(req);
+        let r = if region.mem == MemType::Vram {
+            // The pages gathered into the pinned buffers a buffer's worth at a time.
+            let first = (region_pages(&region, &op), req, hdr.to_vec());
+            self.staged_reads(first, region, tick)
+        } else {
+            let mut bufs: Vec<&[u8]> = Vec::with_capacity(op.pieces.len() + 1);
+            bufs.push(&hdr);
+            for p in &op.pieces {
+                for k in 0..p.count {
+                    // SAFETY: check_vec proved every piece lies in the region (host memory),
+                    // which `region` holds registered while this is sent.
+                    bufs.push(unsafe { std::slice::from_raw_parts(region.ptr(p.offset + k * p.stride), p.len as usize) });
+                }
+            }
+            wire::write_full(&mut self.s, &bufs, tick)
+        };
+        if r.is_ok() {
+            self.served(false, total);
+        }
+        r
+    }
+
+    /// READs of GPU memory (one range, or a vectored request's pages): one staging pipeline over
+    /// this READ and the READs of the same GPU already read ahead behind it: the D2H of the next
+    /// overlaps the sends of this one (no fill at every request). Each answer's header goes right
+    /// before its payload; the regions stay held until all are sent. `first` passed the
+    /// registry's checks; a READ behind it that would be refused, is empty or is of other
+    /// memory, waits for its handler.
+    fn staged_reads(&mut self, first: (Src, u64, Vec<u8>), region: Arc<Region>, tick: &mut TickFn<'_>) -> Handled {
+        let Conn { sh, me, ctr, s, inb, stage, fd, .. } = self;
+        let (sh, me, fd): (&Shared, &Served, _) = (sh, me, *fd);
+        let dev = region.dev;
+        let mut held_regions = vec![region];
+        let mut more = || {
+            if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
+                return None;
+            }
+            if inb.peek_frame().is_none() {
+                inb.fill_now(fd); // requests the initiator pipelined behind
+            }
+            let (h2, r2, src, n) = match inb.peek_frame()? {
+                (h2, Body::ReadReq(op2), n) => {
+                    let r2 = sh.registry.check_remote(&op2, false).ok()?;
+                    let src = Src::At(DevicePtr(r2.ptr(op2.offset) as u64), op2.len);
+                    (h2, r2, src, n)
+                }
+                (h2, Body::ReadVReq(op2), n) => {
+                    let r2 = sh.registry.check_vec(&op2, false).ok()?;
+                    (h2, r2.clone(), region_pages(&r2, &op2), n)
+                }
+                _ => return None,
+            };
+            if r2.mem != MemType::Vram || r2.dev != dev || src.is_empty() {
+                return None;
+            }
+            inb.consume(n);
+            ctr.bytes_read.fetch_add(src.len(), Ordering::Relaxed);
+            ctr.requests_read.fetch_add(1, Ordering::Relaxed);
+            let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
+            held_regions.push(r2);
+            Some((src, h2.req_id, hdr2))
+        };
+        let mut out = SockOut::new(s, tick);
+        // SAFETY: check_remote / check_vec proved each range lies in its region (GPU memory of
+        // `dev`), held registered in `held_regions` until this returns.
+        unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
+    }
+
+    /// WriteReq into host memory (GPU ones were staged by `write_gpu`), or of no bytes.
+    fn write(&mut self, req: u64, op: RemoteOp, tick: &mut TickFn<'_>) -> Handled {
+        let region = match self.sh.registry.check_remote(&op, true) {
+            Ok(r) => r,
+            Err((status, msg)) => {
+                // The payload is drained, never applied, so the stream stays in step.
+                count_refused(self.sh, &self.ctr, status);
+                self.inb.discard(&mut self.s, op.len, tick)?;
+                return self.answer(req, &Body::Resp { status, bulk_len: 0, msg }, tick);
+            }
+        };
+        if op.len > 0 && region.mem == MemType::Vram {
+            let dst = Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len);
+            return self.write_gpu(req, dst, region, tick);
+        }
+        if op.len > 0 {
+            let guard = self.lock.for_host_write();
+            if self.me.fenced.load(Ordering::Acquire) {
+                return Err(hang_up());
+            }
+            // SAFETY: check_remote proved [offset, offset+len) lies in the region, host memory
+            // registered read-write and held by `region` while this runs.
+            let dst = unsafe { std::slice::from_raw_parts_mut(region.ptr(op.offset), op.len as usize) };
+            let r = self.inb.read_into(&mut self.s, dst, tick);
+            drop(guard);
+            r?;
+        }
+        self.served(true, op.len);
+        self.answer(req, &ok_resp(), tick)
+    }
+
+    /// WriteVReq into host memory (GPU ones were staged by `write_gpu`).
+    fn write_vec(&mut self, req: u64, op: VecOp, tick: &mut TickFn<'_>) -> Handled {
+        let checked = self.sh.registry.check_vec(&op, true).and_then(|r| match r.mem {
+            MemType::Dram => Ok(r),
+            MemType::Vram => Err((Status::Unexpected, format!("region {} is GPU memory", op.region))),
+        });
+        let region = match checked {
+            Ok(r) => r,
+            Err((status, msg)) => {
+                // The payload is drained, never applied, so the stream stays in step.
+                count_refused(self.sh, &self.ctr, status);
+                self.inb.discard(&mut self.s, op.total(), tick)?;
+                return self.answer(req, &Body::Resp { status, bulk_len: 0, msg }, tick);
+            }
+        };
+        let total = op.total();
+        let guard = self.lock.for_host_write();
+        if self.me.fenced.load(Ordering::Acquire) {
+            return Err(hang_up());
+        }
+        let mut spans: Vec<(*mut u8, usize)> = Vec::with_capacity(op.pieces.len());
+        for p in &op.pieces {
+            spans.extend((0..p.count).map(|k| (region.ptr(p.offset + k * p.stride), p.len as usize)));
+        }
+        // SAFETY: check_vec proved every piece lies in the region, host memory registered
+        // read-write and held by `region` while this runs.
+        let r = unsafe { self.inb.read_into_spans(&mut self.s, &spans, tick) };
+        drop(guard);
+        r?;
+        self.served(true, total);
+        self.answer(req, &ok_resp(), tick)
+    }
+
+    /// Notif: queued for the application, or Busy when the inbox is full.
+    fn notif(&mut self, req: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
+        match self.sh.notifs.push(self.peer.to_string(), msg) {
+            Ok(()) => self.answer(req, &ok_resp(), tick),
+            Err(why) => self.refused(req, Status::Busy, why, tick),
+        }
+    }
+
+    /// Fence: the peer's connections named are aborted; answered once none can write memory.
+    fn fence(&mut self, req: u64, ids: &[[u8; 16]], tick: &mut TickFn<'_>) -> Handled {
+        // This connection may name itself: it holds no fence lock now (nothing is pending).
+        debug_assert!(self.lock.held.is_none());
+        fence(self.sh, self.peer, ids);
+        self.answer(req, &ok_resp(), tick)
+    }
+
+    /// MetaPut: the metadata of the connection's own peer.
+    fn meta_put(&mut self, req: u64, blob: &[u8], tick: &mut TickFn<'_>) -> Handled {
+        let hint = self.s.peer_addr().ok().map(|a| a.ip());
+        let resp = match AgentMeta::decode(blob) {
+            Ok(meta) if meta.name != self.peer => Body::Resp {
+                status: Status::Unexpected,
+                bulk_len: 0,
+                msg: format!("metadata names {:?} but the connection is from {:?}", meta.name, self.peer),
+            },
+            Ok(meta) => match self.sh.add_remote(meta, hint) {
+                Ok(_) => ok_resp(),
+                Err(e) => Body::Resp { status: Status::Malformed, bulk_len: 0, msg: e.to_string() },
+            },
+            Err(e) => Body::Resp { status: decode_status(&e), bulk_len: 0, msg: e.to_string() },
+        };
+        self.answer(req, &resp, tick)
+    }
 }
 
 /// WRITEs into GPU memory of one device whose payload is in and whose copies may still run
