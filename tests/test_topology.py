@@ -450,3 +450,10 @@ def test_cli_include_and_share(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert any(n["netdev"] == "enp71s0" for t in g0["tiers"] for n in t["nics"]) and g0["tiers"][-1]["class"] == "SYS"
     rc, _, err = run_cli(capsys, "--sysfs", str(sysr), "--include", "everything")
     assert rc == 2 and "unknown include" in err
+
+
+def test_spark_twins_grouped_by_pcie_link(tmp_path: Path) -> None:
+    plan = load(tmp_path, F.dgx_spark(both_cables=True)).rail_plan()
+    links = {n.rdma: n.pcie_link for n in plan.for_gpu(0)[0].nics}
+    assert links == {"rocep1s0f0": "0000:01:00", "rocep1s0f1": "0000:01:00",
+                     "roceP2p1s0f0": "0002:01:00", "roceP2p1s0f1": "0002:01:00"}

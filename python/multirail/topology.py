@@ -73,6 +73,7 @@ API (what the engine consumes)::
     plan.for_gpu("0000:1b:00.0") or plan.for_gpu(0)  # -> list[Tier]; 0 = CUDA ordinal
     plan.for_numa(0)                                  # -> list[Tier]; [] for an unknown node
     tier.cls, tier.nics[i].netdev / .rdma / .pci / .link_gbps / .cpus / .numa_node / .reason
+    tier.nics[i].pcie_link                            # "dddd:bb:dd": functions sharing one PCIe link
     nic_affinity("ibp24s0")                           # -> NicAffinity(cpus, numa_node)
 
 docs/topology.md describes the rules with the fixtures that pin them (tests/test_topology.py).
@@ -220,6 +221,11 @@ class PciDevice:
     max_width: int | None
     cur_speed: float | None  # GT/s
     max_speed: float | None
+
+    @property
+    def pcie_link(self) -> str:
+        """``dddd:bb:dd``: the functions of one device share its one PCIe link."""
+        return self.bdf.rsplit(".", 1)[0]
 
     @property
     def domain(self) -> str:
@@ -424,6 +430,7 @@ class NicChoice:
     numa_node: int
     cls: str
     reason: str
+    pcie_link: str = ""  # the PCIe link this function shares with its siblings (dddd:bb:dd)
 
     @property
     def name(self) -> str:
@@ -435,7 +442,8 @@ class NicChoice:
 
     def to_json(self) -> dict[str, Any]:
         return {"netdev": self.netdev, "rdma": self.rdma, "pci": self.pci, "link_gbps": self.link_gbps,
-                "local_cpus": self.local_cpus, "numa_node": self.numa_node, "class": self.cls, "reason": self.reason}
+                "local_cpus": self.local_cpus, "numa_node": self.numa_node, "class": self.cls, "reason": self.reason,
+                "pcie_link": self.pcie_link}
 
 
 @dataclass(frozen=True)
@@ -726,7 +734,8 @@ def _gbps(v: float | None) -> str:
 
 
 def _choice(n: Nic, cls: str, reason: str) -> NicChoice:
-    return NicChoice(n.netdev, n.rdma, n.pci.bdf, n.link_gbps, n.pci.cpus, n.pci.numa_node, cls, reason)
+    return NicChoice(n.netdev, n.rdma, n.pci.bdf, n.link_gbps, n.pci.cpus, n.pci.numa_node, cls, reason,
+                     n.pci.pcie_link)
 
 
 _CLASS_WHY = {
