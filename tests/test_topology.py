@@ -147,6 +147,9 @@ def test_p5_each_gpu_its_four_efas(tmp_path: Path) -> None:
         tiers = plan.for_gpu(f"0000:{g:02x}:00.0")
         assert (tiers[0].cls, rdma(tiers)) == ("PIX", [f"rdmap{g - 4 + k}s0" for k in range(4)])
         assert tiers[0].nics[0].numa_node == (0 if i < 4 else 1)
+    for node, gpus in ((0, F.P5_GPUS[:4]), (1, F.P5_GPUS[4:])):
+        assert set(rdma(plan.for_numa(node))) == {f"rdmap{g - 4 + k}s0" for g in gpus for k in range(4)}
+        assert len(plan.for_numa(node)) == 1, "the other socket's EFAs stay out"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +224,7 @@ def test_azure_numa_sets_and_hint(tmp_path: Path) -> None:
         want = [f"mlx5_ib{k}" for k in (range(4) if i < 4 else range(4, 8))]
         assert [(t.cls, rdma([t])) for t in tiers] == [("NODE", want)]
     assert any("hint" in w for w in plan.warnings)
+    assert rdma(plan.for_numa(0)) == [f"mlx5_ib{k}" for k in range(4)] and rdma(plan.for_numa(1)) == [f"mlx5_ib{k}" for k in range(4, 8)]
     assert "mlx5_an0" not in {n.rdma for tiers in plan.gpus.values() for t in tiers for n in t.nics}
     hints = tmp_path / "hints.json"
     hints.write_text(json.dumps(F.AZ_HINTS))
@@ -237,6 +241,7 @@ def test_azure_numa_minus_one_every_gpu_every_nic_with_warning(tmp_path: Path) -
     for dom in F.AZ_GPU_DOMS:
         assert rdma(plan.for_gpu(f"{dom:04x}:00:00.0")) == [f"mlx5_ib{k}" for k in range(8)]
     assert any("not told apart" in w for w in plan.warnings)
+    assert rdma(plan.for_numa(0)) == [f"mlx5_ib{k}" for k in range(8)]
 
 
 def test_p4d_root_bus_component_counts(tmp_path: Path) -> None:
@@ -247,6 +252,7 @@ def test_p4d_root_bus_component_counts(tmp_path: Path) -> None:
             tiers = plan.for_gpu(f"0000:{bus}:{dev}.0")
             assert (tiers[0].cls, pcis(tiers)) == ("PHB", [f"0000:{bus}:1b.0"])
             assert tiers[1].cls == "NODE" and len(tiers) == 2
+    assert rdma(plan.for_numa(0)) == ["rdmap16s27", "rdmap32s27"] and rdma(plan.for_numa(1)) == ["rdmap144s27", "rdmap160s27"]
     # the UCCL/modelexpress failure: dropping pciDDDD:BB makes every EFA equidistant on a flat tree
     g = gpu(topo, "0000:10:1c.0").pci
     parents = {tuple(c for c in n.pci.path[:-1] if not c.startswith("pci")) for n in topo.nics}
