@@ -4,6 +4,7 @@ that has it, and the healthy DGX H100 tree raises nothing."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -99,5 +100,6 @@ def test_doctor_sysfs_option(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     sysr = F.build(tmp_path / "t", F.dgx(acs=0, narrow_nic=3))
     healthy = Path(__file__).parent / "fixtures" / "doctor" / "healthy"
     doctor.main(["--root", str(healthy), "--sysfs", str(sysr), "--json"])
-    out = capsys.readouterr().out
-    assert '"nic-link"' in out and "ibp94s0" in out
+    rep = json.loads(capsys.readouterr().out)
+    link = {r["rail"]: r["status"] for r in rep["results"] if r["name"] == "nic-link"}
+    assert link["ibp94s0"] == "warn" and link["ibp24s0"] == "ok" and rep["facts"]["gpu_nic_matrix"]["0000:1b:00.0"]["ibp24s0"] == "PXB"
