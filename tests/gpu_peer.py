@@ -1,6 +1,6 @@
 """A target agent in another process, for CUDA IPC tests (CUDA maps only other processes'
-memory): `n` bytes of GPU memory (stand-in or CUDA) at an offset inside a larger allocation,
-driven over stdin ("digest", "notifs"), killed by PID if it does not exit."""
+memory): `n` bytes of GPU memory (stand-in or CUDA), the whole allocation (CUDA IPC exports
+only those) or, with `off`, at that offset inside a larger one (then staged), driven over stdin ("digest", "notifs"), killed by PID if it does not exit."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from multirail.gpu import DeviceBuffer
 n, off, ipc, access, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
 timeout, dev = float(sys.argv[6]), int(sys.argv[7])
 t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc, "timeout": timeout})
-block = DeviceBuffer(off + n + 4096, device=dev, kind=kind)  # the region is an offset inside a block
+block = DeviceBuffer(off + n + (4096 if off else 0), device=dev, kind=kind)  # off > 0: an offset inside a block
 block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
 reg = t.register_memory([(block.addr + off, n, dev)], "VRAM", access=access)
 print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
@@ -41,9 +41,9 @@ t.close()
 
 class Target:
     """A target agent in another process (CUDA IPC maps only other processes' memory), with
-    `n` bytes of GPU memory of `kind` at offset `off` inside a larger allocation."""
+    `n` bytes of GPU memory of `kind`: a whole allocation, or at offset `off` inside a larger one."""
 
-    def __init__(self, n: int, off: int = 12345, ipc: bool = True, access: str = "rw", kind: str = "standin",
+    def __init__(self, n: int, off: int = 0, ipc: bool = True, access: str = "rw", kind: str = "standin",
                  timeout: float = 5.0, device: int = 0, env: dict | None = None):
         import json
         import os

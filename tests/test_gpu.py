@@ -119,9 +119,10 @@ def test_torch_cuda_tensors_move_vram_to_vram() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_between_processes_inside_a_larger_allocation() -> None:
+def test_cuda_ipc_between_processes_of_a_whole_allocation() -> None:
     """Two processes on one GPU host: the READ and WRITE are CUDA IPC device copies into the
-    peer's allocation (the region an offset inside it), byte-exact, no byte on the rails."""
+    peer's allocation (the region is the whole allocation: a region inside a larger one is staged,
+    issue 33), byte-exact, no byte on the rails."""
     why = _cuda_unavailable()
     if why:
         pytest.skip(why)

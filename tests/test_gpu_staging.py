@@ -410,8 +410,8 @@ def _sha(a: np.ndarray) -> str:
 
 @pytest.mark.parametrize("lk", ["V", "D"])
 def test_ipc_between_processes_moves_no_byte_over_the_rails(lk: str) -> None:
-    """Same host, two processes: READ and WRITE against the peer's GPU region (an offset inside
-    a larger allocation) are device copies into its IPC mapping (D2D from local GPU memory,
+    """Same host, two processes: READ and WRITE against the peer's GPU region (its whole
+    allocation: only such regions go out by IPC) are device copies into its IPC mapping (D2D from local GPU memory,
     H2D/D2H from host memory): byte-exact, notification after the data, nothing on the rails."""
     n = 3 * MiB + 1
     tgt = _Target(n)
@@ -443,12 +443,14 @@ def test_ipc_between_processes_moves_no_byte_over_the_rails(lk: str) -> None:
         tgt.close()
 
 
-@pytest.mark.parametrize("ipc,access,why", [(False, "rw", "gpu_ipc=False"), (True, "ro", "read-only")])
-def test_ipc_refused_by_the_target_falls_back_to_staging(ipc: bool, access: str, why: str) -> None:
-    """A target with IPC off, or a read-only region (an IPC mapping is writable): the transfer
-    is staged over the rails instead, byte-exact, and the reason is reported."""
+@pytest.mark.parametrize("ipc,access,off,why", [(False, "rw", 0, "gpu_ipc=False"), (True, "ro", 0, "read-only"),
+                                                (True, "rw", 12345, "part of a larger GPU allocation")])
+def test_ipc_refused_by_the_target_falls_back_to_staging(ipc: bool, access: str, off: int, why: str) -> None:
+    """A target with IPC off, a read-only region (an IPC mapping is writable), or a region inside a
+    larger allocation (a handle maps the whole allocation, neighbours included; issue 33): the
+    transfer is staged over the rails instead, byte-exact, and the reason is reported."""
     n = MiB + 3
-    tgt = _Target(n, ipc=ipc, access=access)
+    tgt = _Target(n, ipc=ipc, access=access, off=off)
     i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
     try:
         local = buf("V", np.zeros(n, np.uint8))

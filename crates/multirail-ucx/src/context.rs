@@ -191,18 +191,27 @@ impl Context {
     /// packed rkey may read and write it at any time, and local GETs write into it: do not keep
     /// Rust references to it that assume no one else writes.
     pub unsafe fn map(&self, addr: *mut u8, len: usize) -> Result<MemRegion> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.map_with(addr, len, Protection::RemoteReadWrite) }
+    }
+
+    /// As [`Context::map`], with the access peers get (`UCP_MEM_MAP_PARAM_FIELD_PROT`): what an
+    /// rkey packed from the mapping allows. Over RDMA the HCA enforces it; UCX's tcp and shm
+    /// transports do not (docs/ucx.md, "Trust").
+    ///
+    /// # Safety
+    /// As for [`Context::map`] (a `LocalOnly` or `RemoteRead` mapping still lets local GETs and
+    /// peers' reads touch it).
+    pub unsafe fn map_with(&self, addr: *mut u8, len: usize, prot: Protection) -> Result<MemRegion> {
         if len == 0 {
             return Err(Error::Empty { what: "memory region" });
         }
-        let mut params: sys::ucp_mem_map_params_t = sys::zeroed();
-        params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-        params.address = addr.cast::<c_void>();
-        params.length = len;
+        let params = map_params(addr, len, prot);
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
         // SAFETY: the caller vouches for the memory; no ALLOCATE flag, so UCX registers it as is.
         let st = unsafe { (self.inner.ucx.api().mem_map)(self.inner.handle, &params, &mut memh) };
         Status::check(st).map_err(|s| Error::ucx("ucp_mem_map", s))?;
-        Ok(MemRegion { inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, addr: addr as usize, len }) })
+        Ok(MemRegion { inner: Arc::new(MemInner { ctx: self.inner.clone(), memh, addr: addr as usize, len, prot }) })
     }
 
     pub(crate) fn same(&self, other: &Arc<ContextInner>) -> bool {
@@ -215,6 +224,41 @@ pub(crate) struct MemInner {
     pub(crate) memh: sys::ucp_mem_h,
     pub(crate) addr: usize,
     pub(crate) len: usize,
+    pub(crate) prot: Protection,
+}
+
+/// What peers may do to a mapping through an rkey packed from it (`ucp_mem_map`'s `prot`).
+/// Local reads and writes (this process's own GETs and PUT sources) are always allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protection {
+    /// No remote access: memory only this process sends from or receives into.
+    LocalOnly,
+    /// Peers may read it (RDMA READ / GET), not write it.
+    RemoteRead,
+    /// Peers may read and write it.
+    RemoteReadWrite,
+}
+
+impl Protection {
+    /// The `UCP_MEM_MAP_PROT_*` bits.
+    pub fn bits(self) -> u32 {
+        let local = sys::UCP_MEM_MAP_PROT_LOCAL_READ | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE;
+        match self {
+            Protection::LocalOnly => local,
+            Protection::RemoteRead => local | sys::UCP_MEM_MAP_PROT_REMOTE_READ,
+            Protection::RemoteReadWrite => local | sys::UCP_MEM_MAP_PROT_REMOTE_READ | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE,
+        }
+    }
+}
+
+/// The `ucp_mem_map` parameters for existing memory with `prot` (no allocation).
+fn map_params(addr: *mut u8, len: usize, prot: Protection) -> sys::ucp_mem_map_params_t {
+    let mut params: sys::ucp_mem_map_params_t = sys::zeroed();
+    params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH | sys::UCP_MEM_MAP_PARAM_FIELD_PROT;
+    params.address = addr.cast::<c_void>();
+    params.length = len;
+    params.prot = prot.bits();
+    params
 }
 
 // SAFETY: memh is used only in context-level calls (thread-safe, see ContextInner) and as a
@@ -257,6 +301,11 @@ impl MemRegion {
 
     pub fn is_empty(&self) -> bool {
         self.inner.len == 0
+    }
+
+    /// The access it was mapped with ([`Context::map_with`]).
+    pub fn protection(&self) -> Protection {
+        self.inner.prot
     }
 
     /// The region as a peer sees it: put this with the packed rkey into the metadata.
@@ -349,19 +398,102 @@ impl PackedRkey {
     /// trusts the contents: a truncated or forged buffer makes it read out of bounds. Only the
     /// length is checked here (1 ..= [`MAX_RKEY_LEN`]).
     pub unsafe fn from_peer(bytes: Vec<u8>) -> Result<PackedRkey> {
+        Self::check_len(&bytes)?;
+        Ok(PackedRkey(bytes))
+    }
+
+    fn check_len(bytes: &[u8]) -> Result<()> {
         if bytes.is_empty() {
             return Err(Error::Empty { what: "packed rkey" });
         }
         if bytes.len() > MAX_RKEY_LEN {
             return Err(Error::TooLarge { what: "packed rkey", len: bytes.len(), max: MAX_RKEY_LEN });
         }
-        Ok(PackedRkey(bytes))
+        Ok(())
+    }
+
+    /// Whether a peer's packed rkey has the structure `ucp_rkey_pack` gives it (UCX 1.13 to
+    /// 1.22, `ucp_rkey_packed_size`): a u64 map of memory domains (empty over tcp), a memory-type
+    /// byte (below 16), then per domain in the map a size byte and that many bytes, all inside
+    /// the buffer; what may follow is the optional system-device byte and 3-byte distances. A
+    /// plausibility check before `ucp_ep_rkey_unpack`, which takes no length: it stops garbage
+    /// and truncation, not a well-formed forgery (the channel's MAC does that).
+    pub fn check_shape(peer: &[u8]) -> Result<()> {
+        Self::check_len(peer)?;
+        let bad = |why: String| Err(Error::Shape { what: "packed rkey", why });
+        if peer.len() < 9 {
+            return bad(format!("{} bytes, shorter than its memory-domain map and type", peer.len()));
+        }
+        // No domain at all is what UCX's tcp transport packs (it needs no registration).
+        let md_map = u64::from_le_bytes(peer[..8].try_into().expect("8 bytes"));
+        if peer[8] >= 16 {
+            return bad(format!("memory type {}", peer[8]));
+        }
+        let mut at = 9usize;
+        for _ in 0..md_map.count_ones() {
+            let Some(&n) = peer.get(at) else {
+                return bad(format!("{} memory domains announced, the buffer ends at {at}", md_map.count_ones()));
+            };
+            at += 1 + n as usize;
+            if at > peer.len() {
+                return bad(format!("a domain's key runs to byte {at}, past the end ({})", peer.len()));
+            }
+        }
+        let rest = peer.len() - at;
+        if rest != 0 && (rest - 1) % 3 != 0 {
+            return bad(format!("{rest} bytes after the domain keys (a device byte and 3-byte distances expected)"));
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::WorkerAddress;
+
+    /// Issue 33, item 2: the structure of a packed rkey is walked before UCX sees it.
+    #[test]
+    fn packed_rkey_shape() {
+        // Two domains (bits 0 and 3), host memory, keys of 2 and 0 bytes.
+        let ok = [vec![0b1001, 0, 0, 0, 0, 0, 0, 0, 0], vec![2, 0xaa, 0xbb], vec![0]].concat();
+        assert!(PackedRkey::check_shape(&ok).is_ok());
+        let with_dev = [ok.clone(), vec![1, 2, 3, 4]].concat();
+        assert!(PackedRkey::check_shape(&with_dev).is_ok(), "a device byte and one distance");
+        for cut in 0..ok.len() {
+            assert!(PackedRkey::check_shape(&ok[..cut]).is_err(), "cut at {cut}");
+        }
+        assert!(PackedRkey::check_shape(&[ok.clone(), vec![9]].concat()).is_ok(), "a device byte alone");
+        assert!(PackedRkey::check_shape(&[ok.clone(), vec![9, 9]].concat()).is_err());
+        assert!(PackedRkey::check_shape(&vec![0xff; 4096]).is_err(), "garbage");
+        assert!(PackedRkey::check_shape(&[vec![0; 8], vec![0]].concat()).is_ok(), "no domain: UCX's tcp");
+        let mut bad_type = ok.clone();
+        bad_type[8] = 200;
+        assert!(PackedRkey::check_shape(&bad_type).is_err());
+    }
+
+    #[test]
+    fn worker_address_shape() {
+        let like = crate::worker::test_address(vec![0x11; 200]);
+        assert!(WorkerAddress::check_shape(&[0x01; 180], &like).is_ok());
+        assert!(WorkerAddress::check_shape(&[0x12; 180], &like).is_err(), "another version");
+        assert!(WorkerAddress::check_shape(&[0x01; 5], &like).is_err(), "too short");
+        assert!(WorkerAddress::check_shape(&[0x01; 5000], &like).is_err(), "too long");
+        assert!(WorkerAddress::check_shape(&[], &like).is_err());
+    }
+
+    /// `ucp_mem_map` gets `prot` (field mask bit 3): read-only exports carry no remote write,
+    /// local memory no remote access at all (issue 33, item 4).
+    #[test]
+    fn mappings_carry_their_protection() {
+        let (lr, lw, rr, rw) = (1u32, 2u32, 1u32 << 8, 1u32 << 9);
+        let p = map_params(0x1000 as *mut u8, 64, Protection::RemoteRead);
+        assert_eq!(p.field_mask, 0b1011, "ADDRESS | LENGTH | PROT");
+        assert_eq!((p.address as usize, p.length), (0x1000, 64));
+        assert_eq!(p.prot, lr | lw | rr);
+        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::LocalOnly).prot, lr | lw);
+        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::RemoteReadWrite).prot, lr | lw | rr | rw);
+    }
 
     #[test]
     fn remote_region_bounds() {

@@ -264,6 +264,13 @@ impl Endpoint {
         Ok(Request::from_ptr(self.worker.clone(), name, Some(self.fail.clone()), p, keep))
     }
 
+    /// What an active-message handler of this endpoint's worker gets as `from` for messages of
+    /// the peer this endpoint leads to, when UCX answers them on this endpoint (the handle's
+    /// address; an identity only, never dereferenced).
+    pub fn handle_id(&self) -> usize {
+        self.handle as usize
+    }
+
     /// `ucp_am_send_nbx` of active message `id` (eager protocol only: never rendezvous): `header`
     /// as its header, and as its data `head` followed by `pieces` (local region, offset,
     /// length) in order, gathered by UCX from their memory (an iov: no copy where the transport
@@ -290,7 +297,9 @@ impl Endpoint {
         let l = self.worker.lock()?;
         let mut param: sys::ucp_request_param_t = sys::zeroed();
         param.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = sys::UCP_AM_SEND_FLAG_EAGER;
+        // REPLY: the receiver learns which of its endpoints leads back here (`reply_ep`), so
+        // it can tell its peer's messages from anyone else's.
+        param.flags = sys::UCP_AM_SEND_FLAG_EAGER | sys::UCP_AM_SEND_FLAG_REPLY;
         let (buf, count) = if iov.is_empty() {
             (std::ptr::null(), 0)
         } else {

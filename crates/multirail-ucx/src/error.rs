@@ -96,6 +96,10 @@ pub enum Error {
     /// A blob (worker address, packed rkey) is larger than its bound.
     #[error("{what} is {len} bytes, more than the bound of {max}")]
     TooLarge { what: &'static str, len: usize, max: usize },
+    /// A blob from a peer (worker address, packed rkey) does not have the structure the loaded
+    /// UCX produces ([`crate::WorkerAddress::check_shape`], [`crate::PackedRkey::check_shape`]).
+    #[error("{what} from the peer is malformed: {why}")]
+    Shape { what: &'static str, why: String },
     /// Objects of two different workers, endpoints or contexts were combined.
     #[error("{what} belongs to another {owner}")]
     Mismatch { what: &'static str, owner: &'static str },

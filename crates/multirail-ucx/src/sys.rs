@@ -63,6 +63,12 @@ pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 /// `enum ucp_mem_map_params_field`.
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+pub const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
+/// `enum ucp_mem_map_prot` (`ucp_mem_map_params_t::prot`).
+pub const UCP_MEM_MAP_PROT_LOCAL_READ: u32 = 1 << 0;
+pub const UCP_MEM_MAP_PROT_LOCAL_WRITE: u32 = 1 << 1;
+pub const UCP_MEM_MAP_PROT_REMOTE_READ: u32 = 1 << 8;
+pub const UCP_MEM_MAP_PROT_REMOTE_WRITE: u32 = 1 << 9;
 /// `ucp_op_attr_t`.
 pub const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
@@ -75,6 +81,10 @@ pub const UCP_DATATYPE_IOV: u64 = 2;
 pub const UCP_DATATYPE_CONTIG_BYTES: u64 = 1 << 3;
 /// `enum ucp_send_am_flags`: eager protocol only (never rendezvous).
 pub const UCP_AM_SEND_FLAG_EAGER: u32 = 1 << 1;
+/// `enum ucp_send_am_flags`: the receiver gets an endpoint to answer on (`reply_ep`).
+pub const UCP_AM_SEND_FLAG_REPLY: u32 = 1 << 0;
+/// `ucp_am_recv_attr_t`: `reply_ep` is set (the sender asked for it).
+pub const UCP_AM_RECV_ATTR_FIELD_REPLY_EP: u64 = 1 << 0;
 /// `enum ucp_am_cb_flags`: the whole message in one callback.
 pub const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
 /// `ucp_am_recv_attr_t`: data may be kept (returning `UCS_INPROGRESS`); we never keep it.

@@ -85,11 +85,13 @@ pub enum AmData<'a> {
     Rendezvous { len: usize },
 }
 
-/// An active-message handler: `(header, data)`. Runs inside `ucp_worker_progress`, on the
+/// An active-message handler: `(header, data, from)`; `from` is the receiving worker's endpoint
+/// to the sender (`reply_ep`, compare with [`crate::Endpoint::handle_id`]) when the sender asked
+/// for one ([`crate::Endpoint::am_send`] always does), else `None`. Runs inside `ucp_worker_progress`, on the
 /// thread progressing the worker, with the worker's lock held: it must not call anything of
 /// that worker (its endpoints, requests or progress), must not block for long, and a panic in
 /// it is caught and dropped (the message with it).
-pub type AmHandler = dyn Fn(&[u8], AmData<'_>) + Send + Sync;
+pub type AmHandler = dyn Fn(&[u8], AmData<'_>, Option<usize>) + Send + Sync;
 
 /// UCX's active-message callback: hands header and data to the registered [`AmHandler`].
 unsafe extern "C" fn on_am(
@@ -114,6 +116,12 @@ unsafe extern "C" fn on_am(
     };
     // SAFETY: UCX passes a valid parameter struct (or NULL, handled) for the call's duration.
     let attr = if param.is_null() { 0 } else { unsafe { (*param).recv_attr } };
+    let from = if attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP != 0 {
+        // SAFETY: as above; the field is valid when its attribute bit is set.
+        Some(unsafe { (*param).reply_ep } as usize).filter(|&p| p != 0)
+    } else {
+        None
+    };
     let d = if attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
         AmData::Rendezvous { len: length }
     } else if data.is_null() || length == 0 {
@@ -124,7 +132,7 @@ unsafe extern "C" fn on_am(
         AmData::Eager(unsafe { std::slice::from_raw_parts(data as *const u8, length) })
     };
     // Never unwind into UCX.
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(h, d)));
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(h, d, from)));
     Status::OK.0
 }
 
@@ -540,6 +548,12 @@ impl std::fmt::Debug for WorkerAddress {
     }
 }
 
+/// An address of these bytes (tests of `check_shape`).
+#[cfg(test)]
+pub(crate) fn test_address(bytes: Vec<u8>) -> WorkerAddress {
+    WorkerAddress(bytes)
+}
+
 impl WorkerAddress {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
@@ -557,13 +571,43 @@ impl WorkerAddress {
     /// contents: a truncated or forged address makes it read out of bounds. Only the length is
     /// checked here (1 ..= [`MAX_ADDRESS_LEN`]).
     pub unsafe fn from_peer(bytes: Vec<u8>) -> Result<WorkerAddress> {
+        Self::check_len(&bytes)?;
+        Ok(WorkerAddress(bytes))
+    }
+
+    fn check_len(bytes: &[u8]) -> Result<()> {
         if bytes.is_empty() {
             return Err(Error::Empty { what: "worker address" });
         }
         if bytes.len() > MAX_ADDRESS_LEN {
             return Err(Error::TooLarge { what: "worker address", len: bytes.len(), max: MAX_ADDRESS_LEN });
         }
-        Ok(WorkerAddress(bytes))
+        Ok(())
+    }
+
+    /// Whether a peer's address has the structure of `like` (an address this process's UCX
+    /// produced for a worker of the same configuration): the same address version (the low
+    /// nibble of the first byte, `UCP_ADDRESS_HEADER_VERSION_MASK`), at least a header and a
+    /// worker id, and no more than 16 times `like`'s length (4 KiB at least). A plausibility
+    /// check before `ucp_ep_create`, which takes no length: it stops garbage and truncation,
+    /// not a well-formed forgery (the channel's MAC does that).
+    pub fn check_shape(peer: &[u8], like: &WorkerAddress) -> Result<()> {
+        Self::check_len(peer)?;
+        let bad = |why: String| Err(Error::Shape { what: "worker address", why });
+        let local = like.as_bytes();
+        let min = local.len().min(9);
+        if peer.len() < min {
+            return bad(format!("{} bytes, shorter than a header and worker id ({min})", peer.len()));
+        }
+        let max = (local.len() * 16).max(4096).min(MAX_ADDRESS_LEN);
+        if peer.len() > max {
+            return bad(format!("{} bytes, more than 16 times this worker's address ({} bytes)", peer.len(), local.len()));
+        }
+        let (theirs, ours) = (peer[0] & 0x0f, local.first().map_or(0, |b| b & 0x0f));
+        if theirs != ours {
+            return bad(format!("address version {theirs}, this UCX packs version {ours}"));
+        }
+        Ok(())
     }
 }
 

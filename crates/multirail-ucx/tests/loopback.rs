@@ -18,6 +18,9 @@ fn deadline(secs: u64) -> Instant {
 /// What a peer's metadata would carry, taken through the `from_peer` constructors as a transport
 /// would after receiving it.
 fn over_the_wire(addr: &WorkerAddress, rkey: &PackedRkey) -> (WorkerAddress, PackedRkey) {
+    // What the loaded UCX produces passes the structure checks a transport makes first.
+    WorkerAddress::check_shape(addr.as_bytes(), addr).unwrap();
+    PackedRkey::check_shape(rkey.as_bytes()).unwrap_or_else(|e| panic!("{e}: {:02x?}", rkey.as_bytes()));
     // SAFETY: the bytes are exactly what ucp_worker_get_address / ucp_rkey_pack produced.
     unsafe { (WorkerAddress::from_peer(addr.as_bytes().to_vec()).unwrap(), PackedRkey::from_peer(rkey.as_bytes().to_vec()).unwrap()) }
 }
@@ -276,7 +279,7 @@ fn active_message_gathers_iov_and_reaches_handler() {
     let g = got.clone();
     b.set_am_handler(
         7,
-        Box::new(move |h, d| {
+        Box::new(move |h, d, _from| {
             let d = match d {
                 multirail_ucx::AmData::Eager(x) => Ok(x.to_vec()),
                 multirail_ucx::AmData::Rendezvous { len } => Err(len),
@@ -313,6 +316,45 @@ fn active_message_gathers_iov_and_reaches_handler() {
     // A piece outside its region is refused before UCX sees it.
     assert!(ep.am_send(7, vec![0], Vec::new(), &[(&region, (2 << 20) - 10, 11)]).is_err());
     ep.close(CloseMode::Flush, deadline(10)).unwrap();
+}
+
+/// Issue 33, item 3: a handler learns which of its worker's endpoints leads back to the sender
+/// (`reply_ep`). A worker that already has an endpoint to the sender (created first, as a ucx
+/// session's target does for its replies) sees the sender's messages come "from" that endpoint;
+/// a third worker's messages come from another one, so a session can answer its own peer only.
+#[test]
+#[ignore = "needs libucp: run by `make test` (-- --ignored)"]
+fn reply_endpoint_tells_the_sender_apart() {
+    let ucx = load("reply_endpoint_tells_the_sender_apart");
+    let cfg = common::tcp_lo_config().active_messages(true);
+    let ctx = |_| multirail_ucx::Context::new(&ucx, &cfg).unwrap();
+    let (ca, cb, cc) = (ctx(0), ctx(1), ctx(2));
+    let a = multirail_ucx::Worker::new(&ca, ThreadMode::Serialized).unwrap();
+    let b = multirail_ucx::Worker::new(&cb, ThreadMode::Serialized).unwrap();
+    let c = multirail_ucx::Worker::new(&cc, ThreadMode::Serialized).unwrap();
+    let got: std::sync::Arc<std::sync::Mutex<Vec<(u8, Option<usize>)>>> = Default::default();
+    let g = got.clone();
+    b.set_am_handler(9, Box::new(move |h, _, from| g.lock().unwrap().push((h[0], from)))).unwrap();
+    // b's endpoint to a first (the target's reply endpoint), then a's to b (the initiator's).
+    let b_to_a = b.connect(&a.address().unwrap()).unwrap();
+    let _pb = Progressor::start(&b);
+    let a_to_b = a.connect(&b.address().unwrap()).unwrap();
+    a_to_b.flush().unwrap().wait(deadline(20)).unwrap();
+    a_to_b.am_send(9, vec![1], Vec::new(), &[]).unwrap().wait(deadline(20)).unwrap();
+    let c_to_b = c.connect(&b.address().unwrap()).unwrap();
+    c_to_b.flush().unwrap().wait(deadline(20)).unwrap();
+    c_to_b.am_send(9, vec![2], Vec::new(), &[]).unwrap().wait(deadline(20)).unwrap();
+    let end = deadline(20);
+    while got.lock().unwrap().len() < 2 && Instant::now() < end {
+        a.progress().unwrap();
+        c.progress().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let got = got.lock().unwrap().clone();
+    eprintln!("b_to_a {:#x}; messages {got:x?}", b_to_a.handle_id());
+    assert_eq!(got.len(), 2, "both handled");
+    assert_eq!(got[0], (1, Some(b_to_a.handle_id())), "a's message comes from b's endpoint to a");
+    assert!(got[1].0 == 2 && got[1].1.is_some() && got[1].1 != Some(b_to_a.handle_id()), "c's comes from elsewhere");
 }
 
 /// A request that the waiter's own progress completes is never slept on. `wait_for_events`

@@ -132,6 +132,26 @@ pub(crate) fn answer(
     Body::IpcHandles(out)
 }
 
+/// Only a region that is its whole allocation goes out by IPC (issue 33, item 4): a handle maps
+/// the **whole** allocation read-write, so a region inside a larger block (PyTorch's caching
+/// allocator) would hand the peer its neighbours too, read-only and local regions included.
+/// Such a region is refused here and the initiator stages it over the rails instead.
+fn owns_allocation(r: &crate::registry::Region, alloc_base: u64, alloc_len: u64) -> std::result::Result<(), String> {
+    if r.base == alloc_base && r.len == alloc_len {
+        return Ok(());
+    }
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    let msg = format!(
+        "region {} ({:#x} + {}) is part of a larger GPU allocation ({alloc_base:#x} + {alloc_len}): an IPC handle would map \
+         the whole allocation, so it is not exported by IPC (staged instead); register whole allocations to use CUDA IPC",
+        r.id, r.base, r.len
+    );
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!("multirail: warning: {msg} (said once per process)");
+    }
+    Err(msg)
+}
+
 /// The IPC handle of the allocation holding GPU region `r`, and where `r` starts in it.
 fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::result::Result<IpcEntry, String> {
     let id = i32::try_from(r.dev).map_err(|_| format!("device id {} out of range", r.dev))?;
@@ -140,6 +160,7 @@ fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::res
     if r.base + r.len > base.0 + alloc_len as u64 {
         return Err(format!("region {} spans more than one allocation", r.id));
     }
+    owns_allocation(r, base.0, alloc_len as u64)?;
     let handle = gpu.ipc_handle(base).map_err(|e| e.to_string())?;
     let uuid = gpu.uuid().map_err(|e| format!("no UUID for GPU {id}: {e}"))?;
     Ok(IpcEntry { region: r.id, device: r.dev, uuid, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
@@ -994,6 +1015,34 @@ mod tests {
         unsafe {
             dev.ipc_close(m).unwrap();
             dev.free(a).unwrap();
+        }
+    }
+
+    /// Issue 33, item 4: an IPC handle maps the whole allocation, so only a region that is its
+    /// whole allocation is exported; a read-write region sharing a block with read-only and
+    /// local ones is refused (the initiator then stages), naming why.
+    #[test]
+    fn only_regions_owning_their_whole_allocation_go_out_by_ipc() {
+        use multirail_gpu::GpuKind;
+        use multirail_proto::{Access, MemType};
+        // A device id of its own: stand-ins are per (kind, id) and process-wide.
+        let dev = 41u32;
+        let gpu = Gpu::open(GpuKind::StandIn, dev as i32).unwrap();
+        let block = gpu.alloc(3 * 4096).unwrap();
+        let whole = gpu.alloc(4096).unwrap();
+        let reg = crate::registry::Registry::default();
+        let rw = reg.register(block.0, 4096, dev, MemType::Vram, Access::ReadWrite).unwrap();
+        let _ro = reg.register(block.0 + 4096, 4096, dev, MemType::Vram, Access::ReadOnly).unwrap();
+        let _local = reg.register(block.0 + 8192, 4096, dev, MemType::Vram, Access::Local).unwrap();
+        let own = reg.register(whole.0, 4096, dev, MemType::Vram, Access::ReadWrite).unwrap();
+        let e = super::export(GpuKind::StandIn, &rw).unwrap_err();
+        assert!(e.contains("part of a larger GPU allocation") && e.contains("staged instead"), "{e}");
+        let ok = super::export(GpuKind::StandIn, &own).unwrap();
+        assert_eq!((ok.region, ok.offset, ok.alloc_len), (own.id, 0, 4096));
+        // SAFETY: done with them.
+        unsafe {
+            gpu.free(block).unwrap();
+            gpu.free(whole).unwrap();
         }
     }
 

@@ -622,3 +622,61 @@ fn ucx_am_is_negotiated_and_rma_stays_for_older_peers() {
     init.close();
     target.close();
 }
+
+/// Issue 33, item 4: every region is `ucp_mem_map`ped with its access, so an rkey of a
+/// read-only region carries no remote write and a local region none at all. (Over UCX's tcp
+/// transport the protection is not enforced: `rdma_put_into_a_read_only_region_fails`.)
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_regions_are_mapped_with_their_access() {
+    let a = agent("ucx-prot", TransportKind::Ucx);
+    let buf = vec![0u8; 3 * 4096];
+    let at = |i: usize| buf.as_ptr() as u64 + (i * 4096) as u64;
+    let ro = a.register(at(0), 4096, 0, MemType::Dram, Access::ReadOnly).unwrap();
+    let local = a.register(at(1), 4096, 0, MemType::Dram, Access::Local).unwrap();
+    let rw = a.register(at(2), 4096, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let ucx = a.shared().ucx.clone().expect("ucx agent");
+    assert_eq!(ucx.protection_of(ro.id, 0), Some(multirail_ucx::Protection::RemoteRead));
+    assert_eq!(ucx.protection_of(local.id, 0), Some(multirail_ucx::Protection::LocalOnly));
+    assert_eq!(ucx.protection_of(rw.id, 0), Some(multirail_ucx::Protection::RemoteReadWrite));
+}
+
+/// Issue 33, item 4, on RDMA hardware: a PUT that bypasses the initiator's own access check
+/// into a read-only region must fail at the HCA (the rkey has no remote write), the region
+/// unchanged. UCX's tcp and shm transports do not enforce `prot`, so without an RDMA device
+/// this prints SKIPPED and returns (it is not evidence of anything there).
+#[test]
+#[ignore = "needs UCX and an RDMA NIC"]
+fn rdma_put_into_a_read_only_region_fails() {
+    let rdma = std::fs::read_dir("/sys/class/infiniband").map(|d| d.count() > 0).unwrap_or(false);
+    if !rdma {
+        eprintln!("SKIPPED rdma_put_into_a_read_only_region_fails: no RDMA device (/sys/class/infiniband): UCX over tcp does not enforce mapping protection");
+        return;
+    }
+    let init = agent("rdma-prot-i", TransportKind::Ucx);
+    let target = agent("rdma-prot-t", TransportKind::Ucx);
+    let src = vec![7u8; 4096];
+    let dst = vec![0u8; 4096];
+    init.register(src.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let ro = target.register(dst.as_ptr() as u64, 4096, 0, MemType::Dram, Access::ReadOnly).unwrap();
+    let rail = open(&init, &target);
+    // UcxRail::post has no access check of its own (the link refuses by metadata).
+    let r = rail.post(1, true, src.as_ptr() as u64, ro.id, 0, 4096);
+    let failed = match r {
+        Err(_) => true,
+        Ok(()) => {
+            let mut done = Vec::new();
+            let end = Instant::now() + Duration::from_secs(10);
+            loop {
+                match rail.progress(&mut done, Duration::from_millis(50), Duration::from_secs(5)) {
+                    Err(_) => break true,
+                    Ok(()) if done.iter().any(|(_, r)| r.is_err()) => break true,
+                    Ok(()) if !done.is_empty() => break false,
+                    Ok(()) => assert!(Instant::now() < end, "no outcome within 10 s"),
+                }
+            }
+        }
+    };
+    assert!(failed, "an RDMA WRITE into a read-only region completed");
+    assert!(dst.iter().all(|&b| b == 0), "the read-only region changed");
+}

@@ -217,7 +217,7 @@ impl UcxRail {
         let offer = hello_version >= HELLO_UCX_FEATURES && std::env::var(ENV_AM).map_or(true, |v| v.trim() != "0") && {
             let ib = inbox.clone();
             // Before UcxOpen: no reply can come earlier. A worker that refuses it offers nothing.
-            worker.set_am_handler(UCX_AM_REPLY, Box::new(move |h, d| on_reply(&ib, h, d))).is_ok()
+            worker.set_am_handler(UCX_AM_REPLY, Box::new(move |h, d, _from| on_reply(&ib, h, d))).is_ok()
         };
         let addr = worker.address().map_err(|e| ucx_err("worker address", e))?;
         let deadline = Instant::now() + timeout;

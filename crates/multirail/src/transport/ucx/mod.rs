@@ -14,8 +14,8 @@
 //!
 //! Not protected over tcp: UCX's software RMA writes wherever the initiator says (docs/ucx.md,
 //! "Trust"); bounds are checked on the initiator (here and in the bindings). Over RDMA the HCA
-//! checks the rkey and bounds, but rkeys are mapped read-write, so a read-only region is
-//! writable by a peer that holds its rkey (the initiator refuses it only by the metadata).
+//! checks the rkey and bounds, and each region is mapped with its access (`protection`): a
+//! read-only region's rkey allows no RDMA WRITE, a local region none at all.
 //!
 //! Split by responsibility:
 //! - this module: the agent-wide part, [`UcxAgent`] (UCX loaded once, one context per local
@@ -46,7 +46,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use multirail_proto::codec::UcxRegion;
 use multirail_proto::{Access, RailInfo};
-use multirail_ucx::{Context, ContextConfig, MemRegion, PackedRkey, Ucx};
+use multirail_ucx::{Context, ContextConfig, MemRegion, PackedRkey, Protection, Ucx};
 
 use crate::error::{Error, Result};
 use crate::net::LocalRail;
@@ -180,7 +180,7 @@ impl UcxAgent {
             // SAFETY: the caller registered [base, base+len) with the agent and keeps it
             // allocated while registered; it is unmapped at deregistration, after the registry
             // saw no holder (a request still pending keeps its own mapping alive until done).
-            let m = unsafe { r.ctx.map(region.base as *mut u8, region.len as usize) }
+            let m = unsafe { r.ctx.map_with(region.base as *mut u8, region.len as usize, protection(region.access)) }
                 .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
             let packed =
                 if exported {
@@ -224,6 +224,13 @@ impl UcxAgent {
     }
 
     #[cfg(test)]
+    /// The access region `id` is mapped with on rail `rail` (`protection`).
+    pub(crate) fn protection_of(&self, id: u64, rail: usize) -> Option<Protection> {
+        let g = self.maps.read().unwrap_or_else(PoisonError::into_inner);
+        Some(g.get(&id)?.per_rail.get(rail)?.as_ref()?.0.protection())
+    }
+
+    #[cfg(test)]
     /// Target-side session workers alive now (a fenced or closed session's worker is gone).
     pub fn sessions(&self) -> usize {
         self.sessions.load(std::sync::atomic::Ordering::SeqCst)
@@ -260,6 +267,17 @@ impl UcxAgent {
                 v
             }
         }
+    }
+}
+
+/// What a region's rkey allows peers (`ucp_mem_map`'s `prot`): a read-only region is mapped
+/// without remote write, a local one without any remote access (issue 33, item 4). The HCA
+/// enforces it over RDMA; UCX's tcp transport does not (docs/ucx.md, "Trust").
+pub(crate) fn protection(access: Access) -> Protection {
+    match access {
+        Access::Local => Protection::LocalOnly,
+        Access::ReadOnly => Protection::RemoteRead,
+        Access::ReadWrite => Protection::RemoteReadWrite,
     }
 }
 
@@ -405,6 +423,15 @@ mod tests {
     use super::*;
 
     /// Runs without UCX: the decision from what the contexts report and /sys/module.
+    /// Runs without UCX: what each access maps to (enforced by the HCA over RDMA only; the
+    /// hardware check is `ucx_tests::ucx_put_into_a_read_only_region_fails_on_rdma`).
+    #[test]
+    fn regions_are_mapped_with_their_access() {
+        assert_eq!(protection(Access::ReadOnly), Protection::RemoteRead);
+        assert_eq!(protection(Access::Local), Protection::LocalOnly);
+        assert_eq!(protection(Access::ReadWrite), Protection::RemoteReadWrite);
+    }
+
     #[test]
     fn gpu_direct_needs_cuda_rdma_and_peermem() {
         let dir = std::env::temp_dir().join(format!("mr-sysmod-{}", std::process::id()));

@@ -234,7 +234,7 @@ fn am_setup(
     worker
         .set_am_handler(
             UCX_AM_REQ,
-            Box::new(move |h, d| {
+            Box::new(move |h, d, _from| {
                 if let Some(r) = handle_am(&maps, rail, &*ctr, h, d) {
                     let mut q = ib.replies.lock().unwrap_or_else(PoisonError::into_inner);
                     q.push(r);
