@@ -662,6 +662,31 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
         check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ with env settings")
 
+    elif name == "blip":
+        # issue 36, item 2: the initiator's one rail is killed for a while (cfg params faults)
+        # while a READ is in flight: the READ must finish late, not fail, and the peer must
+        # stay usable without add_remote_agent again
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(16), mem),
+                                  agent.get_xfer_descs(ra_rows, mem), "target", b"blip")
+        t = time.monotonic()
+        s = wait(agent, h, timeout=60)
+        out["state"], out["seconds"] = s, round(time.monotonic() - t, 3)
+        check(s == "DONE", f"READ across the blip: {s} after {out['seconds']} s")
+        check(sha(dst.read()) == sha(A), "READ across the blip: bytes differ")
+        agent.release_xfer_handle(h)
+        dst.write(np.zeros(size, np.uint8))
+        try:
+            h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                      agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        except Exception as e:  # noqa: BLE001
+            fail(f"a new transfer to the same agent after the blip: {type(e).__name__}: {e}")
+        s = wait(agent, h)
+        check(s == "DONE" and sha(dst.read()) == sha(A), f"a new transfer after the blip: {s}")
+        agent.release_xfer_handle(h)
+
     else:
         fail(f"unknown scenario {name}")
     # NIXL writes its telemetry file every NIXL_TELEMETRY_RUN_INTERVAL (100 ms): let the last

@@ -17,10 +17,16 @@ use multirail_proto::Policy;
 
 /// (key, environment variable, default shown by `get_plugin_params`, meaning).
 pub const PARAMS: &[(&str, &str, &str, &str)] = &[
-    ("rails", "MULTIRAIL_RAILS", "", "interfaces or IPv4 addresses, comma-separated, or 'auto'; empty: one rail on `host`"),
-    ("host", "MULTIRAIL_HOST", "127.0.0.1", "listen address when no rails are given"),
+    (
+        "rails",
+        "MULTIRAIL_RAILS",
+        "auto",
+        "interfaces or IPv4 addresses, comma-separated, or 'auto' (every up, addressed, non-loopback interface; \
+         127.0.0.1 on a host that has none); empty: one rail on `host`",
+    ),
+    ("host", "MULTIRAIL_HOST", "", "listen address of one rail when set and `rails` is not (0.0.0.0: rails=auto)"),
     ("port", "MULTIRAIL_PORT", "0", "side-channel port (0: any free port)"),
-    ("transport", "MULTIRAIL_TRANSPORT", "tcp", "tcp or ucx"),
+    ("transport", "MULTIRAIL_TRANSPORT", "auto", "auto, tcp or ucx (auto: ucx on rails with an RDMA device, else tcp)"),
     ("connections", "MULTIRAIL_CONNECTIONS", "1", "connections per rail per peer"),
     ("chunk_size", "MULTIRAIL_CHUNK_SIZE", "1048576", "planner chunk size in bytes (4 KiB to 64 MiB; K/M/KiB/MiB suffixes)"),
     ("stripe_threshold", "MULTIRAIL_STRIPE_THRESHOLD", "262144", "transfers at least this large are striped over rails"),
@@ -100,13 +106,17 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
         effective.push((key.to_string(), if key == "auth_secret" && !v.is_empty() { "<set>".into() } else { v.clone() }));
         v
     };
-    let mut cfg = Config { host: get("host"), ..Config::default() };
-    cfg.port = get("port").trim().parse().map_err(|_| "port: not a port number".to_string())?;
+    let given = |key: &str| params.contains_key(key) || env_of(key).and_then(env).is_some();
+    let (rails_given, host_given) = (given("rails"), given("host"));
+    let host = get("host");
     let rails = get("rails");
-    cfg.rails = resolve_rails(&rails)?;
+    let (host, rails) = where_to_serve(host.trim(), rails.trim(), host_given, rails_given)?;
+    let mut cfg = Config { host, ..Config::default() };
+    cfg.port = get("port").trim().parse().map_err(|_| "port: not a port number".to_string())?;
+    cfg.rails = rails;
     cfg.transport = {
         let t = get("transport");
-        TransportKind::parse(t.trim()).ok_or(format!("transport: {t:?} is neither tcp nor ucx"))?
+        TransportKind::parse(t.trim()).ok_or(format!("transport: {t:?} is not auto, tcp or ucx"))?
     };
     cfg.connections = match get("connections").trim().parse::<usize>() {
         Ok(n) if (1..=64).contains(&n) => n,
@@ -147,6 +157,9 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
     }
     cfg.serve_spin = Duration::from_secs_f64(serve / 1e6);
     cfg.timeout = Duration::from_secs_f64(parse_f64("timeout", &get("timeout"))?);
+    // A blip is not a disconnect: NIXL answers NIXL_ERR_REMOTE_DISCONNECT by dropping the
+    // peer's metadata, so transfers wait up to `timeout` for a rail to come back.
+    cfg.hold_when_down = true;
     cfg.planner.stall_timeout = Duration::from_secs_f64(parse_f64("stall_timeout", &get("stall_timeout"))?);
     cfg.staging.gpu = {
         let g = get("gpu");
@@ -172,6 +185,45 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
         None => return Err(format!("fan_in_window: {window:?} is not auto, off, or a size like 2MiB")),
     };
     Ok(Settings { cfg, effective })
+}
+
+/// The listen host and the rails, from the `host` and `rails` settings (`*_given`: set by a
+/// backend parameter or its variable, not defaulted). The rule, so that a deployment that sets
+/// nothing works across hosts and an address no other host can reach is never advertised by
+/// accident (docs/nixl-plugin.md, "What a deployment must set"):
+/// * `rails` given (not empty): those rails (an explicit loopback address is taken as asked); an
+///   unspecified address (0.0.0.0) among them is refused: a peer cannot dial it.
+/// * else `host` given: one rail on it; `0.0.0.0` (or `::`) means every interface, i.e.
+///   `rails=auto`, which advertises each interface's own address.
+/// * else, `rails` given empty: one rail on 127.0.0.1 (as asked);
+/// * else `rails=auto`; on a host with no up, addressed, non-loopback interface (a container
+///   with only `lo`), one rail on 127.0.0.1: no other host can reach this one anyway.
+fn where_to_serve(host: &str, rails: &str, host_given: bool, rails_given: bool) -> Result<(String, Vec<RailSpec>), String> {
+    const LOOPBACK: &str = "127.0.0.1";
+    if rails_given && !rails.is_empty() {
+        let r = resolve_rails(rails)?;
+        if let Some(u) = r.iter().find(|r| r.addr.is_unspecified()) {
+            return Err(format!(
+                "rails (MULTIRAIL_RAILS): {} is not an address a peer can dial; name the interfaces or their addresses, or use 'auto'",
+                u.addr
+            ));
+        }
+        let host = if host.is_empty() { LOOPBACK } else { host };
+        return Ok((host.to_string(), r));
+    }
+    if host_given && !host.is_empty() {
+        let unspecified = host.parse::<IpAddr>().map(|a| a.is_unspecified()).unwrap_or(false);
+        if !unspecified {
+            return Ok((host.to_string(), Vec::new()));
+        }
+        return resolve_rails("auto").map(|r| (LOOPBACK.to_string(), r)).map_err(|e| {
+            format!("host (MULTIRAIL_HOST) {host}: serves every interface, but {e}; set MULTIRAIL_HOST to an address a peer can dial")
+        });
+    }
+    if !rails_given && if_addrs()?.iter().any(|a| a.up && !a.loopback) {
+        return Ok((LOOPBACK.to_string(), resolve_rails("auto")?));
+    }
+    Ok((LOOPBACK.to_string(), Vec::new()))
 }
 
 /// One IPv4 address of a local interface.
@@ -315,7 +367,7 @@ mod tests {
         assert_eq!(s.cfg.planner.chunk_size, 256 << 10);
         assert_eq!(s.cfg.fan_in_window, multirail::FanInWindow::Bytes(2 << 20));
         assert_eq!(settings(&HashMap::new(), &no_env).unwrap().cfg.fan_in_window, multirail::FanInWindow::Auto);
-        assert_eq!(s.cfg.transport, TransportKind::Tcp);
+        assert_eq!(s.cfg.transport, TransportKind::Auto);
         assert!(s.effective.iter().any(|(k, v)| k == "chunk_size" && v == "256KiB"));
     }
 
@@ -348,5 +400,36 @@ mod tests {
         assert_eq!(resolve_rails("10.9.8.7/24").unwrap()[0].prefix_len, 24);
         let s = settings(&HashMap::new(), &no_env).unwrap();
         assert!(s.effective.iter().any(|(k, v)| k == "auth_secret" && v.is_empty()));
+    }
+
+    #[test]
+    fn defaults_serve_every_interface_and_unreachable_addresses_are_refused() {
+        let with = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(v, _)| *v == k).map(|(_, x)| x.to_string())
+        };
+        let others = if_addrs().unwrap().iter().any(|a| a.up && !a.loopback);
+        // nothing set: rails=auto and transport=auto (loopback only on a host that has nothing else)
+        let s = settings(&HashMap::new(), &no_env).unwrap();
+        assert_eq!(s.cfg.transport, TransportKind::Auto);
+        assert_eq!(!s.cfg.rails.is_empty(), others);
+        assert!(s.cfg.rails.iter().all(|r| !r.addr.is_loopback() && !r.addr.is_unspecified()));
+        // MULTIRAIL_HOST=0.0.0.0: every interface's own address, never 0.0.0.0
+        match settings(&HashMap::new(), &with(&[("MULTIRAIL_HOST", "0.0.0.0")])) {
+            Ok(s) => {
+                assert!(others && !s.cfg.rails.is_empty());
+                assert!(s.cfg.rails.iter().all(|r| !r.addr.is_unspecified()));
+            }
+            Err(e) => assert!(!others && e.contains("MULTIRAIL_HOST"), "{e}"),
+        }
+        // an explicit address is taken as asked, loopback included
+        let s = settings(&HashMap::new(), &with(&[("MULTIRAIL_HOST", "127.0.0.1")])).unwrap();
+        assert!(s.cfg.rails.is_empty() && s.cfg.host == "127.0.0.1");
+        let s = settings(&HashMap::new(), &with(&[("MULTIRAIL_RAILS", "127.0.0.1")])).unwrap();
+        assert_eq!(s.cfg.rails.len(), 1);
+        // an unspecified rail address is refused, naming the setting
+        let mut p = HashMap::new();
+        p.insert("rails".to_string(), "0.0.0.0".to_string());
+        let e = settings(&p, &no_env).err().unwrap();
+        assert!(e.contains("rails") && e.contains("MULTIRAIL_RAILS"), "{e}");
     }
 }

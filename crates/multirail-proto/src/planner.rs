@@ -634,6 +634,10 @@ pub struct Planner {
     next_chunk: u64,
     /// Unassigned bytes of striped (not pinned) transfers.
     striped_unassigned: u64,
+    /// Keep transfers queued while every rail is down ([`Planner::set_hold_when_all_down`]).
+    hold: bool,
+    /// Since when every rail has been down with transfers held.
+    all_down_since: Option<Instant>,
 }
 
 /// Cut two differently segmented lists of equal total length into pairs of equal-length
@@ -740,7 +744,42 @@ impl Planner {
             events: VecDeque::new(),
             next_chunk: 0,
             striped_unassigned: 0,
+            hold: false,
+            all_down_since: None,
         }
+    }
+
+    /// With `on`, losing the last up rail does not fail the transfers: they stay queued (and
+    /// new ones are queued) while the driver probes and readmits rails. The driver decides when
+    /// to give up: [`Planner::all_down_since`] says since when nothing could move, and
+    /// [`Planner::take_all`] drops every transfer. Off (the default): they fail at once with
+    /// "no rail left".
+    pub fn set_hold_when_all_down(&mut self, on: bool) {
+        self.hold = on;
+    }
+
+    /// Since when every rail has been down while transfers were held (None while a rail is up
+    /// or nothing is held).
+    pub fn all_down_since(&self) -> Option<Instant> {
+        if self.xfers.is_empty() {
+            return None;
+        }
+        self.all_down_since
+    }
+
+    /// Drop every transfer (in-flight chunks forgotten, as [`Planner::cancel`]); returns their
+    /// ids, for the driver to fail them with its own reason.
+    pub fn take_all(&mut self) -> Vec<XferId> {
+        let ids: Vec<XferId> = self.xfers.iter().map(|x| x.id).collect();
+        for id in &ids {
+            self.drop_xfer(*id);
+        }
+        ids
+    }
+
+    /// Why every rail is down, as the failure reason of held transfers.
+    pub fn down_reason(&self) -> String {
+        self.all_down_reason()
     }
 
     pub fn config(&self) -> &PlannerConfig {
@@ -860,14 +899,21 @@ impl Planner {
             self.events.push_back(Event::XferDone(xfer));
             return;
         }
-        if !self.rails.iter().any(|r| r.up) {
+        let none_up = !self.rails.iter().any(|r| r.up);
+        if none_up && !self.hold {
             let reason = self.all_down_reason();
             self.events.push_back(Event::XferFailed { xfer, reason });
             return;
         }
+        if none_up && self.xfers.is_empty() {
+            self.all_down_since = Some(now);
+        } else if none_up {
+            self.all_down_since.get_or_insert(now);
+        }
         let pinned = match self.cfg.policy {
             Policy::Pinned(r) => Some(r),
-            Policy::Weighted if total < self.cfg.stripe_threshold => Some(self.fastest_finish(total, now)),
+            // Held while no rail is up: striped, whichever rail comes back takes it.
+            Policy::Weighted if total < self.cfg.stripe_threshold && !none_up => Some(self.fastest_finish(total, now)),
             _ => None,
         };
         if pinned.is_none() {
@@ -1158,7 +1204,9 @@ impl Planner {
             }
         }
         self.events.push_back(Event::RailDown { rail, reason });
-        if !self.rails.iter().any(|r| r.up) {
+        if !self.rails.iter().any(|r| r.up) && self.hold {
+            self.all_down_since.get_or_insert(now);
+        } else if !self.rails.iter().any(|r| r.up) {
             let reason = self.all_down_reason();
             let ids: Vec<XferId> = self.xfers.iter().map(|x| x.id).collect();
             for id in ids {
@@ -1190,6 +1238,7 @@ impl Planner {
                 r.late = 0.0;
                 r.last_done = None;
                 r.probe = 1.0;
+                self.all_down_since = None;
                 self.events.push_back(Event::RailUp(rail));
             }
         }
@@ -1564,6 +1613,33 @@ mod tests {
         assert_eq!(off, 8 << 20);
         assert!(matches!(p.poll_event(), Some(Event::RailDown { .. })));
         assert_eq!(p.poll_event(), Some(Event::XferDone(XferId(7))));
+    }
+
+    #[test]
+    fn held_transfers_wait_for_a_rail_and_finish() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        p.set_hold_when_all_down(true);
+        let a = p.add_rail(None, now);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], now);
+        p.poll_work(a, now).unwrap();
+        p.handle_rail_down(a, "killed".into(), now);
+        assert_eq!(p.all_down_since(), Some(now));
+        // posted while nothing is up: held too (a small one is not pinned to a dead rail)
+        p.submit(XferId(2), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
+        assert!(std::iter::from_fn(|| p.poll_event()).all(|e| !matches!(e, Event::XferFailed { .. })));
+        p.handle_rail_up(a, now);
+        assert_eq!(p.all_down_since(), None);
+        while let Some(c) = p.poll_work(a, now) {
+            p.handle_done(c.id, now);
+        }
+        let done: Vec<Event> = std::iter::from_fn(|| p.poll_event()).filter(|e| matches!(e, Event::XferDone(_))).collect();
+        assert_eq!(done.len(), 2, "{done:?}");
+        // the driver gives up: every held transfer is dropped and named
+        p.handle_rail_down(a, "killed".into(), now);
+        p.submit(XferId(3), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
+        assert_eq!(p.take_all(), vec![XferId(3)]);
+        assert!(p.is_idle() && p.all_down_since().is_none());
     }
 
     #[test]

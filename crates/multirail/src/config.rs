@@ -165,6 +165,12 @@ pub struct Config {
     /// Receive window per rail shared by the data connections this agent accepts on that rail
     /// (fan-in fairness, `fanin`).
     pub fan_in_window: FanInWindow,
+    /// Losing every rail of a link does not fail its transfers while the peer may come back:
+    /// they stay queued while probes reconnect, and fail only after `timeout` (`Error::Timeout`)
+    /// or when the peer refuses every dial or restarted (`Error::PeerLost`). False: they fail
+    /// at once (`PeerLost`, "no rail left"). The NIXL backend sets it (a blip is not a
+    /// disconnect: docs/nixl-plugin.md).
+    pub hold_when_down: bool,
 }
 
 /// How a target bounds what the peers of a rail have in flight towards it (`crate::fanin`).
@@ -236,6 +242,7 @@ impl Default for Config {
             staging: crate::staging::StagingConfig::default(),
             vectored: true,
             fan_in_window: FanInWindow::Auto,
+            hold_when_down: false,
         }
     }
 }

@@ -281,6 +281,7 @@ impl Link {
         // and whose application does not) lasts at most the request `timeout`.
         let held_timeout = ctx.cfg.planner.held_timeout.min(ctx.cfg.timeout.max(ctx.cfg.planner.stall_timeout));
         let mut planner = Planner::new(multirail_proto::PlannerConfig { byte_progress: true, held_timeout, ..ctx.cfg.planner.clone() });
+        planner.set_hold_when_all_down(ctx.cfg.hold_when_down);
         let now = Instant::now();
         let io = (peer.rail_io)(pairs.len());
         let mut rails = Vec::new();
@@ -419,6 +420,7 @@ impl Link {
                 self.t.tick(&*self);
             }
             let now = Instant::now();
+            self.expire_held(now);
             // Judged at the planner's next deadline, and at every nap while a rail is held: a
             // hold may end early (a probe unanswered) and must not outlast it by a renewal.
             let due = {
@@ -455,6 +457,32 @@ impl Link {
                 };
                 self.rail_failed(ri, reason);
             }
+        }
+    }
+
+    /// Transfers held while every rail is down (`Config::hold_when_down`) fail once nothing has
+    /// come back within `timeout`.
+    fn expire_held(&self, now: Instant) {
+        let timeout = self.ctx.cfg.timeout;
+        let since = self.sched.lock().expect("sched lock").planner.all_down_since();
+        if since.is_some_and(|t| now.saturating_duration_since(t) >= timeout) {
+            self.fail_held(|why| Error::Timeout(format!("peer {}: no rail came back within {timeout:?} ({why})", self.peer_name)));
+        }
+    }
+
+    /// Fail every transfer held while every rail is down with `err(why every rail is down)`;
+    /// nothing when a rail is up.
+    fn fail_held(&self, err: impl Fn(&str) -> Error) {
+        let mut g = self.sched.lock().expect("sched lock");
+        if g.planner.all_down_since().is_none() {
+            return;
+        }
+        let why = g.planner.down_reason();
+        let ids = g.planner.take_all();
+        let held: Vec<Arc<XferShared>> = ids.iter().filter_map(|id| g.xfers.remove(id)).collect();
+        drop(g);
+        for x in held {
+            x.finish(Err(err(&why)));
         }
     }
 
@@ -808,10 +836,19 @@ impl Link {
                     Ok(_) => break,
                     Err(e @ Error::StaleMetadata { .. }) => {
                         l.ctx.log(&format!("peer {}: {e}", l.peer_name));
+                        let why = e.to_string();
                         *l.fatal.lock().expect("link lock") = Some(e);
+                        l.fail_held(|_| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("the peer restarted: {why}") });
                         break;
                     }
-                    Err(_) => backoff = (backoff * 2).min(Duration::from_secs(2)),
+                    Err(e) => {
+                        if crate::net::refused(&e) {
+                            // Nothing listens at the peer's address any more: it exited; what
+                            // waits for every rail to come back fails now.
+                            l.fail_held(|why| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("{e}; {why}") });
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
                 }
             }
             l.rails[ri].probing.store(false, Ordering::Release);

@@ -1,0 +1,85 @@
+"""What a NIXL deployment relies on (issue 36), through the real NIXL (the pinned nixl-cu12
+wheel, two processes, tests/nixl_plugin_peer.py): defaults that work across hosts with only
+NIXL_PLUGIN_DIR set, and the semantics of NIXL's return codes, notifications and calls that
+frameworks such as vLLM's NixlConnector rely on (docs/nixl-plugin.md, "What a deployment
+must set" and "NIXL's return codes here").
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from test_nixl_plugin import _SKIP, MiB, Pair, _env, pair, plugin_dir  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+@pytest.fixture
+def two_hosts(tmp_path: Path, plugin_dir: Path) -> Iterator[tuple[Any, Pair]]:  # noqa: F811
+    """Target in namespace a, initiator in namespace b of a fresh one-rail testbed, with no
+    MULTIRAIL_* setting at all but MULTIRAIL_HOST=0.0.0.0 on the target ("listen everywhere",
+    as a user would write it): only NIXL_PLUGIN_DIR."""
+    from conftest import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    from multirail.testbed import Testbed
+
+    tb = Testbed(f"nd{uuid.uuid4().hex[:6]}", rails=1, rate="1gbit")
+    with tb:
+        def wrap(side: str, argv: list[str]) -> list[str]:
+            extra = ["MULTIRAIL_HOST=0.0.0.0"] if side == "a" else []
+            return tb.exec_argv(side, ["env", *extra, *argv])
+
+        p = Pair(tmp_path, plugin_dir, {"size": 16 * MiB}, wrap=wrap)
+        try:
+            yield tb, p
+        finally:
+            p.close()
+
+
+def test_two_hosts_with_only_the_plugin_dir_set(two_hosts: tuple[Any, Pair]) -> None:
+    """Item 1: two NIXL agents on two hosts exchange metadata; READ, WRITE, a notification on
+    a transfer and genNotif both ways work with no MULTIRAIL_* setting (before: each advertised
+    127.0.0.1, or 0.0.0.0 that the peer dialled as 127.0.0.1, and the first call to the peer
+    failed with NIXL_ERR_REMOTE_DISCONNECT)."""
+    _tb, pair = two_hosts
+    pair.run("basic")
+
+
+def test_an_address_no_peer_can_dial_is_refused_naming_the_setting(plugin_dir: Path) -> None:  # noqa: F811
+    code = """if True:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+        a = nixl_agent('x', nixl_agent_config(backends=[]))
+        try:
+            a.create_backend('MULTIRAIL', {'rails': '0.0.0.0'}); print('CREATED')
+        except Exception as e:
+            print('REFUSED', type(e).__name__)
+        a.create_backend('MULTIRAIL', {}); print('DEFAULTS', a.get_backend_params('MULTIRAIL'))
+    """
+    res = subprocess.run([sys.executable, "-c", code], env=_env(plugin_dir), capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0 and "REFUSED" in res.stdout, res.stdout + res.stderr
+    assert "MULTIRAIL_RAILS" in res.stderr and "0.0.0.0" in res.stderr, res.stderr
+    assert "'rails': 'auto'" in res.stdout and "'transport': 'auto'" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("pair", [{"size": 16 * MiB}], indirect=True)
+def test_a_blip_is_not_a_disconnect(pair: Pair) -> None:
+    """Item 2: the initiator's only rail is killed for 1 s (fault injection, docs/transports.md)
+    while a READ is in flight. While the peer's incarnation is alive the transfer waits for the
+    probe to readmit the rail (up to `timeout`) and completes late; a new transfer to the same
+    agent then works without add_remote_agent (before: the rail's loss failed the READ as
+    NIXL_ERR_REMOTE_DISCONNECT, NIXL invalidated the agent, and initialize_xfer raised NOT_FOUND)."""
+    params = {"faults": "0:slow=20ms@0,0:kill@300ms+1s", "chunk_size": "65536", "stall_timeout": "0.5",
+              "timeout": "10"}
+    out = pair.run("blip", {"params": params})
+    assert out["state"] == "DONE" and out["seconds"] > 1.0, out
+
