@@ -463,3 +463,37 @@ def test_spark_twins_grouped_by_pcie_link(tmp_path: Path) -> None:
     links = {n.rdma: n.pcie_link for n in plan.for_gpu(0)[0].nics}
     assert links == {"rocep1s0f0": "0000:01:00", "rocep1s0f1": "0000:01:00",
                      "roceP2p1s0f0": "0002:01:00", "roceP2p1s0f1": "0002:01:00"}
+
+
+def test_mig_uuids_in_cuda_visible_devices_map_to_their_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process on a MIG slice sees CUDA_VISIBLE_DEVICES=MIG-<uuid> (or the pre-R470 form
+    MIG-GPU-<gpu uuid>/<gi>/<ci>): its NICs are the parent GPU's."""
+    sysr = F.build(tmp_path, F.dgx())
+    mig = "MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f"
+    view = [{"ordinal": i, "uuid": f"GPU-{i:08d}-aaaa", "pci_bus_id": b, **({"mig_uuids": [mig]} if i == 3 else {})}
+            for i, b in enumerate(DGX_GPUS)]
+    plan = Topology.load(sysr, gpus=view).rail_plan()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", mig)
+    assert rdma(plan.for_gpu(0)) == [F.DGX_NAMES[3]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-GPU-00000005-aaaa/1/0")
+    assert rdma(plan.for_gpu(0)) == [F.DGX_NAMES[5]]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0000dead-0000-0000-0000-000000000000")
+    with pytest.raises(TopologyError, match="nvidia-smi -L"):
+        plan.for_gpu(0)
+
+
+def test_live_cuda_view_reads_mig_uuids_from_nvidia_smi_l(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from multirail import topology
+
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = -L ]; then\n"
+                    "echo 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)'\n"
+                    "echo '  MIG 3g.40gb     Device  0: (UUID: MIG-1111)'\n"
+                    "echo '  MIG 3g.40gb     Device  1: (UUID: MIG-2222)'\n"
+                    "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)'\nexit 0\nfi\n"
+                    "echo '0, GPU-aaaa, 00000000:1B:00.0'\necho '1, GPU-bbbb, 00000000:43:00.0'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    view, _ = topology._cuda_view(None, Path("/sys"))
+    assert [e.get("mig_uuids", []) for e in view] == [["MIG-1111", "MIG-2222"], []]

@@ -19,7 +19,9 @@ Model
      ``{"ordinal", "uuid", "pci_bus_id"}`` or the CSV of ``nvidia-smi --query-gpu=index,uuid,
      pci.bus_id --format=csv``), else from ``nvidia-smi`` when reading the live ``/sys``, else
      ordinal = ascending PCI bus id. :meth:`Topology.gpu_bus_id` maps a *process* ordinal
-     through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs), so one process per GPU works.
+     through ``CUDA_VISIBLE_DEVICES`` (indices, GPU or MIG UUIDs), so one process per GPU (or
+     per MIG slice: its parent GPU's NICs) works; MIG UUIDs come from ``nvidia-smi -L`` or a
+     ``"mig_uuids"`` list in a ``gpus=`` entry.
 
 2. **Distance class** (:func:`classify`) of a GPU-NIC pair, in nvidia-smi's sense, by comparing
    PCI path *components* (never character prefixes):
@@ -258,6 +260,7 @@ class Gpu:
     pci: PciDevice
     ordinal: int  # CUDA ordinal as the CUDA view (or PCI order) gives it
     uuid: str | None
+    mig_uuids: tuple[str, ...] = ()  # MIG devices on this GPU (nvidia-smi -L), as CUDA_VISIBLE_DEVICES names them
 
     @property
     def bus_id(self) -> str:
@@ -600,7 +603,17 @@ class Topology:
                     return g.bus_id
             raise TopologyError(f"no GPU with ordinal {gpu} ({len(self.gpus)} GPUs)")
         text = gpu.strip()
-        if text.upper().startswith(("GPU-", "MIG-")):
+        up = text.upper()
+        if up.startswith("MIG-GPU-"):  # pre-R470 MIG name: MIG-GPU-<gpu uuid>/<gi>/<ci>
+            text, up = text[4:].split("/", 1)[0], up[4:].split("/", 1)[0]
+        if up.startswith("MIG-"):
+            match = [g for g in self.gpus if any(m.lower().startswith(text.lower()) for m in g.mig_uuids)]
+            if len(match) != 1:
+                raise TopologyError(f"MIG UUID {text!r} matches {len(match)} GPUs (CUDA view: {self.cuda_source}; "
+                                    "MIG devices come from `nvidia-smi -L` on the live host, or from each --gpus "
+                                    "entry's \"mig_uuids\" list)")
+            return match[0].bus_id
+        if up.startswith("GPU-"):
             match = [g for g in self.gpus if g.uuid and g.uuid.lower().startswith(text.lower())]
             if len(match) != 1:
                 raise TopologyError(f"UUID {text!r} matches {len(match)} GPUs (CUDA view: {self.cuda_source})")
@@ -869,7 +882,7 @@ def _cuda_view(gpus: Any, r: Path) -> tuple[list[dict[str, Any]] | None, str]:
             except (OSError, subprocess.SubprocessError):
                 return None, "pci order (nvidia-smi failed)"
             if res.returncode == 0:
-                return _parse_gpu_csv(res.stdout), "nvidia-smi"
+                return _with_mig(_parse_gpu_csv(res.stdout)), "nvidia-smi"
         return None, "pci order"
     if isinstance(gpus, list):
         return _check_gpu_entries(gpus, "gpus"), "gpus list"
@@ -886,6 +899,35 @@ def _cuda_view(gpus: Any, r: Path) -> tuple[list[dict[str, Any]] | None, str]:
             raise TopologyError(f"--gpus {gpus}: expected a JSON list of {{ordinal, uuid, pci_bus_id}}")
         return _check_gpu_entries(data, str(gpus)), f"--gpus {gpus}"
     return _parse_gpu_csv(text, str(gpus)), f"--gpus {gpus}"
+
+
+def _with_mig(view: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adds each GPU's MIG device UUIDs from ``nvidia-smi -L`` (nothing when it fails)."""
+    try:
+        res = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return view
+    if res.returncode != 0:
+        return view
+    migs = parse_nvidia_smi_l(res.stdout)
+    return [{**e, "mig_uuids": migs[e["uuid"]]} if migs.get(e.get("uuid") or "") else e for e in view]
+
+
+def parse_nvidia_smi_l(text: str) -> dict[str, list[str]]:
+    """``nvidia-smi -L``: ``GPU 0: ... (UUID: GPU-...)`` lines, each followed by its
+    ``  MIG 3g.40gb Device 0: (UUID: MIG-...)`` lines -> {gpu uuid: [mig uuids]}."""
+    out: dict[str, list[str]] = {}
+    gpu = None
+    for line in text.splitlines():
+        m = re.search(r"\(UUID:\s*((?:GPU|MIG)-[^)\s]+)\)", line)
+        if not m:
+            continue
+        if m.group(1).startswith("GPU-"):
+            gpu = m.group(1)
+            out.setdefault(gpu, [])
+        elif gpu is not None:
+            out[gpu].append(m.group(1))
+    return out
 
 
 def _parse_gpu_csv(text: str, what: str = "nvidia-smi") -> list[dict[str, Any]]:
@@ -909,7 +951,11 @@ def _check_gpu_entries(data: list[Any], what: str) -> list[dict[str, Any]]:
             ordinal = int(e["ordinal"])
         except (TypeError, ValueError):
             raise TopologyError(f"{what}: ordinal {e['ordinal']!r} is not an integer") from None
-        out.append({"ordinal": ordinal, "uuid": e.get("uuid"), "pci_bus_id": normalize_bus_id(str(e["pci_bus_id"]))})
+        migs = e.get("mig_uuids", [])
+        if not isinstance(migs, list) or not all(isinstance(m, str) for m in migs):
+            raise TopologyError(f"{what}: mig_uuids of {e['pci_bus_id']} must be a list of MIG UUID strings")
+        entry = {"ordinal": ordinal, "uuid": e.get("uuid"), "pci_bus_id": normalize_bus_id(str(e["pci_bus_id"]))}
+        out.append({**entry, "mig_uuids": list(migs)} if migs else entry)
     return out
 
 
@@ -923,7 +969,7 @@ def _assign_ordinals(devs: list[PciDevice], cuda: list[dict[str, Any]] | None, w
         if e is None:
             warnings.append(f"GPU {d.bdf} is in sysfs but not in the CUDA view: left out")
             continue
-        out.append(Gpu(d, e["ordinal"], e.get("uuid")))
+        out.append(Gpu(d, e["ordinal"], e.get("uuid"), tuple(e.get("mig_uuids", ()))))
     missing = set(by_bus) - {d.bdf for d in devs}
     for b in sorted(missing):
         warnings.append(f"the CUDA view names GPU {b}, which sysfs does not show")
