@@ -119,6 +119,15 @@ class AgentConfig:
         "Fan-in shares"; docs/benchmarks.md, issue 22).
     metrics_port: serve Prometheus metrics on http://metrics_host:metrics_port/metrics (0: any
     free port, see `Agent.metrics_url`); None (default): no server. docs/metrics.md.
+    affinity: which rails carry which memory (docs/topology.md, "The engine"). "auto" (default):
+    with rails="auto", a transfer whose local memory is on GPU k stripes over the NICs nearest
+    GPU k, host memory over its NUMA node's NICs (tiers by PCIe class, then bandwidth, from
+    the topology in $MULTIRAIL_SYSFS_ROOT, default /sys); a farther tier only while every
+    nearer rail is down; each rail's threads run on its NIC's local CPUs. "none": every rail
+    for everything. "topology": as "auto", over any rail list (the listed rails, tiered). A
+    dict {"gpu:0": [["eth0"], ["eth1"]], "numa:0": ["eth1"], "cpus": {...}}: explicit tiers per
+    location (any rail list). Default $MULTIRAIL_AFFINITY, else "auto". multirail.affinity has
+    the details; `affinity_info()` says what was chosen.
     """
 
     host: str = "127.0.0.1"
@@ -151,6 +160,7 @@ class AgentConfig:
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    affinity: Any = field(default_factory=lambda: os.environ.get("MULTIRAIL_AFFINITY", "auto"))
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -627,6 +637,15 @@ class Agent:
             _offer_ucx_wheel()
         self._core = _core.Agent(*args)
         _LIVE.add(self)
+        from multirail import affinity as _aff
+
+        self._rail_names = [r[0] for r in rails]
+        try:
+            self._affinity = _aff.resolve(cfg.affinity, cfg.rails, rails)
+            self._core.set_topology(*self._affinity.core_args())
+        except BaseException:
+            self.close()
+            raise
         self._regs: dict[int, Any] = {}
         self._closed = False
         self._stale: dict[str, tuple[int, int]] = {}  # peer -> (cached, current) incarnation
@@ -1026,8 +1045,23 @@ class Agent:
         over tcp connections of the same rails),
         gpu_path_reason, and staging: {"d2h"|"wire"|"h2d": {"ops", "bytes", "busy_s"}, "chunks",
         "pool_bytes", "pools"} for what this side staged (D2H of WRITEs from local GPU memory,
-        H2D of READs into it). Transfers by CUDA IPC use no rail: see peer_counters()."""
-        return self._core.rail_stats(peer)
+        H2D of READs into it). Transfers by CUDA IPC use no rail: see peer_counters().
+        Rail choice by memory location (`affinity`, docs/topology.md): tier_location (where
+        the memory of the last tiered transfer on the rail was: "gpu:K", "numa:N"; None),
+        tier (the tier the rail served it as, 0 = nearest), tier_class ("PIX", ..., "SYS",
+        "tierN" for an explicit mapping), tier_reason, and fallback_bytes (bytes it carried as
+        a farther tier, while every nearer rail was down)."""
+        out = self._core.rail_stats(peer)
+        for r in out:
+            r["tier_class"], r["tier_reason"] = self._affinity.tier_class(r.get("tier_location"), r.get("tier"))
+            if r.get("tier") and r["tier_reason"] is not None:
+                r["tier_reason"] = f"fallback: no rail of tiers 0..{r['tier'] - 1} up; {r['tier_reason']}"
+        return out
+
+    def affinity_info(self) -> dict:
+        """The rail choice per memory location (`AgentConfig.affinity`): {"source", "notes",
+        "locations": {"gpu:0": [{"tier", "class", "rails": [names], "reason"}, ...], ...}}."""
+        return self._affinity.describe(self._rail_names)
 
     def transport_info(self) -> dict:
         """{"transport": what was asked ("auto"|"tcp"|"ucx"), "ucx_version": e.g. "1.22.0 (wheel

@@ -79,6 +79,13 @@ class AgentCollector:
                 "multirail_rail_weight", "The rail's share of the measured rate of the peer's up rails (what the "
                 "weighted policy stripes by; 0 when down)", labels=rail),
             "conns": GaugeMetricFamily("multirail_rail_connections", "Open TCP connections on the rail", labels=rail),
+            "tier": GaugeMetricFamily(
+                "multirail_rail_tier", "The tier (0: nearest) the rail last served a transfer's memory location as "
+                "(AgentConfig.affinity, docs/topology.md), with that location and the tier's class (PIX ... SYS)",
+                labels=rail + ["location", "class"]),
+            "fallback": CounterMetricFamily(
+                "multirail_rail_fallback_bytes", "Bytes the rail carried as a farther tier, while every nearer rail "
+                "of the transfer's memory location was down", labels=rail),
             "info": GaugeMetricFamily(
                 "multirail_rail_info", "Rail identity (value 1)", labels=rail + ["index", "local_addr", "remote_addr"]),
             "transport": GaugeMetricFamily(
@@ -237,6 +244,10 @@ class AgentCollector:
                 fam["rate"].add_metric(lab, rate)
                 fam["weight"].add_metric(lab, (float(s.get("rate_gbps", 0.0)) / total_up) if up and total_up > 0 else 0.0)
                 fam["conns"].add_metric(lab, int(s.get("connections", 0)))
+                if s.get("tier") is not None:
+                    fam["tier"].add_metric(lab + [str(s.get("tier_location") or ""), str(s.get("tier_class") or "")],
+                                           int(s["tier"]))
+                fam["fallback"].add_metric(lab, int(s.get("fallback_bytes") or 0))
                 fam["info"].add_metric(lab + [str(i), str(s.get("local_addr", "")), str(s.get("remote_addr", ""))], 1)
                 fam["transport"].add_metric(lab + [str(s.get("transport", "")), str(s.get("transport_reason", ""))], 1)
                 fam["fallbacks"].add_metric(lab, int(s.get("fallbacks") or 0))

@@ -31,6 +31,14 @@ the old one down and rebuilds it. ``down`` kills processes still running inside 
 namespaces (by PID), deletes the namespaces (which deletes the veths, rules and routes in them)
 and the state file; it succeeds when nothing exists.
 
+Pretend GPUs (``--gpu-near 0,1``, issue 34): the rails listed are *near* a pretend GPU 0 and
+the others near a pretend GPU 1. ``up`` writes, per side, a small sysfs-like tree
+(``/run/multirail-testbed/NAME-sysfs-<side>``: the two GPUs and the side's veths as PCI NICs,
+the near ones under GPU 0's PCIe switch, the far ones under GPU 1's, one NUMA node) that an
+agent reads with ``MULTIRAIL_SYSFS_ROOT`` (its topology then puts GPU 0's rails in a PIX tier
+and the others in a NODE tier: multirail.affinity); ``status`` names it (``topology``), and
+``multirail bench --testbed`` hands it to the initiator. The stand-in GPU's device 0 is GPU 0.
+
 Everything needs root (CAP_NET_ADMIN/CAP_SYS_ADMIN); without it the CLI exits with code 2 and a
 one-line message. Every subprocess runs with a timeout.
 """
@@ -281,7 +289,8 @@ class Testbed:
 
     def __init__(self, name: str = DEFAULT_NAME, rails: int | None = None,
                  rates: Sequence[int | str | None] | None = None, rate: int | str | None = None,
-                 mtu: int = DEFAULT_MTU, subnet_base: str = DEFAULT_SUBNET_BASE) -> None:
+                 mtu: int = DEFAULT_MTU, subnet_base: str = DEFAULT_SUBNET_BASE,
+                 gpu_near: Sequence[int] | None = None) -> None:
         if rates is not None and rate is not None:
             raise TestbedError("give either rate (one rate for every rail) or rates (one per rail), not both")
         if rates is not None:
@@ -299,12 +308,22 @@ class Testbed:
             raise TestbedError(f"mtu must be between 576 and 65535, got {mtu!r}")
         self.mtu = mtu
         self.subnet_base = _validate_subnet_base(subnet_base)
+        self.gpu_near = _validate_gpu_near(gpu_near, n)
 
     # ---- description
 
     def spec(self) -> dict[str, Any]:
         """What `up` builds; stored in the state file and compared on the next `up`."""
-        return {"rails": self.n_rails, "rates": list(self.rates), "mtu": self.mtu, "subnet_base": self.subnet_base}
+        spec: dict[str, Any] = {"rails": self.n_rails, "rates": list(self.rates), "mtu": self.mtu,
+                                "subnet_base": self.subnet_base}
+        if self.gpu_near is not None:
+            spec["gpu_near"] = list(self.gpu_near)
+        return spec
+
+    def sysfs_root(self, side: str) -> Path:
+        """The sysfs-like tree of `side` (with ``gpu_near``): an agent's MULTIRAIL_SYSFS_ROOT."""
+        self.ns(side)
+        return STATE_DIR / f"{self.name}-sysfs-{side}"
 
     @property
     def rails(self) -> list[Rail]:
@@ -356,7 +375,8 @@ class Testbed:
             if st.get("version") != STATE_VERSION or st.get("name") != name:
                 raise ValueError("unknown version or wrong name")
             spec = st["spec"]
-            return cls(name=name, rates=spec["rates"], mtu=spec["mtu"], subnet_base=spec["subnet_base"])
+            return cls(name=name, rates=spec["rates"], mtu=spec["mtu"], subnet_base=spec["subnet_base"],
+                       gpu_near=spec.get("gpu_near"))
         except (ValueError, KeyError, TypeError, TestbedError) as e:
             raise TestbedError(f"corrupt state file {path} ({e}); remove it with `multirail testbed down --name {name}`") from e
 
@@ -465,8 +485,15 @@ class Testbed:
                 entry[s] = side
                 problems.extend(side_problems)
             entry["present"] = entry["a"]["exists"] and entry["b"]["exists"]
+            if self.gpu_near is not None:
+                entry["gpu"] = 0 if r.index in self.gpu_near else 1
             rails.append(entry)
-        return {**base, "up": all(ns_ok.values()), "rails": rails, "problems": problems}
+        out = {**base, "up": all(ns_ok.values()), "rails": rails, "problems": problems}
+        if self.gpu_near is not None:
+            out["topology"] = {"gpu_near": list(self.gpu_near), "sysfs": {s: str(self.sysfs_root(s)) for s in SIDES}}
+            problems.extend(f"topology fixture {self.sysfs_root(s)} is missing" for s in SIDES
+                            if not (self.sysfs_root(s) / "bus" / "pci" / "devices").is_dir())
+        return out
 
     def _problems(self) -> list[str]:
         return list(self._status()["problems"])
@@ -512,6 +539,9 @@ class Testbed:
             if tc_cmds:
                 _run(["tc", "-n", self.ns(s), "-batch", "-"], input="\n".join(tc_cmds) + "\n")
         self._wait_operstate(rails, True)
+        if self.gpu_near is not None:
+            for s in SIDES:
+                write_topology_fixture(self.sysfs_root(s), [r.devs[s] for r in rails], self.gpu_near)
         _write_state(self.state_path, {"version": STATE_VERSION, "name": self.name, "spec": self.spec(),
                                        "created_unix": int(time.time())})
 
@@ -540,6 +570,9 @@ class Testbed:
             _kill_pids([p for p in pids if p != os.getpid()])
             _run(["ip", "netns", "del", ns])
             removed = True
+        for s in SIDES:
+            if self.sysfs_root(s).exists():
+                shutil.rmtree(self.sysfs_root(s), ignore_errors=True)
         if self.state_path.exists():
             self.state_path.unlink()
             removed = True
@@ -643,6 +676,61 @@ def _validate_subnet_base(base: str) -> str:
     return ".".join(str(int(p)) for p in parts)
 
 
+def _validate_gpu_near(near: Sequence[int] | None, n_rails: int) -> list[int] | None:
+    if near is None:
+        return None
+    try:
+        out = sorted({int(i) for i in near})
+    except (TypeError, ValueError):
+        raise TestbedError(f"gpu_near must list rail indices, got {near!r}") from None
+    if not out or any(not 0 <= i < n_rails for i in out):
+        raise TestbedError(f"gpu_near must list rail indices 0..{n_rails - 1}, got {list(near)!r}")
+    return out
+
+
+def write_topology_fixture(root: Path, devs: Sequence[str], near: Sequence[int]) -> None:
+    """A sysfs-like tree (what multirail.topology reads) for one emulated host: pretend GPU 0
+    (0000:12:00.0) behind a PCIe switch on root bus 10 with the rails in `near` as NICs on the
+    same switch (PIX), pretend GPU 1 (0000:22:00.0) likewise on root bus 20 with the others; one
+    NUMA node with every CPU of this machine. NIC i is PCI function 0000:<bus>:00.0 whose netdev
+    is devs[i] (the veth in the side's namespace). Links are relative, so realpath works."""
+    if root.exists():
+        shutil.rmtree(root)
+    cpus = f"0-{(os.cpu_count() or 1) - 1}"
+    devices = root / "devices"
+    groups = {0: [i for i in range(len(devs)) if i in near], 1: [i for i in range(len(devs)) if i not in near]}
+
+    def pci(path: Path, vendor: str, device: str, cls: str) -> None:
+        path.mkdir(parents=True)
+        for k, v in (("vendor", vendor), ("device", device), ("class", cls), ("numa_node", "0"),
+                     ("local_cpulist", cpus), ("current_link_width", "16"), ("max_link_width", "16"),
+                     ("current_link_speed", "32.0 GT/s PCIe"), ("max_link_speed", "32.0 GT/s PCIe")):
+            (path / k).write_text(v + "\n")
+        link = root / "bus" / "pci" / "devices" / path.name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(path, link.parent))
+
+    for g, rails in groups.items():
+        bus = 0x10 + 0x40 * g
+        usp = devices / f"pci0000:{bus:02x}" / f"0000:{bus:02x}:00.0"
+        pci(usp, "0x1000", "0xc030", "0x060400")
+        dsp = usp / f"0000:{bus + 1:02x}:00.0"
+        pci(dsp, "0x1000", "0xc030", "0x060400")
+        pci(dsp / f"0000:{bus + 2:02x}:00.0", "0x10de", "0x2330", "0x030200")
+        for k, i in enumerate(rails):
+            port = usp / f"0000:{bus + 1:02x}:{k + 1:02x}.0"
+            pci(port, "0x1000", "0xc030", "0x060400")
+            nic = port / f"0000:{bus + 3 + k:02x}:00.0"
+            pci(nic, "0x8086", "0x1592", "0x020000")
+            net = root / "class" / "net" / devs[i]
+            net.mkdir(parents=True)
+            (net / "speed").write_text("10000\n")
+            (net / "device").symlink_to(os.path.relpath(nic, net))
+    node = devices / "system" / "node" / "node0"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text(cpus + "\n")
+
+
 def _read_state(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -682,6 +770,9 @@ def _add_testbed_commands(p: argparse.ArgumentParser) -> None:
     up.add_argument("--mtu", type=int, default=DEFAULT_MTU, help=f"MTU of every rail (default {DEFAULT_MTU})")
     up.add_argument("--subnet-base", default=DEFAULT_SUBNET_BASE,
                     help=f"first two octets of the rail subnets (default {DEFAULT_SUBNET_BASE}: rail i is <base>.i.0/24)")
+    up.add_argument("--gpu-near", default=None, metavar="I,J",
+                    help="tag rails I,J as near a pretend GPU 0 (the others near a pretend GPU 1): writes a "
+                         "sysfs-like tree per side for MULTIRAIL_SYSFS_ROOT (docs/testbed.md)")
     up.add_argument("--json", action="store_true", help="print the status as JSON")
     up.set_defaults(func=_cmd_up)
     down = sub.add_parser("down", help="remove the testbed (succeeds when none exists)")
@@ -718,11 +809,18 @@ def _guard(fn: Any) -> Any:
 @_guard
 def _cmd_up(args: argparse.Namespace) -> int:
     require_root()
+    near = None
+    if args.gpu_near is not None:
+        try:
+            near = [int(x) for x in args.gpu_near.split(",") if x.strip()]
+        except ValueError:
+            raise TestbedError(f"--gpu-near takes rail indices like 0,1, not {args.gpu_near!r}") from None
     if args.rates is not None:
         tb = Testbed(args.name, rails=args.rails, rates=[r for r in args.rates.split(",")], mtu=args.mtu,
-                     subnet_base=args.subnet_base)
+                     subnet_base=args.subnet_base, gpu_near=near)
     else:
-        tb = Testbed(args.name, rails=args.rails, rate=args.rate, mtu=args.mtu, subnet_base=args.subnet_base)
+        tb = Testbed(args.name, rails=args.rails, rate=args.rate, mtu=args.mtu, subnet_base=args.subnet_base,
+                     gpu_near=near)
     action = tb.up()
     st = tb.status()
     if args.json:

@@ -164,6 +164,9 @@ pub struct Chunk {
     pub rail: RailId,
     pub piece: Pair,
     pub vec: Option<Arc<[Run]>>,
+    /// For a transfer submitted with rail tiers ([`Planner::submit_tiered`]): the tier the
+    /// rail was taken from (0: the nearest). None for a transfer free to use every rail.
+    pub tier: Option<u8>,
 }
 
 impl Chunk {
@@ -404,6 +407,12 @@ pub struct RailStats {
     pub down_reason: Option<String>,
     /// Why the rail last went down, kept after it is readmitted.
     pub last_down_reason: Option<String>,
+    /// The tier of the last chunk the rail took for a tiered transfer (0: the nearest); None
+    /// when it has served none.
+    pub tier: Option<u8>,
+    /// Bytes the rail completed for tiered transfers as a farther tier (> 0): the transfer's
+    /// nearer rails were all down.
+    pub fallback_bytes: u64,
 }
 
 #[derive(Debug)]
@@ -465,7 +474,16 @@ struct Rail {
     stalls: u64,
     down_reason: Option<String>,
     last_down_reason: Option<String>,
+    tier: Option<u8>,
+    fallback_bytes: u64,
 }
+
+/// Rails as a bit set (bit i: rail i). Tiers name at most 64 rails; a link with more rails
+/// does not tier its transfers (the runtime's check).
+pub type RailMask = u64;
+
+/// Every rail.
+pub const ALL_RAILS: RailMask = u64::MAX;
 
 #[derive(Debug)]
 struct Xfer {
@@ -487,6 +505,9 @@ struct Xfer {
     /// chunks of large transfers, so a small transfer never waits behind a large one's queue.
     small: bool,
     rr_next: usize,
+    /// Rail tiers, nearest first ([`Planner::submit_tiered`]): the transfer uses only the
+    /// first tier with a rail up. None: every rail.
+    tiers: Option<Arc<[RailMask]>>,
 }
 
 impl Rail {
@@ -621,6 +642,8 @@ struct InFlight {
     idle_start: bool,
     /// Issued while its rail was `starved`.
     starved: bool,
+    /// The tier the rail served its transfer as (see [`Chunk::tier`]).
+    tier: Option<u8>,
 }
 
 /// See the module documentation for the model and the order of calls.
@@ -638,6 +661,15 @@ pub struct Planner {
     hold: bool,
     /// Since when every rail has been down with transfers held.
     all_down_since: Option<Instant>,
+    /// Transfers queued with rail tiers ([`Planner::submit_tiered`]); while there are none,
+    /// every striped transfer shares one pool over every rail.
+    tiered: usize,
+}
+
+/// Rail `i` as a mask bit (rails beyond the 64th share bit 63: only untiered transfers, whose
+/// mask is every rail, reach them).
+fn bit(i: RailId) -> RailMask {
+    1u64 << i.min(63)
 }
 
 /// Cut two differently segmented lists of equal total length into pairs of equal-length
@@ -746,6 +778,7 @@ impl Planner {
             striped_unassigned: 0,
             hold: false,
             all_down_since: None,
+            tiered: 0,
         }
     }
 
@@ -817,6 +850,8 @@ impl Planner {
             stalls: 0,
             down_reason: None,
             last_down_reason: None,
+            tier: None,
+            fallback_bytes: 0,
         });
         self.rails.len() - 1
     }
@@ -838,6 +873,8 @@ impl Planner {
             stalls: r.stalls,
             down_reason: r.down_reason.clone(),
             last_down_reason: r.last_down_reason.clone(),
+            tier: r.tier,
+            fallback_bytes: r.fallback_bytes,
         }
     }
 
@@ -894,7 +931,27 @@ impl Planner {
     /// (`chunk_size`), not by piece; other rails get one contiguous piece per chunk. The runs
     /// are shared, not copied: reposting a prepared transfer costs nothing per piece.
     pub fn submit_runs(&mut self, xfer: XferId, runs: Arc<[Run]>, total: u64, vectored: bool, now: Instant) {
+        self.submit_tiered(xfer, runs, total, vectored, None, now);
+    }
+
+    /// As [`Planner::submit_runs`], over a subset of the rails: `tiers` lists rail sets
+    /// (bit i: rail i), nearest first. At every moment the transfer uses only the first tier
+    /// that has a rail up, striped by weight within it; a farther tier takes over only when
+    /// every rail of the nearer ones is down, and the nearer tier takes the rest back once one
+    /// of its rails is readmitted (chunks already handed out finish where they are). With no
+    /// rail up in any tier the transfer fails, though rails outside the tiers may be up. The
+    /// pinned policy ignores tiers (an explicit pin wins). None: every rail, as `submit_runs`.
+    pub fn submit_tiered(
+        &mut self,
+        xfer: XferId,
+        runs: Arc<[Run]>,
+        total: u64,
+        vectored: bool,
+        tiers: Option<Arc<[RailMask]>>,
+        now: Instant,
+    ) {
         debug_assert_eq!(total, runs.iter().map(|r| r.bytes()).sum::<u64>());
+        let tiers = tiers.filter(|_| !matches!(self.cfg.policy, Policy::Pinned(_)));
         if total == 0 {
             self.events.push_back(Event::XferDone(xfer));
             return;
@@ -902,6 +959,14 @@ impl Planner {
         let none_up = !self.rails.iter().any(|r| r.up);
         if none_up && !self.hold {
             let reason = self.all_down_reason();
+            self.events.push_back(Event::XferFailed { xfer, reason });
+            return;
+        }
+        // Held while no rail at all is up (`hold`); otherwise a transfer none of whose tiers
+        // has a rail up fails.
+        let mask = self.active_mask(tiers.as_deref());
+        if mask == 0 && !none_up {
+            let reason = self.tiers_down_reason(tiers.as_deref());
             self.events.push_back(Event::XferFailed { xfer, reason });
             return;
         }
@@ -913,7 +978,7 @@ impl Planner {
         let pinned = match self.cfg.policy {
             Policy::Pinned(r) => Some(r),
             // Held while no rail is up: striped, whichever rail comes back takes it.
-            Policy::Weighted if total < self.cfg.stripe_threshold && !none_up => Some(self.fastest_finish(total, now)),
+            Policy::Weighted if total < self.cfg.stripe_threshold && !none_up => Some(self.fastest_finish(total, mask, now)),
             _ => None,
         };
         if pinned.is_none() {
@@ -932,7 +997,11 @@ impl Planner {
             pinned,
             small,
             rr_next: 0,
+            tiers,
         });
+        if self.xfers.back().is_some_and(|x| x.tiers.is_some()) {
+            self.tiered += 1;
+        }
         if let Some(r) = pinned {
             if !self.rails.get(r).is_some_and(|r| r.up) {
                 self.fail_xfer(xfer, format!("pinned rail {r} is not up"));
@@ -940,10 +1009,66 @@ impl Planner {
         }
     }
 
-    /// The up rail that would finish `bytes` first, given what it has in flight.
-    fn fastest_finish(&self, bytes: u64, now: Instant) -> RailId {
+    /// The rails a transfer with `tiers` may use now: those up in its first tier that has one
+    /// up (every rail for None; 0 when no tier has a rail up).
+    fn active_mask(&self, tiers: Option<&[RailMask]>) -> RailMask {
+        let up = self.up_mask();
+        match tiers {
+            None => up,
+            Some(t) => t.iter().map(|m| m & up).find(|m| *m != 0).unwrap_or(0),
+        }
+    }
+
+    /// The up rails as a mask (every rail beyond the 64th counts as up in bit 63's place:
+    /// tiers never name them, and untiered transfers only test membership of up rails).
+    fn up_mask(&self) -> RailMask {
+        self.rails.iter().enumerate().filter(|(_, r)| r.up).fold(0, |m, (i, _)| m | bit(i))
+    }
+
+    /// Why a transfer with `tiers` has no rail: each of its rails and its cause.
+    fn tiers_down_reason(&self, tiers: Option<&[RailMask]>) -> String {
+        let Some(t) = tiers else { return self.all_down_reason() };
+        let mine = t.iter().fold(0, |a, m| a | m);
+        let parts: Vec<String> = self
+            .rails
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| mine & bit(*i) != 0)
+            .map(|(i, r)| format!("rail {i}: {}", r.down_reason.clone().unwrap_or_else(|| "down".into())))
+            .collect();
+        if parts.is_empty() {
+            return "no rail left: the transfer's rail tiers name none of the link's rails".into();
+        }
+        format!("no rail of the transfer's tiers left ({})", parts.join("; "))
+    }
+
+    /// Tiered transfers none of whose rails is up fail, naming each (rails outside their tiers
+    /// may be up: they are not theirs).
+    fn fail_stranded(&mut self) {
+        if self.tiered == 0 {
+            return;
+        }
+        let stranded: Vec<(XferId, String)> = self
+            .xfers
+            .iter()
+            .filter(|x| x.tiers.is_some() && self.active_mask(x.tiers.as_deref()) == 0)
+            .map(|x| (x.id, self.tiers_down_reason(x.tiers.as_deref())))
+            .collect();
+        for (id, why) in stranded {
+            self.fail_xfer(id, why);
+        }
+    }
+
+    /// The tier of `t` that holds `rail` (the first one), for the chunk's account.
+    fn tier_of(t: Option<&[RailMask]>, rail: RailId) -> Option<u8> {
+        let t = t?;
+        t.iter().position(|m| m & bit(rail) != 0).map(|p| p.min(u8::MAX as usize) as u8)
+    }
+
+    /// The up rail in `mask` that would finish `bytes` first, given what it has in flight.
+    fn fastest_finish(&self, bytes: u64, mask: RailMask, now: Instant) -> RailId {
         let mut best = (f64::INFINITY, 0);
-        for (i, r) in self.rails.iter().enumerate().filter(|(_, r)| r.up) {
+        for (i, r) in self.rails.iter().enumerate().filter(|(i, r)| r.up && mask & bit(*i) != 0) {
             let t = r.drain_time(now, self.cfg.chunk_size) + bytes as f64 / r.rate;
             if t < best.0 {
                 best = (t, i);
@@ -957,12 +1082,28 @@ impl Planner {
         self.rails[rail].window(&self.cfg)
     }
 
-    /// The most bytes `rail` should take now so that all rails finish together (weighted policy).
-    fn fair_share(&self, rail: RailId, now: Instant) -> u64 {
-        let remaining = self.striped_unassigned as f64;
+    /// Unassigned bytes of the striped transfers that use exactly the rails of `mask` now (all
+    /// striped transfers when none is tiered).
+    fn striped_for(&self, mask: RailMask) -> u64 {
+        if self.tiered == 0 {
+            return self.striped_unassigned;
+        }
+        let up = self.up_mask();
+        self.xfers.iter().filter(|x| x.pinned.is_none() && self.active_mask(x.tiers.as_deref()) == mask & up).map(|x| x.unassigned).sum()
+    }
+
+    /// The most bytes `rail` should take now so that the rails of `mask` finish their striped
+    /// transfers together (weighted policy).
+    fn fair_share(&self, rail: RailId, mask: RailMask, now: Instant) -> u64 {
+        let remaining = self.striped_for(mask) as f64;
         // b_j: seconds until rail j drains its in-flight work.
-        let mut busy: Vec<(f64, f64)> =
-            self.rails.iter().filter(|r| r.up).map(|r| (r.drain_time(now, self.cfg.chunk_size), r.rate)).collect();
+        let mut busy: Vec<(f64, f64)> = self
+            .rails
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| r.up && mask & bit(*i) != 0)
+            .map(|(_, r)| (r.drain_time(now, self.cfg.chunk_size), r.rate))
+            .collect();
         busy.sort_by(|a, b| a.0.total_cmp(&b.0));
         let (mut sum_rate, mut sum_rb) = (0.0, 0.0);
         let mut t = 0.0;
@@ -1010,34 +1151,49 @@ impl Planner {
             return Some((xi, chunk));
         }
         for (xi, x) in self.xfers.iter().enumerate().filter(|(_, x)| x.has_work()) {
+            let mask = if x.tiers.is_some() { self.active_mask(x.tiers.as_deref()) } else { ALL_RAILS };
+            if x.pinned.is_none() && mask & bit(rail) == 0 {
+                // Tiered away from this rail (a pinned small transfer was pinned within its tier).
+                continue;
+            }
             match (x.pinned, self.cfg.policy) {
                 (Some(p), _) if p != rail => continue,
                 (Some(_), _) => return Some((xi, chunk)),
                 (None, Policy::RoundRobin) => {
                     // Retries go to any rail; fresh chunk i to the i-th up rail (`rail` is up).
-                    let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up).collect();
+                    let up: Vec<RailId> = (0..self.rails.len()).filter(|&i| self.rails[i].up && mask & bit(i) != 0).collect();
                     if x.retry.is_empty() && up[x.rr_next % up.len()] != rail {
                         continue;
                     }
                     return Some((xi, chunk));
                 }
-                // Weighted (a pinned policy pins every transfer).
-                (None, _) => return self.weighted_cap(rail, now).map(|cap| (xi, cap)),
+                // Weighted (a pinned policy pins every transfer). Transfers over the same rails
+                // share one pool: the first one's answer stands for the others.
+                (None, _) => {
+                    if let Some(cap) = self.weighted_cap(rail, mask, now) {
+                        return Some((xi, cap));
+                    }
+                    if self.tiered == 0 {
+                        return None;
+                    }
+                    // Another transfer may stripe over other rails (tiers): ask for it too.
+                }
             }
         }
         None
     }
 
-    /// Weighted policy: the piece `rail` may take from the striped pool now, if any.
-    fn weighted_cap(&self, rail: RailId, now: Instant) -> Option<u64> {
-        let share = self.fair_share(rail, now);
+    /// Weighted policy: the piece `rail` may take now from the striped pool of the transfers
+    /// over the rails of `mask`, if any.
+    fn weighted_cap(&self, rail: RailId, mask: RailMask, now: Instant) -> Option<u64> {
+        let share = self.fair_share(rail, mask, now);
         if share >= self.cfg.min_chunk {
             return Some(share.next_multiple_of(4096).min(self.cfg.chunk_size));
         }
         // The tail: no rail's share is worth a minimum chunk any more. The next crumb (at most
         // `min_chunk`) goes to whichever rail would finish it first, so the pool always drains.
-        let crumb = self.striped_unassigned.min(self.cfg.min_chunk);
-        (self.fastest_finish(crumb, now) == rail).then_some(self.cfg.min_chunk)
+        let crumb = self.striped_for(mask).min(self.cfg.min_chunk);
+        (self.fastest_finish(crumb, mask, now) == rail).then_some(self.cfg.min_chunk)
     }
 
     /// Cut the next piece (at most `max_len`) of transfer `xi` for `rail`.
@@ -1072,7 +1228,9 @@ impl Planner {
         let id = ChunkId(self.next_chunk);
         self.next_chunk += 1;
         let xfer = x.id;
+        let tier = Self::tier_of(x.tiers.as_deref(), rail);
         let r = &mut self.rails[rail];
+        r.tier = tier.or(r.tier);
         let idle_start = r.inflight_chunks == 0;
         if idle_start {
             // A new busy period: its first round trip is not sampled, so no gap before it counts.
@@ -1084,8 +1242,8 @@ impl Planner {
         let starved = r.starved;
         r.inflight_chunks += 1;
         r.inflight_bytes += piece.len;
-        self.inflight.insert(id, InFlight { xfer, rail, piece, vec: vec.clone(), issued: now, idle_start, starved });
-        Chunk { xfer, id, rail, piece, vec }
+        self.inflight.insert(id, InFlight { xfer, rail, piece, vec: vec.clone(), issued: now, idle_start, starved, tier });
+        Chunk { xfer, id, rail, piece, vec, tier }
     }
 
     /// A chunk finished on its rail. Returns false for a chunk the planner no longer tracks
@@ -1098,6 +1256,9 @@ impl Planner {
         let r = &mut self.rails[f.rail];
         r.bytes_done += f.piece.len;
         r.chunks_done += 1;
+        if f.tier.is_some_and(|t| t > 0) {
+            r.fallback_bytes += f.piece.len;
+        }
         if f.idle_start {
             // A chunk that met no queue: its time in flight is its service time plus the round
             // trip. Keep the one with the least excess (judged at the current rate).
@@ -1137,6 +1298,9 @@ impl Planner {
             let x = &mut self.xfers[xi];
             x.inflight -= 1;
             if x.unassigned == 0 && x.inflight == 0 {
+                if x.tiers.is_some() {
+                    self.tiered -= 1;
+                }
                 self.xfers.remove(xi);
                 self.events.push_back(Event::XferDone(f.xfer));
             }
@@ -1204,6 +1368,9 @@ impl Planner {
             }
         }
         self.events.push_back(Event::RailDown { rail, reason });
+        if self.rails.iter().any(|r| r.up) {
+            self.fail_stranded();
+        }
         if !self.rails.iter().any(|r| r.up) && self.hold {
             self.all_down_since.get_or_insert(now);
         } else if !self.rails.iter().any(|r| r.up) {
@@ -1240,6 +1407,8 @@ impl Planner {
                 r.probe = 1.0;
                 self.all_down_since = None;
                 self.events.push_back(Event::RailUp(rail));
+                // A transfer held while every rail was down whose tiers are still all down.
+                self.fail_stranded();
             }
         }
     }
@@ -1377,6 +1546,9 @@ impl Planner {
             return false;
         };
         let x = self.xfers.remove(xi).expect("position is in range");
+        if x.tiers.is_some() {
+            self.tiered -= 1;
+        }
         if x.pinned.is_none() {
             self.striped_unassigned -= x.unassigned;
         }
@@ -1587,6 +1759,124 @@ mod tests {
         p.submit_runs(XferId(2), runs, total, true, now);
         let c = p.poll_work(r, now).unwrap();
         assert_eq!((c.piece.len, c.vec.is_none()), (4096, true));
+    }
+
+    /// Drive every rail until the planner has nothing more for them; the bytes each rail
+    /// completed, with the tier of its chunks.
+    fn drain_all(p: &mut Planner, now: Instant) -> Vec<(u64, Option<u8>)> {
+        let mut got = vec![(0u64, None); p.num_rails()];
+        loop {
+            // Each rail takes one chunk per round; the round's chunks then complete.
+            let round: Vec<Chunk> = (0..p.num_rails()).filter_map(|r| p.poll_work(r, now)).collect();
+            if round.is_empty() {
+                return got;
+            }
+            for c in round {
+                got[c.rail].0 += c.piece.len;
+                got[c.rail].1 = c.tier;
+                assert!(p.handle_done(c.id, now));
+            }
+        }
+    }
+
+    #[test]
+    fn tiered_transfer_stripes_over_its_nearest_tier_only() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        for _ in 0..4 {
+            p.add_rail(None, now);
+        }
+        // Near: rails 1 and 3; far: rail 0; rail 2 is nobody's.
+        let tiers: Arc<[RailMask]> = Arc::from(vec![0b1010, 0b0001]);
+        let runs: Arc<[Run]> = Arc::from(vec![Run::from(Pair { local: 0, region: 1, offset: 0, len: 16 << 20 })]);
+        p.submit_tiered(XferId(1), runs.clone(), 16 << 20, false, Some(tiers.clone()), now);
+        // An untiered transfer at the same time may use every rail.
+        p.submit(XferId(2), vec![Pair { local: 1 << 30, region: 2, offset: 0, len: 8 << 20 }], now);
+        let got = drain_all(&mut p, now);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        assert!(evs.contains(&Event::XferDone(XferId(1))) && evs.contains(&Event::XferDone(XferId(2))), "{evs:?}");
+        assert_eq!((p.rail_stats(1).tier, p.rail_stats(3).tier), (Some(0), Some(0)));
+        assert_eq!((p.rail_stats(0).tier, p.rail_stats(2).tier), (None, None), "no tiered chunk off its tier");
+        let stats: Vec<RailStats> = (0..4).map(|r| p.rail_stats(r)).collect();
+        assert!(stats.iter().all(|s| s.fallback_bytes == 0), "{stats:?}");
+        assert_eq!(got.iter().map(|g| g.0).sum::<u64>(), 24 << 20);
+        // Alone, the tiered transfer goes over rails 1 and 3 only, striped.
+        p.submit_tiered(XferId(3), runs, 16 << 20, false, Some(tiers), now);
+        let got = drain_all(&mut p, now);
+        assert_eq!((got[0].0, got[2].0), (0, 0), "{got:?}");
+        assert!(got[1].0 > 0 && got[3].0 > 0, "striped over both near rails: {got:?}");
+        assert_eq!(got[1].0 + got[3].0, 16 << 20);
+    }
+
+    #[test]
+    fn tiered_transfer_falls_back_to_the_next_tier_and_returns() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let far = p.add_rail(None, now);
+        let near = p.add_rail(None, now);
+        let tiers: Arc<[RailMask]> = Arc::from(vec![bit(near), bit(far)]);
+        let len = 32u64 << 20;
+        let runs: Arc<[Run]> = Arc::from(vec![Run::from(Pair { local: 0, region: 1, offset: 0, len })]);
+        p.submit_tiered(XferId(1), runs, len, false, Some(tiers), now);
+        let c = p.poll_work(near, now).expect("near rail serves");
+        assert_eq!(c.tier, Some(0));
+        assert!(p.poll_work(far, now).is_none(), "the far rail idles while the near one is up");
+        assert!(p.handle_done(c.id, now));
+        // The near rail goes down with a chunk in flight: the far tier carries on, its chunks
+        // counted as fallback.
+        let lost = p.poll_work(near, now).unwrap();
+        p.handle_rail_down(near, "link down".into(), now);
+        let c = p.poll_work(far, now).expect("the far tier takes over");
+        assert_eq!(c.tier, Some(1));
+        assert_eq!(c.piece, lost.piece, "the lost chunk is reissued first");
+        assert!(p.handle_done(c.id, now));
+        assert_eq!(p.rail_stats(far).fallback_bytes, lost.piece.len);
+        assert_eq!(p.rail_stats(far).tier, Some(1));
+        // Readmitted, the near rail takes the rest; the far one gets no new chunk.
+        p.handle_rail_up(near, now);
+        let far_before = p.rail_stats(far).bytes_done;
+        let got = drain_all(&mut p, now);
+        assert_eq!(got[far].0, 0, "no new chunk on the far rail once the near one is back: {got:?}");
+        assert_eq!(p.rail_stats(far).bytes_done, far_before);
+        assert_eq!(p.rail_stats(near).tier, Some(0));
+        assert_eq!(p.rail_stats(near).bytes_done + far_before, len);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        assert!(evs.contains(&Event::XferDone(XferId(1))), "{evs:?}");
+    }
+
+    #[test]
+    fn tiered_transfer_fails_when_no_rail_of_its_tiers_is_left() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let a = p.add_rail(None, now);
+        let b = p.add_rail(None, now);
+        let runs: Arc<[Run]> = Arc::from(vec![Run::from(Pair { local: 0, region: 1, offset: 0, len: 8 << 20 })]);
+        p.submit_tiered(XferId(1), runs.clone(), 8 << 20, false, Some(Arc::from(vec![bit(a)])), now);
+        p.poll_work(a, now).unwrap();
+        p.handle_rail_down(a, "connection reset".into(), now);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        let why = evs.iter().find_map(|e| match e {
+            Event::XferFailed { xfer: XferId(1), reason } => Some(reason.clone()),
+            _ => None,
+        });
+        assert_eq!(why.as_deref(), Some("no rail of the transfer's tiers left (rail 0: connection reset)"));
+        assert!(p.is_up(b) && p.is_idle());
+        // Submitted while its tiers are down: fails at once.
+        p.submit_tiered(XferId(2), runs, 8 << 20, false, Some(Arc::from(vec![bit(a)])), now);
+        assert!(matches!(p.poll_event(), Some(Event::XferFailed { xfer: XferId(2), .. })));
+    }
+
+    #[test]
+    fn small_tiered_transfer_stays_in_its_tier() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        let fast = p.add_rail(Some(1e10), now);
+        let near = p.add_rail(Some(1e8), now);
+        let runs: Arc<[Run]> = Arc::from(vec![Run::from(Pair { local: 0, region: 1, offset: 0, len: 4096 })]);
+        p.submit_tiered(XferId(1), runs, 4096, false, Some(Arc::from(vec![bit(near), bit(fast)])), now);
+        assert!(p.poll_work(fast, now).is_none(), "the faster rail is not in the near tier");
+        let c = p.poll_work(near, now).expect("pinned within its tier");
+        assert_eq!((c.piece.len, c.tier), (4096, Some(0)));
     }
 
     #[test]

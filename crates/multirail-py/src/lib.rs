@@ -386,6 +386,10 @@ impl PyAgent {
             d.set_item("chunks_written", r.io.chunks_written)?;
             d.set_item("readmissions", r.io.readmissions)?;
             d.set_item("stalls", r.io.stalls)?;
+            d.set_item("local_index", r.local_index)?;
+            d.set_item("tier", r.stats.tier)?;
+            d.set_item("tier_location", r.location.map(|l| l.label()))?;
+            d.set_item("fallback_bytes", r.stats.fallback_bytes)?;
             out.append(d)?;
         }
         Ok(out)
@@ -437,6 +441,13 @@ impl PyAgent {
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// Which local rails carry which memory (per location "gpu:K"/"numa:N": tiers of local
+    /// rail indices, nearest first) and each local rail's NIC-local CPUs; once, before the
+    /// first transfer (`multirail.Agent.__init__`).
+    fn set_topology(&self, py: Python<'_>, tiers: Vec<(String, Vec<Vec<usize>>)>, cpus: Vec<Vec<usize>>) -> PyResult<()> {
+        py.allow_threads(|| self.0.set_topology(tiers, cpus)).map_err(to_py)
     }
 
     /// (name, address, port) of every local rail's listener.

@@ -142,6 +142,7 @@ impl Agent {
             closed: AtomicBool::new(false),
             ucx: ucx.clone(),
             choices,
+            topo: std::sync::OnceLock::new(),
         });
         let shared = Arc::new(Shared {
             ctx,
@@ -380,6 +381,35 @@ impl Agent {
             Some(u) => (kind, Some(u.version()), Some(u.describe())),
             None => (kind, None, None),
         }
+    }
+
+    /// Which local rails carry which memory, and where each rail's threads run (issue 34,
+    /// docs/topology.md, "The engine"): `tiers` per location ("gpu:K", "numa:N") lists tiers
+    /// of local rail indices, nearest first; `cpus` per local rail its NIC's local CPUs (empty:
+    /// leave its threads where they are). Set once, before the first transfer; links opened
+    /// before it (none, when the Python layer calls it from `Agent.__init__`) keep every rail.
+    pub fn set_topology(&self, tiers: Vec<(String, Vec<Vec<usize>>)>, cpus: Vec<Vec<usize>>) -> Result<()> {
+        let ctx = &self.shared.ctx;
+        let n = ctx.rails.len().max(1);
+        let mut topo = crate::ctx::RailTopo { tiers: Default::default(), cpus };
+        if topo.cpus.len() > n {
+            return Err(Error::InvalidArgument(format!("topology: CPU lists for {} rails, the agent has {n}", topo.cpus.len())));
+        }
+        for (loc, t) in tiers {
+            let l = crate::numa::Loc::parse(&loc)
+                .ok_or_else(|| Error::InvalidArgument(format!("affinity: location {loc:?} is not \"gpu:K\" or \"numa:N\"")))?;
+            if let Some(bad) = t.iter().flatten().find(|&&i| i >= n) {
+                return Err(Error::InvalidArgument(format!("affinity {loc}: rail index {bad} out of range (the agent has {n} rails)")));
+            }
+            let t: Vec<Vec<usize>> = t.into_iter().filter(|tier| !tier.is_empty()).collect();
+            if !t.is_empty() {
+                topo.tiers.insert(l, t);
+            }
+        }
+        if n > 64 && !topo.tiers.is_empty() {
+            return Err(Error::InvalidArgument(format!("affinity: tiers name at most 64 rails, the agent has {n}")));
+        }
+        ctx.topo.set(topo).map_err(|_| Error::InvalidArgument("the rail topology is set once per agent".into()))
     }
 
     pub fn rail_stats(&self, peer: &str) -> Result<Vec<RailReport>> {

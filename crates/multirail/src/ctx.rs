@@ -2,13 +2,15 @@
 //! its event log. Below the peer, link and server that read it; above the transports, which are
 //! handed what they need instead.
 
+use std::collections::BTreeMap;
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use crate::config::Config;
 use crate::net::{Identity, LocalRail};
+use crate::numa::Loc;
 use crate::transport::select::Choice;
 use crate::transport::ucx::UcxAgent;
 
@@ -28,6 +30,20 @@ pub struct Ctx {
     pub(crate) ucx: Option<Arc<UcxAgent>>,
     /// Per local rail: the transport it runs and why (`transport::select::choose`).
     pub(crate) choices: Vec<Choice>,
+    /// Which rails serve which memory, and where each rail's threads run
+    /// (`Agent::set_topology`, once, before the first link): empty until set.
+    pub(crate) topo: OnceLock<RailTopo>,
+}
+
+/// The rail choice per memory location (issue 34, docs/topology.md, "The engine").
+#[derive(Debug, Clone, Default)]
+pub struct RailTopo {
+    /// Per location: tiers of local rail indices, nearest first. A transfer whose local memory
+    /// is at a location listed here uses the first tier with a rail up.
+    pub tiers: BTreeMap<Loc, Vec<Vec<usize>>>,
+    /// Per local rail: its NIC's local CPUs, where the rail's threads run (empty: unknown, or
+    /// not to be pinned).
+    pub cpus: Vec<Vec<usize>>,
 }
 
 impl Ctx {

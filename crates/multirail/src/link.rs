@@ -17,13 +17,14 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
-use multirail_proto::planner::RailStats;
+use multirail_proto::planner::{RailMask, RailStats};
 use multirail_proto::{AgentMeta, Body, Chunk, ChunkId, Event, Kind, Planner, RailInfo, RegionKey, XferId};
 
 use crate::config::{Config, Fault, TransportKind};
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::net::{abort_socket, dial, link_down, status_error, Dial, Dialed, LINK_CHECK};
+use crate::numa::Loc;
 use crate::staging::StageStats;
 use crate::transport::faulty::Faulty;
 use crate::transport::mixed::{Carrier, Mixed};
@@ -64,6 +65,9 @@ pub(crate) struct RailState {
     /// Every connection's peer takes vectored requests on GPU regions (`HELLO_VECTORED_GPU`);
     /// set by the transport when it opens the rail.
     vectored_gpu: AtomicBool,
+    /// The memory location (`Loc::pack`) of the last tiered transfer the rail took a chunk of
+    /// (its first location, for a transfer over several); 0: none yet.
+    last_loc: AtomicU64,
 }
 
 struct Sched {
@@ -104,6 +108,9 @@ pub struct Link {
     active: AtomicUsize,
     /// This link, for the transport's callbacks that need to own it (`Host::path_stopped`).
     me: Weak<Link>,
+    /// Per memory location, its rail tiers over this link's rails (`Ctx::topo`, mapped through
+    /// each link rail's local rail); empty: every transfer uses every rail.
+    loc_tiers: HashMap<Loc, Arc<[RailMask]>>,
 }
 
 /// What a link is made from: the peer as `Peer` knows it (the link names no `Peer`).
@@ -192,6 +199,11 @@ pub struct RailReport {
     /// Why GPU memory takes `caps.gpu` on this rail.
     pub gpu_reason: String,
     pub stats: RailStats,
+    /// Where the memory of the last tiered transfer the rail carried is (`stats.tier` is the
+    /// tier it served that memory as); None before any.
+    pub location: Option<Loc>,
+    /// This agent's index of the rail's local rail (`Ctx::rails`).
+    pub local_index: usize,
     pub io: RailIoSnapshot,
 }
 
@@ -242,6 +254,55 @@ fn rail_pairs(ctx: &Ctx, remote: &[RailInfo]) -> Vec<(usize, usize)> {
         pairs.dedup();
     }
     pairs
+}
+
+/// The agent's rail tiers per memory location (`Ctx::topo`) as masks over a link's rails: link
+/// rail k is in a tier when its local rail is (several link rails may share a local rail when
+/// rails pair by index). Tiers that name none of the link's rails are dropped; so is a location
+/// left with none. A link of more than 64 rails is not tiered.
+fn loc_tiers(ctx: &Ctx, rails: &[RailState]) -> HashMap<Loc, Arc<[RailMask]>> {
+    let Some(topo) = ctx.topo.get() else { return HashMap::new() };
+    if rails.len() > 64 {
+        return HashMap::new();
+    }
+    let mut out = HashMap::new();
+    for (loc, tiers) in &topo.tiers {
+        let masks: Vec<RailMask> = tiers
+            .iter()
+            .map(|t| rails.iter().enumerate().filter(|(_, r)| t.contains(&r.local_index)).fold(0, |m, (k, _)| m | (1u64 << k)))
+            .filter(|m| *m != 0)
+            .collect();
+        if !masks.is_empty() {
+            out.insert(*loc, Arc::from(masks));
+        }
+    }
+    out
+}
+
+/// The tiers of a transfer whose local memory is at `locs`: those of its location; for memory at
+/// several locations, tier i is the union of their tiers i (a transfer from GPU 0 and GPU 1
+/// stripes over both GPUs' near rails). Locations without tiers add nothing; None when no
+/// location has any (every rail).
+fn tiers_for(map: &HashMap<Loc, Arc<[RailMask]>>, locs: &[Loc]) -> Option<Arc<[RailMask]>> {
+    if map.is_empty() {
+        return None;
+    }
+    let mut have = locs.iter().filter_map(|l| map.get(l));
+    let first = have.next()?.clone();
+    let rest: Vec<&Arc<[RailMask]>> = have.collect();
+    if rest.is_empty() {
+        return Some(first);
+    }
+    let mut u: Vec<RailMask> = first.to_vec();
+    for t in rest {
+        for (i, m) in t.iter().enumerate() {
+            match u.get_mut(i) {
+                Some(x) => *x |= m,
+                None => u.push(*m),
+            }
+        }
+    }
+    Some(Arc::from(u))
 }
 
 fn same_subnet(a: IpAddr, b: IpAddr, prefix: u8) -> bool {
@@ -307,6 +368,7 @@ impl Link {
                 io: io[rails.len()].clone(),
                 failure: Mutex::new(None),
                 vectored_gpu: AtomicBool::new(false),
+                last_loc: AtomicU64::new(0),
                 reason: match choice(li) {
                     Some(c) => c.reason.clone(),
                     None => "GPU memory staged over tcp (the agent's ucx rails cannot take it directly)".into(),
@@ -314,7 +376,9 @@ impl Link {
             });
         }
         let t = transport_for(&ctx, &carriers, &rails)?;
+        let loc_tiers = loc_tiers(&ctx, &rails);
         let link = Arc::new_cyclic(|me| Link {
+            loc_tiers,
             me: me.clone(),
             peer_name: peer.name.to_string(),
             incarnation: peer.meta.incarnation,
@@ -504,6 +568,7 @@ impl Link {
         match g.xfers.get(&chunk.xfer).cloned() {
             Some(x) => {
                 x.trace.lock().expect("xfer lock").issued(ri, now);
+                self.note_loc(&chunk, &x);
                 Some((chunk, x))
             }
             None => {
@@ -531,6 +596,7 @@ impl Link {
                 if let Some(chunk) = g.planner.poll_work(ri, now) {
                     if let Some(x) = g.xfers.get(&chunk.xfer).cloned() {
                         x.trace.lock().expect("xfer lock").issued(ri, now);
+                        self.note_loc(&chunk, &x);
                         return Some((chunk, x));
                     }
                     g.planner.cancel(chunk.xfer);
@@ -538,6 +604,15 @@ impl Link {
                 }
             }
             g = self.cond.wait_timeout(g, Duration::from_millis(100)).expect("sched lock").0;
+        }
+    }
+
+    /// Remember where the memory of a tiered chunk's transfer is, for `rail_stats`.
+    fn note_loc(&self, chunk: &Chunk, x: &XferShared) {
+        if chunk.tier.is_some() {
+            if let Some(l) = x.locs().first() {
+                self.rails[chunk.rail].last_loc.store(l.pack(), Ordering::Relaxed);
+            }
         }
     }
 
@@ -714,6 +789,8 @@ impl Link {
         if !self.usable() {
             return Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed".into() });
         }
+        // Where the memory is decides the rails (worked out once per handle, outside the lock).
+        let tiers = if self.loc_tiers.is_empty() { None } else { tiers_for(&self.loc_tiers, x.locs()) };
         let mut g = self.sched.lock().expect("sched lock");
         let id = XferId(g.next_xfer);
         g.next_xfer += 1;
@@ -722,7 +799,7 @@ impl Link {
         g.xfers.insert(id, x.clone());
         let now = Instant::now();
         x.trace.lock().expect("xfer lock").start(now, g.planner.rates());
-        g.planner.submit_runs(id, x.runs.clone(), x.total, x.vectored, now);
+        g.planner.submit_tiered(id, x.runs.clone(), x.total, x.vectored, tiers, now);
         let done = self.drain_events(&mut g);
         g.chain_wake |= handoff;
         drop(g);
@@ -1149,6 +1226,8 @@ impl Link {
                     caps: self.t.rail_caps(i),
                     gpu_reason: gpu_reason(self.t.caps().gpu, &self.ctx.cfg, self.t.gpu_detail(), self.any_ucx),
                     stats: g.planner.rail_stats(i),
+                    location: Loc::unpack(r.last_loc.load(Ordering::Relaxed)),
+                    local_index: r.local_index,
                     io: r.io.snapshot(),
                 }
             })
@@ -1204,6 +1283,10 @@ impl Host for Link {
 
     fn rails(&self) -> usize {
         self.rails.len()
+    }
+
+    fn rail_cpus(&self, ri: usize) -> Vec<usize> {
+        self.ctx.topo.get().and_then(|t| t.cpus.get(self.rails[ri].local_index).cloned()).unwrap_or_default()
     }
 
     fn local_dev(&self, ri: usize) -> Option<&str> {

@@ -233,6 +233,8 @@ pub(crate) struct XferShared {
     pub(crate) handoff: std::sync::atomic::AtomicBool,
     /// What each rail did for the current (or last) post over a link; see [`XferTrace`].
     pub(crate) trace: Mutex<TraceRec>,
+    /// Where its local memory is, distinct, in the order met ([`XferShared::locs`]).
+    locs: std::sync::OnceLock<Vec<crate::numa::Loc>>,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -255,6 +257,28 @@ fn chunks_vectored(vram: &[(u64, u64, u32)], held: usize, remote_vram: bool, vec
 }
 
 impl XferShared {
+    /// Where the transfer's local memory is (rail choice, `Link`'s tiers): a GPU region on
+    /// its device; a host region on the NUMA node of its first page when that page is resident,
+    /// else on the node of the thread that first asks (docs/topology.md, "The engine").
+    /// Worked out at the first post over a link with tiers, then kept.
+    pub(crate) fn locs(&self) -> &[crate::numa::Loc] {
+        self.locs.get_or_init(|| {
+            use crate::numa::{host_node, Loc};
+            let hold = self.hold.lock().expect("xfer lock");
+            let mut out: Vec<Loc> = Vec::new();
+            for r in hold.iter() {
+                let l = match r.mem {
+                    multirail_proto::MemType::Vram => Some(Loc::Gpu(r.dev)),
+                    _ => host_node(r.base).filter(|n| *n >= 0).map(Loc::Numa),
+                };
+                if let Some(l) = l.filter(|l| !out.contains(l)) {
+                    out.push(l);
+                }
+            }
+            out
+        })
+    }
+
     pub fn new(
         op: Op,
         peer: Arc<dyn Poster>,
@@ -313,6 +337,7 @@ impl XferShared {
             polled: std::sync::atomic::AtomicBool::new(false),
             handoff: std::sync::atomic::AtomicBool::new(false),
             trace: Mutex::new(TraceRec::default()),
+            locs: std::sync::OnceLock::new(),
         })
     }
 

@@ -46,7 +46,7 @@ from multirail.bench.core import (BenchRow, args_config, write_json, RailRow, Us
                                   format_size, format_table, parse_size)
 from multirail.bench.mem import add_mem_opts, check_gpu, check_mem_opts, gpu_ipc_setting, uses_vram
 from multirail.bench.rails import RailCounters, resolve_rails
-from multirail.bench.worker import (BenchFailure, EngineWorker, format_memory, format_transport,
+from multirail.bench.worker import (BenchFailure, EngineWorker, format_affinity, format_memory, format_transport,
                                     label_rail_transports, run_sweep)
 from multirail.errors import AuthenticationError, MultirailError
 
@@ -387,7 +387,8 @@ def _testbed(name: str) -> dict[str, Any]:
         raise BenchFailure(f"unexpected `testbed status --json` output ({e})") from None
     if not a:
         raise BenchFailure(f"testbed {name!r} has no rails")
-    return {"ns_a": ns_a, "ns_b": ns_b, "a": a, "b": b, "rates": rates}
+    sysfs_b = ((st.get("topology") or {}).get("sysfs") or {}).get("b")  # `testbed up --gpu-near`
+    return {"ns_a": ns_a, "ns_b": ns_b, "a": a, "b": b, "rates": rates, "sysfs_b": sysfs_b}
 
 
 def _select_testbed_rails(tb: dict[str, Any], spec: str | None) -> dict[str, Any]:
@@ -458,6 +459,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
     if args.testbed:
         tb = _select_testbed_rails(_testbed(args.testbed), args.rails)
         prefix_a, prefix_b = ["ip", "netns", "exec", tb["ns_a"]], ["ip", "netns", "exec", tb["ns_b"]]
+        if tb.get("sysfs_b"):
+            # The testbed's pretend GPUs: the initiator's topology (affinity) reads its tree.
+            prefix_b += ["env", f"MULTIRAIL_SYSFS_ROOT={tb['sysfs_b']}"]
         host, t_rails, i_rails = tb["a"][0], ",".join(tb["a"]), ",".join(tb["b"])
     else:
         tb = None
@@ -610,6 +614,9 @@ def _emit(args: argparse.Namespace, rows: list[BenchRow], baselines: list[BenchR
     memory = transport.pop("memory", None)
     print(format_table(rows), file=text_out)
     print(format_transport(transport), file=text_out)
+    aff = format_affinity(transport, getattr(args, "gpu_index", None))
+    if aff:
+        print(aff, file=text_out)
     print(format_memory(memory, transport), file=text_out)
     notes = {r.staging["target_note"] for r in rows if r.staging and r.staging.get("target_note")}
     for note in sorted(notes):

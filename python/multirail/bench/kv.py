@@ -480,10 +480,13 @@ def _emit(args: argparse.Namespace, plan: KvPlan, doc: dict[str, Any]) -> int:
         return 0
     text_out = sys.stderr if args.json == "-" else sys.stdout
     print(format_kv_table(rows), file=text_out)
-    from multirail.bench.worker import format_memory, format_transport
+    from multirail.bench.worker import format_affinity, format_memory, format_transport
     transport = dict(doc.get("transport") or {"transport": eng_transport(args), "rails": []})
     memory = transport.pop("memory", None)
     print(format_transport(transport) + " (multirail rows)", file=text_out)
+    aff = format_affinity(transport, getattr(args, "gpu_index", None))
+    if aff:
+        print(aff, file=text_out)
     print(format_memory(memory, transport), file=text_out)
     summ = summary(rows)
     for key in ("contiguous_text", "capacity_text", "descs_text", "nixl_text", "nixl_mr_text"):

@@ -30,21 +30,50 @@ def add_mem_opts(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-seg-type", default="DRAM", type=str.upper, choices=list(SEG_TYPES),
                    help="target's buffer: DRAM (default) or VRAM; the target process allocates it")
     g.add_argument("--device-id", type=int, default=0, help="GPU of the VRAM buffers (default 0)")
-    g.add_argument("--gpu", default=None, choices=list(GPU_KINDS),
-                   help="GPU kind of VRAM buffers and of the agents: cuda or standin (host memory posing as a "
-                        "GPU; MULTIRAIL_STANDIN_RATE sets its copy rate). Default: $MULTIRAIL_GPU, else cuda")
+    g.add_argument("--gpu", default=None, type=_gpu_arg, metavar="K|cuda|standin",
+                   help="K (a GPU index): the initiator's buffer is VRAM on GPU K (--device-id K), and the run "
+                        "reports which rails the engine chose for GPU K and why (class per rail; "
+                        "docs/topology.md); the GPU kind is then $MULTIRAIL_GPU, else cuda. cuda or standin: "
+                        "the GPU kind of VRAM buffers and of the agents (standin: host memory posing as a GPU; "
+                        "MULTIRAIL_STANDIN_RATE sets its copy rate). Default: $MULTIRAIL_GPU, else cuda")
     g.add_argument("--gpu-ipc", default=None, choices=["on", "off"],
                    help="CUDA IPC between agents on one host (AgentConfig.gpu_ipc, every agent of the run): on, "
                         "a transfer to the peer's VRAM is one device copy instead of the rails; off: staged over "
                         "the rails (what the per-stage breakdown measures). Default: the engine's (on)")
 
 
+def _gpu_arg(v: str) -> str | int:
+    """--gpu: a GPU index K, or a GPU kind."""
+    v = v.strip()
+    if v.isdigit():
+        return int(v)
+    if v in GPU_KINDS:
+        return v
+    raise argparse.ArgumentTypeError(f"{v!r} is neither a GPU index nor one of {', '.join(GPU_KINDS)}")
+
+
+def apply_gpu_index(args: argparse.Namespace) -> int | None:
+    """`--gpu K`: the initiator's buffer becomes VRAM on GPU K (kind from $MULTIRAIL_GPU, else
+    cuda); returns K (kept in args.gpu_index), or None without an index. Idempotent."""
+    k = getattr(args, "gpu", None)
+    if isinstance(k, int) and not isinstance(k, bool):
+        if getattr(args, "device_id", 0) not in (0, k):
+            raise UsageError(f"--gpu {k} and --device-id {args.device_id} disagree; give one")
+        args.gpu_index, args.gpu, args.device_id = k, None, k
+        args.initiator_seg_type = "VRAM"
+        # The engine tiers the listed rails by the topology for GPU K (multirail.affinity).
+        os.environ.setdefault("MULTIRAIL_AFFINITY", "topology")
+    return getattr(args, "gpu_index", None)
+
+
 def uses_vram(args: argparse.Namespace) -> bool:
+    apply_gpu_index(args)
     return "VRAM" in (getattr(args, "initiator_seg_type", "DRAM"), getattr(args, "target_seg_type", "DRAM"))
 
 
 def gpu_kind(args: argparse.Namespace) -> str:
     """--gpu, else $MULTIRAIL_GPU, else cuda (checked: a bad environment value is a usage error)."""
+    apply_gpu_index(args)
     kind = getattr(args, "gpu", None) or os.environ.get("MULTIRAIL_GPU") or "cuda"
     if kind not in GPU_KINDS:
         raise UsageError(f"MULTIRAIL_GPU={kind!r}: expected one of {', '.join(GPU_KINDS)}")
@@ -54,6 +83,7 @@ def gpu_kind(args: argparse.Namespace) -> str:
 def check_mem_opts(args: argparse.Namespace, transport: str) -> str | None:
     """Validates the memory options; returns the agents' `gpu` setting (the resolved kind when a
     side is VRAM, else --gpu as given: None lets the engine use $MULTIRAIL_GPU)."""
+    apply_gpu_index(args)
     for side in ("initiator_seg_type", "target_seg_type"):
         v = getattr(args, side, "DRAM")
         if v not in SEG_TYPES:  # argparse's choices catch the CLI; this guards programmatic callers

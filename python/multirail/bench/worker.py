@@ -388,11 +388,38 @@ def transport_report(agent: Any, peer: str, configured: str) -> dict[str, Any]:
         out["rails"] = [{"name": str(s.get("name", i)), "transport": s.get("transport"),
                          "transport_reason": s.get("transport_reason"), "fallbacks": s.get("fallbacks"),
                          "transport_switches": s.get("transport_switches"),
-                         "gpu_path": s.get("gpu_path"), "gpu_path_reason": s.get("gpu_path_reason")}
+                         "gpu_path": s.get("gpu_path"), "gpu_path_reason": s.get("gpu_path_reason"),
+                         "tier_location": s.get("tier_location"), "tier": s.get("tier"),
+                         "tier_class": s.get("tier_class"), "tier_reason": s.get("tier_reason"),
+                         "fallback_bytes": s.get("fallback_bytes")}
                         for i, s in enumerate(agent.rail_stats(peer))]
     except Exception:  # noqa: BLE001 - no link (yet) to the peer
         pass
+    try:
+        out["affinity"] = agent.affinity_info()
+    except Exception:  # noqa: BLE001 - an engine without rail choice by location
+        out["affinity"] = None
     return out
+
+
+def format_affinity(report: dict[str, Any], gpu: int | None = None) -> str | None:
+    """One human line on the rail choice by memory location (issue 34): `rail choice (topology of
+    /sys): gpu:0: tier 0 PIX [eth0, eth1], tier 1 NODE [eth2]; numa:0: ...`; with `gpu`, only
+    that GPU's location (and the host's). None when the agent tiers nothing."""
+    aff = report.get("affinity") or {}
+    locs = aff.get("locations") or {}
+    if not locs:
+        if gpu is not None:
+            why = "; ".join(aff.get("notes") or []) or "no topology"
+            return f"rail choice: every rail for gpu:{gpu} ({why})"
+        return None
+    keep = {k: v for k, v in locs.items() if gpu is None or k == f"gpu:{gpu}" or k.startswith("numa:")}
+    parts = []
+    for loc, tiers in keep.items():
+        parts.append(f"{loc}: " + ", ".join(f"tier {t['tier']} {t['class']} [{', '.join(t['rails'])}]" for t in tiers))
+    if gpu is not None and f"gpu:{gpu}" not in keep:
+        parts.insert(0, f"gpu:{gpu}: every rail (the topology pairs no rail with it)")
+    return f"rail choice ({aff.get('source')}): " + "; ".join(parts)
 
 
 def ask_target_staging(agent: Any, peer: str, seq: int, take: Callable[[int], dict[str, Any]]
@@ -502,6 +529,11 @@ def format_transport(report: dict[str, Any]) -> str:
             txt += f" ({r['transport_reason']})"
         if r.get("transport_switches"):
             txt += f" [{r.get('fallbacks') or 0} fallback(s), {r['transport_switches']} switch(es)]"
+        if r.get("tier_location") is not None:
+            txt += f" [{r['tier_location']} tier {r.get('tier')} {r.get('tier_class')}"
+            if r.get("fallback_bytes"):
+                txt += f", {r['fallback_bytes']} B as fallback"
+            txt += "]"
         return txt
 
     if rails:

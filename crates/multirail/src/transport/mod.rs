@@ -61,6 +61,11 @@ pub(crate) trait Host: Send + Sync {
     fn rails(&self) -> usize;
     /// Rail `ri`'s local interface, if it has one (for carrier checks: `net::link_down`).
     fn local_dev(&self, ri: usize) -> Option<&str>;
+    /// The CPUs local to rail `ri`'s NIC, where its threads run (`numa::pin_current_thread`;
+    /// empty: unknown, leave them be).
+    fn rail_cpus(&self, _ri: usize) -> Vec<usize> {
+        Vec::new()
+    }
     /// Rail `ri`'s index among this agent's rails and among the peer's.
     fn rail_indices(&self, ri: usize) -> (usize, usize);
     /// Rail `ri`'s GPU staging totals (its counters outlive the link).

@@ -504,12 +504,23 @@ impl Transport for TcpRails {
             });
             rail.live.fetch_add(1, Ordering::AcqRel);
             let (l1, r1, c1) = (link.clone(), rail.clone(), c.clone());
+            // Both threads run on the rail's NIC-local CPUs (issue 34; skipped when unknown).
+            let (cpus1, cpus2) = (link.rail_cpus(ri), link.rail_cpus(ri));
             std::thread::Builder::new()
                 .name(format!("mr-recv-{ri}"))
-                .spawn(move || receiver(l1, r1, c1))
+                .spawn(move || {
+                    crate::numa::pin_current_thread(&cpus1);
+                    receiver(l1, r1, c1)
+                })
                 .map_err(|e| Error::io("spawn", e))?;
             let (l2, c2) = (link.clone(), c.clone());
-            std::thread::Builder::new().name(format!("mr-send-{ri}")).spawn(move || sender(l2, c2)).map_err(|e| Error::io("spawn", e))?;
+            std::thread::Builder::new()
+                .name(format!("mr-send-{ri}"))
+                .spawn(move || {
+                    crate::numa::pin_current_thread(&cpus2);
+                    sender(l2, c2)
+                })
+                .map_err(|e| Error::io("spawn", e))?;
             conns.push(c);
         }
         *rail.fds.lock().expect("rail lock") = fds;

@@ -238,7 +238,11 @@ impl Transport for UcxRails {
         slot.live.store(true, Ordering::Release);
         let l = link.clone();
         let s2 = slot.clone();
-        let spawned = std::thread::Builder::new().name(format!("mr-ucx-{ri}")).spawn(move || run(l, ri, s2, p));
+        let cpus = link.rail_cpus(ri);
+        let spawned = std::thread::Builder::new().name(format!("mr-ucx-{ri}")).spawn(move || {
+            crate::numa::pin_current_thread(&cpus);
+            run(l, ri, s2, p)
+        });
         if let Err(e) = spawned {
             slot.live.store(false, Ordering::Release);
             return Err(Error::io("spawn", e));
