@@ -210,3 +210,29 @@ def test_bad_affinity_is_refused_clearly(agents) -> None:
         agents("x3", {"rails": RAILS, "affinity": "near"})
     a = agents("x4", {"rails": RAILS, "affinity": "auto"})  # explicit rails: auto tiers nothing
     assert a.affinity_info()["locations"] == {}
+
+
+def test_bench_gpu_k_runs_on_the_standin_and_reports_the_choice() -> None:
+    """`multirail bench local --gpu 0` without GPUs (stand-in device, loopback): the initiator's
+    buffer is VRAM on device 0 and the output says which rails GPU 0 got and why."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo / "python"), "MULTIRAIL_GPU": "standin"}
+    env.pop("MULTIRAIL_AFFINITY", None)
+    cmd = [sys.executable, "-m", "multirail", "bench", "local", "--gpu", "0", "--op", "WRITE", "--start-block-size",
+           "1MiB", "--max-block-size", "1MiB", "--num-iter", "2", "--warmup-iter", "1", "--check-consistency",
+           "--timeout", "20", "--json", "-"]
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    doc = json.loads(cp.stdout[cp.stdout.index("{"):])
+    mem = doc["memory"]
+    assert doc["rows"][0]["consistency"] == "ok", doc["rows"][0]
+    assert "affinity" in doc["transport"], doc["transport"].keys()
+    # One loopback rail: nothing to choose, and the output says why.
+    assert "rail choice: every rail for gpu:0" in cp.stderr, cp.stderr[-2000:]
+    assert (mem["initiator_seg_type"], mem["gpu_kind"], mem["device_id"]) == ("VRAM", "standin", 0), mem
+    bad = subprocess.run([*cmd[:6], "x"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode != 0 and "invalid choice: 'x' (a GPU index K" in bad.stderr, bad.stderr[-500:]

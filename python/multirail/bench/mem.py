@@ -49,7 +49,7 @@ def _gpu_arg(v: str) -> str | int:
         return int(v)
     if v in GPU_KINDS:
         return v
-    raise argparse.ArgumentTypeError(f"{v!r} is neither a GPU index nor one of {', '.join(GPU_KINDS)}")
+    raise argparse.ArgumentTypeError(f"invalid choice: {v!r} (a GPU index K, or one of {', '.join(GPU_KINDS)})")
 
 
 def apply_gpu_index(args: argparse.Namespace) -> int | None:
