@@ -153,6 +153,20 @@ def test_near_tier_down_falls_back_and_returns_when_readmitted(agents) -> None:
     assert far["bytes"] == 8 * MiB and far["fallback_bytes"] == 8 * MiB, far
     assert far["tier"] == 1 and far["tier_class"] == "tier1" and far["tier_reason"].startswith("fallback"), far
     assert r["127.0.0.3"]["bytes"] == 0
+    # Prometheus says the same (docs/metrics.md).
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from multirail.metrics import AgentCollector
+
+    reg = CollectorRegistry()
+    reg.register(AgentCollector(lambda: [i]))
+    text = generate_latest(reg).decode()
+    assert f'location="numa:{node}"' in text and 'class="tier1"' in text, text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fb = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+          if s.name == "multirail_rail_fallback_bytes_total"]
+    assert sorted(fb) == [0, 0, 8 * MiB], fb
     deadline = time.monotonic() + 15
     while not _by_local(i)["127.0.0.1"]["up"]:
         assert time.monotonic() < deadline, "rail 0 was never readmitted"
