@@ -250,3 +250,29 @@ def test_bench_gpu_k_runs_on_the_standin_and_reports_the_choice() -> None:
     assert (mem["initiator_seg_type"], mem["gpu_kind"], mem["device_id"]) == ("VRAM", "standin", 0), mem
     bad = subprocess.run([*cmd[:6], "x"], capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode != 0 and "invalid choice: 'x' (a GPU index K" in bad.stderr, bad.stderr[-500:]
+
+
+def test_topology_tiers_and_cpus_from_a_sysfs_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """affinity "topology"/"auto" read the tree at MULTIRAIL_SYSFS_ROOT (the testbed's pretend
+    GPUs, written without root): GPU 0's rails at PIX then the rest at NODE, and each rail's
+    CPUs from its NIC's local_cpulist."""
+    from multirail import affinity
+    from multirail.testbed import write_topology_fixture
+
+    pytest.importorskip("multirail.topology")
+    devs = ["tbr0b", "tbr1b", "tbr2b"]
+    write_topology_fixture(tmp_path, devs, [0, 1])
+    nic1 = (tmp_path / "class" / "net" / "tbr1b" / "device").resolve()
+    (nic1 / "local_cpulist").write_text("0-1\n")
+    monkeypatch.setenv("MULTIRAIL_SYSFS_ROOT", str(tmp_path))
+    rows = [(d, f"10.0.{i}.2", 24, 10000, 9000, 0, "", True) for i, d in enumerate(devs)]
+    aff = affinity.resolve("topology", ["10.0.0.2"], rows)
+    got = aff.describe(devs)["locations"]
+    assert [(t["class"], t["rails"]) for t in got["gpu:0"]] == [("PIX", devs[:2]), ("NODE", devs[2:])], got
+    assert [(t["class"], t["rails"]) for t in got["gpu:1"]] == [("PIX", devs[2:]), ("NODE", devs[:2])], got
+    assert aff.cpus[1] == [0, 1]
+    assert aff.core_args()[0][0] == ("gpu:0", [[0, 1], [2]])
+    # "auto" with an explicit rail list, or "none": nothing tiered.
+    assert affinity.resolve("auto", ["10.0.0.2"], rows).tiers == {}
+    assert affinity.resolve("none", "auto", rows).tiers == {}
+    assert affinity.resolve("auto", "auto", rows).tiers.keys() == aff.tiers.keys()

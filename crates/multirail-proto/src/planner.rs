@@ -1867,6 +1867,34 @@ mod tests {
     }
 
     #[test]
+    fn held_tiered_transfer_waits_for_its_own_rails() {
+        let now = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        p.set_hold_when_all_down(true);
+        let a = p.add_rail(None, now);
+        let b = p.add_rail(None, now);
+        p.handle_rail_down(a, "link down".into(), now);
+        p.handle_rail_down(b, "link down".into(), now);
+        let runs: Arc<[Run]> = Arc::from(vec![Run::from(Pair { local: 0, region: 1, offset: 0, len: 4 << 20 })]);
+        // Every rail down, hold on: both transfers are queued, not failed.
+        p.submit_tiered(XferId(1), runs.clone(), 4 << 20, false, Some(Arc::from(vec![bit(a)])), now);
+        p.submit_tiered(XferId(2), runs, 4 << 20, false, Some(Arc::from(vec![bit(b)])), now);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        assert!(!evs.iter().any(|e| matches!(e, Event::XferFailed { .. })), "{evs:?}");
+        // Rail b returns: transfer 2 runs on it; transfer 1, whose only rail is still down while
+        // another is up, fails naming its rail.
+        p.handle_rail_up(b, now);
+        let evs: Vec<Event> = std::iter::from_fn(|| p.poll_event()).collect();
+        let why = evs.iter().find_map(|e| match e {
+            Event::XferFailed { xfer: XferId(1), reason } => Some(reason.clone()),
+            _ => None,
+        });
+        assert_eq!(why.as_deref(), Some("no rail of the transfer's tiers left (rail 0: link down)"), "{evs:?}");
+        let c = p.poll_work(b, now).expect("transfer 2 on its rail");
+        assert_eq!((c.xfer, c.tier), (XferId(2), Some(0)));
+    }
+
+    #[test]
     fn small_tiered_transfer_stays_in_its_tier() {
         let now = Instant::now();
         let mut p = Planner::new(PlannerConfig::default());
