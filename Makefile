@@ -7,7 +7,7 @@ CARGO_PROFILE ?= release
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
 APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server g++
 
-.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check gpu-bundle lint fuzz clean
+.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check gpu-bundle vllm-check lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -80,6 +80,15 @@ gpu-bundle: build
 	  | $(VPY) -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("executable")]' \
 	  | xargs -I{} install -m 0755 {} .dev/gpu-tests/gpu
 	strip .dev/gpu-tests/gpu
+
+## vllm-check: (root) vLLM's CPU build, prefill and decode in two testbed namespaces over 2 x 2 Gbit/s
+## rails through NixlConnector with backends ["MULTIRAIL"] and only NIXL_PLUGIN_DIR set: outputs
+## equal a single instance's, KV on both rails, no request lost to a rail fault (tests/vllm/check.py).
+## vLLM goes into its own venv, $(VLLM_VENV) (6.7 GB), never into .venv
+VLLM_VENV := .venv-vllm
+vllm-check: build
+	$(PY) tests/vllm/install.py --venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python tests/vllm/check.py $(VLLM_CHECK_ARGS)
 
 ## lint: formatting and clippy with warnings as errors
 lint:

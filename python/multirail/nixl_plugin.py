@@ -50,7 +50,7 @@ def find_nixl() -> dict[str, Any]:
     """The installed NIXL: {"module", "version", "plugins" (its plugin directory)}."""
     from importlib import metadata
 
-    for mod in NIXL_MODULES:
+    for mod in _module_order():
         spec = importlib.util.find_spec(mod)
         if spec is None or not spec.submodule_search_locations:
             continue
@@ -67,6 +67,23 @@ def find_nixl() -> dict[str, Any]:
         return {"module": mod, "version": version, "plugins": plugins if plugins.is_dir() else None}
     raise PluginError("no NIXL is installed in this Python (pip install nixl-cu12==1.5.1; "
                       f"looked for the modules {', '.join(NIXL_MODULES)})")
+
+
+def _module_order() -> tuple[str, ...]:
+    """NIXL_MODULES, with the one NIXL's `nixl` meta package would import first: with both
+    nixl-cu12 and nixl-cu13 installed (`pip install nixl` brings both), `import nixl` picks by
+    the CUDA major version of the process's stack (torch's build: vLLM with the CUDA 13 torch
+    runs nixl_cu13), and NIXL_PLUGIN_DIR must mirror that NIXL's plugins, not the other's."""
+    try:
+        from nixl_meta_utils import detect_cuda_major  # shipped by the `nixl` meta package
+    except ImportError:
+        return NIXL_MODULES
+    try:
+        major = detect_cuda_major()
+    except Exception:  # noqa: BLE001 - a broken torch install: keep the fixed order
+        return NIXL_MODULES
+    first = f"nixl_cu{major}"
+    return (first, *(m for m in NIXL_MODULES if m != first)) if first in NIXL_MODULES else NIXL_MODULES
 
 
 def _default_dir(nixl: dict[str, Any]) -> Path:
