@@ -497,3 +497,25 @@ def test_live_cuda_view_reads_mig_uuids_from_nvidia_smi_l(tmp_path: Path, monkey
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     view, _ = topology._cuda_view(None, Path("/sys"))
     assert [e.get("mig_uuids", []) for e in view] == [["MIG-1111", "MIG-2222"], []]
+
+
+def test_storage_rule_keeps_the_nic_of_gpus_without_a_near_one(tmp_path: Path) -> None:
+    """Four GPUs on two switches, one NIC on the first switch and one on a root port of its own
+    (same socket). The second NIC is not storage: GPUs 2 and 3 have nothing nearer, and dropping
+    it would put all four GPUs on one NIC. (On a DGX every GPU has its PXB NIC, so the storage
+    pair stays out: test_dgx_storage_and_sys_only_when_asked.)"""
+    def sw(root: int, dev: int) -> tuple[str, ...]:
+        return (f"pci0000:{root:02x}", f"0000:{root:02x}:01.0", f"0000:{root + 1:02x}:00.0", f"0000:{root + 2:02x}:{dev:02x}.0")
+
+    fns = [F.Fn(sw(0x10, 0) + ("0000:13:00.0",), 0x10DE, F.H100, F.GPU_CLS, 0, "0-31"),
+           F.Fn(sw(0x10, 1) + ("0000:14:00.0",), 0x10DE, F.H100, F.GPU_CLS, 0, "0-31"),
+           F.Fn(sw(0x10, 2) + ("0000:15:00.0",), 0x15B3, F.CX7, F.IB_CLS, 0, "0-31", ib="mlx5_0", netdev="ibp21s0"),
+           F.Fn(sw(0x30, 0) + ("0000:33:00.0",), 0x10DE, F.H100, F.GPU_CLS, 0, "0-31"),
+           F.Fn(sw(0x30, 1) + ("0000:34:00.0",), 0x10DE, F.H100, F.GPU_CLS, 0, "0-31"),
+           F.Fn(("pci0000:50", "0000:50:01.0", "0000:51:00.0"), 0x15B3, F.CX7, F.IB_CLS, 0, "0-31", ib="mlx5_1",
+                netdev="ibp81s0")]
+    plan = load(tmp_path, F.Spec("two-switches-one-nic", fns, {0: "0-31"})).rail_plan()
+    for bdf in ("0000:33:00.0", "0000:34:00.0"):
+        assert [(t.cls, sorted(rdma([t]))) for t in plan.for_gpu(bdf)] == [("NODE", ["mlx5_0", "mlx5_1"])]
+    assert [(t.cls, rdma([t])) for t in plan.for_gpu("0000:13:00.0")] == [("PIX", ["mlx5_0"]), ("NODE", ["mlx5_1"])]
+    assert not plan.excluded["host"]

@@ -46,8 +46,8 @@ Model
      NIC, is excluded); on a host without RDMA, every PCI netdev is a candidate.
    * Excluded unless asked for (``include=``): ``"dpu"`` BlueField DPU functions (0xa2d6,
      0xa2dc, or ``hca_type`` MT41686/MT41692); ``"storage"`` NICs at PHB or farther from every
-     GPU while other NICs, not excluded otherwise, are at PXB or better to some GPU (DGX
-     storage/in-band NICs);
+     GPU while every GPU has a NIC of its own, not excluded otherwise (a down port counts), at
+     PXB or better (DGX storage/in-band NICs; a GPU without one keeps every far NIC);
      ``"narrow"`` x1 functions (NVLink management CX-7 on HGX B200) and NICs that carry less
      than a quarter of the fastest candidate (port rate capped by the PCIe link: Azure's
      accelerated-networking VF next to 400G IB VFs); ``"down"`` RDMA ports that are not
@@ -688,7 +688,11 @@ class Topology:
             else:
                 fast.append(n)
         paired = {n.pci.bdf for n in fast for g in self.gpus if _RANK[classify(g.pci, n.pci)] <= _RANK["PXB"]}
-        if not paired or "storage" in inc:
+        # A GPU with no NIC of its own at PXB or better (a down port still counts as its own)
+        # needs the far NICs: then none of them is storage.
+        own = fast + [n for n in self.nics if n not in keep and not self._kind_excluded(n, inc | {"down"}, [])]
+        lonely = [g for g in self.gpus if not any(_RANK[classify(g.pci, n.pci)] <= _RANK["PXB"] for n in own)]
+        if not paired or "storage" in inc or lonely:
             return fast, out
         final: list[Nic] = []
         for n in fast:
