@@ -40,9 +40,26 @@ def test_healthy_dgx_is_silent(tmp_path: Path) -> None:
 
 
 def test_gpu_without_pxb_nic_warns(tmp_path: Path) -> None:
-    res = topo_results(tmp_path, F.gb200())
+    res = topo_results(tmp_path, F.azure_ndv5())
     warn = [r for r in res if r.name == "gpu-nic-distance" and r.status is Status.WARN]
-    assert len(warn) == 4 and "NODE" in warn[0].evidence and "hint file" in warn[0].fix
+    assert len(warn) == 8 and "NODE" in warn[0].evidence and "hint file" in warn[0].fix
+
+
+@pytest.mark.parametrize("spec", [F.gb200, F.dgx_spark])
+def test_c2c_gpu_with_a_nic_on_its_socket_is_not_flagged(spec, tmp_path: Path) -> None:
+    """GB200 and GB10 GPUs hang off their CPU by NVLink-C2C: every NIC is NODE by design (no PCIe
+    switch could pair them) and NCCL runs GPUDirect over that path (P2C); nothing to fix."""
+    res = [r for r in topo_results(tmp_path, spec()) if r.name == "gpu-nic-distance"]
+    assert res and all(r.status is Status.OK for r in res), [(r.status, r.evidence) for r in res]
+    assert "C2C" in res[0].evidence and "NODE" in res[0].evidence
+
+
+def test_c2c_gpu_whose_nics_are_all_on_the_other_socket_warns(tmp_path: Path) -> None:
+    spec = F.gb200()
+    spec.fns = [f for f in spec.fns if not (f.ib and f.numa == 0)]  # socket 0 loses its NICs
+    res = [r for r in topo_results(tmp_path, spec) if r.name == "gpu-nic-distance"]
+    assert sorted(r.status.value for r in res) == ["ok", "ok", "warn", "warn"]
+    assert all("SYS" in r.evidence for r in res if r.status is Status.WARN)
 
 
 def test_nic_below_max_width_warns(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ default ``ROOT/sys``), ``ROOT/proc`` and, for ACS when config space is not reada
 or live ``lspci -vvv -s BDF`` through doctor's probe. Checks (docs/doctor.md):
 
 * ``gpu-nic-distance``: a GPU with no usable NIC at PXB or better (GPUDirect RDMA then crosses
-  the root complex, or NCCL-style engines stage through host memory);
+  the root complex, or NCCL-style engines stage through host memory); a C2C GPU (GB200, GB10)
+  with a NIC on its own socket (NODE) is fine: that is its design;
 * ``nic-link``: a NIC whose PCIe link trained below its maximum width or speed;
 * ``acs``: ACS request/completion redirect enabled on a bridge between a GPU and its NIC
   (peer-to-peer goes up to the root complex);
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from multirail.netinfo import Probe, SysFS
-from multirail.topology import Topology, TopologyError, bridges_between, format_matrix
+from multirail.topology import C2C_GPU_IDS, Topology, TopologyError, bridges_between, format_matrix
 
 ACS_CAP_ID = 0x000D
 ACS_REQ_REDIR, ACS_CMPLT_REDIR = 1 << 2, 1 << 3
@@ -63,6 +64,13 @@ def check_distance(f: TopoFacts) -> list[Result]:
         label = f"GPU{g.ordinal} {g.bus_id}"
         if best is not None and best.cls in ("PIX", "PXB", "HINT"):
             out.append(("gpu-nic-distance", "ok", f"{label}: {best.cls} to {', '.join(best.names())}", "", label))
+            continue
+        c2c = C2C_GPU_IDS.get(g.pci.device or 0)
+        if best is not None and c2c and best.cls == "NODE":
+            out.append(("gpu-nic-distance", "ok",
+                        f"{label} ({c2c}, NVLink-C2C to its CPU): NODE to {', '.join(best.names())}: GPU memory reaches "
+                        "these NICs over C2C and the CPU's PCIe root (NCCL's P2C path, GPUDirect allowed); no PCIe switch "
+                        "pairs them by design", "", label))
             continue
         near = f"nearest usable NICs {', '.join(best.names())} are {best.cls}" if best else "no usable NIC at all"
         out.append(("gpu-nic-distance", "warn",

@@ -118,6 +118,9 @@ NVIDIA = 0x10DE
 MELLANOX = 0x15B3
 DPU_DEVICE_IDS = {0xA2D2, 0xA2D6, 0xA2DC, 0xA2DF}  # BlueField-1/2/3 (+ BF-3 LX)
 DPU_HCA_TYPES = {"MT41682", "MT41686", "MT41692"}
+# GPUs attached to their CPU by NVLink-C2C (shared/topology-notes.md 1.3, 1.6): every NIC is NODE
+# or SYS to them by design, and NCCL runs GPUDirect over GPU -> C2C -> CPU -> PCIe (its P2C).
+C2C_GPU_IDS = {0x2941: "GB200", 0x2E12: "GB10"}
 INCLUDE_KEYS = ("dpu", "storage", "narrow", "down", "sys", "tcp")
 _BDF_RE = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _ROOT_RE = re.compile(r"^pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}$")
