@@ -519,3 +519,23 @@ def test_storage_rule_keeps_the_nic_of_gpus_without_a_near_one(tmp_path: Path) -
         assert [(t.cls, sorted(rdma([t]))) for t in plan.for_gpu(bdf)] == [("NODE", ["mlx5_0", "mlx5_1"])]
     assert [(t.cls, rdma([t])) for t in plan.for_gpu("0000:13:00.0")] == [("PIX", ["mlx5_0"]), ("NODE", ["mlx5_1"])]
     assert not plan.excluded["host"]
+
+
+def test_sriov_vfs_of_a_host_pf_are_not_extra_rails(tmp_path: Path) -> None:
+    """Four VFs of GPU 0's ConnectX-7 (enabled for containers): they share the PF's port and
+    PCIe link, so striping over PF + VFs is one NIC counted five times. A VF whose PF is a NIC
+    of this host is excluded (include 'vf'); a VF without its PF (Azure's IB VFs) stays a NIC
+    (test_azure_numa_sets_and_hint)."""
+    spec = F.dgx()
+    pf = F.dgx_nic_chain(0x18)
+    for k in range(1, 5):
+        spec.fns.append(F.Fn(pf[:-1] + (f"0000:18:00.{k}",), 0x15B3, F.CX7_VF, F.IB_CLS, 0, F.DGX_CPUS[0],
+                             ib=f"mlx5_{11 + k}", netdev=f"ibp24s0v{k}", width=0, max_width=0, speed="Unknown",
+                             physfn="0000:18:00.0"))
+    topo = load(tmp_path, spec)
+    assert classify(gpu(topo, DGX_GPUS[0]).pci, nic(topo, "mlx5_12").pci) == "PXB"
+    plan = topo.rail_plan()
+    assert rdma(plan.for_gpu(0)) == ["mlx5_0"]
+    assert "mlx5_12" not in {n.rdma for t in plan.for_numa(0) for n in t.nics}
+    assert "SR-IOV VF of 0000:18:00.0" in {e.name: e.reason for e in plan.excluded["host"]}["ibp24s0v1"]
+    assert sorted(rdma(topo.rail_plan(include=("vf",)).for_gpu(0))) == ["mlx5_0", "mlx5_12", "mlx5_13", "mlx5_14", "mlx5_15"]

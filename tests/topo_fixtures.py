@@ -48,6 +48,7 @@ class Fn:
     state: str = "4: ACTIVE"
     hca_type: str | None = None
     config: bytes | None = None  # PCI config space (doctor's ACS check)
+    physfn: str | None = None  # SR-IOV VF: its PF's BDF (a sibling under the same bridge)
 
 
 @dataclass
@@ -111,6 +112,8 @@ def _write_fn(sysr: Path, f: Fn, spec: Spec) -> None:
                    f.max_speed or f.speed)
             if f.config is not None:
                 (d / "config").write_bytes(f.config)
+            if f.physfn:
+                _link(d / "physfn", d.parent / f.physfn)
         elif not (d / "class").exists():
             cur, mx = spec.bridge_width.get(comp, (16, 16))
             _attrs(d, 0x1000, 0xC030, 0x060400, f.numa, f.cpus, cur, mx, f.max_speed or f.speed, f.max_speed or f.speed)

@@ -51,7 +51,8 @@ Model
      ``"narrow"`` x1 functions (NVLink management CX-7 on HGX B200) and NICs that carry less
      than a quarter of the fastest candidate (port rate capped by the PCIe link: Azure's
      accelerated-networking VF next to 400G IB VFs); ``"down"`` RDMA ports that are not
-     ACTIVE; ``"sys"`` NICs on another NUMA node while a nearer NIC exists (a GPU or node with
+     ACTIVE; ``"vf"`` SR-IOV VFs whose PF is a NIC of this host (same port and link);
+     ``"sys"`` NICs on another NUMA node while a nearer NIC exists (a GPU or node with
      no nearer NIC keeps its SYS NICs as the last tier).
    * **Shared-switch rule** (``share="split"``, the default): when G GPUs have the same best
      tier (class PIX, PXB or PHB) of N NICs and N >= G, the NICs (by PCI address) are split
@@ -121,7 +122,7 @@ DPU_HCA_TYPES = {"MT41682", "MT41686", "MT41692"}
 # GPUs attached to their CPU by NVLink-C2C (shared/topology-notes.md 1.3, 1.6): every NIC is NODE
 # or SYS to them by design, and NCCL runs GPUDirect over GPU -> C2C -> CPU -> PCIe (its P2C).
 C2C_GPU_IDS = {0x2941: "GB200", 0x2E12: "GB10"}
-INCLUDE_KEYS = ("dpu", "storage", "narrow", "down", "sys", "tcp")
+INCLUDE_KEYS = ("dpu", "storage", "narrow", "down", "sys", "tcp", "vf")
 _BDF_RE = re.compile(r"^([0-9a-fA-F]{4,8}):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 _ROOT_RE = re.compile(r"^pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}$")
 
@@ -226,6 +227,7 @@ class PciDevice:
     max_width: int | None
     cur_speed: float | None  # GT/s
     max_speed: float | None
+    physfn: str | None = None  # SR-IOV VF: its PF's bus id (the ``physfn`` link)
 
     @property
     def pcie_link(self) -> str:
@@ -316,6 +318,7 @@ def _dev_info(dev_dir: Path, sys_root: Path) -> PciDevice:
             return None
 
     numa = rint("numa_node")
+    pf = Path(os.path.realpath(real / "physfn")) if os.path.lexists(real / "physfn") else None
     return PciDevice(
         bdf=normalize_bus_id(real.name),
         path=path,
@@ -328,6 +331,7 @@ def _dev_info(dev_dir: Path, sys_root: Path) -> PciDevice:
         max_width=rint("max_link_width") or None,
         cur_speed=_link_speed(rd("current_link_speed")),
         max_speed=_link_speed(rd("max_link_speed")),
+        physfn=normalize_bus_id(pf.name) if pf is not None and _BDF_RE.match(pf.name) else None,
     )
 
 
@@ -646,7 +650,7 @@ class Topology:
 
     def rail_plan(self, include: Iterable[str] = (), share: str = "split") -> RailPlan:
         """The tiers per GPU and NUMA node (pure: same facts, same plan). ``include`` names
-        excluded kinds to allow: dpu, storage, narrow, down, sys, tcp. ``share``: "split" or
+        excluded kinds to allow: dpu, storage, narrow, down, sys, tcp, vf. ``share``: "split" or
         "all" (the shared-switch rule)."""
         inc = set(include)
         bad = inc - set(INCLUDE_KEYS)
@@ -712,6 +716,9 @@ class Topology:
             why = "no RDMA device while the host has RDMA NICs (a management or ENA-style NIC; include 'tcp' to use it)"
         elif n.is_dpu and "dpu" not in inc:
             why = f"BlueField DPU function ({n.hca_type or hex(n.pci.device or 0)}): storage/in-band, not GPU data (include 'dpu')"
+        elif n.pci.physfn and "vf" not in inc and any(m.pci.bdf == n.pci.physfn for m in self.nics):
+            why = (f"SR-IOV VF of {n.pci.physfn}, a NIC of this host: it shares that PF's port and PCIe link "
+                   "(include 'vf')")
         elif n.pci.max_width == 1 and "narrow" not in inc:
             why = "PCIe x1: a management function (e.g. NVLink-management CX-7), not a data NIC (include 'narrow')"
         elif n.port_state is not None and n.port_state != "ACTIVE" and "down" not in inc:
