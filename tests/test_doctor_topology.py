@@ -120,3 +120,12 @@ def test_doctor_sysfs_option(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     rep = json.loads(capsys.readouterr().out)
     link = {r["rail"]: r["status"] for r in rep["results"] if r["name"] == "nic-link"}
     assert link["ibp94s0"] == "warn" and link["ibp24s0"] == "ok" and rep["facts"]["gpu_nic_matrix"]["0000:1b:00.0"]["ibp24s0"] == "PXB"
+
+
+def test_gpudirect_modules_efa_peermem_counts(tmp_path: Path) -> None:
+    """AWS EFA hosts get GPUDirect from the EFA installer's efa_nv_peermem (UCX checks it too,
+    openucx/ucx#10966): with it loaded there is nothing to fix."""
+    spec = F.aws_p5en()
+    spec.files["proc/modules"] = "".join(f"{m} 16384 0 - Live 0x0\n" for m in ("nvidia", "efa", "efa_nv_peermem"))
+    res = [r for r in topo_results(tmp_path, spec) if r.name == "gpudirect-modules"]
+    assert [r.status for r in res] == [Status.OK] and "efa_nv_peermem" in res[0].evidence

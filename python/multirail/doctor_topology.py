@@ -11,8 +11,8 @@ or live ``lspci -vvv -s BDF`` through doctor's probe. Checks (docs/doctor.md):
   (peer-to-peer goes up to the root complex);
 * ``iommu``: DMA translated by the IOMMU (group type DMA/DMA-FQ, or a kernel command line that
   turns translation on without passthrough);
-* ``gpudirect-modules``: GPUs and RDMA NICs present, but neither nvidia_peermem nor dma-buf
-  support (the open NVIDIA kernel module on Linux >= 5.12).
+* ``gpudirect-modules``: GPUs and RDMA NICs present, but neither nvidia_peermem (nv_peer_mem,
+  or AWS's efa_nv_peermem) nor dma-buf support (the open NVIDIA kernel module on Linux >= 5.12).
 
 With no NVIDIA GPU under the tree only ``nic-link`` runs; a tree without a PCI bus gives nothing.
 """
@@ -223,7 +223,7 @@ def check_gpudirect_modules(f: TopoFacts) -> list[Result]:
     def has(m: str) -> bool:
         return m in loaded or f.sysfs.exists(f"/sys/module/{m}")
 
-    for m in ("nvidia_peermem", "nv_peer_mem"):
+    for m in ("nvidia_peermem", "nv_peer_mem", "efa_nv_peermem"):  # the last: AWS EFA installer's
         if has(m):
             return [("gpudirect-modules", "ok", f"{m} is loaded: RDMA NICs can read and write GPU memory", "", None)]
     version = f.sysfs.read("/proc/driver/nvidia/version") or ""
