@@ -276,3 +276,24 @@ def test_topology_tiers_and_cpus_from_a_sysfs_tree(tmp_path: Path, monkeypatch: 
     assert affinity.resolve("auto", ["10.0.0.2"], rows).tiers == {}
     assert affinity.resolve("none", "auto", rows).tiers == {}
     assert affinity.resolve("auto", "auto", rows).tiers.keys() == aff.tiers.keys()
+
+
+def test_bench_kv_gpu_k_on_the_standin(tmp_path: Path) -> None:
+    """`multirail bench kv --gpu 0` without GPUs: the initiator's KV pages are stand-in VRAM on
+    device 0, and the output says which rails GPU 0 got."""
+    import subprocess
+    import sys
+
+    from test_bench_kv import TINY
+
+    model = tmp_path / "tiny.yaml"
+    model.write_text(TINY.lstrip("\\\n"))
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo / "python"), "MULTIRAIL_GPU": "standin"}
+    env.pop("MULTIRAIL_AFFINITY", None)
+    cp = subprocess.run([sys.executable, "-m", "multirail", "bench", "kv", "--model", str(model), "--isl", "100",
+                         "--requests", "4", "--rounds", "1", "--check-consistency", "--no-nixl", "--gpu", "0",
+                         "--stall-timeout", "3"], capture_output=True, text=True, timeout=120, env=env)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    assert "rail choice: every rail for gpu:0" in cp.stdout, cp.stdout[-2000:]
+    assert "memory: initiator VRAM" in cp.stdout and "standin 0" in cp.stdout, cp.stdout[-2000:]
