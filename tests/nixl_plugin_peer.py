@@ -662,6 +662,21 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem), agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
         check(wait(agent, h) == "DONE" and sha(dst.read()) == sha(A), "READ with env settings")
 
+    elif name == "notif_once":
+        # issue 36, item 3: the target (params faults "0:lose_answer@0") loses its answer to the
+        # first notification, so the initiator sends it again: it must be delivered once
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                  agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target", b"once")
+        s = wait(agent, h)
+        check(s == "DONE", f"READ with a notification whose answer is lost: {s}")
+        agent.release_xfer_handle(h)
+        agent.send_notif("target", b"after")
+        wait_notif_at_target(d, "after")
+        out["notifs"] = notifs_of_target(d)
+
     elif name == "blip":
         # issue 36, item 2: the initiator's one rail is killed for a while (cfg params faults)
         # while a READ is in flight: the READ must finish late, not fail, and the peer must

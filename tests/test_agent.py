@@ -1303,3 +1303,19 @@ def test_small_transfers_do_not_wake_the_rail_senders(progress: str):
         # 2 senders x 10 timed wake-ups a second, and a margin: far below 2 per READ
         allowed = 0.1 * n + 2 * 10 * (secs + 1)
         assert woke <= allowed, f"{woke} sender wake-ups for {n} 4 KiB READs in {secs:.2f} s"
+
+
+def test_a_notification_whose_answer_is_lost_is_delivered_once(agents):
+    """Issue 36 item 3, the native API: the target loses its answer to the first notification
+    (fault injection `lose_answer`), the initiator resends it, the target's inbox has it once."""
+    t = agents("target", {"faults": "0:lose_answer@0"})
+    i = agents("initiator", {"timeout": 5.0})
+    i.add_remote_agent(t.get_agent_metadata())
+    i.send_notif("target", b"once")
+    i.send_notif("target", b"twice")
+    got: list = []
+    deadline = time.monotonic() + 10
+    while b"twice" not in got and time.monotonic() < deadline:
+        got += t.get_new_notifs().get("initiator", [])
+        time.sleep(0.01)
+    assert got == [b"once", b"twice"], got

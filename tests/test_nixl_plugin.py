@@ -177,7 +177,7 @@ def test_refuses_an_untested_nixl_version(tmp_path: Path, plugin_dir: Path) -> N
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr  # NIXL goes on without the plugin: no crash
     assert "REFUSED" in res.stdout and "ALIVE" in res.stdout, res.stdout + res.stderr
-    assert "MULTIRAIL plugin refused to load" in res.stderr and "1.4.0" in res.stderr and "1.5.1" in res.stderr, res.stderr
+    assert "MULTIRAIL plugin refused to load" in res.stderr and "1.4.0" in res.stderr and "1.5.x" in res.stderr, res.stderr
     # the override loads it anyway, with a warning
     env["MULTIRAIL_NIXL_ALLOW_UNTESTED"] = "1"
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -83,3 +83,35 @@ def test_a_blip_is_not_a_disconnect(pair: Pair) -> None:
     out = pair.run("blip", {"params": params})
     assert out["state"] == "DONE" and out["seconds"] > 1.0, out
 
+
+@pytest.mark.parametrize("pair", [{"size": 1 * MiB, "params": {"faults": "0:lose_answer@0"}}], indirect=True)
+def test_a_notification_whose_answer_is_lost_is_delivered_once(pair: Pair) -> None:
+    """Item 3: the target loses its answer to a transfer's notification (fault injection:
+    queued, connection closed unanswered), the initiator resends it, and the target's
+    application gets it once (before: twice; vLLM counts notifications per request to free KV
+    blocks, so a copy freed blocks another reader still used)."""
+    out = pair.run("notif_once")
+    assert out["notifs"].count("once") == 1, out["notifs"]
+    assert out["notifs"].count("after") == 1, out["notifs"]
+
+
+@pytest.mark.parametrize("dists", [["nixl-0.9.0", "nixl_cu12-1.5.1"], ["nixl_cu13-1.5.2"]])
+def test_the_version_gate_reads_nixls_own_distribution(tmp_path: Path, plugin_dir: Path,  # noqa: F811
+                                                      dists: list[str]) -> None:
+    """Item 7: the plugin loads when the NIXL package beside libnixl.so is a supported 1.5.x,
+    whatever else is installed: the `nixl` meta package (before: its version was taken, the
+    lexically first dist-info) and nixl-cu13 1.5.x (which vLLM's CUDA 13 torch imports)."""
+    from test_nixl_plugin import _fake_nixl_tree
+
+    fake = _fake_nixl_tree(tmp_path, "0")
+    (fake / "nixl_cu12-0.dist-info").rmdir()
+    for d in dists:
+        (fake / f"{d}.dist-info").mkdir()
+    code = """if True:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+        a = nixl_agent('x', nixl_agent_config(backends=[]))
+        a.create_backend('MULTIRAIL', {}); print('CREATED')
+    """
+    res = subprocess.run([sys.executable, "-c", code], env=_env(plugin_dir, {"PYTHONPATH": str(fake)}),
+                         capture_output=True, text=True, timeout=60)
+    assert "CREATED" in res.stdout and "refused" not in res.stderr, res.stdout + res.stderr

@@ -26,7 +26,12 @@ from typing import Any
 
 PLUGIN_NAME = "libplugin_MULTIRAIL.so"
 # NIXL versions the plugin was built and tested for (crates/multirail-nixl/src/host.rs: SUPPORTED).
-SUPPORTED_NIXL = ("1.5.1",)
+SUPPORTED_NIXL = ("1.5",)  # release series: every 1.5.x
+
+
+def supported_nixl(version: str) -> bool:
+    """Whether NIXL `version` is of a release series the plugin supports (as host.rs)."""
+    return any(version == s or version.startswith(s + ".") for s in SUPPORTED_NIXL)
 # NIXL's Python distributions, in the order they are looked for.
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 # Slots of nixlBackendEngine's vtable (2 header words + 27 virtual methods) in the NIXL
@@ -276,9 +281,9 @@ def check(verbose: bool = False) -> tuple[bool, list[str]]:
         return False, [f"FAIL: {e}"]
     lines.append(f"plugin: {plugin}")
     lines.append(f"NIXL: {nixl['module']} {nixl['version'] or '(version unknown)'}, plugins in {nixl['plugins']}")
-    if nixl["version"] not in SUPPORTED_NIXL and os.environ.get("MULTIRAIL_NIXL_ALLOW_UNTESTED") != "1":
+    if not supported_nixl(nixl["version"]) and os.environ.get("MULTIRAIL_NIXL_ALLOW_UNTESTED") != "1":
         lines.append(f"FAIL: unsupported NIXL version {nixl['version']}: the plugin was built and tested for "
-                     f"{', '.join(SUPPORTED_NIXL)} and refuses to load into another "
+                     f"{', '.join(s + '.x' for s in SUPPORTED_NIXL)} and refuses to load into another "
                      "(MULTIRAIL_NIXL_ALLOW_UNTESTED=1 loads it anyway)")
         return False, lines
     abi = abi_check(nixl)

@@ -10,8 +10,15 @@ use std::ffi::CStr;
 use std::path::{Path, PathBuf};
 
 /// NIXL versions whose engine ABI the shim was checked against (layout and vtable compared
-/// with the wheel's own plugins; tests/test_nixl_plugin.py run against it in CI).
-pub const SUPPORTED: &[&str] = &["1.5.1"];
+/// with the wheel's own plugins; tests/test_nixl_plugin.py run against it in CI): a release
+/// series, `1.5` meaning every 1.5.x, of any of NIXL's distributions (`nixl_cu12`, `nixl_cu13`:
+/// the same sources built for another CUDA).
+pub const SUPPORTED: &[&str] = &["1.5"];
+
+/// Whether `version` belongs to a supported release series.
+pub fn supported(version: &str) -> bool {
+    SUPPORTED.iter().any(|s| version == *s || version.strip_prefix(s).is_some_and(|rest| rest.starts_with('.')))
+}
 
 pub const ENV_ALLOW: &str = "MULTIRAIL_NIXL_ALLOW_UNTESTED";
 
@@ -74,8 +81,11 @@ fn dist_of(lib: &Path) -> Option<(String, String)> {
                 }
             }
         }
-        found.sort();
-        found.dedup();
+        // The distribution that holds the library (`.nixl_cu12.mesonpy.libs`, `nixl_cu13.libs`
+        // in its path) first, then any CUDA build (`nixl_cuNN`), then the `nixl` meta package,
+        // which only depends on one of them and carries its own version.
+        let path = norm.to_string_lossy().into_owned();
+        found.sort_by_key(|(d, v)| (d == "nixl", !path.contains(d.as_str()), d.clone(), v.clone()));
         if let Some(f) = found.into_iter().next() {
             return Some(f);
         }
@@ -95,13 +105,13 @@ pub fn verdict(host: &Host, allow_untested: bool) -> Result<String, String> {
         (None, _) => "no libnixl.so is loaded in this process".to_string(),
         (Some(l), None) => format!("NIXL at {} has no package version beside it (not a nixl wheel)", l.display()),
         (Some(l), Some((d, v))) => {
-            if SUPPORTED.contains(&v.as_str()) {
+            if supported(v) {
                 return Ok(format!("{d} {v} ({})", l.display()));
             }
             format!("NIXL {v} ({d}, {}) is not a version this plugin was built and tested for", l.display())
         }
     };
-    let msg = format!("{what}; supported: {}", SUPPORTED.join(", "));
+    let msg = format!("{what}; supported: {}", SUPPORTED.iter().map(|s| format!("{s}.x")).collect::<Vec<_>>().join(", "));
     if allow_untested {
         Ok(format!("{msg}; loading anyway because {ENV_ALLOW}=1"))
     } else {
@@ -119,7 +129,10 @@ mod tests {
         assert!(verdict(&ok, false).is_ok());
         let old = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.4.0".into())) };
         let e = verdict(&old, false).unwrap_err();
-        assert!(e.contains("1.4.0") && e.contains("1.5.1") && e.contains(ENV_ALLOW), "{e}");
+        assert!(e.contains("1.4.0") && e.contains("1.5.x") && e.contains(ENV_ALLOW), "{e}");
+        let cu13 = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu13".into(), "1.5.2".into())) };
+        assert!(verdict(&cu13, false).is_ok());
+        assert!(!supported("1.50.0") && !supported("1.6.0") && supported("1.5") && supported("1.5.0rc1".trim_end_matches("rc1")));
         assert!(verdict(&old, true).unwrap().contains("anyway"));
         let none = Host { lib: None, dist: None };
         assert!(verdict(&none, false).unwrap_err().contains("no libnixl.so"));
@@ -134,6 +147,12 @@ mod tests {
         assert_eq!(dist_of(&libs.join("libnixl.so")), Some(("nixl_cu12".into(), "1.5.1".into())));
         let via_pkg = d.join("nixl_cu12").join("..").join(".nixl_cu12.mesonpy.libs").join("libnixl.so");
         assert_eq!(dist_of(&via_pkg), Some(("nixl_cu12".into(), "1.5.1".into())));
+        // the `nixl` meta package beside it does not decide (it sorts first by name)
+        std::fs::create_dir_all(d.join("nixl-0.9.0.dist-info")).unwrap();
+        assert_eq!(dist_of(&libs.join("libnixl.so")), Some(("nixl_cu12".into(), "1.5.1".into())));
+        // of two CUDA builds, the one whose directory holds the library
+        std::fs::create_dir_all(d.join("nixl_cu11-0.1.0.dist-info")).unwrap();
+        assert_eq!(dist_of(&libs.join("libnixl.so")), Some(("nixl_cu12".into(), "1.5.1".into())));
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

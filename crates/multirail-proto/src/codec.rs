@@ -19,7 +19,7 @@ pub const VERSION: u8 = 1;
 /// adds the vectored requests (`ReadVReq`, `WriteVReq`); a server accepts `Hello` versions 1
 /// and 2, and a client that offers 2 to an older server (answered `Error(VersionMismatch)`)
 /// dials again with 1 and sends no vectored request on that connection.
-pub const HELLO_VERSION: u16 = 4;
+pub const HELLO_VERSION: u16 = 5;
 /// The first `Hello` version whose connections may carry `ReadVReq` / `WriteVReq`.
 pub const HELLO_VECTORED: u16 = 2;
 /// The first `Hello` version whose server takes `ReadVReq` / `WriteVReq` on GPU regions too
@@ -31,8 +31,11 @@ pub const HELLO_VECTORED_GPU: u16 = 4;
 /// (`UCX_FEATURE_*`). A server of this build accepts 1 to 3; an older one answers
 /// `Error(VersionMismatch)` and the client dials again one version lower.
 pub const HELLO_UCX_FEATURES: u16 = 3;
+/// The first `Hello` version whose control connections may carry `NotifSeq` (numbered
+/// notifications, queued once however often a lost answer makes the initiator resend them).
+pub const HELLO_NOTIF_SEQ: u16 = 5;
 /// The newest `Hello` version a server of this build accepts.
-pub const HELLO_MAX: u16 = HELLO_VECTORED_GPU;
+pub const HELLO_MAX: u16 = HELLO_NOTIF_SEQ;
 /// `UcxOpen`/`UcxReady` feature bit: the session carries vectored chunks as UCP active messages
 /// (one request per chunk with its piece list, scattered and bounds-checked by the target;
 /// [`UcxAm`]). Offered by the initiator, echoed by a target that serves it.
@@ -99,6 +102,9 @@ pub enum Kind {
     /// the pieces' bytes back to back.
     WriteVReq = 16,
     Notif = 12,
+    /// Client -> server (`Hello` version >= 5): a notification with its sender's incarnation
+    /// and a number unique within it; the server queues each (peer, incarnation, number) once.
+    NotifSeq = 17,
     Ping = 13,
     /// Client -> server: stop applying anything from the listed connections of this peer (by
     /// their `Hello` nonces) and close them; answered with `Resp` once none of them can touch
@@ -146,6 +152,7 @@ impl Kind {
             15 => ReadVReq,
             16 => WriteVReq,
             12 => Notif,
+            17 => NotifSeq,
             13 => Ping,
             14 => Fence,
             20 => Resp,
@@ -175,6 +182,7 @@ impl Kind {
             ReadReq | WriteReq => 8 + 16 + 8 + 8,
             ReadVReq | WriteVReq => 8 + 16 + 4 + VEC_ENTRY_MAX * MAX_VEC_ENTRIES,
             Notif => MAX_NOTIF,
+            NotifSeq => 16 + MAX_NOTIF,
             Ping => 0,
             Fence => 2 + 16 * MAX_FENCE,
             Resp | Error => 2 + 8 + 2 + MAX_MSG,
@@ -423,6 +431,11 @@ pub enum Body {
     /// Followed on the wire by `op.total()` bulk bytes, the pieces in order.
     WriteVReq(VecOp),
     Notif(Vec<u8>),
+    NotifSeq {
+        incarnation: u64,
+        seq: u64,
+        msg: Vec<u8>,
+    },
     Ping,
     /// Hello nonces of this peer's connections to fence (at most [`MAX_FENCE`]).
     Fence(Vec<[u8; 16]>),
@@ -485,6 +498,7 @@ impl Body {
             Body::ReadVReq(_) => Kind::ReadVReq,
             Body::WriteVReq(_) => Kind::WriteVReq,
             Body::Notif(_) => Kind::Notif,
+            Body::NotifSeq { .. } => Kind::NotifSeq,
             Body::Ping => Kind::Ping,
             Body::Fence(_) => Kind::Fence,
             Body::Resp { .. } => Kind::Resp,
@@ -544,6 +558,11 @@ impl Body {
                 }
             }
             Body::Notif(b) | Body::Meta(b) | Body::MetaPut(b) => out.extend_from_slice(b),
+            Body::NotifSeq { incarnation, seq, msg } => {
+                out.extend_from_slice(&incarnation.to_le_bytes());
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(msg);
+            }
             Body::Ping | Body::MetaGet => {}
             Body::Fence(ids) => {
                 let ids = &ids[..ids.len().min(MAX_FENCE)];
@@ -693,6 +712,10 @@ impl Body {
                 }
             }
             Kind::Notif => Body::Notif(r.bytes(body.len())?.to_vec()),
+            Kind::NotifSeq => {
+                let (incarnation, seq) = (r.u64()?, r.u64()?);
+                Body::NotifSeq { incarnation, seq, msg: r.bytes(body.len() - 16)?.to_vec() }
+            }
             Kind::Meta => Body::Meta(r.bytes(body.len())?.to_vec()),
             Kind::MetaPut => Body::MetaPut(r.bytes(body.len())?.to_vec()),
             Kind::Ping => Body::Ping,
@@ -989,6 +1012,8 @@ mod tests {
         roundtrip(Body::ReadReq(op));
         roundtrip(Body::WriteReq(op));
         roundtrip(Body::Notif(b"done".to_vec()));
+        roundtrip(Body::NotifSeq { incarnation: 7, seq: 9, msg: b"done".to_vec() });
+        roundtrip(Body::NotifSeq { incarnation: 7, seq: 10, msg: Vec::new() });
         roundtrip(Body::Ping);
         roundtrip(Body::Fence(vec![]));
         roundtrip(Body::Fence(vec![[7; 16], [8; 16]]));

@@ -144,8 +144,10 @@ impl Agent {
             choices,
             topo: std::sync::OnceLock::new(),
         });
+        let notif_seen = crate::notif_seen::NotifSeen::new(&ctx.cfg.faults);
         let shared = Arc::new(Shared {
             ctx,
+            notif_seen,
             registry: Registry::default(),
             peers: RwLock::new(HashMap::new()),
             notifs: crate::inbox::Inbox::default(),

@@ -255,6 +255,10 @@ pub enum FaultKind {
     Kill,
     Blackhole,
     Slow(Duration),
+    /// At the target (this agent): the answer to the first notification served from AT on is
+    /// lost once (queued, the connection closed unanswered), so the initiator resends it. The
+    /// rail and DUR are ignored.
+    LoseAnswer,
 }
 
 /// One scheduled fault.
@@ -298,7 +302,7 @@ impl Fault {
 
     pub fn parse(s: &str) -> std::result::Result<Fault, String> {
         let bad = || {
-            format!("fault {s:?} is not RAIL:KIND@AT[+DUR] or RAIL/TRANSPORT:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY; TRANSPORT: tcp, ucx)")
+            format!("fault {s:?} is not RAIL:KIND@AT[+DUR] or RAIL/TRANSPORT:KIND@AT[+DUR] (KIND: kill, blackhole, slow=DELAY, lose_answer; TRANSPORT: tcp, ucx)")
         };
         let (rail, rest) = s.split_once(':').ok_or_else(bad)?;
         let (rail, transport) = match rail.split_once('/') {
@@ -310,6 +314,7 @@ impl Fault {
         let kind = match kind.trim() {
             "kill" => FaultKind::Kill,
             "blackhole" => FaultKind::Blackhole,
+            "lose_answer" => FaultKind::LoseAnswer,
             k => match k.strip_prefix("slow=") {
                 Some(d) => FaultKind::Slow(parse_duration(d)?),
                 None => return Err(bad()),

@@ -26,6 +26,7 @@ pub mod inbox;
 pub mod ipc;
 pub mod link;
 pub mod net;
+pub mod notif_seen;
 pub mod numa;
 pub mod peer;
 pub mod registry;

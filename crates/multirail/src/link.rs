@@ -93,6 +93,8 @@ pub struct Link {
     sched: Mutex<Sched>,
     cond: Condvar,
     control: Mutex<Option<TcpStream>>,
+    /// The `Hello` version the peer accepted on the control connection (0: none yet).
+    control_version: std::sync::atomic::AtomicU16,
     notify_tx: Mutex<Option<mpsc::Sender<Arc<XferShared>>>>,
     shutdown: AtomicBool,
     /// Set when the peer is known gone for good (restarted: stale metadata).
@@ -390,6 +392,7 @@ impl Link {
             sched: Mutex::new(Sched { planner, xfers: HashMap::new(), next_xfer: 1, chain_wake: false }),
             cond: Condvar::new(),
             control: Mutex::new(None),
+            control_version: std::sync::atomic::AtomicU16::new(0),
             notify_tx: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             fatal: Mutex::new(None),
@@ -448,7 +451,7 @@ impl Link {
                             Err(_) => break,
                         }
                     }
-                    let bodies = batch.iter().map(|x| Body::Notif(x.notif.lock().expect("xfer lock").clone())).collect();
+                    let bodies = batch.iter().map(|x| l2.notif_body(x.notif.lock().expect("xfer lock").clone())).collect();
                     for (x, r) in batch.into_iter().zip(l2.control_batch(bodies)) {
                         x.finish(r);
                     }
@@ -991,7 +994,8 @@ impl Link {
     /// One request/response on the control connection (notifications), failing over between
     /// rails: each try gets `stall_timeout` (at least 200 ms) for its answer; a rail that does
     /// not answer, or whose local link is down, is left for the next one, until the agent's
-    /// `timeout`. A notification whose answer was lost may thus arrive twice (at least once).
+    /// `timeout`. A notification whose answer was lost is sent again; the target queues it once
+    /// (`Body::NotifSeq`, `notif_seen`), or twice if it is from before `HELLO_NOTIF_SEQ`.
     pub(crate) fn control_request(&self, body: Body) -> Result<()> {
         self.control_call(body, Kind::Resp).map(|_| ())
     }
@@ -1001,7 +1005,7 @@ impl Link {
     /// each within `stall_timeout` (at least 200 ms) of the one before. Each request gets its
     /// own result. Without an open connection, or from the first that fails on the wire on,
     /// the rest go one by one through `control_request` (which dials and fails over), so, as
-    /// there, a notification whose answer was lost may arrive twice.
+    /// there, a notification whose answer was lost is resent and queued once.
     pub(crate) fn control_batch(&self, bodies: Vec<Body>) -> Vec<Result<()>> {
         if bodies.len() < 2 {
             return bodies.into_iter().map(|b| self.control_request(b)).collect();
@@ -1017,7 +1021,7 @@ impl Link {
                     |_: bool| if Instant::now() > deadline.get() { Err("no answer on the control connection".to_string()) } else { Ok(()) };
                 let mut sent = 0;
                 for b in &bodies {
-                    if wire::send(s, b, 0, &mut tick).is_err() {
+                    if wire::send(s, &self.on_wire(b), 0, &mut tick).is_err() {
                         break;
                     }
                     sent += 1;
@@ -1060,6 +1064,24 @@ impl Link {
         out
     }
 
+    /// A notification as sent: numbered within this agent's incarnation, so that the target
+    /// queues it once however often a lost answer makes `control_call` send it again
+    /// (`notif_seen`).
+    pub(crate) fn notif_body(&self, msg: Vec<u8>) -> Body {
+        Body::NotifSeq { incarnation: self.ctx.incarnation, seq: crate::notif_seen::next_seq(), msg }
+    }
+
+    /// `body` as the control connection's peer takes it: a numbered notification goes as a
+    /// plain one to a peer from before `HELLO_NOTIF_SEQ` (at least once, as before).
+    fn on_wire<'b>(&self, body: &'b Body) -> std::borrow::Cow<'b, Body> {
+        match body {
+            Body::NotifSeq { msg, .. } if self.control_version.load(Ordering::Acquire) < multirail_proto::codec::HELLO_NOTIF_SEQ => {
+                std::borrow::Cow::Owned(Body::Notif(msg.clone()))
+            }
+            b => std::borrow::Cow::Borrowed(b),
+        }
+    }
+
     /// Hands a transfer that has completed its data to the notifier, which sends its
     /// notification and then completes it (the rails' transfers, from `complete`, and CUDA IPC
     /// transfers); without a notifier (the link closed) it fails at once.
@@ -1100,7 +1122,10 @@ impl Link {
                 }
                 let ri = order[(tries - 1) % order.len()];
                 match self.dial_rail(ri, Role::Control, per_try) {
-                    Ok(c) => *g = Some(c.stream),
+                    Ok(c) => {
+                        self.control_version.store(c.version, Ordering::Release);
+                        *g = Some(c.stream)
+                    }
                     Err(e @ (Error::StaleMetadata { .. } | Error::Auth { .. } | Error::Metadata(_))) => return Err(e),
                     Err(e) => {
                         refused[ri] = crate::net::refused(&e);
@@ -1123,7 +1148,7 @@ impl Link {
             let deadline = Instant::now() + per_try;
             let mut tick =
                 |_: bool| if Instant::now() > deadline { Err("no answer on the control connection".to_string()) } else { Ok(()) };
-            let r = wire::send(s, &body, 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
+            let r = wire::send(s, &self.on_wire(&body), 0, &mut tick).and_then(|_| wire::read_frame(s, &mut tick));
             match r {
                 Ok((_, b @ Body::Resp { status: Status::Ok, .. })) if answer == Kind::Resp => return Ok(b),
                 Ok((_, b)) if answer != Kind::Resp && b.kind() == answer => return Ok(b),

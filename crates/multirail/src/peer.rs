@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use multirail_proto::codec::Status;
 use multirail_proto::planner::{pair_rows, pair_segments};
-use multirail_proto::{AgentMeta, Body, MemType, Pair, RegionKey, RegionMeta};
+use multirail_proto::{AgentMeta, MemType, Pair, RegionKey, RegionMeta};
 
 use crate::config::Progress;
 use crate::ctx::Ctx;
@@ -187,7 +187,8 @@ impl Peer {
     }
 
     pub fn send_notif(&self, msg: &[u8]) -> Result<()> {
-        self.link()?.control_request(Body::Notif(msg.to_vec()))
+        let l = self.link()?;
+        l.control_request(l.notif_body(msg.to_vec()))
     }
 
     /// The agent's progress mode and spin budget (for waiting callers).

@@ -57,6 +57,8 @@ pub struct Shared {
     pub peers: RwLock<HashMap<String, Arc<Peer>>>,
     /// Notifications from peers, until the application takes them.
     pub notifs: crate::inbox::Inbox,
+    /// Numbered notifications already queued, per peer and incarnation (exactly once).
+    pub notif_seen: crate::notif_seen::NotifSeen,
     pub shutdown: AtomicBool,
     pub rails_meta: Vec<RailInfo>,
     /// Serving threads running (each leaves it only after dropping its `Shared`: `close` then
@@ -693,6 +695,7 @@ impl<'a> Conn<'a> {
             Body::ReadReq(op) => self.read(req, op, tick),
             Body::WriteReq(op) => self.write(req, op, tick),
             Body::Notif(msg) => self.notif(req, msg, tick),
+            Body::NotifSeq { incarnation, seq, msg } => self.notif_seq(req, incarnation, seq, msg, tick),
             Body::Ping => self.answer(req, &ok_resp(), tick),
             Body::Fence(ids) => self.fence(req, &ids, tick),
             Body::ReadVReq(op) => self.read_vec(req, op, tick),
@@ -955,6 +958,19 @@ impl<'a> Conn<'a> {
     /// Notif: queued for the application, or Busy when the inbox is full.
     fn notif(&mut self, req: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
         match self.sh.notifs.push(self.peer.to_string(), msg) {
+            Ok(()) => self.answer(req, &ok_resp(), tick),
+            Err(why) => self.refused(req, Status::Busy, why, tick),
+        }
+    }
+
+    /// A numbered notification: queued once per (peer, incarnation, number); a copy resent
+    /// after a lost answer is answered, not queued again (`notif_seen`).
+    fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
+        let queued = if self.sh.notif_seen.first(self.peer, incarnation, seq) { self.sh.notifs.push(self.peer.to_string(), msg) } else { Ok(()) };
+        if self.sh.notif_seen.lose_answer() {
+            return Err(hang_up()); // fault injection: queued, never answered
+        }
+        match queued {
             Ok(()) => self.answer(req, &ok_resp(), tick),
             Err(why) => self.refused(req, Status::Busy, why, tick),
         }

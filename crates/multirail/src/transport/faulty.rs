@@ -120,7 +120,7 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
 
     fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool {
         // A blackholed or slowed rail must not be bypassed by a caller reading its own answers.
-        if (0..link.rails()).any(|ri| self.active(ri).any(|(_, f)| f.kind != FaultKind::Kill)) {
+        if (0..link.rails()).any(|ri| self.active(ri).any(|(_, f)| matches!(f.kind, FaultKind::Blackhole | FaultKind::Slow(_)))) {
             return false;
         }
         self.inner.drive(link, x, deadline, poll_only)
@@ -171,7 +171,7 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
             match f.kind {
                 FaultKind::Blackhole => return Verdict::Drop,
                 FaultKind::Slow(d) => v = Verdict::Delay(d),
-                FaultKind::Kill => {}
+                FaultKind::Kill | FaultKind::LoseAnswer => {}
             }
         }
         v
