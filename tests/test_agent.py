@@ -299,10 +299,18 @@ def test_metadata_exchange_both_ways_and_serialised_descs(pair):
     d = i.deserialize_descs(blob)
     assert d.arr.tolist() == [[src.ctypes.data, 4096, 0]] and d.mem_type == "DRAM"
     assert not i.check_remote_metadata("target")
-    t.send_local_metadata("127.0.0.1", i.port)
-    assert i.check_remote_metadata("target")
-    i.remove_remote_agent("target")
+    # A push (MetaPut) is served only by an agent that opted in (accept_metaput, issue 33).
+    with pytest.raises(errors.MultirailError, match="accept_metaput"):
+        t.send_local_metadata("127.0.0.1", i.port)
     assert not i.check_remote_metadata("target")
+    r = Agent("receiver", {"accept_metaput": True})
+    try:
+        t.send_local_metadata("127.0.0.1", r.port)
+        assert r.check_remote_metadata("target")
+        r.remove_remote_agent("target")
+        assert not r.check_remote_metadata("target")
+    finally:
+        r.close()
     assert i.add_remote_agent(t.get_agent_metadata()) == "target"
     with pytest.raises(errors.UnknownPeerError):
         i.remove_remote_agent("nobody")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 from typing import Any
 
@@ -116,3 +117,101 @@ def test_fences_after_a_zero_length_gpu_write_are_answered(gpu_target: Any) -> N
     t0 = time.monotonic()
     t.close()
     assert time.monotonic() - t0 < 4.0, "close() waited on a serving thread"
+
+
+# ------------------------------------------------------------------ MetaPut (H2)
+
+def _renamed(blob: bytes, name: str) -> bytes:
+    """A metadata blob with its agent name replaced (schema in docs/PROTOCOL.md)."""
+    (n,) = struct.unpack_from("<H", blob, 6)
+    nb = name.encode()
+    return blob[:6] + struct.pack("<H", len(nb)) + nb + blob[8 + n:]
+
+
+def _meta_put(port: int, name: str, blob: bytes, role: int = 1) -> tuple[str, str]:
+    s = rawpeer.connect(port, name=name, role=role)
+    s.settimeout(ANSWER_S)
+    try:
+        s.sendall(rawpeer.frame(rawpeer.META_PUT, blob, 7))
+        kind, req, body = rawpeer.read_frame(s)
+        assert (kind, req) == (rawpeer.RESP, 7), (kind, req, body)
+        status, _, msg = rawpeer.parse_status(body)
+        return status, msg
+    finally:
+        s.close()
+
+
+def test_metaput_only_where_the_application_opted_in_and_on_control_connections() -> None:
+    plain = multirail.Agent("plain")
+    opted = multirail.Agent("opted", {"accept_metaput": True})
+    try:
+        blob = _renamed(plain.get_agent_metadata(), "raw")
+        status, msg = _meta_put(plain.port, "raw", blob)
+        assert status == "Unexpected" and "accept_metaput" in msg
+        assert not plain.check_remote_metadata("raw")
+        status, msg = _meta_put(opted.port, "raw", blob, role=2)  # a data connection (any rail port)
+        assert status == "Unexpected" and "control" in msg
+        assert not opted.check_remote_metadata("raw")
+        assert _meta_put(opted.port, "raw", blob) == ("Ok", "")
+        assert opted.check_remote_metadata("raw")
+        # The name must be the connection's own.
+        status, _ = _meta_put(opted.port, "other", blob)
+        assert status == "Unexpected" and not opted.check_remote_metadata("other")
+    finally:
+        opted.close()
+        plain.close()
+
+
+def test_metaput_cannot_replace_a_peer_the_application_installed() -> None:
+    """H2: a MetaPut naming an installed peer used to replace it (redirecting later transfers)."""
+    t = multirail.Agent("target")
+    impostor = multirail.Agent("impostor")
+    i = multirail.Agent("initiator", {"accept_metaput": True, "timeout": 5.0})
+    try:
+        real, fake = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        t.register_memory(real)
+        impostor.register_memory(fake)
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        status, msg = _meta_put(i.port, "target", _renamed(impostor.get_agent_metadata(), "target"))
+        assert status == "Unexpected" and "installed by the application" in msg
+        src = np.full(4096, 0x5A, np.uint8)
+        i.register_memory(src)
+        h = i.initialize_xfer("WRITE", [src], [(real.ctypes.data, 4096, 0)], "target")
+        i.transfer(h)
+        i.wait(h, 10)
+        i.release_xfer_handle(h)
+        assert (real == 0x5A).all() and (fake == 0).all()
+    finally:
+        i.close()
+        impostor.close()
+        t.close()
+
+
+def test_peer_table_is_bounded() -> None:
+    a = multirail.Agent("a", {"accept_metaput": True, "max_peers": 3})
+    try:
+        blob = a.get_agent_metadata()
+        for k in range(3):
+            assert _meta_put(a.port, f"p{k}", _renamed(blob, f"p{k}")) == ("Ok", "")
+        status, msg = _meta_put(a.port, "p3", _renamed(blob, "p3"))
+        assert status == "Busy" and "max_peers" in msg
+        # A known name may still be updated, and the application's own installs hit the cap too.
+        assert _meta_put(a.port, "p1", _renamed(blob, "p1")) == ("Ok", "")
+        with pytest.raises(multirail.errors.MultirailError, match="max_peers"):
+            a.add_remote_agent(_renamed(blob, "p4"))
+    finally:
+        a.close()
+
+
+# ------------------------------------------------------------------ startup warning
+
+def test_an_agent_open_to_the_network_without_a_secret_says_so(caplog: Any) -> None:
+    caplog.set_level("WARNING", logger="multirail")
+    a = multirail.Agent("loud", {"host": "0.0.0.0"})
+    a.close()
+    assert any("without auth_secret" in r.getMessage() and "read and write" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    for cfg in ({"host": "127.0.0.1"}, {"host": "0.0.0.0", "auth_secret": "s3cret"}):
+        b = multirail.Agent("quiet", cfg)
+        b.close()
+    assert not [r for r in caplog.records if "without auth_secret" in r.getMessage()]

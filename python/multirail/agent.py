@@ -14,6 +14,7 @@ import contextvars
 import ctypes
 import enum
 import ipaddress
+import logging
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -23,6 +24,29 @@ import numpy as np
 
 from multirail import _core
 from multirail.errors import InvalidArgumentError, MultirailError, StaleMetadataError, TransferTimeoutError
+
+_log = logging.getLogger("multirail")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _warn_if_open(name: str, secret: Any, host: str, rails: Sequence[Any]) -> None:
+    """Say loudly when anyone on the network can use this agent's exported memory: it listens on
+    an address other than loopback (side channel or a rail) and has no shared secret."""
+    if secret is not None:
+        return
+    open_on = [a for a in [host, *(r[1] for r in rails)] if not _is_loopback(str(a))]
+    if open_on:
+        _log.warning("agent %r listens on %s without auth_secret: anyone who can reach these addresses can "
+                     "read and write its exported memory and push notifications (set auth_secret or "
+                     "MULTIRAIL_SECRET; docs/SECURITY.md)", name, ", ".join(sorted(set(map(str, open_on)))))
 
 __version__: str = _core.__version__
 
@@ -107,6 +131,13 @@ class AgentConfig:
     vectored: vectored requests (default True): many pages of one remote region per request,
     packed by bytes up to chunk_size, over tcp to peers that speak them (docs/PROTOCOL.md).
     False sends one request per contiguous piece, as before (a baseline for benchmarks).
+    accept_metaput: let peers push their own metadata here (`send_local_metadata(ip, port)` of
+        another agent; MetaPut on a control connection). Off by default: a peer's metadata then
+        comes only from this application (fetch_remote_metadata, add_remote_agent, NIXL, a
+        metadata store). Even on, a pushed name never replaces a peer this application installed
+        (docs/SECURITY.md).
+    max_peers: most peers this agent keeps metadata for (default 4096); installing one more
+        name is refused with an error.
     fan_in_window: how this agent, as a target, shares each rail's receive window among the
         data connections accepted on that rail, so that many initiators writing into it share a
         bottleneck fairly. "auto" (default): once a rail has 16 data connections, a budget of
@@ -156,6 +187,8 @@ class AgentConfig:
     gpu_ipc: bool = True
     vectored: bool = True
     fan_in_window: int | str = "auto"
+    accept_metaput: bool = False
+    max_peers: int = 4096
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -629,13 +662,14 @@ class Agent:
             str(cfg.faults or ""), cfg.gpu, int(cfg.staging_buffers), int(cfg.staging_buffer_size),
             bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
             int(cfg.fallback_max_switches), bool(cfg.vectored), _fan_in_window(cfg.fan_in_window),
-            float(cfg.serve_spin_us),
+            float(cfg.serve_spin_us), bool(cfg.accept_metaput), int(cfg.max_peers),
         )
         if {transport, *rail_transports} & {"ucx", "auto"}:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with
             # InfiniBand); under "auto" UCX is loaded only when a rail has an RDMA device.
             _offer_ucx_wheel()
         self._core = _core.Agent(*args)
+        _warn_if_open(name, secret, cfg.host, rails)
         _LIVE.add(self)
         from multirail import affinity as _aff
 

@@ -141,7 +141,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0, accept_metaput=false, max_peers=multirail::config::DEFAULT_MAX_PEERS))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -172,6 +172,8 @@ impl PyAgent {
         vectored: bool,
         fan_in_window: &str,
         serve_spin_us: f64,
+        accept_metaput: bool,
+        max_peers: usize,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -227,6 +229,11 @@ impl PyAgent {
         cfg.staging.pool = multirail_gpu::PoolConfig { buffers: staging_buffers, buffer_size: staging_buffer_size };
         cfg.staging.ipc = gpu_ipc;
         cfg.vectored = vectored;
+        cfg.accept_metaput = accept_metaput;
+        if max_peers == 0 {
+            return Err(PyValueError::new_err("max_peers must be at least 1"));
+        }
+        cfg.max_peers = max_peers;
         cfg.fan_in_window = multirail::FanInWindow::parse(fan_in_window)
             .ok_or_else(|| PyValueError::new_err(format!("fan_in_window: {fan_in_window:?} is not 'auto', 'off' or a byte count")))?;
         let name = name.to_string();

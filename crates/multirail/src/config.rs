@@ -113,6 +113,9 @@ impl Default for FallbackPolicy {
     }
 }
 
+/// Default of [`Config::max_peers`].
+pub const DEFAULT_MAX_PEERS: usize = 4096;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Side-channel listen address.
@@ -134,6 +137,12 @@ pub struct Config {
     pub secret: Option<Vec<u8>>,
     /// Most simultaneous inbound connections.
     pub max_connections: usize,
+    /// Serve `MetaPut` (a peer pushing its own metadata) on control connections. Off by default:
+    /// metadata then comes only from the application (fetch_remote, add_remote, NIXL, etcd).
+    pub accept_metaput: bool,
+    /// Most peers in the peer table (installed by the application or by `MetaPut`); beyond it,
+    /// installing a new name is refused with an error that says so.
+    pub max_peers: usize,
     /// Most requests one connection keeps in flight.
     pub conn_window: usize,
     /// How threads wait for data (see [`Progress`]).
@@ -231,6 +240,8 @@ impl Default for Config {
             timeout: Duration::from_secs(10),
             secret: None,
             max_connections: 1024,
+            accept_metaput: false,
+            max_peers: DEFAULT_MAX_PEERS,
             conn_window: 16,
             progress: Progress::Adaptive,
             spin: Duration::from_micros(200),

@@ -26,8 +26,19 @@ pub use crate::link::{PeerCounters, RailIo, RailIoSnapshot, RailReport};
 pub type ResolvedLocal = (Vec<(u64, u64)>, Vec<Arc<Region>>);
 
 /// A peer: its metadata and, once used, its link.
+/// Where a peer's metadata came from (`Shared::add_remote`, `Shared::add_remote_from_wire`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerOrigin {
+    /// fetch_remote, add_remote, NIXL, a metadata store: never replaced from the wire.
+    App,
+    /// A `MetaPut` the peer sent (`Config::accept_metaput`).
+    Wire,
+}
+
 pub struct Peer {
     pub name: String,
+    /// Who installed the metadata: the application, or the peer itself by `MetaPut`.
+    pub origin: PeerOrigin,
     pub meta: AgentMeta,
     /// Exported regions sorted by base, for resolving remote descriptors.
     regions: Vec<RegionMeta>,
@@ -59,6 +70,7 @@ impl Peer {
         let keys = regions.iter().map(|r| (r.id, r.key)).collect();
         Peer {
             name: meta.name.clone(),
+            origin: PeerOrigin::App,
             meta,
             regions,
             keys,

@@ -34,7 +34,7 @@ use crate::config::Progress;
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::net::abort_socket;
-use crate::peer::Peer;
+use crate::peer::{Peer, PeerOrigin};
 use crate::registry::random_bytes;
 use crate::registry::{Region, Registry};
 use crate::staging::{SockIn, SockOut, StageError, Stagers};
@@ -91,17 +91,49 @@ impl Shared {
         }
     }
 
-    /// Install metadata for a peer (replacing an older life of it).
+    /// Install metadata for a peer, from the application (replacing an older life of it).
     pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
+        self.install(meta, addr_hint, PeerOrigin::App).map_err(|(_, msg)| Error::Metadata(msg))
+    }
+
+    /// Install metadata a peer pushed itself (`MetaPut`): never over a peer the application
+    /// installed. Refusals carry the status to answer.
+    pub(crate) fn add_remote_from_wire(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> std::result::Result<String, (Status, String)> {
+        self.install(meta, addr_hint, PeerOrigin::Wire)
+    }
+
+    /// Insert or replace a peer, within `max_peers`; the replaced one is closed after the
+    /// table's lock is released (its transfers fail; other threads keep using the table).
+    fn install(&self, meta: AgentMeta, addr_hint: Option<IpAddr>, origin: PeerOrigin) -> std::result::Result<String, (Status, String)> {
         if meta.name.is_empty() {
-            return Err(Error::Metadata("metadata has an empty agent name".into()));
+            return Err((Status::Malformed, "metadata has an empty agent name".into()));
         }
         if meta.name == self.ctx.name {
-            return Err(Error::Metadata(format!("metadata is this agent's own ({:?})", meta.name)));
+            return Err((Status::Malformed, format!("metadata is this agent's own ({:?})", meta.name)));
         }
         let name = meta.name.clone();
-        let peer = Arc::new(Peer::new(meta, addr_hint, self.ctx.clone()));
-        if let Some(old) = self.peers.write().expect("peers lock").insert(name.clone(), peer) {
+        let mut peer = Peer::new(meta, addr_hint, self.ctx.clone());
+        peer.origin = origin;
+        let old = {
+            let mut g = self.peers.write().expect("peers lock");
+            match g.get(&name) {
+                Some(old) if origin == PeerOrigin::Wire && old.origin == PeerOrigin::App => {
+                    return Err((
+                        Status::Unexpected,
+                        format!("peer {name:?} was installed by the application; MetaPut does not replace it"),
+                    ));
+                }
+                None if g.len() >= self.ctx.cfg.max_peers => {
+                    return Err((
+                        Status::Busy,
+                        format!("peer table full: {} peers (max_peers = {}); {name:?} not added", g.len(), self.ctx.cfg.max_peers),
+                    ));
+                }
+                _ => {}
+            }
+            g.insert(name.clone(), Arc::new(peer))
+        };
+        if let Some(old) = old {
             old.close();
         }
         Ok(name)
@@ -455,7 +487,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // microsecond, and its spin after each of a request's per-layer notifications took ~100 us
     // of CPU apiece (~10% of a core in loopback kv at 8 KiB pages) from the data path's threads.
     let spins = role == Role::Data && sh.ctx.cfg.progress != Progress::Block;
-    Conn::new(sh, &me, ctr, &peer_name, &who, s).run(spins);
+    Conn::new(sh, &me, ctr, &peer_name, &who, role, s).run(spins);
 }
 
 /// What a request handler returns; an error ends the connection (the stream is out of step, the
@@ -544,6 +576,8 @@ struct Conn<'a> {
     ctr: Arc<ServedCounters>,
     peer: &'a str,
     who: &'a str,
+    /// Control or data (`Hello`'s role).
+    role: Role,
     timeout: Duration,
     s: TcpStream,
     fd: std::os::fd::RawFd,
@@ -561,7 +595,7 @@ struct Conn<'a> {
 }
 
 impl<'a> Conn<'a> {
-    fn new(sh: &'a Shared, me: &'a Served, ctr: Arc<ServedCounters>, peer: &'a str, who: &'a str, s: TcpStream) -> Self {
+    fn new(sh: &'a Shared, me: &'a Served, ctr: Arc<ServedCounters>, peer: &'a str, who: &'a str, role: Role, s: TcpStream) -> Self {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
         let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
         Conn {
@@ -570,6 +604,7 @@ impl<'a> Conn<'a> {
             ctr,
             peer,
             who,
+            role,
             timeout: sh.ctx.cfg.timeout,
             s,
             fd,
@@ -984,22 +1019,29 @@ impl<'a> Conn<'a> {
         self.answer(req, &ok_resp(), tick)
     }
 
-    /// MetaPut: the metadata of the connection's own peer.
+    /// MetaPut: the metadata of the connection's own peer, served only where the application
+    /// asked for it (`accept_metaput`) and on control connections; never over a peer the
+    /// application installed; within `max_peers`.
     fn meta_put(&mut self, req: u64, blob: &[u8], tick: &mut TickFn<'_>) -> Handled {
-        let hint = self.s.peer_addr().ok().map(|a| a.ip());
-        let resp = match AgentMeta::decode(blob) {
-            Ok(meta) if meta.name != self.peer => Body::Resp {
-                status: Status::Unexpected,
-                bulk_len: 0,
-                msg: format!("metadata names {:?} but the connection is from {:?}", meta.name, self.peer),
-            },
-            Ok(meta) => match self.sh.add_remote(meta, hint) {
-                Ok(_) => ok_resp(),
-                Err(e) => Body::Resp { status: Status::Malformed, bulk_len: 0, msg: e.to_string() },
-            },
-            Err(e) => Body::Resp { status: decode_status(&e), bulk_len: 0, msg: e.to_string() },
+        if !self.sh.ctx.cfg.accept_metaput {
+            return self.refused(req, Status::Unexpected, "this agent does not accept MetaPut (accept_metaput is off)".into(), tick);
+        }
+        if self.role != Role::Control {
+            return self.refused(req, Status::Unexpected, "MetaPut is served on control connections only".into(), tick);
+        }
+        let meta = match AgentMeta::decode(blob) {
+            Ok(m) => m,
+            Err(e) => return self.refused(req, decode_status(&e), e.to_string(), tick),
         };
-        self.answer(req, &resp, tick)
+        if meta.name != self.peer {
+            let msg = format!("metadata names {:?} but the connection is from {:?}", meta.name, self.peer);
+            return self.refused(req, Status::Unexpected, msg, tick);
+        }
+        let hint = self.s.peer_addr().ok().map(|a| a.ip());
+        match self.sh.add_remote_from_wire(meta, hint) {
+            Ok(_) => self.answer(req, &ok_resp(), tick),
+            Err((status, msg)) => self.refused(req, status, msg, tick),
+        }
     }
 }
 

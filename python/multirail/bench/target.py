@@ -57,7 +57,8 @@ def run_served(name: str, buffer_size: int, engine: dict[str, Any],
     stopped it. `prefault`: touch the buffer first, so no timed transfer pays its page faults."""
     import multirail  # lazy: the tool must import without the extension
 
-    agent = multirail.Agent(name, multirail.AgentConfig(**engine))
+    # The initiator pushes its metadata here (send_local_metadata): this agent opts in to MetaPut.
+    agent = multirail.Agent(name, multirail.AgentConfig(**{"accept_metaput": True, **engine}))
     mem: BenchMem | None = None
     try:
         mem = BenchMem(buffer_size, seg_type, device, engine.get("gpu"))

@@ -244,6 +244,8 @@ class nixlAgent:
         host = extra.pop("listen_host", None) or os.environ.get("MULTIRAIL_NIXL_HOST") or "127.0.0.1"
         port = int(config.listenPort) if config.useListenThread else 0
         kw = {k: v for k, v in extra.items() if v is not None}
+        # NIXL's listen thread is where peers' sendLocalMD lands: it opts in to MetaPut.
+        kw.setdefault("accept_metaput", bool(config.useListenThread))
         self._ns = "/nixl/agents"
         self._store: Any = None
         self._store_error = ""
