@@ -215,3 +215,60 @@ def test_an_agent_open_to_the_network_without_a_secret_says_so(caplog: Any) -> N
         b = multirail.Agent("quiet", cfg)
         b.close()
     assert not [r for r in caplog.records if "without auth_secret" in r.getMessage()]
+
+
+# ------------------------------------------------------------------ before authentication (item 5)
+
+def test_a_large_frame_before_the_handshake_is_refused_before_its_body() -> None:
+    """Only a Hello's header is accepted before the handshake: a 16 MiB MetaPut header used to be
+    waited on (and its body allocated) until the handshake timed out."""
+    a = multirail.Agent("preauth", {"timeout": 10.0})
+    s = socket.create_connection(("127.0.0.1", a.port), timeout=ANSWER_S)
+    try:
+        s.sendall(rawpeer.header(rawpeer.META_PUT, 16 << 20))
+        kind, _, body = rawpeer.read_frame(s)
+        assert kind == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "Unexpected", body
+    finally:
+        s.close()
+        a.close()
+
+
+def test_unauthenticated_sockets_take_no_slot_of_authenticated_peers() -> None:
+    a = multirail.Agent("slots", {"max_connections": 2, "max_handshakes": 2, "timeout": 10.0})
+    idle: list[socket.socket] = []
+    good: list[socket.socket] = []
+    try:
+        for _ in range(6):  # say nothing: they sit in their handshake
+            idle.append(socket.create_connection(("127.0.0.1", a.port), timeout=ANSWER_S))
+        time.sleep(0.3)
+        for k in range(2):
+            g = rawpeer.connect(a.port, name=f"g{k}")
+            g.settimeout(ANSWER_S)
+            good.append(g)
+            assert _ask(g, rawpeer.frame(rawpeer.PING, b"", 1), 1) == ("Ok", 0)
+        # Authenticated slots are max_connections: a third authenticated connection is refused.
+        s = rawpeer.connect(a.port, name="g2", welcome=False)
+        good.append(s)
+        kind, _, body = rawpeer.read_frame(s)
+        assert kind == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "Busy", body
+    finally:
+        for s in idle + good:
+            s.close()
+        a.close()
+
+
+def test_one_peer_cannot_fill_the_notification_inbox_for_the_others() -> None:
+    t = multirail.Agent("inbox")
+    try:
+        noisy = rawpeer.connect(t.port, name="noisy", role=1)
+        noisy.settimeout(ANSWER_S)
+        mib = b"n" * (1 << 20)
+        statuses = [_ask(noisy, rawpeer.frame(rawpeer.NOTIF, mib, k), k)[0] for k in range(65)]
+        assert statuses == ["Ok"] * 64 + ["Busy"]
+        quiet = rawpeer.connect(t.port, name="quiet", role=1)
+        quiet.settimeout(ANSWER_S)
+        assert _ask(quiet, rawpeer.frame(rawpeer.NOTIF, b"layer 0", 1), 1) == ("Ok", 0)
+        got = t.get_new_notifs()
+        assert len(got["noisy"]) == 64 and got["quiet"] == [b"layer 0"]
+    finally:
+        t.close()

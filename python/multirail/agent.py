@@ -138,6 +138,9 @@ class AgentConfig:
         (docs/SECURITY.md).
     max_peers: most peers this agent keeps metadata for (default 4096); installing one more
         name is refused with an error.
+    max_connections: most authenticated inbound connections (default 1024); more are refused Busy.
+    max_handshakes: most inbound connections still in their handshake (default 256); they take no
+        slot of max_connections, and beyond it the oldest handshake is dropped for the newest.
     fan_in_window: how this agent, as a target, shares each rail's receive window among the
         data connections accepted on that rail, so that many initiators writing into it share a
         bottleneck fairly. "auto" (default): once a rail has 16 data connections, a budget of
@@ -189,6 +192,8 @@ class AgentConfig:
     fan_in_window: int | str = "auto"
     accept_metaput: bool = False
     max_peers: int = 4096
+    max_connections: int = 1024
+    max_handshakes: int = 256
     metadata: str | None = None
     metadata_ttl: float = 10.0
     metrics_port: int | None = None
@@ -663,6 +668,7 @@ class Agent:
             bool(cfg.gpu_ipc), rail_transports, int(cfg.fallback_after), float(cfg.fallback_cooldown),
             int(cfg.fallback_max_switches), bool(cfg.vectored), _fan_in_window(cfg.fan_in_window),
             float(cfg.serve_spin_us), bool(cfg.accept_metaput), int(cfg.max_peers),
+            int(cfg.max_connections), int(cfg.max_handshakes),
         )
         if {transport, *rail_transports} & {"ucx", "auto"}:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with

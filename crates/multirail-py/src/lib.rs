@@ -141,7 +141,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0, accept_metaput=false, max_peers=multirail::config::DEFAULT_MAX_PEERS))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0, accept_metaput=false, max_peers=multirail::config::DEFAULT_MAX_PEERS, max_connections=1024, max_handshakes=256))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -174,6 +174,8 @@ impl PyAgent {
         serve_spin_us: f64,
         accept_metaput: bool,
         max_peers: usize,
+        max_connections: usize,
+        max_handshakes: usize,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -234,6 +236,11 @@ impl PyAgent {
             return Err(PyValueError::new_err("max_peers must be at least 1"));
         }
         cfg.max_peers = max_peers;
+        if max_connections == 0 || max_handshakes == 0 {
+            return Err(PyValueError::new_err("max_connections and max_handshakes must be at least 1"));
+        }
+        cfg.max_connections = max_connections;
+        cfg.max_handshakes = max_handshakes;
         cfg.fan_in_window = multirail::FanInWindow::parse(fan_in_window)
             .ok_or_else(|| PyValueError::new_err(format!("fan_in_window: {fan_in_window:?} is not 'auto', 'off' or a byte count")))?;
         let name = name.to_string();

@@ -154,6 +154,8 @@ impl Agent {
             shutdown: AtomicBool::new(false),
             rails_meta,
             open_conns: Arc::new(AtomicUsize::new(0)),
+            handshakes: server::Handshakes::default(),
+            authed: AtomicUsize::new(0),
             served: Mutex::new(HashMap::new()),
             fenced: AtomicUsize::new(0),
             refused: AtomicUsize::new(0),

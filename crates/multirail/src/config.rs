@@ -135,8 +135,11 @@ pub struct Config {
     pub timeout: Duration,
     /// Shared secret for the handshake; `None` disables authentication.
     pub secret: Option<Vec<u8>>,
-    /// Most simultaneous inbound connections.
+    /// Most simultaneous authenticated inbound connections.
     pub max_connections: usize,
+    /// Most inbound connections in their handshake at once (not authenticated yet; they take no
+    /// slot of `max_connections`); beyond it the oldest handshake is dropped for the newest.
+    pub max_handshakes: usize,
     /// Serve `MetaPut` (a peer pushing its own metadata) on control connections. Off by default:
     /// metadata then comes only from the application (fetch_remote, add_remote, NIXL, etcd).
     pub accept_metaput: bool,
@@ -240,6 +243,7 @@ impl Default for Config {
             timeout: Duration::from_secs(10),
             secret: None,
             max_connections: 1024,
+            max_handshakes: 256,
             accept_metaput: false,
             max_peers: DEFAULT_MAX_PEERS,
             conn_window: 16,

@@ -8,11 +8,15 @@
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// Most notifications queued and not yet taken by the application, and most bytes of them: a
-/// peer's notifications beyond either are refused (`Status::Busy`; the initiator's transfer
-/// fails with that error) rather than grown without bound by the wire.
-pub const MAX_QUEUED: usize = 1 << 16;
-pub const MAX_QUEUED_BYTES: usize = 64 << 20;
+/// Most notifications of one peer queued and not yet taken by the application, and most bytes of
+/// them: a peer's notifications beyond either are refused (`Status::Busy`; the initiator's
+/// transfer fails with that error) rather than grown without bound by the wire, and one peer
+/// cannot fill the queue for the others.
+pub const PEER_MAX_QUEUED: usize = 1 << 16;
+pub const PEER_MAX_QUEUED_BYTES: usize = 64 << 20;
+/// Most notifications (and bytes) queued from all peers together.
+pub const MAX_QUEUED: usize = 4 * PEER_MAX_QUEUED;
+pub const MAX_QUEUED_BYTES: usize = 4 * PEER_MAX_QUEUED_BYTES;
 
 #[derive(Default)]
 pub struct Inbox {
@@ -25,6 +29,8 @@ struct State {
     msgs: Vec<(String, Vec<u8>)>,
     /// Bytes of `msgs`' messages.
     bytes: usize,
+    /// Notifications and bytes of `msgs` by peer (at most one entry per queued message).
+    per_peer: std::collections::HashMap<String, (usize, usize)>,
     closed: bool,
 }
 
@@ -33,6 +39,12 @@ impl Inbox {
     /// holds [`MAX_QUEUED`] notifications or this one would take it past [`MAX_QUEUED_BYTES`].
     pub fn push(&self, peer: String, msg: Vec<u8>) -> Result<(), String> {
         let mut g = self.q.lock().expect("inbox lock");
+        let (n, b) = g.per_peer.get(&peer).copied().unwrap_or_default();
+        if n >= PEER_MAX_QUEUED || b + msg.len() > PEER_MAX_QUEUED_BYTES {
+            return Err(format!(
+                "notification queue full for {peer:?}: {n} notifications ({b} bytes) from it not taken by the application yet (at most {PEER_MAX_QUEUED}, {PEER_MAX_QUEUED_BYTES} bytes per peer)"
+            ));
+        }
         if g.msgs.len() >= MAX_QUEUED || g.bytes + msg.len() > MAX_QUEUED_BYTES {
             return Err(format!(
                 "notification queue full: {} notifications ({} bytes) not taken by the application yet (at most {MAX_QUEUED}, {MAX_QUEUED_BYTES} bytes)",
@@ -41,6 +53,9 @@ impl Inbox {
             ));
         }
         g.bytes += msg.len();
+        let e = g.per_peer.entry(peer.clone()).or_default();
+        e.0 += 1;
+        e.1 += msg.len();
         g.msgs.push((peer, msg));
         drop(g);
         self.cv.notify_all();
@@ -66,6 +81,7 @@ impl Inbox {
             }
         }
         g.bytes = 0;
+        g.per_peer.clear();
         std::mem::take(&mut g.msgs)
     }
 
@@ -118,24 +134,45 @@ mod tests {
     #[test]
     fn a_full_queue_refuses_and_taking_makes_room() {
         let inbox = Inbox::default();
-        for i in 0..MAX_QUEUED {
+        for i in 0..PEER_MAX_QUEUED {
             inbox.push("p".into(), (i as u32).to_le_bytes().to_vec()).unwrap();
         }
         let e = inbox.push("p".into(), vec![0]).unwrap_err();
         assert!(e.contains("notification queue full") && e.contains("65536"), "{e}");
         let got = inbox.take(Duration::ZERO);
-        assert_eq!(got.len(), MAX_QUEUED, "the queued ones are all kept");
+        assert_eq!(got.len(), PEER_MAX_QUEUED, "the queued ones are all kept");
         assert!(got.iter().enumerate().all(|(i, (_, m))| m[..] == (i as u32).to_le_bytes()), "in order");
         inbox.push("p".into(), vec![0]).unwrap();
         // By bytes: 64 x 1 MiB fill it; one more byte does not fit.
         inbox.take(Duration::ZERO);
         let mib = vec![7u8; 1 << 20];
-        for _ in 0..MAX_QUEUED_BYTES >> 20 {
+        for _ in 0..PEER_MAX_QUEUED_BYTES >> 20 {
             inbox.push("p".into(), mib.clone()).unwrap();
         }
         assert!(inbox.push("p".into(), vec![1]).is_err());
-        assert_eq!(inbox.take(Duration::ZERO).len(), MAX_QUEUED_BYTES >> 20);
+        assert_eq!(inbox.take(Duration::ZERO).len(), PEER_MAX_QUEUED_BYTES >> 20);
         inbox.push("p".into(), mib).unwrap();
+    }
+
+    #[test]
+    fn one_peer_cannot_fill_the_queue_for_the_others() {
+        let inbox = Inbox::default();
+        for _ in 0..PEER_MAX_QUEUED {
+            inbox.push("noisy".into(), vec![]).expect("within its quota");
+        }
+        let e = inbox.push("noisy".into(), vec![]).expect_err("over its quota");
+        assert!(e.contains("per peer") && e.contains("noisy"), "{e}");
+        inbox.push("quiet".into(), b"layer 0".to_vec()).expect("another peer still queues");
+        // All peers together: bounded by MAX_QUEUED.
+        for k in 1..MAX_QUEUED / PEER_MAX_QUEUED {
+            for _ in 0..PEER_MAX_QUEUED - usize::from(k == 1) {
+                inbox.push(format!("p{k}"), vec![]).expect("within the total");
+            }
+        }
+        let e = inbox.push("late".into(), vec![]).expect_err("over the total");
+        assert!(e.contains("notification queue full:"), "{e}");
+        assert_eq!(inbox.take(Duration::ZERO).len(), MAX_QUEUED);
+        inbox.push("noisy".into(), vec![]).expect("taking makes room");
     }
 
     #[test]

@@ -900,6 +900,16 @@ pub(crate) fn serve_watch(ctx: &crate::ctx::Ctx, exports: &Exports, s: &mut TcpS
         };
         match wire::read_frame(s, &mut tick) {
             Ok((h, Body::IpcReleased(_))) => {
+                // Only a revocation actually sent can be answered: a forged id (u64::MAX) would
+                // acknowledge every later revocation in advance.
+                let sent = w.out.lock().expect("ipc lock").1;
+                if h.req_id > sent {
+                    ctx.log(&format!(
+                        "IPC watch connection of {peer:?}: IpcReleased for request {} not sent yet (last {sent}); ignored",
+                        h.req_id
+                    ));
+                    continue;
+                }
                 let mut st = w.state.lock().expect("ipc lock");
                 st.0 = st.0.max(h.req_id);
                 w.cv.notify_all();
@@ -995,6 +1005,47 @@ pub(crate) fn revoke(ctx: &crate::ctx::Ctx, exports: &Exports, regions: Option<&
 mod tests {
     use super::{mapping_holds, push_merged};
     use multirail_gpu::{Device, DevicePtr, Gpu, StandIn, StandInConfig};
+
+    #[test]
+    fn a_forged_release_does_not_acknowledge_later_revocations() {
+        use super::{revoke, serve_watch, Exports};
+        use crate::wire;
+        use multirail_proto::codec::Status;
+        use multirail_proto::Body;
+        use std::net::TcpStream;
+        use std::sync::Mutex;
+        use std::time::{Duration, Instant};
+        let ctx = crate::ctx::Ctx {
+            name: "t".into(),
+            incarnation: 1,
+            cfg: crate::config::Config { timeout: Duration::from_secs(2), ..Default::default() },
+            rails: Vec::new(),
+            bind_devices: false,
+            events: Mutex::new(Default::default()),
+            started: Instant::now(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            ucx: None,
+            choices: Vec::new(),
+            topo: Default::default(),
+        };
+        let exports = Exports::default();
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut peer = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (mut s, _) = l.accept().expect("accept");
+        let id = [7u8; 16];
+        std::thread::scope(|sc| {
+            sc.spawn(|| serve_watch(&ctx, &exports, &mut s, id, "hostile"));
+            let mut tick = |_: bool| Ok(());
+            let (_, ok) = wire::read_frame(&mut peer, &mut tick).expect("watch registered");
+            assert!(matches!(ok, Body::Resp { status: Status::Ok, .. }), "{ok:?}");
+            assert!(exports.handed(&id, [5u64].into_iter()));
+            // Before any revocation: a release of request u64::MAX (never sent).
+            wire::send(&mut peer, &Body::IpcReleased(vec![5]), u64::MAX, &mut tick).expect("forged release");
+            std::thread::sleep(Duration::from_millis(200));
+            let r = revoke(&ctx, &exports, Some(&[5]), Duration::from_millis(500));
+            assert!(r.as_ref().is_err_and(|e| e.contains("hostile")), "{r:?}");
+        });
+    }
 
     #[test]
     fn a_peer_claiming_more_than_its_handle_maps_is_refused() {

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use multirail_gpu::{DevicePtr, Pages, Src};
-use multirail_proto::codec::{RemoteOp, Role, Status, VecOp};
+use multirail_proto::codec::{Kind, RemoteOp, Role, Status, VecOp};
 use multirail_proto::{AgentMeta, Body, DecodeError, MemType, RailInfo};
 
 use crate::auth;
@@ -65,6 +65,10 @@ pub struct Shared {
     /// knows that no serving thread holds the last reference, whose drop would tear UCX down
     /// on a thread the application no longer waits for).
     pub open_conns: Arc<AtomicUsize>,
+    /// Connections in their handshake (at most `max_handshakes`), and authenticated ones (at most
+    /// `max_connections`): the two never share slots.
+    pub handshakes: Handshakes,
+    pub authed: AtomicUsize,
     /// Served connections by their `Hello` nonce, for `Fence`.
     pub served: Mutex<HashMap<[u8; 16], Arc<Served>>>,
     /// Connections aborted by a peer's `Fence`.
@@ -137,6 +141,45 @@ impl Shared {
             old.close();
         }
         Ok(name)
+    }
+}
+
+/// Connections still in their handshake (accepted, not authenticated yet), at most
+/// `Config::max_handshakes`: when full, the oldest is dropped for the newcomer. Unauthenticated
+/// sockets then can neither take the connection slots of authenticated peers (counted apart, in
+/// `Shared::authed`) nor keep new peers out by idling in their handshake.
+#[derive(Default)]
+pub struct Handshakes {
+    inner: Mutex<(u64, std::collections::VecDeque<(u64, TcpStream)>)>,
+}
+
+impl Handshakes {
+    /// Admit `s`'s handshake, aborting the oldest ones beyond `max`; the id to `finish` with.
+    fn admit(&self, s: &TcpStream, max: usize) -> Option<u64> {
+        let clone = s.try_clone().ok()?;
+        let mut g = self.inner.lock().expect("handshakes lock");
+        while g.1.len() >= max.max(1) {
+            if let Some((_, old)) = g.1.pop_front() {
+                abort_socket(&old);
+            }
+        }
+        g.0 += 1;
+        let id = g.0;
+        g.1.push_back((id, clone));
+        Some(id)
+    }
+
+    fn finish(&self, id: u64) {
+        self.inner.lock().expect("handshakes lock").1.retain(|(i, _)| *i != id);
+    }
+}
+
+/// An authenticated connection's slot (`Shared::authed`), given back when it ends.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -379,7 +422,8 @@ pub fn accept_loop(sh: Arc<Shared>, l: TcpListener, listener: usize) {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         };
-        if sh.open_conns.load(Ordering::Acquire) >= sh.ctx.cfg.max_connections {
+        // Serving threads: authenticated connections plus handshakes (each bounded on its own).
+        if sh.open_conns.load(Ordering::Acquire) >= sh.ctx.cfg.max_connections + sh.ctx.cfg.max_handshakes {
             let mut s = s;
             let _ = s.set_write_timeout(Some(TICK));
             let _ = wire::send(&mut s, &Body::Error { status: Status::Busy, msg: "too many connections".into() }, 0, &mut |_| {
@@ -427,7 +471,13 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     let _ = s.set_read_timeout(Some(TICK));
     let _ = s.set_write_timeout(Some(TICK));
     let timeout = sh.ctx.cfg.timeout;
-    let Some(Greeted { role, name: peer_name, conn_id, version: hello_version, welcome }) = handshake(sh, &mut s, &who, listener) else {
+    let Some(admitted) = sh.handshakes.admit(&s, sh.ctx.cfg.max_handshakes) else {
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    };
+    let greeted = handshake(sh, &mut s, &who, listener);
+    sh.handshakes.finish(admitted);
+    let Some(Greeted { role, name: peer_name, conn_id, version: hello_version, welcome }) = greeted else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
@@ -438,6 +488,13 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     };
     // Looked up once per connection: the request path below only bumps its atomics.
     let ctr = sh.served_stats.counters(&peer_name, listener);
+    if sh.authed.fetch_add(1, Ordering::AcqRel) >= sh.ctx.cfg.max_connections {
+        sh.authed.fetch_sub(1, Ordering::AcqRel);
+        refuse(sh, &ctr, &mut s, &who, Status::Busy, "too many connections".into());
+        let _ = s.shutdown(Shutdown::Both);
+        return;
+    }
+    let _slot = Slot(&sh.authed);
     ctr.connections.fetch_add(1, Ordering::Relaxed);
     if role == Role::UcxSession {
         ctr.ucx_sessions.fetch_add(1, Ordering::Relaxed);
@@ -1166,10 +1223,15 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
             Ok(())
         }
     };
-    let (role, name, client_nonce, version) = match wire::read_frame(s, &mut tick) {
-        Ok((_, Body::Hello { role, name, nonce, version, .. })) => (role, name, nonce, version),
-        Ok((_, other)) => {
+    // Only a Hello's header is accepted before its body is read: nothing larger is allocated.
+    let (role, name, client_nonce, version) = match wire::read_frame_expect(s, Kind::Hello, &mut tick) {
+        Ok(Ok((_, Body::Hello { role, name, nonce, version, .. }))) => (role, name, nonce, version),
+        Ok(Ok((_, other))) => {
             deny(s, Status::Unexpected, format!("expected Hello, got {:?}", other.kind()));
+            return None;
+        }
+        Ok(Err(kind)) => {
+            deny(s, Status::Unexpected, format!("expected Hello, got {kind:?}"));
             return None;
         }
         Err(WireError::Decode(e)) => {
@@ -1188,10 +1250,14 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
     let secret = sh.ctx.cfg.secret.as_deref();
     let ch = Body::Challenge { auth_required: secret.is_some(), incarnation: sh.ctx.incarnation, nonce, name: sh.ctx.name.clone() };
     wire::send(s, &ch, 0, &mut tick).ok()?;
-    let mac = match wire::read_frame(s, &mut tick) {
-        Ok((_, Body::Auth { mac })) => mac,
-        Ok((_, other)) => {
+    let mac = match wire::read_frame_expect(s, Kind::Auth, &mut tick) {
+        Ok(Ok((_, Body::Auth { mac }))) => mac,
+        Ok(Ok((_, other))) => {
             deny(s, Status::Unexpected, format!("expected Auth, got {:?}", other.kind()));
+            return None;
+        }
+        Ok(Err(kind)) => {
+            deny(s, Status::Unexpected, format!("expected Auth, got {kind:?}"));
             return None;
         }
         Err(WireError::Decode(e)) => {

@@ -366,6 +366,27 @@ pub fn write_full(s: &mut TcpStream, bufs: &[&[u8]], tick: &mut dyn FnMut(bool) 
     Ok(())
 }
 
+/// Read one frame whose kind must be `want`, checked from its header before the body is read or
+/// allocated: before a peer authenticated, nothing larger than the expected frame's maximum (a
+/// `Hello`: 284 bytes) is allocated for it. `Ok(Err(kind))`: the header named another kind (its
+/// body left unread).
+pub fn read_frame_expect(
+    s: &mut TcpStream,
+    want: multirail_proto::codec::Kind,
+    tick: &mut dyn FnMut(bool) -> Result<(), String>,
+) -> Result<Result<(Header, Body), multirail_proto::codec::Kind>, WireError> {
+    let mut h = [0u8; HEADER_LEN];
+    read_full(s, &mut h, tick)?;
+    let header = Header::decode(&h).map_err(WireError::Decode)?;
+    if header.kind != want {
+        return Ok(Err(header.kind));
+    }
+    let mut body = vec![0u8; header.body_len as usize];
+    read_full(s, &mut body, &mut |_| tick(true))?;
+    let b = Body::decode(header.kind, &body).map_err(WireError::Decode)?;
+    Ok(Ok((header, b)))
+}
+
 /// Read one header and its (bounded) body. Bulk data, if the message has any, is left on the
 /// socket for the caller to move straight into registered memory.
 pub fn read_frame(s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(Header, Body), WireError> {
@@ -657,8 +678,10 @@ impl Inbound {
             let body = Body::decode(header.kind, &hdr[HEADER_LEN..]).map_err(WireError::Decode)?;
             return Ok((header, body, true));
         }
-        // Not the payload we hoped for: what landed in `dst` belongs to the stream.
-        self.stash.extend_from_slice(&hdr[HEADER_LEN.min(n)..n.min(OK_LEN)]);
+        // Not the payload we hoped for: what landed in `dst` belongs to the stream. `hdr` is full
+        // here (a short first read was completed above): its bytes past the header are the
+        // stream's, whether they came in the first read or in the completion.
+        self.stash.extend_from_slice(&hdr[HEADER_LEN..OK_LEN]);
         self.stash.extend_from_slice(&dst[..in_dst]);
         let mut body = vec![0u8; blen];
         self.read_into(s, &mut body, tick)?;
@@ -692,6 +715,29 @@ mod tests {
             left -= 1;
             Ok(())
         }
+    }
+
+    #[test]
+    fn a_response_header_split_across_segments_keeps_the_stream_in_step() {
+        use std::io::Write;
+        let (mut w, mut r) = pair();
+        let resp = Body::Resp { status: Status::BadKey, bulk_len: 0, msg: "x".into() }.encode(9);
+        let ping = Body::Ping.encode(10);
+        let writer = std::thread::spawn(move || {
+            w.write_all(&resp[..10]).expect("first part");
+            std::thread::sleep(Duration::from_millis(100));
+            w.write_all(&resp[10..]).expect("rest");
+            w.write_all(&ping).expect("ping");
+            w
+        });
+        let mut inb = Inbound::new();
+        let mut dst = vec![0u8; 64];
+        let (h, b, filled) = inb.read_response_into(&mut r, Some(&mut dst), &mut give_up_after(1000)).expect("response");
+        assert!(!filled);
+        assert!(h.req_id == 9 && matches!(b, Body::Resp { status: Status::BadKey, .. }), "{h:?} {b:?}");
+        let (h2, b2) = inb.read_frame(&mut r, &mut give_up_after(1000)).expect("the next frame, in step");
+        assert!(h2.req_id == 10 && matches!(b2, Body::Ping), "{h2:?} {b2:?}");
+        drop(writer.join());
     }
 
     fn write_req(op_len: u64, id: u64) -> Vec<u8> {
