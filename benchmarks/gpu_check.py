@@ -13,7 +13,13 @@ status, time and output (the last ``--tail`` lines; the whole output goes to ``-
    over loopback, and over a 2-rail testbed (2 rails vs 1; needs root);
 4. ``multirail bench kv`` with VRAM on both sides (staged, then by CUDA IPC, then by CUDA IPC with
    one copy call per page: the gather kernel's baseline);
-5. host facts that need no GPU: ``ibv_devices``/``ibv_devinfo`` (when present) and the UCX
+5. the checks of a serving node (``benchmarks/gpu_multi_check.py``, issue 35): two-GPU CUDA IPC
+   both ways with KV pages (bytes, path, no context on the other GPU per ``nvidia-smi
+   --query-compute-apps``), graph capture in a loop while staged and IPC transfers run,
+   expandable-segment tensors by IPC (both need torch), the CUDA 12 and 13 runtimes (the nvidia
+   wheels found); a section whose need the machine lacks (two GPUs, torch, a runtime, an RDMA
+   NIC) is recorded as "not run" with the reason;
+6. host facts that need no GPU: ``ibv_devices``/``ibv_devinfo`` (when present) and the UCX
    transports this machine offers (``ucx_info -d`` of the system UCX when present, and of the
    ``libucx`` wheel the engine falls back to, crates/multirail-ucx/src/load.rs);
 6. the machine's real GPU-NIC topology (issue 34): ``multirail topology`` (the matrix in
@@ -42,6 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 # The Python that runs every section: the checkout's .venv, or MULTIRAIL_CHECK_PYTHON (the GPU
 # machine's own python3, from benchmarks/gpu_check_offline.sh)
 VPY = Path(os.environ.get("MULTIRAIL_CHECK_PYTHON") or REPO / ".venv" / "bin" / "python")
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 @dataclass
@@ -202,6 +209,81 @@ def gpu_sections(c: Check) -> None:
           [*kv, "--gpu-ipc", "on"], 1800, env={"MULTIRAIL_CUDA_COPY": "loop"})
 
 
+MULTI = "benchmarks/gpu_multi_check.py"
+# The CUDA runtimes of the nvidia wheels (crates/multirail-gpu/src/cuda.rs WHEEL_PATHS).
+RUNTIMES = (("CUDA 12", "nvidia/cuda_runtime/lib/libcudart.so.12"), ("CUDA 13", "nvidia/cu13/lib/libcudart.so.13"))
+
+
+def gpu_uuids() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists (empty without nvidia-smi)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    from gpu_multi_check import parse_smi_list
+
+    p = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    return parse_smi_list(p.stdout) if p.returncode == 0 else []
+
+
+def rdma_devices() -> list[str]:
+    d = Path("/sys/class/infiniband")
+    return sorted(x.name for x in d.iterdir()) if d.is_dir() else []
+
+
+def has_torch_cuda() -> bool:
+    p = subprocess.run([str(VPY), "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"],
+                       capture_output=True, timeout=120)
+    return p.returncode == 0
+
+
+def runtime_libs() -> list[tuple[str, Path | None]]:
+    """(name, the wheel's libcudart or None) for CUDA 12 and 13, in the Python's site-packages."""
+    sites = subprocess.run([str(VPY), "-c", "import site; print('\\n'.join(site.getsitepackages()))"],
+                           capture_output=True, text=True, timeout=60).stdout.split()
+    out = []
+    for name, rel in RUNTIMES:
+        found = next((Path(s) / rel for s in sites if (Path(s) / rel).exists()), None)
+        out.append((name, found))
+    return out
+
+
+def multi_gpu_sections(c: Check, gpus: int, rdma: list[str], torch: bool, runtimes: list[tuple[str, Path | None]]) -> None:
+    """The checks of a serving node (issue 35): each runs where the machine has what it needs,
+    else is recorded as not run, with the reason."""
+    mc = [str(VPY), MULTI]
+    if gpus >= 2:
+        for tdev, ldev in ((1, 0), (0, 1)):
+            c.run(f"two-GPU CUDA IPC, KV pages, memory of GPU {tdev} to and from GPU {ldev} ({MULTI} ipc2)",
+                  [*mc, "ipc2", "--target-dev", str(tdev), "--local-dev", str(ldev)], 600)
+    else:
+        c.skip(f"two-GPU CUDA IPC, KV pages, both ways ({MULTI} ipc2)", [*mc, "ipc2"],
+               f"not run: needs two GPUs (this machine has {gpus})")
+    secs = "10" if c.a.quick else "60"
+    for title, cmd in ((f"graph capture in a loop while staged and IPC transfers run ({MULTI} capture)",
+                        [*mc, "capture", "--seconds", secs]),
+                       (f"expandable-segment tensors by IPC ({MULTI} expandable)", [*mc, "expandable"])):
+        if torch:
+            c.run(title, cmd, 900)
+        else:
+            c.skip(title, cmd, "not run: needs torch with CUDA in this Python (pip install torch)")
+    probe = ("import json, multirail.gpu as g\n"
+             "b = g.DeviceBuffer(1 << 20, kind='cuda'); b.free()\n"
+             "print(json.dumps(g.info(0, 'cuda')))\n")
+    for name, lib in runtimes:
+        title = f"{name} runtime: probe and IPC (MULTIRAIL_CUDART)"
+        if lib is None:
+            c.skip(title, None, f"not run: no {name} runtime wheel in this Python "
+                                f"(pip install nvidia-cuda-runtime-cu{name.split()[1]})")
+            continue
+        c.run(title, [str(VPY), "-c", probe], 300, env={"MULTIRAIL_CUDART": str(lib)})
+        if gpus >= 2:
+            c.run(f"{name} runtime: two-GPU CUDA IPC ({MULTI} ipc2)", [*mc, "ipc2"], 600, env={"MULTIRAIL_CUDART": str(lib)})
+    if rdma:
+        c.run("GPUDirect RDMA: what the engine declares (multirail doctor)", [str(VPY), "-m", "multirail", "doctor"], 300,
+              required=False)
+    else:
+        c.skip("GPUDirect RDMA (VRAM over ucx rails)", None, "not run: needs an RDMA NIC (/sys/class/infiniband is empty)")
+
+
 def git_rev() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
@@ -275,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             c.skip(title, None, "no usable GPU")
     else:
         gpu_sections(c)
+        multi_gpu_sections(c, max(1, len(gpu_uuids())), rdma_devices(), has_torch_cuda(), runtime_libs())
     host_sections(c)
     topology_sections(c)
     return report(c)

@@ -48,6 +48,28 @@ def set_current_device(device: int | None) -> None:
     _core.gpu_set_current_device(device)
 
 
+def standin_fail(op: str, n: int = 1, device: int = 0) -> None:
+    """Stand-in only: the `n`-th next call of `op` ("query", "synchronize") on `device` fails."""
+    _core.gpu_standin(f"fail_{op}", device, n)
+
+
+def standin_contexts() -> list[int]:
+    """Stand-in only: the devices on which this process has made a context (a runtime call on
+    a thread with none makes one on device 0, as CUDA's does)."""
+    return list(_core.gpu_standin("contexts"))
+
+
+def standin_peers() -> list[tuple[int, int]]:
+    """Stand-in only: the (from, to) pairs with peer access enabled."""
+    f = list(_core.gpu_standin("peers"))
+    return list(zip(f[0::2], f[1::2]))
+
+
+def standin_sticky(device: int) -> bool:
+    """Stand-in only: whether `device` has a sticky error (an illegal address)."""
+    return bool(_core.gpu_standin("sticky", device))
+
+
 class Stream:
     """A stream on `device` (non-blocking, like the ones torch and CuPy make). `handle` is its
     raw `cudaStream_t` (a stand-in handle on the stand-in); `Agent.transfer(h, stream=s)` takes
@@ -66,6 +88,16 @@ class Stream:
     def sleep(self, seconds: float) -> None:
         """Stand-in only: queue a pause, as a kernel still running would hold the stream."""
         _core.gpu_stream_sleep(self.handle, float(seconds))
+
+    def begin_capture(self) -> None:
+        """Stand-in only: start capturing this stream into a graph, in global mode (torch's
+        default): until `end_capture`, a call that capture forbids from any thread not in relaxed
+        mode invalidates it."""
+        _core.gpu_standin("begin_capture", self.device, 0, self.handle)
+
+    def end_capture(self) -> None:
+        """Stand-in only: end the capture; raises GpuError when it was invalidated."""
+        _core.gpu_standin("end_capture", self.device, 0, self.handle)
 
     def synchronize(self) -> None:
         """Blocks until everything queued so far has run."""

@@ -98,8 +98,9 @@ impl Gpu {
         let g = match kind {
             GpuKind::Cuda => Gpu::Cuda(Cuda::open(id)?),
             GpuKind::StandIn => {
-                if !(0..64).contains(&id) {
-                    return Err(DeviceError::BadDevice { id, count: 64 });
+                let count = crate::standin::device_count();
+                if !(0..count).contains(&id) {
+                    return Err(DeviceError::BadDevice { id, count });
                 }
                 Gpu::StandIn(StandIn::new(id, standin_config_from_env()))
             }
@@ -113,6 +114,12 @@ impl Gpu {
             Gpu::Cuda(_) => GpuKind::Cuda,
             Gpu::StandIn(_) => GpuKind::StandIn,
         }
+    }
+
+    /// Ordinals of `kind` this process has opened (a context each, on CUDA), sorted.
+    pub fn opened_devices(kind: GpuKind) -> Vec<i32> {
+        let map = opened().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.keys().filter(|k| k.0 == kind).map(|k| k.1).collect()
     }
 
     /// The stand-in, when this is one (tests read its counters).
@@ -307,12 +314,30 @@ impl Device for Gpu {
             Gpu::StandIn(d) => d.uuid(),
         }
     }
+    fn can_access_peer(&self, peer: i32) -> Result<bool> {
+        match self {
+            Gpu::Cuda(d) => d.can_access_peer(peer),
+            Gpu::StandIn(d) => d.can_access_peer(peer),
+        }
+    }
+    fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        match self {
+            Gpu::Cuda(d) => d.enable_peer_access(peer),
+            Gpu::StandIn(d) => d.enable_peer_access(peer),
+        }
+    }
+    fn stream_is_capturing(&self, stream: u64) -> Result<bool> {
+        match self {
+            Gpu::Cuda(d) => d.stream_is_capturing(stream),
+            Gpu::StandIn(d) => d.stream_is_capturing(stream),
+        }
+    }
 }
 
 impl GpuKind {
     /// The UUID of every device of this kind this process sees, by ordinal, without making any
     /// of them current (no CUDA context is created). The stand-in's follow
-    /// `MULTIRAIL_STANDIN_VISIBLE_DEVICES` (64 ordinals when it is unset, as [`Gpu::open`] allows).
+    /// `MULTIRAIL_STANDIN_VISIBLE_DEVICES` (all `MULTIRAIL_STANDIN_DEVICES` ordinals when it is unset, as [`Gpu::open`] allows).
     pub fn device_uuids(self) -> Result<Vec<[u8; 16]>> {
         match self {
             GpuKind::Cuda => {
@@ -321,9 +346,10 @@ impl GpuKind {
             }
             GpuKind::StandIn => {
                 let visible = std::env::var(crate::standin::ENV_STANDIN_VISIBLE_DEVICES).ok();
+                let count = crate::standin::device_count();
                 let n = match visible.as_deref().map(str::trim).filter(|v| !v.is_empty()) {
-                    Some(list) => list.split(',').count() as i32,
-                    None => 64,
+                    Some(list) => (list.split(',').count() as i32).min(count),
+                    None => count,
                 };
                 (0..n).map(|i| crate::standin::standin_physical(visible.as_deref(), i).map(crate::standin::standin_uuid)).collect()
             }

@@ -86,6 +86,9 @@ struct DriverApi {
     ctx_get_current: Option<unsafe extern "C" fn(*mut Ctx) -> c_int>,
     /// `cuCtxSetCurrent(CUcontext)`.
     ctx_set_current: Option<unsafe extern "C" fn(Ctx) -> c_int>,
+    /// `cuPointerGetAttribute(void*, CUpointer_attribute, CUdeviceptr)`: classifies an address
+    /// without a current context (the runtime's `cudaPointerGetAttributes` makes one).
+    pointer_get_attribute: Option<unsafe extern "C" fn(*mut c_void, c_int, u64) -> c_int>,
     _lib: Library,
 }
 
@@ -108,6 +111,7 @@ fn driver() -> Option<&'static DriverApi> {
             primary_ctx_retain: opt!("cuDevicePrimaryCtxRetain"),
             ctx_get_current: opt!("cuCtxGetCurrent"),
             ctx_set_current: opt!("cuCtxSetCurrent"),
+            pointer_get_attribute: opt!("cuPointerGetAttribute"),
             _lib: lib,
         })
     })
@@ -317,6 +321,14 @@ struct Api {
     get_error_string: unsafe extern "C" fn(Err) -> *const c_char,
     get_error_name: unsafe extern "C" fn(Err) -> *const c_char,
     get_last_error: unsafe extern "C" fn() -> Err,
+    /// `cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode*)` (CUDA 10.1+).
+    exchange_capture_mode: Option<unsafe extern "C" fn(*mut c_int) -> Err>,
+    /// `cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus*)`.
+    stream_is_capturing: Option<unsafe extern "C" fn(Stream, *mut c_int) -> Err>,
+    /// `cudaDeviceCanAccessPeer(int*, int device, int peer)`.
+    can_access_peer: Option<unsafe extern "C" fn(*mut c_int, c_int, c_int) -> Err>,
+    /// `cudaDeviceEnablePeerAccess(int peer, unsigned flags)`.
+    enable_peer_access: Option<unsafe extern "C" fn(c_int, c_uint) -> Err>,
     /// `cudaGetDeviceProperties_v2` (12+) or `cudaGetDeviceProperties`; only for the name.
     get_device_properties: Option<unsafe extern "C" fn(*mut c_void, c_int) -> Err>,
 }
@@ -364,8 +376,33 @@ impl Api {
             get_error_string: sym!("cudaGetErrorString"),
             get_error_name: sym!("cudaGetErrorName"),
             get_last_error: sym!("cudaGetLastError"),
+            // SAFETY: as above; optional symbols with their cuda_runtime_api.h prototypes.
+            exchange_capture_mode: unsafe { lib.get(b"cudaThreadExchangeStreamCaptureMode\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            stream_is_capturing: unsafe { lib.get(b"cudaStreamIsCapturing\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            can_access_peer: unsafe { lib.get(b"cudaDeviceCanAccessPeer\0") }.ok().map(|s| *s),
+            // SAFETY: as above.
+            enable_peer_access: unsafe { lib.get(b"cudaDeviceEnablePeerAccess\0") }.ok().map(|s| *s),
             get_device_properties: props.ok().map(|s| *s),
         })
+    }
+}
+
+/// Devices on which the gather kernel failed (loading, JIT or launch), with why: it is not
+/// tried again on that device, and every other device keeps it (a JIT failure on one GPU, an
+/// out-of-memory at first use on a full one, says nothing about the others).
+#[derive(Debug, Default)]
+struct KernelFailures(std::sync::Mutex<std::collections::BTreeMap<i32, String>>);
+
+impl KernelFailures {
+    fn get(&self, dev: i32) -> Option<String> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&dev).cloned()
+    }
+
+    /// Records the first failure on `dev`.
+    fn set(&self, dev: i32, why: &str) {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).entry(dev).or_insert_with(|| why.to_string());
     }
 }
 
@@ -419,7 +456,7 @@ pub struct CudaRuntime {
     /// Set when a batch call failed: the per-copy loop is used from then on, and this says why.
     batch_failed: std::sync::OnceLock<String>,
     /// Set when the gather kernel failed to launch: not tried again, and this says why.
-    kernel_failed: std::sync::OnceLock<String>,
+    kernel_failed: KernelFailures,
     /// `MULTIRAIL_CUDA_COPY`, read at load.
     copy_mode: CopyMode,
     // Dropped last: the function pointers in `api` point into it.
@@ -474,7 +511,7 @@ impl CudaRuntime {
                         driver_version: dv,
                         batch,
                         batch_failed: std::sync::OnceLock::new(),
-                        kernel_failed: std::sync::OnceLock::new(),
+                        kernel_failed: KernelFailures::default(),
                         copy_mode: CopyMode::from_env(),
                         _lib: lib,
                     });
@@ -604,10 +641,19 @@ enum Restore {
 pub struct OnDevice<'a> {
     cuda: &'a Cuda,
     restore: Restore,
+    /// The thread's stream-capture mode before `enter` made it relaxed.
+    mode: Option<c_int>,
 }
+
+/// `cudaStreamCaptureModeRelaxed`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
 
 impl Drop for OnDevice<'_> {
     fn drop(&mut self) {
+        if let (Some(mut m), Some(f)) = (self.mode, self.cuda.api().exchange_capture_mode) {
+            // SAFETY: valid in/out pointer; puts back the mode `enter` replaced.
+            unsafe { f(&mut m) };
+        }
         match self.restore {
             // SAFETY: the context that was current on this thread before `enter` (or null).
             Restore::Ctx(set, prev) => unsafe {
@@ -732,13 +778,11 @@ impl Cuda {
     /// # Safety
     /// As [`Device::copy_batch_async`].
     unsafe fn copy_kernel(&self, copies: &[&BatchCopy], stream: &CudaStream) -> std::result::Result<usize, String> {
-        if let Some(why) = self.rt.kernel_failed.get() {
-            return Err(why.clone());
+        if let Some(why) = self.rt.kernel_failed.get(self.id) {
+            return Err(why);
         }
         let ctx = self.ctx.ok_or("the gather kernel needs the driver API (libcuda.so.1 symbols missing)")?;
-        let f = crate::gather::function(ctx.0 as usize).inspect_err(|why| {
-            let _ = self.rt.kernel_failed.set(why.clone());
-        })?;
+        let f = crate::gather::function(ctx.0 as usize).inspect_err(|why| self.rt.kernel_failed.set(self.id, why))?;
         let n = u32::try_from(copies.len()).map_err(|_| "more than 2^32 pieces".to_string())?;
         let bytes = copies.len() * 24;
         let mut t = stream.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -796,9 +840,7 @@ impl Cuda {
         check("cudaEventRecord", unsafe { (self.api().event_record)(slot.2 as Event, stream.raw) })?;
         // SAFETY: the context is current (entered by the caller); the table is in place in stream
         // order; the caller's contract covers every piece.
-        unsafe { crate::gather::launch(f, t.dev, n, stream.raw) }.inspect_err(|why| {
-            let _ = self.rt.kernel_failed.set(why.clone());
-        })?;
+        unsafe { crate::gather::launch(f, t.dev, n, stream.raw) }.inspect_err(|why| self.rt.kernel_failed.set(self.id, why))?;
         Ok(2)
     }
 
@@ -915,14 +957,31 @@ impl Cuda {
 
     /// Makes this device current on the calling thread until the guard drops, then puts the
     /// thread's previous context (or runtime device) back (module docs).
+    ///
+    /// It also puts the thread in relaxed stream-capture mode for the guard's lifetime
+    /// (`cudaThreadExchangeStreamCaptureMode`): what the engine calls (event queries and syncs,
+    /// allocations, stream and event creation) must not invalidate a CUDA graph another thread
+    /// of the application is capturing in global mode (docs/gpu.md, "Graph capture").
     pub fn enter(&self) -> Result<OnDevice<'_>> {
+        let mut g = self.enter_device()?;
+        if let Some(f) = self.api().exchange_capture_mode {
+            let mut m = CAPTURE_MODE_RELAXED;
+            // SAFETY: valid in/out pointer; a thread-local setting of the runtime.
+            if unsafe { f(&mut m) } == SUCCESS {
+                g.mode = Some(m);
+            }
+        }
+        Ok(g)
+    }
+
+    fn enter_device(&self) -> Result<OnDevice<'_>> {
         if let (Some(ctx), Some(d)) = (self.ctx, driver()) {
             if let (Some(get), Some(set)) = (d.ctx_get_current, d.ctx_set_current) {
                 let mut prev: Ctx = std::ptr::null_mut();
                 // SAFETY: valid out-pointer.
                 if unsafe { get(&mut prev) } == 0 {
                     if prev == ctx.0 {
-                        return Ok(OnDevice { cuda: self, restore: Restore::Nothing });
+                        return Ok(OnDevice { cuda: self, restore: Restore::Nothing, mode: None });
                     }
                     // SAFETY: a primary context retained at open.
                     let rc = unsafe { set(ctx.0) };
@@ -934,7 +993,7 @@ impl Cuda {
                             message: "cannot make the device's context current".into(),
                         });
                     }
-                    return Ok(OnDevice { cuda: self, restore: Restore::Ctx(set, prev) });
+                    return Ok(OnDevice { cuda: self, restore: Restore::Ctx(set, prev), mode: None });
                 }
             }
         }
@@ -942,9 +1001,9 @@ impl Cuda {
         // SAFETY: valid out-pointer; cudaGetDevice creates no context.
         let got = unsafe { (self.api().get_device)(&mut prev) } == SUCCESS;
         if got && prev == self.id {
-            return Ok(OnDevice { cuda: self, restore: Restore::Nothing });
+            return Ok(OnDevice { cuda: self, restore: Restore::Nothing, mode: None });
         }
-        let guard = OnDevice { cuda: self, restore: if got { Restore::Device(prev) } else { Restore::Nothing } };
+        let guard = OnDevice { cuda: self, restore: if got { Restore::Device(prev) } else { Restore::Nothing }, mode: None };
         // SAFETY: plain call with a valid ordinal.
         self.rt.check("cudaSetDevice", unsafe { (self.api().set_device)(self.id) })?;
         Ok(guard)
@@ -1002,11 +1061,18 @@ impl Device for Cuda {
     }
 
     unsafe fn free_pinned(&self, mem: PinnedMem) -> Result<()> {
+        let _on = self.enter()?;
         // SAFETY: the caller's contract (from cudaMallocHost, unused).
         self.rt.check("cudaFreeHost", unsafe { (self.api().free_host)(mem.as_ptr().cast()) })
     }
 
     fn pointer_kind(&self, addr: u64) -> Result<MemKind> {
+        if let Some(k) = driver_pointer_kind(addr) {
+            return Ok(k);
+        }
+        // No driver symbol (or an uninitialised driver): the runtime, on this device's context
+        // (on a thread with none it would make one on GPU 0).
+        let _on = self.enter()?;
         let mut a = PointerAttributes::zeroed();
         // SAFETY: valid out-pointer; the address is only classified, never dereferenced.
         self.rt.check("cudaPointerGetAttributes", unsafe { (self.api().pointer_get_attributes)(&mut a, addr as *const c_void) })?;
@@ -1092,6 +1158,7 @@ impl Device for Cuda {
     }
 
     fn query(&self, event: &CudaEvent) -> Result<bool> {
+        let _on = self.enter()?;
         // SAFETY: live event.
         match unsafe { (self.api().event_query)(event.raw) } {
             SUCCESS => Ok(true),
@@ -1106,6 +1173,7 @@ impl Device for Cuda {
     }
 
     fn synchronize(&self, event: &CudaEvent) -> Result<()> {
+        let _on = self.enter()?;
         // SAFETY: live event.
         self.rt.check("cudaEventSynchronize", unsafe { (self.api().event_synchronize)(event.raw) })
     }
@@ -1156,6 +1224,72 @@ impl Device for Cuda {
     fn uuid(&self) -> Result<[u8; 16]> {
         self.rt.device_uuid(self.id)
     }
+
+    fn can_access_peer(&self, peer: i32) -> Result<bool> {
+        if peer == self.id {
+            return Ok(true);
+        }
+        let f = self.api().can_access_peer.ok_or(DeviceError::Unsupported { op: "cudaDeviceCanAccessPeer", device: "this runtime" })?;
+        let mut can: c_int = 0;
+        // SAFETY: valid out-pointer; a device property, no context needed.
+        self.rt.check("cudaDeviceCanAccessPeer", unsafe { f(&mut can, self.id, peer) })?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        let f =
+            self.api().enable_peer_access.ok_or(DeviceError::Unsupported { op: "cudaDeviceEnablePeerAccess", device: "this runtime" })?;
+        let _on = self.enter()?;
+        // SAFETY: plain call (flags must be 0).
+        match unsafe { f(peer, 0) } {
+            ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                // SAFETY: plain call; clears the error left as the last one.
+                unsafe { (self.api().get_last_error)() };
+                Ok(())
+            }
+            rc => self.rt.check("cudaDeviceEnablePeerAccess", rc),
+        }
+    }
+
+    fn stream_is_capturing(&self, stream: u64) -> Result<bool> {
+        let Some(f) = self.api().stream_is_capturing else { return Ok(false) };
+        let _on = self.enter()?;
+        let mut status: c_int = 0;
+        // SAFETY: valid out-pointer; the stream handle is the application's (0: legacy).
+        self.rt.check("cudaStreamIsCapturing", unsafe { f(stream as Stream, &mut status) })?;
+        Ok(status != 0)
+    }
+}
+
+/// `cudaErrorPeerAccessAlreadyEnabled`.
+const ERROR_PEER_ACCESS_ALREADY_ENABLED: Err = 704;
+
+/// Classifies `addr` with the driver API (`cuPointerGetAttribute`), which needs no current
+/// context: None when the driver cannot say (no symbol, not initialised).
+fn driver_pointer_kind(addr: u64) -> Option<MemKind> {
+    // CUpointer_attribute: MEMORY_TYPE 2, IS_MANAGED 8, DEVICE_ORDINAL 9; CUmemorytype: HOST 1,
+    // DEVICE 2, UNIFIED 4. CUDA_ERROR_INVALID_VALUE (1): memory CUDA does not know.
+    let f = driver()?.pointer_get_attribute?;
+    let mut mem_type: c_uint = 0;
+    // SAFETY: valid out-pointer of the attribute's type (unsigned int); the address is only
+    // classified.
+    match unsafe { f((&mut mem_type as *mut c_uint).cast(), 2, addr) } {
+        0 => {}
+        1 => return Some(MemKind::Unregistered),
+        _ => return None,
+    }
+    let (mut managed, mut ordinal): (c_uint, c_int) = (0, -1);
+    // SAFETY: as above (IS_MANAGED: bool as unsigned int; DEVICE_ORDINAL: int).
+    unsafe {
+        f((&mut managed as *mut c_uint).cast(), 8, addr);
+        f((&mut ordinal as *mut c_int).cast(), 9, addr);
+    }
+    Some(match (managed != 0, mem_type) {
+        (true, _) => MemKind::Managed { device: ordinal },
+        (false, 2) => MemKind::Device { device: ordinal },
+        (false, 1) => MemKind::Host,
+        _ => MemKind::Unregistered,
+    })
 }
 
 impl CudaRuntime {
@@ -1176,6 +1310,15 @@ impl CudaRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_kernel_failure_disables_it_on_that_device_only() {
+        let k = KernelFailures::default();
+        k.set(3, "JIT failed");
+        k.set(3, "a later failure");
+        assert_eq!(k.get(3).as_deref(), Some("JIT failed"));
+        assert_eq!(k.get(0), None, "the other devices keep the kernel");
+    }
 
     /// CUDA 13's `cudaPointerAttributes` is 88 bytes (type, device, devicePointer, hostPointer,
     /// long reserved[8]); CUDA 12's is the first 24. Ours must hold the larger one.

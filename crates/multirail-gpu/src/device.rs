@@ -297,6 +297,21 @@ pub trait Device: Send + Sync {
     fn uuid(&self) -> Result<[u8; 16]> {
         Err(DeviceError::Unsupported { op: "uuid", device: "this" })
     }
+    /// Whether kernels on this device can reach device `peer`'s memory once peer access is
+    /// enabled (`cudaDeviceCanAccessPeer`). The default: only its own.
+    fn can_access_peer(&self, peer: i32) -> Result<bool> {
+        Ok(peer == self.id())
+    }
+    /// Enables peer access from this device to `peer` (`cudaDeviceEnablePeerAccess`); enabling
+    /// it again is not an error.
+    fn enable_peer_access(&self, _peer: i32) -> Result<()> {
+        Err(DeviceError::Unsupported { op: "enable_peer_access", device: "this" })
+    }
+    /// Whether the raw stream `stream` of this device is being captured into a graph
+    /// (`cudaStreamIsCapturing`).
+    fn stream_is_capturing(&self, _stream: u64) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.

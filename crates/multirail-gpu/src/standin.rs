@@ -92,6 +92,8 @@ struct Inner {
     fail_record: AtomicU64,
     fail_create_event: AtomicU64,
     fail_alloc_pinned: AtomicU64,
+    fail_query: AtomicU64,
+    fail_synchronize: AtomicU64,
 }
 
 /// A stand-in call whose failure a test can inject ([`StandIn::fail_in`]).
@@ -100,6 +102,10 @@ pub enum FailOp {
     Record,
     CreateEvent,
     AllocPinned,
+    /// `cudaEventQuery` (what another thread's graph capture or a sticky error makes fail).
+    Query,
+    /// `cudaEventSynchronize`.
+    Synchronize,
 }
 
 thread_local! {
@@ -132,8 +138,9 @@ pub fn contexts() -> Vec<i32> {
     lock(contexts_made()).iter().copied().collect()
 }
 
-/// The stand-in's `Cuda::enter`: device `id` current until drop, then the previous one back.
-struct Entered(Option<i32>);
+/// The stand-in's `Cuda::enter`: device `id` current and the thread's capture mode relaxed
+/// until drop, then the previous device and mode back.
+struct Entered(Option<i32>, CaptureMode);
 
 impl Entered {
     fn new(id: i32) -> Entered {
@@ -141,14 +148,115 @@ impl Entered {
         if prev != Some(id) {
             set_current_device(Some(id));
         }
-        Entered(prev)
+        Entered(prev, exchange_capture_mode(CaptureMode::Relaxed))
     }
 }
 
 impl Drop for Entered {
     fn drop(&mut self) {
         CURRENT.with(|c| c.set(self.0));
+        exchange_capture_mode(self.1);
     }
+}
+
+/// A thread's stream-capture mode (`cudaStreamCaptureMode`): what calls that are unsafe during
+/// a capture do when some stream is capturing. The stand-in models captures begun in global
+/// mode (torch's default): a call from a thread in `Global` or `ThreadLocal` mode fails and
+/// invalidates every such capture; a thread in `Relaxed` mode may call anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    Global,
+    ThreadLocal,
+    Relaxed,
+}
+
+thread_local! {
+    static MODE: Cell<CaptureMode> = const { Cell::new(CaptureMode::Global) };
+}
+
+/// `cudaThreadExchangeStreamCaptureMode`: sets the calling thread's mode, returns the old one.
+pub fn exchange_capture_mode(mode: CaptureMode) -> CaptureMode {
+    MODE.with(|c| c.replace(mode))
+}
+
+/// Number of stand-in GPUs in this process (`cudaGetDeviceCount`): 1 to 64, default 64.
+pub const ENV_STANDIN_DEVICES: &str = "MULTIRAIL_STANDIN_DEVICES";
+/// Which stand-in GPUs can reach each other's memory (`cudaDeviceCanAccessPeer`): unset or
+/// `all`, every pair; `none`, no pair (GPUs without P2P between them).
+pub const ENV_STANDIN_PEERS: &str = "MULTIRAIL_STANDIN_PEERS";
+
+/// The number of stand-in GPUs ([`ENV_STANDIN_DEVICES`]); an ordinal at or beyond it is
+/// refused as CUDA refuses an invalid device.
+pub fn device_count() -> i32 {
+    std::env::var(ENV_STANDIN_DEVICES).ok().and_then(|v| v.trim().parse::<i32>().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(64)
+}
+
+/// What is shared by every stand-in GPU of the process: where device memory lives, which peer
+/// access is enabled, sticky errors and the captures under way.
+#[derive(Debug, Default)]
+struct World {
+    /// Device memory and IPC mappings of every stand-in GPU: base -> (length, the GPU whose
+    /// memory it is).
+    homes: BTreeMap<u64, (usize, i32)>,
+    /// Peer access enabled, (from, to): kernels on `from` may touch `to`'s memory.
+    peers: BTreeSet<(i32, i32)>,
+    /// Sticky errors by GPU: once set, every later call on that GPU fails with it (hardware:
+    /// `cudaErrorIllegalAddress` poisons the context until the process exits).
+    sticky: BTreeMap<i32, String>,
+    /// Streams being captured (by handle), each with why its capture was invalidated, if it was.
+    captures: BTreeMap<u64, Option<String>>,
+}
+
+fn world() -> MutexGuard<'static, World> {
+    static W: OnceLock<Mutex<World>> = OnceLock::new();
+    lock(W.get_or_init(|| Mutex::new(World::default())))
+}
+
+fn cuda_err(op: &'static str, code: i32, name: &str, message: String) -> DeviceError {
+    DeviceError::Cuda { op, code, name: name.into(), message }
+}
+
+/// `cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal)` on stand-in stream `handle`.
+pub fn begin_capture(handle: u64) -> Result<()> {
+    if !lock(streams()).contains_key(&handle) {
+        return Err(DeviceError::UnknownStream { handle });
+    }
+    let mut w = world();
+    if w.captures.contains_key(&handle) {
+        return Err(cuda_err("cudaStreamBeginCapture", 900, "cudaErrorStreamCaptureUnsupported", "the stream is already capturing".into()));
+    }
+    w.captures.insert(handle, None);
+    Ok(())
+}
+
+/// `cudaStreamEndCapture`: Err (`cudaErrorStreamCaptureInvalidated`) when a call capture
+/// forbids was made meanwhile by a thread not in relaxed mode.
+pub fn end_capture(handle: u64) -> Result<()> {
+    match world().captures.remove(&handle) {
+        None => Err(cuda_err("cudaStreamEndCapture", 901, "cudaErrorIllegalState", "the stream is not capturing".into())),
+        Some(Some(why)) => Err(cuda_err("cudaStreamEndCapture", 901, "cudaErrorStreamCaptureInvalidated", why)),
+        Some(None) => Ok(()),
+    }
+}
+
+/// `cudaStreamIsCapturing`.
+pub fn is_capturing(handle: u64) -> bool {
+    world().captures.contains_key(&handle)
+}
+
+/// Whether stand-in GPUs `a` and `b` can reach each other's memory ([`ENV_STANDIN_PEERS`]).
+pub fn can_access_peer(a: i32, b: i32) -> bool {
+    a == b || !matches!(std::env::var(ENV_STANDIN_PEERS).map(|v| v.trim().to_ascii_lowercase()).as_deref(), Ok("none"))
+}
+
+/// Peer access pairs enabled so far (from, to).
+pub fn peers_enabled() -> Vec<(i32, i32)> {
+    world().peers.iter().copied().collect()
+}
+
+/// The sticky error of stand-in GPU `id`, if it has one.
+pub fn sticky_error(id: i32) -> Option<String> {
+    world().sticky.get(&id).cloned()
 }
 
 /// Live stand-in streams by handle: (device, queue).
@@ -196,6 +304,8 @@ impl StandIn {
                 fail_record: AtomicU64::new(0),
                 fail_create_event: AtomicU64::new(0),
                 fail_alloc_pinned: AtomicU64::new(0),
+                fail_query: AtomicU64::new(0),
+                fail_synchronize: AtomicU64::new(0),
             }),
         }
     }
@@ -230,6 +340,8 @@ impl StandIn {
             FailOp::Record => &self.inner.fail_record,
             FailOp::CreateEvent => &self.inner.fail_create_event,
             FailOp::AllocPinned => &self.inner.fail_alloc_pinned,
+            FailOp::Query => &self.inner.fail_query,
+            FailOp::Synchronize => &self.inner.fail_synchronize,
         }
     }
 
@@ -244,6 +356,76 @@ impl StandIn {
                 Err(now) => n = now,
             }
         }
+        Ok(())
+    }
+
+    /// A runtime call: made on a thread with no current device, it creates (and makes current)
+    /// the context of device 0 first, as the CUDA runtime does; then fails with the device's
+    /// sticky error, if any.
+    fn runtime_call(&self, op: &'static str) -> Result<()> {
+        if current_device().is_none() {
+            set_current_device(Some(0));
+        }
+        match world().sticky.get(&self.inner.id) {
+            Some(why) => Err(cuda_err(op, 700, "cudaErrorIllegalAddress", why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// A call that a capture in global mode forbids (event queries and syncs, allocation and
+    /// freeing, stream and event creation): from a thread not in relaxed mode while a stream
+    /// is capturing, it fails and invalidates the capture, as CUDA does.
+    fn capture_forbids(&self, op: &'static str) -> Result<()> {
+        if MODE.with(|m| m.get()) == CaptureMode::Relaxed {
+            return Ok(());
+        }
+        let mut w = world();
+        let mut hit = false;
+        let thread = std::thread::current();
+        for why in w.captures.values_mut().filter(|c| c.is_none()) {
+            *why = Some(format!(
+                "{op} on thread {:?} (capture mode not relaxed) while the stream was capturing",
+                thread.name().unwrap_or("?")
+            ));
+            hit = true;
+        }
+        if hit {
+            return Err(cuda_err(op, 900, "cudaErrorStreamCaptureUnsupported", "operation not permitted when stream is capturing".into()));
+        }
+        Ok(())
+    }
+
+    /// A kernel on this device touches `addr`: device memory of another stand-in GPU is
+    /// reachable only with peer access enabled from this one; without it the access faults,
+    /// which leaves this device with a sticky `cudaErrorIllegalAddress`.
+    fn kernel_touches(&self, addr: u64) -> Result<()> {
+        let me = self.inner.id;
+        let mut w = world();
+        let home = match w.homes.range(..=addr).next_back() {
+            Some((&base, &(len, home))) if addr < base + len as u64 => home,
+            _ => return Ok(()),
+        };
+        if home == me || w.peers.contains(&(me, home)) {
+            return Ok(());
+        }
+        let why = format!("a kernel on stand-in GPU {me} touched {addr:#x}, memory of GPU {home}, without peer access");
+        w.sticky.entry(me).or_insert_with(|| why.clone());
+        Err(cuda_err("cudaLaunchKernel", 700, "cudaErrorIllegalAddress", why))
+    }
+
+    /// `cudaDeviceEnablePeerAccess(peer)` from this device (an error when the pair cannot).
+    pub fn enable_peer(&self, peer: i32) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaDeviceEnablePeerAccess")?;
+        if !can_access_peer(self.inner.id, peer) {
+            return Err(cuda_err(
+                "cudaDeviceEnablePeerAccess",
+                217,
+                "cudaErrorPeerAccessUnsupported",
+                format!("stand-in GPU {} cannot access GPU {peer} ({ENV_STANDIN_PEERS})", self.inner.id),
+            ));
+        }
+        world().peers.insert((self.inner.id, peer));
         Ok(())
     }
 
@@ -291,6 +473,9 @@ impl StandIn {
             return Err(DeviceError::HostAlloc { len });
         }
         lock(&self.inner.allocs).insert(p as u64, (len.max(1), kind));
+        if kind == AllocKind::Device {
+            world().homes.insert(p as u64, (len.max(1), self.inner.id));
+        }
         let counter = if kind == AllocKind::Device { &self.inner.device_allocs } else { &self.inner.pinned_allocs };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(p as u64)
@@ -302,6 +487,7 @@ impl StandIn {
             Some(&(len, k)) if k == kind => {
                 allocs.remove(&addr);
                 if kind == AllocKind::Device {
+                    world().homes.remove(&addr);
                     let fd = lock(&self.inner.memfds).remove(&addr).unwrap_or(-1);
                     // SAFETY: mapped by memfd_map (or ipc_open) with this length; removed from
                     // the table, so unmapped once.
@@ -385,6 +571,9 @@ impl Drop for StandInStream {
 
 #[derive(Debug, Default)]
 struct EventState {
+    /// Recorded into a stream that was capturing: querying or waiting for it fails
+    /// (`cudaErrorCapturedEvent`), as CUDA's does.
+    captured: std::sync::atomic::AtomicBool,
     /// Sequence number of the last record.
     recorded: AtomicU64,
     /// Sequence number of the last record the stream reached.
@@ -484,16 +673,22 @@ impl Device for StandIn {
 
     fn alloc(&self, len: usize) -> Result<DevicePtr> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaMalloc")?;
+        self.capture_forbids("cudaMalloc")?;
         self.alloc_raw(len, AllocKind::Device).map(DevicePtr)
     }
 
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaFree")?;
+        self.capture_forbids("cudaFree")?;
         self.free_raw(ptr.0, AllocKind::Device)
     }
 
     fn alloc_pinned(&self, len: usize) -> Result<PinnedMem> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaMallocHost")?;
+        self.capture_forbids("cudaMallocHost")?;
         self.maybe_fail(FailOp::AllocPinned, "alloc_pinned")?;
         let p = self.alloc_raw(len, AllocKind::Pinned)?;
         // SAFETY: `len` bytes (at least 1) allocated above, valid until free_pinned.
@@ -501,9 +696,14 @@ impl Device for StandIn {
     }
 
     unsafe fn free_pinned(&self, mem: PinnedMem) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaFreeHost")?;
+        self.capture_forbids("cudaFreeHost")?;
         self.free_raw(mem.addr(), AllocKind::Pinned)
     }
 
+    /// Classified as the driver API does (`cuPointerGetAttributes`): no context is needed, so
+    /// none is made on the calling thread.
     fn pointer_kind(&self, addr: u64) -> Result<MemKind> {
         Ok(match self.containing(addr) {
             Some((_, _, AllocKind::Device)) => MemKind::Device { device: self.inner.id },
@@ -536,6 +736,8 @@ impl Device for StandIn {
         h[4..8].copy_from_slice(&std::process::id().to_le_bytes());
         h[8..12].copy_from_slice(&fd.to_le_bytes());
         h[12..20].copy_from_slice(&(len as u64).to_le_bytes());
+        let physical = standin_physical(std::env::var(ENV_STANDIN_VISIBLE_DEVICES).ok().as_deref(), self.inner.id)?;
+        h[20..24].copy_from_slice(&physical.to_le_bytes());
         Ok(IpcHandle(h))
     }
 
@@ -551,6 +753,24 @@ impl Device for StandIn {
         let len = usize::try_from(len).map_err(|_| bad("length out of range"))?;
         if pid == std::process::id() && !self.inner.cfg.ipc_same_process {
             return Err(bad("a handle of this same process (CUDA IPC maps only other processes' memory)"));
+        }
+        // The GPU whose memory it is, as this process numbers it; opened on another GPU, the
+        // mapping needs peer access from this one (`cudaIpcMemLazyEnablePeerAccess`).
+        let physical = i32::from_le_bytes(h[20..24].try_into().expect("4 bytes"));
+        let home = standin_ordinal(std::env::var(ENV_STANDIN_VISIBLE_DEVICES).ok().as_deref(), physical)
+            .ok_or_else(|| bad(&format!("the allocation is on stand-in GPU {physical}, which this process does not see")))?;
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaIpcOpenMemHandle")?;
+        if home != self.inner.id {
+            if !can_access_peer(self.inner.id, home) {
+                return Err(cuda_err(
+                    "cudaIpcOpenMemHandle",
+                    101,
+                    "cudaErrorInvalidDevice",
+                    format!("stand-in GPU {} cannot access GPU {home}, where the allocation is", self.inner.id),
+                ));
+            }
+            world().peers.insert((self.inner.id, home));
         }
         let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).expect("no NUL");
         // SAFETY: plain syscalls; the fd opened here is closed once mapped (the mapping stays).
@@ -574,6 +794,7 @@ impl Device for StandIn {
         };
         lock(&self.inner.allocs).insert(p, (len.max(1), AllocKind::Device));
         lock(&self.inner.memfds).insert(p, -1);
+        world().homes.insert(p, (len.max(1), home));
         Ok(DevicePtr(p))
     }
 
@@ -586,6 +807,8 @@ impl Device for StandIn {
 
     fn create_stream(&self) -> Result<StandInStream> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaStreamCreateWithFlags")?;
+        self.capture_forbids("cudaStreamCreateWithFlags")?;
         let (tx, rx) = mpsc::channel();
         let (cfg, log, in_flight) = (self.inner.cfg, self.inner.log.clone(), self.inner.in_flight.clone());
         let thread = std::thread::Builder::new()
@@ -599,12 +822,15 @@ impl Device for StandIn {
 
     fn create_event(&self) -> Result<StandInEvent> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaEventCreateWithFlags")?;
+        self.capture_forbids("cudaEventCreateWithFlags")?;
         self.maybe_fail(FailOp::CreateEvent, "create_event")?;
         Ok(StandInEvent::default())
     }
 
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &StandInStream) -> Result<()> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaMemcpyAsync")?;
         self.inner.in_flight.fetch_add(1, Ordering::SeqCst);
         stream.send(Op::Copy { kind, dst: dst as usize, src: src as usize, len }).inspect_err(|_| {
             self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
@@ -613,6 +839,7 @@ impl Device for StandIn {
 
     fn record(&self, event: &StandInEvent, stream: &StandInStream) -> Result<()> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaEventRecord")?;
         self.maybe_fail(FailOp::Record, "record")?;
         let seq = event.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
         stream.send(Op::Signal(event.0.clone(), seq))
@@ -620,17 +847,26 @@ impl Device for StandIn {
 
     fn record_external(&self, event: &StandInEvent, stream: u64) -> Result<()> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaEventRecord")?;
         let tx = self.stream_by_handle(stream)?;
+        if is_capturing(stream) {
+            // Captured into the graph, not run now: waiting for it is an error.
+            event.0.captured.store(true, Ordering::SeqCst);
+            return Ok(());
+        }
+        event.0.captured.store(false, Ordering::SeqCst);
         let seq = event.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
         tx.send(Op::Signal(event.0.clone(), seq)).map_err(|_| DeviceError::StreamGone)
     }
 
     fn stream_synchronize(&self, stream: &StandInStream) -> Result<()> {
         let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaStreamSynchronize")?;
+        self.capture_forbids("cudaStreamSynchronize")?;
         let ev = StandInEvent::default();
         let seq = ev.0.recorded.fetch_add(1, Ordering::SeqCst) + 1;
         stream.send(Op::Signal(ev.0.clone(), seq))?;
-        self.synchronize(&ev)
+        wait_event(&ev)
     }
 
     fn stream_wait(&self, stream: &StandInStream, event: &StandInEvent) -> Result<()> {
@@ -644,16 +880,64 @@ impl Device for StandIn {
     }
 
     fn query(&self, event: &StandInEvent) -> Result<bool> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaEventQuery")?;
+        self.capture_forbids("cudaEventQuery")?;
+        self.maybe_fail(FailOp::Query, "cudaEventQuery")?;
+        captured_check(event, "cudaEventQuery")?;
         Ok(*lock(&event.0.done) >= event.0.recorded.load(Ordering::SeqCst))
     }
 
     fn synchronize(&self, event: &StandInEvent) -> Result<()> {
-        let want = event.0.recorded.load(Ordering::SeqCst);
-        let mut d = lock(&event.0.done);
-        while *d < want {
-            d = event.0.cv.wait(d).unwrap_or_else(PoisonError::into_inner);
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaEventSynchronize")?;
+        self.capture_forbids("cudaEventSynchronize")?;
+        self.maybe_fail(FailOp::Synchronize, "cudaEventSynchronize")?;
+        captured_check(event, "cudaEventSynchronize")?;
+        wait_event(event)
+    }
+
+    /// Two or more device-to-device copies averaging at most [`crate::KERNEL_MAX_AVG_PIECE`]
+    /// go as one "gather kernel" launch (as CUDA's `auto` copy mode does), which dereferences
+    /// every address on this device: memory of another GPU without peer access faults
+    /// ([`StandIn::kernel_touches`]). Anything else goes one copy (engine) call per copy,
+    /// which may cross GPUs (a peer copy).
+    unsafe fn copy_batch_async(&self, copies: &[crate::BatchCopy], stream: &StandInStream) -> Result<crate::Queued> {
+        let mode = crate::cuda::CopyMode::from_env();
+        let d2d = copies.len() > 1 && copies.iter().all(|c| c.0 == CopyKind::DeviceToDevice);
+        let avg = copies.iter().map(|c| c.3).sum::<usize>() / copies.len().max(1);
+        let kernel = d2d
+            && (mode == crate::cuda::CopyMode::Kernel || (mode == crate::cuda::CopyMode::Auto && avg <= crate::cuda::KERNEL_MAX_AVG_PIECE));
+        if kernel {
+            let _on = Entered::new(self.inner.id);
+            self.runtime_call("cudaLaunchKernel")?;
+            for &(_, dst, src, len) in copies.iter().filter(|c| c.3 > 0) {
+                for a in [dst, src, dst + len as u64 - 1, src + len as u64 - 1] {
+                    self.kernel_touches(a)?;
+                }
+            }
         }
-        Ok(())
+        for &(kind, dst, src, len) in copies {
+            // SAFETY: the caller's contract, per copy.
+            unsafe { self.copy_async(kind, dst, src, len, stream) }?;
+        }
+        Ok(if kernel {
+            crate::Queued { calls: 1, how: crate::CopyHow::Kernel, note: None }
+        } else {
+            crate::Queued { calls: copies.len(), how: crate::CopyHow::PerCopy, note: None }
+        })
+    }
+
+    fn can_access_peer(&self, peer: i32) -> Result<bool> {
+        Ok(can_access_peer(self.inner.id, peer))
+    }
+
+    fn enable_peer_access(&self, peer: i32) -> Result<()> {
+        self.enable_peer(peer)
+    }
+
+    fn stream_is_capturing(&self, stream: u64) -> Result<bool> {
+        Ok(is_capturing(stream))
     }
 
     /// Derived from the physical stand-in GPU behind this ordinal
@@ -669,6 +953,31 @@ impl Device for StandIn {
 /// Unset or empty: ordinal `i` is physical GPU `i`. Only the UUIDs follow it (memory is host
 /// memory either way), which is what CUDA IPC's device mapping needs to be tested.
 pub const ENV_STANDIN_VISIBLE_DEVICES: &str = "MULTIRAIL_STANDIN_VISIBLE_DEVICES";
+
+/// Fails an event recorded while its stream was capturing (`cudaErrorCapturedEvent`).
+fn captured_check(event: &StandInEvent, op: &'static str) -> Result<()> {
+    if event.0.captured.load(Ordering::SeqCst) {
+        return Err(cuda_err(op, 907, "cudaErrorCapturedEvent", "the event was recorded in a stream that is capturing".into()));
+    }
+    Ok(())
+}
+
+/// Waits until the stream has reached the event's last record.
+fn wait_event(event: &StandInEvent) -> Result<()> {
+    let want = event.0.recorded.load(Ordering::SeqCst);
+    let mut d = lock(&event.0.done);
+    while *d < want {
+        d = event.0.cv.wait(d).unwrap_or_else(PoisonError::into_inner);
+    }
+    Ok(())
+}
+
+/// This process's ordinal of physical stand-in GPU `physical` under the visibility list
+/// `visible` (None: it does not see that GPU).
+pub fn standin_ordinal(visible: Option<&str>, physical: i32) -> Option<i32> {
+    let n = device_count();
+    (0..n).find(|&i| standin_physical(visible, i).ok() == Some(physical))
+}
 
 /// The physical stand-in GPU of ordinal `id` under the visibility list `visible`.
 pub fn standin_physical(visible: Option<&str>, id: i32) -> Result<i32> {
@@ -767,6 +1076,55 @@ mod tests {
             dev.free(a).unwrap();
             dev.free(b).unwrap();
         }
+    }
+
+    #[test]
+    fn a_kernel_touching_another_gpus_memory_needs_peer_access_and_the_fault_is_sticky() {
+        // Devices 40 and 41: no other test here uses them (the peer table is per process).
+        let (a, b) = (StandIn::new(40, StandInConfig::default()), StandIn::new(41, StandInConfig::default()));
+        let (pa, pb) = (a.alloc(8192).unwrap(), b.alloc(8192).unwrap());
+        let s = b.create_stream().unwrap();
+        let pages = [(CopyKind::DeviceToDevice, pb.0, pa.0, 4096), (CopyKind::DeviceToDevice, pb.0 + 4096, pa.0 + 4096, 4096)];
+        // A copy engine crosses GPUs without peer access (a peer copy); a kernel cannot.
+        unsafe { b.copy_async(CopyKind::DeviceToDevice, pb.0, pa.0, 8192, &s).unwrap() };
+        b.stream_synchronize(&s).unwrap();
+        let e = unsafe { b.copy_batch_async(&pages, &s) }.unwrap_err();
+        assert!(e.to_string().contains("cudaErrorIllegalAddress"), "{e}");
+        assert!(sticky_error(41).is_some());
+        assert!(b.create_event().is_err(), "sticky: every later call on the device fails");
+        assert!(sticky_error(40).is_none(), "the other device is unharmed");
+        // From device 40 with peer access to 41 enabled, the kernel runs.
+        let s2 = a.create_stream().unwrap();
+        let back = [(CopyKind::DeviceToDevice, pa.0, pb.0, 4096), (CopyKind::DeviceToDevice, pa.0 + 4096, pb.0 + 4096, 4096)];
+        assert!(unsafe { a.copy_batch_async(&back, &s2) }.is_err());
+        world().sticky.remove(&40);
+        a.enable_peer(41).unwrap();
+        let q = unsafe { a.copy_batch_async(&back, &s2) }.unwrap();
+        assert_eq!(q.how, crate::CopyHow::Kernel);
+        a.stream_synchronize(&s2).unwrap();
+    }
+
+    #[test]
+    fn a_forbidden_call_invalidates_a_capture_unless_the_thread_is_relaxed() {
+        let dev = StandIn::new(42, StandInConfig::default());
+        let s = dev.create_stream().unwrap();
+        begin_capture(s.handle).unwrap();
+        assert!(is_capturing(s.handle));
+        // The stand-in's calls run in relaxed mode (as `Cuda::enter` sets it): no harm.
+        let e = dev.create_event().unwrap();
+        dev.query(&e).unwrap();
+        end_capture(s.handle).unwrap();
+        // A thread in global mode that calls what capture forbids invalidates it.
+        begin_capture(s.handle).unwrap();
+        let prev = exchange_capture_mode(CaptureMode::Global);
+        assert!(dev.capture_forbids("cudaEventQuery").is_err());
+        exchange_capture_mode(prev);
+        assert!(end_capture(s.handle).unwrap_err().to_string().contains("Invalidated"));
+        // An event recorded into a capturing stream cannot be waited for.
+        begin_capture(s.handle).unwrap();
+        dev.record_external(&e, s.handle).unwrap();
+        assert!(dev.query(&e).unwrap_err().to_string().contains("cudaErrorCapturedEvent"));
+        end_capture(s.handle).unwrap();
     }
 
     #[test]

@@ -193,6 +193,32 @@ pub fn gpu_set_current_device(device: Option<i32>) {
     multirail_gpu::standin::set_current_device(device)
 }
 
+/// The stand-in's modelled hazards, for tests (docs/gpu.md, "The stand-in"):
+/// `fail_query`/`fail_synchronize` (the `n`-th next call on `device` fails), `begin_capture`/
+/// `end_capture` of `stream` (global mode; ending an invalidated capture raises), `contexts`
+/// (devices with a context), `peers` (enabled pairs, flattened), `sticky` ([1] when `device`
+/// has a sticky error).
+#[pyfunction]
+#[pyo3(signature = (action, device=0, n=0, stream=0))]
+pub fn gpu_standin(action: &str, device: i32, n: u64, stream: u64) -> PyResult<Vec<i64>> {
+    use multirail_gpu::standin;
+    let fail = |op: multirail_gpu::FailOp| -> PyResult<Vec<i64>> {
+        let g = open(Some("standin"), device)?;
+        g.as_standin().ok_or_else(|| PyValueError::new_err("not a stand-in"))?.fail_in(op, n);
+        Ok(Vec::new())
+    };
+    match action {
+        "fail_query" => fail(multirail_gpu::FailOp::Query),
+        "fail_synchronize" => fail(multirail_gpu::FailOp::Synchronize),
+        "begin_capture" => standin::begin_capture(stream).map(|_| Vec::new()).map_err(|e| gpu_err("begin capture", e)),
+        "end_capture" => standin::end_capture(stream).map(|_| Vec::new()).map_err(|e| gpu_err("end capture", e)),
+        "contexts" => Ok(standin::contexts().into_iter().map(i64::from).collect()),
+        "peers" => Ok(standin::peers_enabled().into_iter().flat_map(|(a, b)| [i64::from(a), i64::from(b)]).collect()),
+        "sticky" => Ok(standin::sticky_error(device).map(|_| vec![1]).unwrap_or_default()),
+        _ => Err(PyValueError::new_err(format!("unknown stand-in action {action:?}"))),
+    }
+}
+
 /// {"kind", "device", "name"} and, on the stand-in, its allocation counters.
 #[pyfunction]
 #[pyo3(signature = (device=0, kind=None))]

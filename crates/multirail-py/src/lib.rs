@@ -631,6 +631,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu::gpu_copy_async, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_current_device, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_set_current_device, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_standin, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("PROTOCOL_VERSION", multirail_proto::codec::VERSION)?;
     Ok(())

@@ -179,10 +179,39 @@ fn local_device(kind: multirail_gpu::GpuKind, uuid: &[u8; 16], their_ordinal: u3
     }
 }
 
-/// Maps a peer's handle on the local device with the exporter's UUID.
-fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry) -> std::result::Result<Mapped, String> {
-    let id = local_device(kind, &e.uuid, e.device)?;
+/// The device a mapping for a host-memory local side is opened on: the exporter's GPU when
+/// this process already uses it, else a GPU it uses that can reach the exporter's, else (a
+/// process that uses no GPU yet) the exporter's.
+fn host_side_device(kind: multirail_gpu::GpuKind, home: i32) -> i32 {
+    let used = Gpu::opened_devices(kind);
+    if used.contains(&home) {
+        return home;
+    }
+    used.into_iter().find(|&d| Gpu::open(kind, d).ok().and_then(|g| g.can_access_peer(home).ok()).unwrap_or(false)).unwrap_or(home)
+}
+
+/// Maps a peer's handle on `dev`, the local buffer's device (None: the local side is host
+/// memory, `host_side_device`), not on the exporter's: the copies (and the gather kernel, which
+/// dereferences both sides) then run on the local buffer's device, and no context is made on a
+/// GPU this process does not use. Where that is another GPU than the exporter's, the mapping
+/// reaches it by peer access (`cudaIpcMemLazyEnablePeerAccess` when opened), checked first
+/// with `cudaDeviceCanAccessPeer`: GPUs that cannot reach each other are refused here (the
+/// transfer is staged, and says why).
+fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> std::result::Result<Mapped, String> {
+    let home = local_device(kind, &e.uuid, e.device)?;
+    let id = dev.unwrap_or_else(|| host_side_device(kind, home));
     let gpu = Gpu::open(kind, id).map_err(|err| format!("GPU {id}: {err}"))?;
+    if id != home {
+        match gpu.can_access_peer(home) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(format!(
+                    "GPU {id} (the local buffer's) cannot access GPU {home} (the peer's memory) peer to peer: staged instead"
+                ))
+            }
+            Err(err) => return Err(format!("GPU {id}: cannot tell whether it reaches GPU {home}: {err}")),
+        }
+    }
     let len = region_room(e.alloc_len, e.offset)?;
     // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
     // authenticated control connection); a bad one is refused by the device.
@@ -223,23 +252,64 @@ fn push_merged(copies: &mut Vec<multirail_gpu::BatchCopy>, c: multirail_gpu::Bat
     copies.push(c);
 }
 
+/// Logs, once per process and reason, that IPC could not be used and the transfer is staged
+/// (D2H, loopback, H2D: several times slower): the reason is also in `ipc_fallback_reason`.
+fn fallback_loudly(link: &Link, why: &str) {
+    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if seen.iter().any(|w| w == why) || seen.len() > 64 {
+        return;
+    }
+    seen.push(why.to_string());
+    let msg = format!("WARNING: CUDA IPC is not used, same-host GPU memory is staged through host memory and loopback instead: {why}");
+    // On stderr whatever MULTIRAIL_LOG says: a cliff of several times that looks like success.
+    eprintln!("multirail: {msg}");
+    link.ctx.log(&msg);
+}
+
 /// Mapping generations: a plan names the generations it copies into, and runs only while
 /// they are still mapped.
 static NEXT_GEN: AtomicU64 = AtomicU64::new(1);
 
-/// Queues every copy of `plan` on the device's stream (made once, kept in `queues`; batched,
-/// `Device::copy_batch_async`), then records an event from `events` after them, and returns it
-/// without waiting. On error nothing of this transfer runs any more (the stream was drained).
-/// `counters` gets the device API calls that queued the copies and how.
+/// Queues each device's part of `plan` on that device's stream (`queue_part`) and returns the
+/// events after them, without waiting. On error nothing of this transfer runs any more (the
+/// parts queued before were waited for).
 fn queue_copies(
     plan: &IpcPlan,
     queues: &mut Vec<(i32, GpuStream)>,
     events: &EventPool,
     counters: &Counters,
+) -> std::result::Result<Vec<(Gpu, GpuEvent)>, String> {
+    let mut out: Vec<(Gpu, GpuEvent)> = Vec::with_capacity(plan.parts.len());
+    for (gpu, copies) in &plan.parts {
+        match queue_part(gpu, copies, queues, events, counters) {
+            Ok(e) => out.push((gpu.clone(), e)),
+            Err(why) => {
+                for (g, e) in out {
+                    let _ = g.synchronize(&e);
+                    events.lock().expect("ipc lock").push((g.id(), e));
+                }
+                return Err(why);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Queues `copies` on `gpu`'s stream (made once, kept in `queues`; batched,
+/// `Device::copy_batch_async`), then records an event from `events` after them, and returns it
+/// without waiting. On error nothing of it runs any more (the stream was drained). `counters`
+/// gets the device API calls that queued the copies and how.
+fn queue_part(
+    gpu: &Gpu,
+    copies: &[multirail_gpu::BatchCopy],
+    queues: &mut Vec<(i32, GpuStream)>,
+    events: &EventPool,
+    counters: &Counters,
 ) -> std::result::Result<GpuEvent, String> {
-    let id = plan.gpu.id();
+    let id = gpu.id();
     if !queues.iter().any(|q| q.0 == id) {
-        let s = plan.gpu.create_stream().map_err(|e| e.to_string())?;
+        let s = gpu.create_stream().map_err(|e| e.to_string())?;
         queues.push((id, s));
     }
     let (_, s) = queues.iter().find(|q| q.0 == id).expect("made above");
@@ -249,13 +319,13 @@ fn queue_copies(
     };
     let e = match pooled {
         Some(e) => e,
-        None => plan.gpu.create_event().map_err(|e| e.to_string())?,
+        None => gpu.create_event().map_err(|e| e.to_string())?,
     };
     // SAFETY: the local side is registered and held by the transfer, the remote side lies
     // inside the peer's mapped allocation (checked at plan time), pieces do not overlap, and
     // the completer's event wait ends every copy before the transfer completes; a cancel, a
     // close or a revocation waits for that (`InFlight`).
-    match unsafe { plan.gpu.copy_batch_async(&plan.copies, s) } {
+    match unsafe { gpu.copy_batch_async(copies, s) } {
         Ok(q) => {
             counters.copy_calls.fetch_add(q.calls as u64, Ordering::Relaxed);
             // Formatted when reported, not per transfer.
@@ -263,16 +333,16 @@ fn queue_copies(
         }
         Err(err) => {
             // Copies queued before the failing one still run: wait for the stream itself.
-            let _ = plan.gpu.stream_synchronize(s);
+            let _ = gpu.stream_synchronize(s);
             events.lock().expect("ipc lock").push((id, e));
             return Err(err.to_string());
         }
     }
-    match plan.gpu.record(&e, s) {
+    match gpu.record(&e, s) {
         Ok(()) => Ok(e),
         Err(err) => {
             // A failed record tracks nothing: the stream is what holds the copies.
-            let _ = plan.gpu.stream_synchronize(s);
+            let _ = gpu.stream_synchronize(s);
             events.lock().expect("ipc lock").push((id, e));
             Err(err.to_string())
         }
@@ -291,12 +361,16 @@ struct Mapped {
     gen: u64,
 }
 
-type Maps = Arc<Mutex<HashMap<u64, std::result::Result<Mapped, String>>>>;
+/// A mapping's key: the peer's region and the local device it is opened for (None: for a
+/// host-memory local side).
+pub(crate) type MapKey = (u64, Option<i32>);
+
+type Maps = Arc<Mutex<HashMap<MapKey, std::result::Result<Mapped, String>>>>;
 
 /// The first region whose mapping `plan` copies into that is gone (revoked, or the peer's
 /// watch connection ended), if any. Checked under the `copying` lock.
-fn revoked(plan: &IpcPlan, maps: &HashMap<u64, std::result::Result<Mapped, String>>) -> Option<u64> {
-    plan.uses.iter().find(|(r, g)| !matches!(maps.get(r), Some(Ok(m)) if m.gen == *g)).map(|(r, _)| *r)
+fn revoked(plan: &IpcPlan, maps: &HashMap<MapKey, std::result::Result<Mapped, String>>) -> Option<u64> {
+    plan.uses.iter().find(|(k, g)| !matches!(maps.get(k), Some(Ok(m)) if m.gen == *g)).map(|(k, _)| k.0)
 }
 
 /// `Peer::ipc_info`.
@@ -370,12 +444,11 @@ impl InFlight {
     }
 }
 
-/// One transfer between the worker and the completer: its copies are queued on `gpu`'s stream,
-/// followed by `event`.
+/// One transfer between the worker and the completer: its copies are queued on each device's
+/// stream, followed by that device's event.
 struct Queued {
     x: Arc<XferShared>,
-    gpu: Gpu,
-    event: GpuEvent,
+    events: Vec<(Gpu, GpuEvent)>,
 }
 
 /// Events to mark each queued transfer's end, per device, reused.
@@ -410,39 +483,49 @@ pub(crate) struct IpcPeer {
 impl IpcPeer {
     /// A plan for a transfer of `pairs` (local address, remote region, offset, len) when every
     /// remote region maps over IPC; None (reason recorded) to stage it over the rails.
-    /// `local_is_gpu`: whether a local address is GPU memory (D2D) or host memory (H2D/D2H).
+    /// `local_dev`: the GPU a local address is memory of (D2D, run on that GPU), None for host
+    /// memory (H2D/D2H). The plan has one part per local device: each runs on its own GPU.
     pub fn plan(
         &self,
         link: &Link,
         keys: &HashMap<u64, RegionKey>,
         op: Op,
         pairs: &[multirail_proto::Pair],
-        local_is_gpu: impl Fn(u64) -> bool,
+        local_dev: impl Fn(u64) -> Option<i32>,
     ) -> Option<IpcPlan> {
-        let mut want: Vec<u64> = pairs.iter().map(|p| p.region).collect();
+        let mut want: Vec<MapKey> = pairs.iter().map(|p| (p.region, local_dev(p.local))).collect();
         want.sort_unstable();
         want.dedup();
         if let Err(why) = self.map(link, keys, &want) {
+            fallback_loudly(link, &why);
             *self.fallback.lock().expect("ipc lock") = why;
             return None;
         }
         let maps = self.maps.lock().expect("ipc lock");
-        let mut gpu: Option<Gpu> = None;
-        let mut copies = Vec::with_capacity(pairs.len());
-        let mut uses: Vec<(u64, u64)> = Vec::new();
+        let mut parts: Vec<(Gpu, Vec<multirail_gpu::BatchCopy>)> = Vec::new();
+        let mut uses: Vec<(MapKey, u64)> = Vec::new();
         for p in pairs {
-            let Some(Ok(m)) = maps.get(&p.region) else { return None };
-            if !uses.iter().any(|u| u.0 == p.region) {
-                uses.push((p.region, m.gen));
+            let dev = local_dev(p.local);
+            let key = (p.region, dev);
+            let Some(Ok(m)) = maps.get(&key) else { return None };
+            if !uses.iter().any(|u| u.0 == key) {
+                uses.push((key, m.gen));
             }
             if p.offset + p.len > m.len {
                 return None; // resolved against the peer's metadata already; defensive
             }
             let remote = m.at + p.offset;
-            let on_gpu = local_is_gpu(p.local);
+            let on_gpu = dev.is_some();
             let len = usize::try_from(p.len).ok()?;
+            let part = match parts.iter().position(|(g, _)| g.id() == m.gpu.id()) {
+                Some(i) => i,
+                None => {
+                    parts.push((m.gpu.clone(), Vec::new()));
+                    parts.len() - 1
+                }
+            };
             push_merged(
-                &mut copies,
+                &mut parts[part].1,
                 match (op, on_gpu) {
                     (Op::Read, true) => (CopyKind::DeviceToDevice, p.local, remote, len),
                     (Op::Read, false) => (CopyKind::DeviceToHost, p.local, remote, len),
@@ -450,9 +533,11 @@ impl IpcPeer {
                     (Op::Write, false) => (CopyKind::HostToDevice, remote, p.local, len),
                 },
             );
-            gpu.get_or_insert_with(|| m.gpu.clone());
         }
-        Some(IpcPlan { gpu: gpu?, copies, uses })
+        if parts.is_empty() {
+            return None;
+        }
+        Some(IpcPlan { parts, uses })
     }
 
     /// The id of a live watch connection to the peer, opening one (and its reader) if needed.
@@ -491,14 +576,16 @@ impl IpcPeer {
         Ok(id)
     }
 
-    /// Map every region of `want` not mapped yet (one request for all of them).
-    fn map(&self, link: &Link, keys: &HashMap<u64, RegionKey>, want: &[u64]) -> std::result::Result<(), String> {
+    /// Map every (region, local device) of `want` not mapped yet (one request for all of them).
+    fn map(&self, link: &Link, keys: &HashMap<u64, RegionKey>, want: &[MapKey]) -> std::result::Result<(), String> {
         let mut maps = self.maps.lock().expect("ipc lock");
-        if let Some(Err(why)) = want.iter().find_map(|r| maps.get(r).filter(|m| m.is_err())) {
+        if let Some(Err(why)) = want.iter().find_map(|k| maps.get(k).filter(|m| m.is_err())) {
             return Err(why.clone());
         }
-        let ask: Vec<(u64, RegionKey)> =
-            want.iter().filter(|r| !maps.contains_key(r)).filter_map(|r| keys.get(r).map(|k| (*r, *k))).collect();
+        let missing: Vec<MapKey> = want.iter().filter(|k| !maps.contains_key(k)).copied().collect();
+        let mut ids: Vec<u64> = missing.iter().map(|k| k.0).collect();
+        ids.dedup();
+        let ask: Vec<(u64, RegionKey)> = ids.iter().filter_map(|r| keys.get(r).map(|k| (*r, *k))).collect();
         if ask.is_empty() {
             return Ok(());
         }
@@ -516,8 +603,8 @@ impl IpcPeer {
             // The peer said no (another host, IPC off, no handle): remember it for these regions.
             Err(e @ Error::Remote { .. }) => {
                 let why = format!("peer refused CUDA IPC: {e}");
-                for (r, _) in &ask {
-                    maps.insert(*r, Err(why.clone()));
+                for k in &missing {
+                    maps.insert(*k, Err(why.clone()));
                 }
                 return Err(why);
             }
@@ -525,22 +612,26 @@ impl IpcPeer {
             Err(e) => return Err(format!("CUDA IPC request failed: {e}")),
         };
         let mut first_err = None;
+        let mut seen: Vec<u64> = Vec::with_capacity(entries.len());
         for e in entries {
-            // Regions asked for were not in `maps`: one there now came twice in this answer
-            // (mapping it again would leak the first mapping).
-            if maps.contains_key(&e.region) {
+            // A region that came twice in this answer is mapped once (mapping it again would
+            // leak the first mapping).
+            if seen.contains(&e.region) {
                 first_err.get_or_insert_with(|| format!("the peer sent region {} twice", e.region));
                 continue;
             }
-            let m = if ask.iter().any(|(r, _)| *r == e.region) {
-                open_entry(kind, &e)
-            } else {
-                Err(format!("the peer sent a handle for region {} it was not asked for", e.region))
-            };
-            if let Err(why) = &m {
-                first_err.get_or_insert_with(|| why.clone());
+            seen.push(e.region);
+            if !ask.iter().any(|(r, _)| *r == e.region) {
+                first_err.get_or_insert_with(|| format!("the peer sent a handle for region {} it was not asked for", e.region));
+                continue;
             }
-            maps.insert(e.region, m);
+            for k in missing.iter().filter(|k| k.0 == e.region) {
+                let m = open_entry(kind, &e, k.1);
+                if let Err(why) = &m {
+                    first_err.get_or_insert_with(|| why.clone());
+                }
+                maps.insert(*k, m);
+            }
         }
         match first_err {
             Some(why) => Err(why),
@@ -699,11 +790,10 @@ fn worker(
         // the post came through the GPU-order waiter).
         let r = x.wait_gpu_order().map_err(|e| e.to_string()).and_then(|_| queue_copies(plan, &mut queues, &events, &counters));
         match r {
-            Ok(event) => {
+            Ok(evs) => {
                 in_flight.add();
                 drop(g);
-                let gpu = plan.gpu.clone();
-                if let Err(mpsc::SendError(q)) = done.send(Queued { x, gpu, event }) {
+                if let Err(mpsc::SendError(q)) = done.send(Queued { x, events: evs }) {
                     // No completer (it could not be started): wait here.
                     complete(q, &events, &in_flight, &counters);
                 }
@@ -725,10 +815,16 @@ fn completer(rx: mpsc::Receiver<Queued>, events: EventPool, in_flight: Arc<InFli
 }
 
 fn complete(q: Queued, events: &EventPool, in_flight: &InFlight, counters: &Counters) {
-    let Queued { x, gpu, event } = q;
+    let Queued { x, events: evs } = q;
     // A failed wait is a device error, sticky for the context: no copy of it runs after that.
-    let r = gpu.synchronize(&event);
-    events.lock().expect("ipc lock").push((gpu.id(), event));
+    let mut r = Ok(());
+    for (gpu, event) in evs {
+        let w = gpu.synchronize(&event);
+        if r.is_ok() {
+            r = w;
+        }
+        events.lock().expect("ipc lock").push((gpu.id(), event));
+    }
     in_flight.done();
     match r {
         // Released (or failed) meanwhile: its copies are done, and it sends no notification.
@@ -737,7 +833,7 @@ fn complete(q: Queued, events: &EventPool, in_flight: &InFlight, counters: &Coun
             let Some(plan) = x.ipc.as_ref() else { return };
             counters.transfers.fetch_add(1, Ordering::Relaxed);
             counters.bytes.fetch_add(x.total, Ordering::Relaxed);
-            counters.copies.fetch_add(plan.copies.len() as u64, Ordering::Relaxed);
+            counters.copies.fetch_add(plan.parts.iter().map(|p| p.1.len() as u64).sum(), Ordering::Relaxed);
             if x.notif.lock().expect("xfer lock").is_empty() {
                 x.finish(Ok(()));
             } else {
@@ -756,7 +852,10 @@ fn unmap(maps: &Maps, copying: &Mutex<()>, in_flight: &InFlight, regions: Option
     in_flight.drain();
     let mut m = maps.lock().expect("ipc lock");
     let gone: Vec<std::result::Result<Mapped, String>> = match regions {
-        Some(ids) => ids.iter().filter_map(|r| m.remove(r)).collect(),
+        Some(ids) => {
+            let keys: Vec<MapKey> = m.keys().filter(|k| ids.contains(&k.0)).copied().collect();
+            keys.iter().filter_map(|k| m.remove(k)).collect()
+        }
         None => m.drain().map(|(_, v)| v).collect(),
     };
     for g in gone.into_iter().flatten() {

@@ -404,9 +404,10 @@ impl Peer {
         let all_remote_vram = !remote.is_empty()
             && remote.iter().all(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
         let ipc = if all_remote_vram && self.ctx.cfg.staging.ipc {
-            let vram: Vec<(u64, u64)> = hold.iter().filter(|r| r.mem == MemType::Vram).map(|r| (r.base, r.base + r.len)).collect();
-            let local_is_gpu = |a: u64| vram.iter().any(|&(b, e)| b <= a && a < e);
-            self.ipc.plan(&link, &self.keys, op, &pairs, local_is_gpu)
+            let vram: Vec<(u64, u64, i32)> =
+                hold.iter().filter(|r| r.mem == MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev as i32)).collect();
+            let local_dev = |a: u64| vram.iter().find(|&&(b, e, _)| b <= a && a < e).map(|v| v.2);
+            self.ipc.plan(&link, &self.keys, op, &pairs, local_dev)
         } else {
             None
         };

@@ -176,12 +176,12 @@ impl TraceRec {
 
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
 pub(crate) struct IpcPlan {
-    pub gpu: multirail_gpu::Gpu,
-    /// (kind, dst, src, len), pieces that continue one another on both sides merged.
-    pub copies: Vec<multirail_gpu::BatchCopy>,
-    /// (region, mapping generation) of every mapping the copies use (crate::ipc checks them
-    /// under its copy lock: a revoked mapping is never copied into).
-    pub uses: Vec<(u64, u64)>,
+    /// Per local device, the copies that run there: (kind, dst, src, len), pieces that continue
+    /// one another on both sides merged.
+    pub parts: Vec<(multirail_gpu::Gpu, Vec<multirail_gpu::BatchCopy>)>,
+    /// (mapping key, mapping generation) of every mapping the copies use (crate::ipc checks
+    /// them under its copy lock: a revoked mapping is never copied into).
+    pub uses: Vec<(crate::ipc::MapKey, u64)>,
 }
 
 pub(crate) struct XferShared {
@@ -245,6 +245,9 @@ struct GpuOrder {
     pending: bool,
     /// Events recorded by a post: no GPU work waited for them yet.
     posts: u64,
+    /// Why the current post's order could not be established (a failed query or wait): the
+    /// transfer fails with it, it is never taken for "ready".
+    error: Option<Error>,
 }
 
 /// Whether a transfer's chunks may be vectored (many pieces per request): its local pieces are
@@ -348,8 +351,23 @@ impl XferShared {
         if !o.pending {
             return true;
         }
-        // An error counts as ready: `wait_gpu_order` reports it where the transfer runs.
-        if o.events.iter().all(|(_, gpu, ev)| gpu.query(ev).unwrap_or(true)) {
+        if o.error.is_some() {
+            return false;
+        }
+        // An error is not "ready": it stays pending, with the error kept, and `wait_gpu_order`
+        // (on the waiter thread) fails the transfer with it.
+        let mut all = true;
+        for (d, gpu, ev) in &o.events {
+            match gpu.query(ev) {
+                Ok(true) => {}
+                Ok(false) => all = false,
+                Err(e) => {
+                    o.error = Some(Error::Gpu(format!("cannot tell whether the application's stream on GPU {d} is done: {e}")));
+                    return false;
+                }
+            }
+        }
+        if all {
             o.pending = false;
         }
         !o.pending
@@ -367,6 +385,17 @@ impl XferShared {
         let mut devs: Vec<u32> = self.vram.iter().map(|v| v.2).collect();
         devs.sort_unstable();
         devs.dedup();
+        if let Some(s) = stream.filter(|s| *s != 0) {
+            for &d in &devs {
+                let id = i32::try_from(d).map_err(|_| Error::Gpu(format!("device id {d} out of range")))?;
+                let gpu = multirail_gpu::Gpu::open(kind, id).map_err(|e| Error::Gpu(format!("GPU {d}: {e}")))?;
+                if gpu.stream_is_capturing(s).map_err(|e| Error::Gpu(format!("GPU {d}: stream {s:#x}: {e}")))? {
+                    return Err(Error::InvalidArgument(format!(
+                        "stream {s:#x} is being captured into a CUDA graph: a transfer cannot be ordered after work that has not been launched; post it after the capture ends, or with another stream"
+                    )));
+                }
+            }
+        }
         if stream.is_some_and(|s| s != 0) && devs.len() > 1 {
             return Err(Error::InvalidArgument(format!(
                 "a stream belongs to one GPU, but this transfer's local memory is on GPUs {devs:?}: post it without stream=                  (each GPU's default stream) or split it per GPU"
@@ -385,6 +414,7 @@ impl XferShared {
                 .map_err(|e| Error::Gpu(format!("cannot order the transfer after stream {:#x} on GPU {d}: {e}", stream.unwrap_or(0))))?;
         }
         o.pending = true;
+        o.error = None;
         o.posts += 1;
         Ok(())
     }
@@ -398,8 +428,20 @@ impl XferShared {
         if !o.pending {
             return Ok(());
         }
+        if let Some(e) = &o.error {
+            return Err(e.clone());
+        }
+        let mut failed = None;
         for (d, gpu, ev) in &o.events {
-            gpu.synchronize(ev).map_err(|e| Error::Gpu(format!("waiting for the application's stream on GPU {d}: {e}")))?;
+            if let Err(e) = gpu.synchronize(ev) {
+                failed = Some(Error::Gpu(format!("waiting for the application's stream on GPU {d}: {e}")));
+                break;
+            }
+        }
+        if let Some(e) = failed {
+            // Kept: every later chunk of this post fails with it too (none is sent unordered).
+            o.error = Some(e.clone());
+            return Err(e);
         }
         o.pending = false;
         Ok(())

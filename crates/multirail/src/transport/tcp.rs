@@ -718,6 +718,14 @@ fn request(link: &dyn Host, chunk: &Chunk, write: bool) -> Body {
     }
 }
 
+/// Fails `chunk` (and so its transfer) with `e`, the error that kept it from being ordered
+/// after the application's stream, without sending it: a device error, not the rail's.
+fn fail_unordered(link: &dyn Host, rail: usize, chunk: &Chunk, x: &XferShared, e: Error) {
+    let msg = e.to_string();
+    x.set_cause(e);
+    link.chunk_done(rail, chunk.id, x, chunk.piece.len, Err((Status::Internal, msg)));
+}
+
 fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
     send_chunk_on(link, c, chunk, x, None)
 }
@@ -741,9 +749,10 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
     if local_gpu.is_some() {
         // The stream contract: no byte of local GPU memory is read (WRITE) or written (READ)
         // before the application's work queued at post has completed. A failure here is the
-        // device's, not the rail's: kept as the cause; the staging copies then fail too.
+        // device's, not the rail's: the chunk (so the transfer) fails with it, nothing is sent.
         if let Err(e) = x.wait_gpu_order() {
-            x.set_cause(e);
+            fail_unordered(link, c.rail, &chunk, &x, e);
+            return;
         }
     }
     let dev = if write { local_gpu } else { None };
@@ -797,7 +806,8 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                     return None;
                 }
                 if let Err(e) = xx.wait_gpu_order() {
-                    xx.set_cause(e);
+                    fail_unordered(link, c.rail, &ch, &xx, e);
+                    return None;
                 }
                 let body = request(link, &ch, true);
                 let src = local_src(&ch.piece, ch.vec.as_deref());

@@ -111,7 +111,11 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
         if x.local_dev(chunk.piece.local).is_some() {
             // The stream contract (GPUDirect: the NIC reads or writes GPU memory directly).
             if let Err(e) = x.wait_gpu_order() {
+                // A device error: the transfer fails with it, nothing is read or written.
+                let msg = e.to_string();
                 x.set_cause(e);
+                link.chunk_done(ri, chunk.id, &x, chunk.piece.len, Err((Status::Internal, msg)));
+                continue;
             }
         }
         let token = p.next_token.fetch_add(1, Ordering::Relaxed);
