@@ -1142,6 +1142,8 @@ mod tests {
             wire::send(&mut peer, &Body::IpcReleased(vec![5]), u64::MAX, &mut tick).expect("forged release");
             std::thread::sleep(Duration::from_millis(200));
             let r = revoke(&ctx, &exports, Some(&[5]), Duration::from_millis(500));
+            // Ends serve_watch whatever `r` is (a failed assertion must not hang the scope).
+            let _ = peer.shutdown(std::net::Shutdown::Both);
             assert!(r.as_ref().is_err_and(|e| e.contains("hostile")), "{r:?}");
         });
     }
