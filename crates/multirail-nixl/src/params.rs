@@ -404,9 +404,8 @@ mod tests {
 
     #[test]
     fn defaults_serve_every_interface_and_unreachable_addresses_are_refused() {
-        let with = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|(v, _)| *v == k).map(|(_, x)| x.to_string())
-        };
+        let with =
+            |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(v, _)| *v == k).map(|(_, x)| x.to_string());
         let others = if_addrs().unwrap().iter().any(|a| a.up && !a.loopback);
         // nothing set: rails=auto and transport=auto (loopback only on a host that has nothing else)
         let s = settings(&HashMap::new(), &no_env).unwrap();
