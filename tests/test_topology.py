@@ -539,3 +539,21 @@ def test_sriov_vfs_of_a_host_pf_are_not_extra_rails(tmp_path: Path) -> None:
     assert "mlx5_12" not in {n.rdma for t in plan.for_numa(0) for n in t.nics}
     assert "SR-IOV VF of 0000:18:00.0" in {e.name: e.reason for e in plan.excluded["host"]}["ibp24s0v1"]
     assert sorted(rdma(topo.rail_plan(include=("vf",)).for_gpu(0))) == ["mlx5_0", "mlx5_12", "mlx5_13", "mlx5_14", "mlx5_15"]
+
+
+def test_roce_lag_nic_is_named_by_its_bond(tmp_path: Path) -> None:
+    """RoCE LAG: mlx5_bond_0 sits on PF 0, whose own netdev is a bond slave without an address;
+    the RDMA port's netdev (ports/1/gid_attrs/ndevs/0, what ibdev2netdev reads) is bond0."""
+    fns = [F.Fn(("pci0000:00", "0000:00:01.0", f"0000:01:00.{f}"), 0x15B3, 0x101D, F.ETH_CLS, 0, "0-7",
+                ib="mlx5_bond_0" if f == 0 else None, netdev=f"enp1s0f{f}np{f}", link_layer="Ethernet",
+                rate="200 Gb/sec (4X HDR)") for f in (0, 1)]
+    sysr = F.build(tmp_path, F.Spec("roce-lag", fns, {0: "0-7"}))
+    bond = sysr / "devices" / "virtual" / "net" / "bond0"
+    (bond / "bonding").mkdir(parents=True)
+    os.symlink("../../devices/virtual/net/bond0", sysr / "class" / "net" / "bond0")
+    gid = Path(os.path.realpath(sysr / "class" / "infiniband" / "mlx5_bond_0")) / "ports" / "1" / "gid_attrs" / "ndevs"
+    gid.mkdir(parents=True)
+    (gid / "0").write_text("bond0\n")
+    topo = Topology.load(sysr)
+    assert nic(topo, "mlx5_bond_0").netdev == "bond0"
+    assert [(n.netdev, n.rdma) for n in topo.rail_plan().for_numa(0)[0].nics] == [("bond0", "mlx5_bond_0")]

@@ -14,7 +14,9 @@ Model
    * GPUs: vendor 0x10de, class 0x0302xx (3D) or 0x0300xx (VGA: GB10, workstations).
    * NICs: every RDMA device under ``<root>/class/infiniband`` (EFA included: it has no netdev)
      and every netdev under ``<root>/class/net`` whose ``device`` is a PCI function, merged per
-     PCI function: a NIC has a netdev name, an RDMA device name, or both.
+     PCI function: a NIC has a netdev name, an RDMA device name, or both. A RoCE port's netdev
+     is its GID table's (``ports/1/gid_attrs/ndevs/0``) when there is one: a RoCE LAG's
+     ``mlx5_bond_0`` is named by ``bond0``, not by PF 0's enslaved netdev.
    * CUDA view: which CUDA ordinal / UUID is which PCI bus id. From ``gpus=`` (a JSON list of
      ``{"ordinal", "uuid", "pci_bus_id"}`` or the CSV of ``nvidia-smi --query-gpu=index,uuid,
      pci.bus_id --format=csv``), else from ``nvidia-smi`` when reading the live ``/sys``, else
@@ -849,6 +851,10 @@ def _load_nics(r: Path, devs: dict[str, PciDevice]) -> list[Nic]:
             e.update(rdma=name, hca_type=_read(ib / name / "hca_type"), link_layer=_read(port / "link_layer"),
                      port_state=state.split(":")[-1].strip().upper() if state else None,
                      rate=_rate_gbps(_read(port / "rate")))
+            # RoCE: the port's own netdev (a LAG's bond0, not PF 0's enslaved netdev), as ibdev2netdev reads it
+            ndev = _read(port / "gid_attrs" / "ndevs" / "0")
+            if ndev and (net_dir := r / "class" / "net" / ndev).exists() and not (net_dir / "master").exists():
+                e["netdev"] = ndev
     net = r / "class" / "net"
     for name in sorted(os.listdir(net)) if net.is_dir() else []:
         dev = _pci_dir_of(net / name / "device")
