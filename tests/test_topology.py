@@ -554,6 +554,9 @@ def test_roce_lag_nic_is_named_by_its_bond(tmp_path: Path) -> None:
     gid = Path(os.path.realpath(sysr / "class" / "infiniband" / "mlx5_bond_0")) / "ports" / "1" / "gid_attrs" / "ndevs"
     gid.mkdir(parents=True)
     (gid / "0").write_text("bond0\n")
+    slave = Path(os.path.realpath(sysr / "class" / "net" / "enp1s0f0np0"))
+    os.symlink(os.path.relpath(slave, bond), bond / "lower_enp1s0f0np0")
+    assert nic_affinity("bond0", sysr) == type(nic_affinity("x", sysr))(tuple(range(8)), 0), "a bond is where its slaves are"
     topo = Topology.load(sysr)
     assert nic(topo, "mlx5_bond_0").netdev == "bond0"
     assert [(n.netdev, n.rdma) for n in topo.rail_plan().for_numa(0)[0].nics] == [("bond0", "mlx5_bond_0")]

@@ -367,11 +367,16 @@ class NicAffinity:
 
 
 def nic_affinity(netdev: str, root: str | os.PathLike[str] = "/sys") -> NicAffinity:
-    """Local CPUs and NUMA node of a netdev (or an RDMA device name), from sysfs. A virtual
-    interface (veth, bond, a namespace's view) gives ``NicAffinity((), -1)``."""
+    """Local CPUs and NUMA node of a netdev (or an RDMA device name), from sysfs; a bond is
+    where its first lower PCI netdev (``lower_*``) is. A virtual interface (veth, a namespace's
+    view) gives ``NicAffinity((), -1)``."""
     r = Path(root)
-    for cls in ("net", "infiniband"):
-        dev = _pci_dir_of(r / "class" / cls / netdev / "device")
+    links = [r / "class" / cls / netdev / "device" for cls in ("net", "infiniband")]
+    lower = r / "class" / "net" / netdev
+    if lower.is_dir():  # a bond (RoCE LAG's bond0): where its first lower PCI netdev is
+        links += [lower / x / "device" for x in sorted(os.listdir(lower)) if x.startswith("lower_")]
+    for link in links:
+        dev = _pci_dir_of(link)
         if dev is not None:
             numa = _read(dev / "numa_node")
             try:
