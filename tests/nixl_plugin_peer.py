@@ -677,6 +677,27 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         wait_notif_at_target(d, "after")
         out["notifs"] = notifs_of_target(d)
 
+    elif name == "dereg":
+        # issue 36, item 5: deregistering memory that a live (prepared, not released) handle
+        # uses is immediate, and the handle's next post fails with a clear error
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        reg = dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                  agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        check(wait(agent, h) == "DONE", "READ before deregistration")
+        t = time.monotonic()
+        agent.deregister_memory(reg)
+        out["dereg_s"] = round(time.monotonic() - t, 3)
+        dst.write(np.zeros(size, np.uint8))
+        try:
+            s = wait(agent, h)
+        except Exception as e:  # noqa: BLE001
+            s = f"ERR ({type(e).__name__}: {e})"
+        out["repost"] = s
+        check(s.startswith("ERR"), f"a repost into deregistered memory: {s}")
+        check(not dst.read().any(), "deregistered memory was written")
+
     elif name == "blip":
         # issue 36, item 2: the initiator's one rail is killed for a while (cfg params faults)
         # while a READ is in flight: the READ must finish late, not fail, and the peer must

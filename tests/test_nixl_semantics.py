@@ -115,3 +115,11 @@ def test_the_version_gate_reads_nixls_own_distribution(tmp_path: Path, plugin_di
     res = subprocess.run([sys.executable, "-c", code], env=_env(plugin_dir, {"PYTHONPATH": str(fake)}),
                          capture_output=True, text=True, timeout=60)
     assert "CREATED" in res.stdout and "refused" not in res.stderr, res.stdout + res.stderr
+
+
+def test_deregistration_with_a_live_handle_is_immediate_and_the_handle_fails(pair: Pair) -> None:
+    """Item 5: deregister_memory of a region a prepared handle still uses returns at once
+    (before: 2 s under NIXL's lock, then failed and left the region registered and exported),
+    and reposting the handle is an error, the memory untouched (before: DONE, written)."""
+    out = pair.run("dereg")
+    assert out["dereg_s"] < 1.0 and out["repost"].startswith("ERR"), out

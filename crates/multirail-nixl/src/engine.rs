@@ -146,7 +146,9 @@ impl Engine {
 
     pub fn deregister(&self, id: u64) -> Result<(), Error> {
         self.mems.lock().expect("mems lock").remove(&id);
-        self.agent.deregister(id)
+        // At once, whatever handle still holds it: NIXL forgets the registration whatever this
+        // returns, and the application may free the memory next.
+        self.agent.withdraw(id)
     }
 
     pub fn conn_info(&self) -> Vec<u8> {

@@ -254,6 +254,24 @@ impl Agent {
         })
     }
 
+    /// Deregister a region at once, even while a transfer handle holds it (NIXL's contract:
+    /// `deregisterMem` does not wait, and NIXL forgets the registration whatever it returns):
+    /// peers are refused from now on, UCX mappings and CUDA IPC handles are withdrawn, and a
+    /// handle that holds it fails its next post.
+    pub fn withdraw(&self, id: u64) -> Result<()> {
+        self.shared.registry.withdraw(id)?;
+        if let Some(u) = &self.shared.ucx {
+            u.unmap(id, self.shared.ctx.cfg.timeout).map_err(|why| {
+                Error::Timeout(format!("region {id} is deregistered, but {why}: do not free or reuse it until this agent is closed"))
+            })?;
+        }
+        crate::ipc::revoke(&self.shared.ctx, &self.shared.ipc_exports, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
+            Error::Timeout(format!(
+                "region {id} is deregistered, but {why}: they may still write into this GPU memory, so do not free or reuse it until those peers are closed"
+            ))
+        })
+    }
+
     pub fn metadata(&self) -> AgentMeta {
         self.shared.metadata()
     }

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 /// The memory belongs to the caller (Python keeps the object alive while it is registered);
 /// holders of an `Arc<Region>` block its deregistration.
 #[derive(Debug)]
-pub struct Region(RegionMeta);
+pub struct Region(RegionMeta, std::sync::atomic::AtomicBool);
 
 impl std::ops::Deref for Region {
     type Target = RegionMeta;
@@ -29,6 +29,12 @@ impl std::ops::Deref for Region {
 impl Region {
     pub fn meta(&self) -> RegionMeta {
         self.0.clone()
+    }
+
+    /// Whether the region was withdrawn ([`Registry::withdraw`]) while something held it: a
+    /// handle holding it must not be posted again.
+    pub fn withdrawn(&self) -> bool {
+        self.1.load(Ordering::Acquire)
     }
 
     /// Raw pointer to `offset` (bounds already checked by the caller).
@@ -58,7 +64,7 @@ impl Registry {
             return Err(Error::InvalidArgument(format!("bad region address {base:#x} + {len}")));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
-        let r = Arc::new(Region(RegionMeta { id, base, len, dev, mem, access, key: RegionKey(random_bytes()) }));
+        let r = Arc::new(Region(RegionMeta { id, base, len, dev, mem, access, key: RegionKey(random_bytes()) }, Default::default()));
         // Overlapping registrations are allowed (NIXL allows them); lookups pick a region that
         // contains the whole descriptor.
         self.by_id.write().expect("registry lock").insert(id, r.clone());
@@ -87,6 +93,16 @@ impl Registry {
             }
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+    }
+
+    /// Remove a region at once, whoever holds it: peers are refused from now on, and a transfer
+    /// handle that holds it fails its next post ([`Region::withdrawn`]). A request already being
+    /// served finishes (the caller must not free memory with transfers in flight on it).
+    pub fn withdraw(&self, id: u64) -> Result<()> {
+        let r = self.by_id.write().expect("registry lock").remove(&id);
+        let r = r.ok_or_else(|| Error::InvalidArgument(format!("region {id} is not registered")))?;
+        r.1.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The registered region that contains [addr, addr+len), if any.

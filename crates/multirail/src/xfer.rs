@@ -472,9 +472,17 @@ impl XferShared {
         if self.state() == XferState::InProgress {
             return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
         }
-        if self.hold.lock().expect("xfer lock").is_empty() && self.total > 0 {
+        let hold = self.hold.lock().expect("xfer lock");
+        if hold.is_empty() && self.total > 0 {
             return Err(Error::InvalidArgument("transfer handle was released".into()));
         }
+        if let Some(r) = hold.iter().find(|r| r.withdrawn()) {
+            return Err(Error::InvalidArgument(format!(
+                "local region {} ({:#x} + {}) was deregistered while this handle held it: prepare the transfer again",
+                r.id, r.base, r.len
+            )));
+        }
+        drop(hold);
         *self.error.lock().expect("xfer lock") = None;
         self.state.store(XferState::InProgress as u8, Ordering::Release);
         Ok(())
