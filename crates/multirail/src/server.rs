@@ -1058,7 +1058,8 @@ impl<'a> Conn<'a> {
     /// A numbered notification: queued once per (peer, incarnation, number); a copy resent
     /// after a lost answer is answered, not queued again (`notif_seen`).
     fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
-        let queued = if self.sh.notif_seen.first(self.peer, incarnation, seq) { self.sh.notifs.push(self.peer.to_string(), msg) } else { Ok(()) };
+        let queued =
+            if self.sh.notif_seen.first(self.peer, incarnation, seq) { self.sh.notifs.push(self.peer.to_string(), msg) } else { Ok(()) };
         if self.sh.notif_seen.lose_answer() {
             return Err(hang_up()); // fault injection: queued, never answered
         }
