@@ -20,6 +20,9 @@ import pytest
 
 from conftest import ENV, engine_python  # noqa: E402
 
+# UCX sessions need a shared secret (issue 33): every bench run here gets one, both sides.
+ENV = {**ENV, "MULTIRAIL_SECRET": "bench-gpu-tests"}
+
 RUNNER = ("import argparse, sys; from multirail import bench; p = argparse.ArgumentParser(prog='multirail'); "
           "s = p.add_subparsers(); bench.register(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
 ENGINE_PY = engine_python()
@@ -291,7 +294,7 @@ def test_ucx_with_vram_stages_over_the_same_rails() -> None:
     import multirail
 
     try:
-        multirail.Agent("ucx-probe", {"transport": "ucx"}).close()
+        multirail.Agent("ucx-probe", {"transport": "ucx", "auth_secret": "probe"}).close()
     except multirail.errors.TransportUnavailableError as e:
         pytest.skip(f"UCX cannot be loaded here: {e}")
     cp = bench("local", "--transport", "ucx", "--initiator-seg-type", "VRAM", "--target-seg-type", "VRAM", *SWEEP,

@@ -12,6 +12,9 @@ import pytest
 
 from conftest import ENV, engine_python  # noqa: E402
 
+# UCX sessions need a shared secret (issue 33): every bench run here gets one, both sides.
+ENV = {**ENV, "MULTIRAIL_SECRET": "bench-transport-tests"}
+
 RUNNER = ("import argparse, sys; from multirail import bench; p = argparse.ArgumentParser(prog='multirail'); "
           "s = p.add_subparsers(); bench.register(s); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
 ENGINE_PY = engine_python()
@@ -30,7 +33,7 @@ def _ucx_unavailable(py: str) -> str | None:
     """Why a ucx agent cannot start with `py` (the engine's message), or None. In a child
     process: UCX is loaded at most once per process and stays loaded."""
     code = ("import multirail, sys\n"
-            "try:\n    a = multirail.Agent('ucx-probe', {'transport': 'ucx'})\n"
+            "try:\n    a = multirail.Agent('ucx-probe', {'transport': 'ucx', 'auth_secret': 'probe'})\n"
             "except multirail.errors.TransportUnavailableError as e:\n    print(e); sys.exit(3)\n"
             "a.close()\n")
     cp = subprocess.run([py, "-c", code], env=ENV, capture_output=True, text=True, timeout=30)

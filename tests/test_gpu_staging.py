@@ -352,10 +352,10 @@ def test_ucx_agents_stage_gpu_memory_over_the_same_rails() -> None:
     CUDA transport). Then a ucx agent stages it over the same rails through a tcp link of its
     own, while host memory keeps going over UCX; rail_stats says so and why."""
     try:
-        t = multirail.Agent("target", {"transport": "ucx", "gpu": SI, "gpu_ipc": False})
+        t = multirail.Agent("target", {"transport": "ucx", "gpu": SI, "gpu_ipc": False, "auth_secret": "s"})
     except errors.TransportUnavailableError as e:
         pytest.skip(f"UCX cannot be loaded here: {e}")
-    i = multirail.Agent("initiator", {"transport": "ucx", "gpu": SI, "timeout": 5.0})
+    i = multirail.Agent("initiator", {"transport": "ucx", "gpu": SI, "timeout": 5.0, "auth_secret": "s"})
     try:
         n = 4 * MiB + 9
         remote, local = buf("V", pattern(n, 11)), buf("V", np.zeros(n, np.uint8))

@@ -550,13 +550,13 @@ def test_rail_transport_and_fallback_metrics(agents: Callable[..., Any]) -> None
     import multirail
 
     try:
-        probe = multirail.Agent("mprobe", {"transport": "ucx"})
+        probe = multirail.Agent("mprobe", {"transport": "ucx", "auth_secret": "probe"})
         probe.close()
     except multirail.errors.TransportUnavailableError as e:
         pytest.skip(f"UCX cannot be loaded here: {e}")
     rails = ["127.0.0.1", "127.0.0.1"]
-    target = agents(f"mt-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails})
-    init = agents(f"mi-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails, "metrics_port": 0,
+    target = agents(f"mt-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails, "auth_secret": "metrics"})
+    init = agents(f"mi-{uuid.uuid4().hex[:6]}", {"transport": "ucx,tcp", "rails": rails, "metrics_port": 0, "auth_secret": "metrics",
                                                 "faults": "0/ucx:kill@200ms+1s", "fallback_after": 2,
                                                 "fallback_cooldown": 30.0, "stall_timeout": 0.5})
     n = 16 << 20

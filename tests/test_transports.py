@@ -43,7 +43,7 @@ def _ucx_unavailable() -> str | None:
     import multirail
 
     try:
-        a = multirail.Agent("ucx-probe", {"transport": "ucx"})
+        a = multirail.Agent("ucx-probe", {"transport": "ucx", "auth_secret": "probe"})
     except multirail.errors.TransportUnavailableError as e:
         return f"UCX cannot be loaded here: {e}"
     a.close()
@@ -51,6 +51,13 @@ def _ucx_unavailable() -> str | None:
 
 
 _UCX_SKIP = _ucx_unavailable()
+
+
+@pytest.fixture(autouse=True)
+def _shared_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX sessions need a shared secret (issue 33): every agent here, and every process the
+    tests start, gets the same one."""
+    monkeypatch.setenv("MULTIRAIL_SECRET", "transport-tests")
 _NEEDS_UCX = pytest.mark.skipif(_UCX_SKIP is not None, reason=_UCX_SKIP or "")
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=_NEEDS_UCX), pytest.param("mixed", marks=_NEEDS_UCX)]
 LOOP2 = ["127.0.0.1", "127.0.0.1"]

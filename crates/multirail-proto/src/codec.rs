@@ -188,8 +188,8 @@ impl Kind {
             Resp | Error => 2 + 8 + 2 + MAX_MSG,
             MetaGet => 0,
             Meta | MetaPut => MAX_META,
-            UcxOpen => 2 + 4 + MAX_UCX_ADDR + 4,
-            UcxReady => MAX_UCX_READY + 4,
+            UcxOpen => 2 + 4 + MAX_UCX_ADDR + 36,
+            UcxReady => MAX_UCX_READY + 36,
             UcxRkeys => 4 + 8 * MAX_UCX_RKEYS,
             IpcReq => 16 + 16 + 2 + (8 + 16) * MAX_IPC_REGIONS,
             IpcHandles => 2 + IPC_ENTRY * MAX_IPC_REGIONS,
@@ -456,9 +456,13 @@ pub enum Body {
         rail: u16,
         /// At most [`MAX_UCX_ADDR`] bytes.
         addr: Vec<u8>,
-        /// `UCX_FEATURE_*` bits offered. On the wire only when not 0 (a trailing u32), and
-        /// only to a peer that accepted `Hello` version [`HELLO_UCX_FEATURES`].
+        /// `UCX_FEATURE_*` bits offered. On the wire only when not 0 or with a MAC (a
+        /// trailing u32), and only to a peer that accepted `Hello` version [`HELLO_UCX_FEATURES`].
         features: u32,
+        /// HMAC-SHA256 of the body (everything before it), keyed by the session's handshake
+        /// (docs/PROTOCOL.md, "UCX sessions"); after the feature word, which is then always
+        /// sent. `None`: a peer from before issue 33 (refused: UCX sessions need a secret).
+        mac: Option<[u8; 32]>,
     },
     UcxReady {
         /// At most [`MAX_UCX_ADDR`] bytes; empty in the answer to `UcxRkeys`.
@@ -466,8 +470,11 @@ pub enum Body {
         /// Encoding leaves out regions with an rkey over [`MAX_UCX_RKEY`] and those past
         /// [`MAX_UCX_REGIONS`] or the [`MAX_UCX_READY`] body bound.
         regions: Vec<UcxRegion>,
-        /// The offered `UCX_FEATURE_*` bits this target serves (a trailing u32 when not 0).
+        /// The offered `UCX_FEATURE_*` bits this target serves (a trailing u32 when not 0 or
+        /// with a MAC).
         features: u32,
+        /// As `UcxOpen`'s: the MAC of the body, keyed by the session's handshake.
+        mac: Option<[u8; 32]>,
     },
     /// Region ids (at most [`MAX_UCX_RKEYS`]).
     UcxRkeys(Vec<u64>),
@@ -581,14 +588,12 @@ impl Body {
                 out.extend_from_slice(&0u64.to_le_bytes());
                 put_str16(&mut out, truncate(msg, MAX_MSG));
             }
-            Body::UcxOpen { rail, addr, features } => {
+            Body::UcxOpen { rail, addr, features, mac } => {
                 out.extend_from_slice(&rail.to_le_bytes());
                 put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
-                if *features != 0 {
-                    out.extend_from_slice(&features.to_le_bytes());
-                }
+                put_ucx_tail(&mut out, *features, mac);
             }
-            Body::UcxReady { addr, regions, features } => {
+            Body::UcxReady { addr, regions, features, mac } => {
                 put_blob32(&mut out, &addr[..addr.len().min(MAX_UCX_ADDR)]);
                 let count_at = out.len();
                 out.extend_from_slice(&0u32.to_le_bytes());
@@ -608,9 +613,7 @@ impl Body {
                     n += 1;
                 }
                 out[count_at..count_at + 4].copy_from_slice(&n.to_le_bytes());
-                if *features != 0 {
-                    out.extend_from_slice(&features.to_le_bytes());
-                }
+                put_ucx_tail(&mut out, *features, mac);
             }
             Body::UcxRkeys(ids) => {
                 let ids = &ids[..ids.len().min(MAX_UCX_RKEYS)];
@@ -734,7 +737,8 @@ impl Body {
             Kind::UcxOpen => {
                 let rail = r.u16()?;
                 let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
-                Body::UcxOpen { rail, addr, features: ucx_features(&mut r)? }
+                let (features, mac) = ucx_tail(&mut r)?;
+                Body::UcxOpen { rail, addr, features, mac }
             }
             Kind::UcxReady => {
                 let addr = blob32(&mut r, "ucx worker address bytes", MAX_UCX_ADDR)?;
@@ -748,7 +752,8 @@ impl Body {
                     }
                     regions.push(UcxRegion { id, base, len, rkey: r.bytes(k)?.to_vec() });
                 }
-                Body::UcxReady { addr, regions, features: ucx_features(&mut r)? }
+                let (features, mac) = ucx_tail(&mut r)?;
+                Body::UcxReady { addr, regions, features, mac }
             }
             Kind::UcxRkeys => {
                 let n = r.count("ucx rkey requests", MAX_UCX_RKEYS, 8)?;
@@ -827,24 +832,27 @@ impl Body {
 pub const UCX_AM_REQ: u16 = 0x4d52;
 /// Active-message id of its reply (target -> initiator's rail worker).
 pub const UCX_AM_REPLY: u16 = 0x4d53;
-/// Bytes of a [`UcxAm`] header: u8 op (1 READ, 2 WRITE), u64 token, u32 descriptor length.
-pub const UCX_AM_REQ_HEADER: usize = 13;
-/// Bytes of a reply header: u64 token, u16 status.
-pub const UCX_AM_REPLY_HEADER: usize = 10;
+/// Bytes of a [`UcxAm`] header: u8 op (1 READ, 2 WRITE), u64 token, u32 descriptor length,
+/// the session's 16-byte active-message secret.
+pub const UCX_AM_REQ_HEADER: usize = 29;
+/// Bytes of a reply header: u64 token, u16 status, the session's 16-byte active-message secret.
+pub const UCX_AM_REPLY_HEADER: usize = 26;
 /// Largest piece descriptor of a [`UcxAm`]: the `ReadVReq` body bound.
 const UCX_AM_DESC_MAX: usize = 8 + 16 + 4 + VEC_ENTRY_MAX * MAX_VEC_ENTRIES;
 
 /// A vectored chunk as one UCP active message (`UCX_FEATURE_AM`, docs/PROTOCOL.md "UCX active
 /// messages"). The AM header is [`UCX_AM_REQ_HEADER`] bytes; the AM data is the piece
 /// descriptor (exactly a `ReadVReq`/`WriteVReq` body: region, key, entries, with the same
-/// bounds) followed, for a WRITE, by the pieces' bytes in entry order. The key is not checked
-/// (the session is authenticated and the region must be exported to it); senders put zeros.
+/// bounds) followed, for a WRITE, by the pieces' bytes in entry order. The key is the region's
+/// real key and `secret` the session's active-message secret; the target checks both (issue 33).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UcxAm {
     /// Echoed in the reply.
     pub token: u64,
     pub write: bool,
     pub op: VecOp,
+    /// The session's active-message secret (derived from its handshake on both sides).
+    pub secret: [u8; 16],
 }
 
 impl UcxAm {
@@ -856,6 +864,7 @@ impl UcxAm {
         h[0] = if self.write { 2 } else { 1 };
         h[1..9].copy_from_slice(&self.token.to_le_bytes());
         h[9..13].copy_from_slice(&(desc.len() as u32).to_le_bytes());
+        h[13..29].copy_from_slice(&self.secret);
         (h, desc)
     }
 
@@ -874,6 +883,7 @@ impl UcxAm {
         };
         let token = u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"));
         let desc_len = u32::from_le_bytes(header[9..13].try_into().expect("4 bytes")) as usize;
+        let secret: [u8; 16] = header[13..29].try_into().expect("16 bytes");
         if desc_len > UCX_AM_DESC_MAX {
             return Err(DecodeError::TooMany { what: "ucx piece descriptor bytes", n: desc_len as u64, max: UCX_AM_DESC_MAX as u64 });
         }
@@ -888,34 +898,49 @@ impl UcxAm {
         if payload.len() as u64 != want {
             return Err(DecodeError::Malformed("ucx active-message data is not the pieces' bytes"));
         }
-        Ok((UcxAm { token, write, op }, payload))
+        Ok((UcxAm { token, write, op, secret }, payload))
     }
 }
 
 /// The header of a [`UcxAm`]'s reply; a READ's reply carries the pieces' bytes as its data.
-pub fn encode_ucx_am_reply(token: u64, status: Status) -> [u8; UCX_AM_REPLY_HEADER] {
+pub fn encode_ucx_am_reply(token: u64, status: Status, secret: &[u8; 16]) -> [u8; UCX_AM_REPLY_HEADER] {
     let mut h = [0u8; UCX_AM_REPLY_HEADER];
     h[..8].copy_from_slice(&token.to_le_bytes());
-    h[8..].copy_from_slice(&(status as u16).to_le_bytes());
+    h[8..10].copy_from_slice(&(status as u16).to_le_bytes());
+    h[10..].copy_from_slice(secret);
     h
 }
 
-/// `(token, status)` of a reply header.
-pub fn decode_ucx_am_reply(header: &[u8]) -> Result<(u64, Status), DecodeError> {
+/// `(token, status, secret)` of a reply header.
+pub fn decode_ucx_am_reply(header: &[u8]) -> Result<(u64, Status, [u8; 16]), DecodeError> {
     if header.len() != UCX_AM_REPLY_HEADER {
         return Err(DecodeError::Malformed("ucx active-message reply header of the wrong size"));
     }
     let token = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
-    Ok((token, Status::from_u16(u16::from_le_bytes([header[8], header[9]]))))
+    let secret: [u8; 16] = header[10..].try_into().expect("16 bytes");
+    Ok((token, Status::from_u16(u16::from_le_bytes([header[8], header[9]])), secret))
 }
 
-/// The optional trailing feature word of `UcxOpen`/`UcxReady`: absent (a peer before `Hello`
-/// version 3) is 0; anything but exactly 4 bytes left is malformed.
-fn ucx_features(r: &mut Reader<'_>) -> Result<u32, DecodeError> {
+/// The tail of `UcxOpen`/`UcxReady`: the feature word (absent: a peer before `Hello` version
+/// 3, i.e. 0) and the MAC (absent: a peer from before issue 33). Nothing, 4 or 36 bytes;
+/// anything else is malformed.
+fn ucx_tail(r: &mut Reader<'_>) -> Result<(u32, Option<[u8; 32]>), DecodeError> {
     match r.remaining() {
-        0 => Ok(0),
-        4 => r.u32(),
-        _ => Err(DecodeError::Malformed("ucx feature word is not 4 bytes")),
+        0 => Ok((0, None)),
+        4 => Ok((r.u32()?, None)),
+        36 => Ok((r.u32()?, Some(r.array()?))),
+        _ => Err(DecodeError::Malformed("ucx session tail is not a feature word and a MAC")),
+    }
+}
+
+/// Write the tail `ucx_tail` reads (canonical: the feature word only when not 0 or followed
+/// by a MAC).
+fn put_ucx_tail(out: &mut Vec<u8>, features: u32, mac: &Option<[u8; 32]>) {
+    if features != 0 || mac.is_some() {
+        out.extend_from_slice(&features.to_le_bytes());
+    }
+    if let Some(m) = mac {
+        out.extend_from_slice(m);
     }
 }
 
@@ -1037,10 +1062,13 @@ mod tests {
         roundtrip(Body::MetaPut(vec![]));
         roundtrip(Body::Error { status: Status::VersionMismatch, msg: "v2".into() });
         roundtrip(Body::Hello { version: HELLO_VERSION, role: Role::UcxSession, incarnation: 5, name: "prefill-0".into(), nonce: [3; 16] });
-        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: 0 });
-        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: UCX_FEATURE_AM });
-        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: 0 });
-        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: UCX_FEATURE_AM });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: 0, mac: None });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: UCX_FEATURE_AM, mac: None });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: 0, mac: Some([9; 32]) });
+        roundtrip(Body::UcxOpen { rail: 3, addr: vec![7; 300], features: UCX_FEATURE_AM, mac: Some([9; 32]) });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: 0, mac: None });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: UCX_FEATURE_AM, mac: None });
+        roundtrip(Body::UcxReady { addr: vec![1; 200], regions: vec![], features: 0, mac: Some([3; 32]) });
         roundtrip(Body::UcxReady {
             addr: vec![],
             regions: vec![
@@ -1048,6 +1076,7 @@ mod tests {
                 UcxRegion { id: 9, base: 4096, len: 1, rkey: vec![] },
             ],
             features: 0,
+            mac: Some([1; 32]),
         });
         roundtrip(Body::UcxRkeys(vec![]));
         roundtrip(Body::UcxRkeys(vec![1, u64::MAX]));
@@ -1137,8 +1166,13 @@ mod tests {
         ids.resize(ids.len() + 8 * (MAX_UCX_RKEYS + 1), 0);
         assert!(Body::decode(Kind::UcxRkeys, &ids).is_err());
         // Truncated and trailing bodies.
-        let ok = Body::UcxReady { addr: vec![1; 9], regions: vec![UcxRegion { id: 1, base: 2, len: 3, rkey: vec![4; 5] }], features: 0 }
-            .encode(0);
+        let ok = Body::UcxReady {
+            addr: vec![1; 9],
+            regions: vec![UcxRegion { id: 1, base: 2, len: 3, rkey: vec![4; 5] }],
+            features: 0,
+            mac: None,
+        }
+        .encode(0);
         let body = &ok[HEADER_LEN..];
         for cut in 0..body.len() {
             assert!(Body::decode(Kind::UcxReady, &body[..cut]).is_err(), "cut at {cut}");
@@ -1159,8 +1193,8 @@ mod tests {
         let big = UcxRegion { id: 1, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY + 1] };
         let fits = UcxRegion { id: 2, base: 0, len: 1, rkey: vec![0; MAX_UCX_RKEY] };
         let regions: Vec<UcxRegion> = std::iter::once(big).chain((0..2000).map(|i| UcxRegion { id: i + 2, ..fits.clone() })).collect();
-        let bytes = Body::UcxReady { addr: vec![0; MAX_UCX_ADDR], regions, features: UCX_FEATURE_AM }.encode(0);
-        assert!(bytes.len() - HEADER_LEN <= MAX_UCX_READY);
+        let bytes = Body::UcxReady { addr: vec![0; MAX_UCX_ADDR], regions, features: UCX_FEATURE_AM, mac: Some([0; 32]) }.encode(0);
+        assert!(bytes.len() - HEADER_LEN <= Kind::UcxReady.max_body());
         let h = Header::decode(bytes[..HEADER_LEN].try_into().unwrap()).unwrap();
         let Body::UcxReady { regions, .. } = Body::decode(h.kind, &bytes[HEADER_LEN..]).unwrap() else { panic!("not UcxReady") };
         assert!(!regions.is_empty() && regions.len() < 2000);
@@ -1280,7 +1314,7 @@ mod tests {
         };
         let total = op.total() as usize;
         for write in [false, true] {
-            let am = UcxAm { token: 0x1234_5678_9abc, write, op: op.clone() };
+            let am = UcxAm { token: 0x1234_5678_9abc, write, op: op.clone(), secret: [0x5e; 16] };
             let (h, desc) = am.encode();
             let mut data = desc.clone();
             if write {
@@ -1299,37 +1333,47 @@ mod tests {
             for cut in 0..desc.len() {
                 assert!(UcxAm::decode(&h, &data[..cut]).is_err(), "cut at {cut}");
             }
-            assert!(UcxAm::decode(&h[..12], &data).is_err());
+            assert!(UcxAm::decode(&h[..UCX_AM_REQ_HEADER - 1], &data).is_err());
         }
         // Unknown op, a descriptor length past the bound, a piece list over the entry bound.
-        let (mut h, desc) = UcxAm { token: 1, write: false, op: op.clone() }.encode();
+        let (mut h, desc) = UcxAm { token: 1, write: false, op: op.clone(), secret: [0; 16] }.encode();
         h[0] = 3;
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
         h[0] = 1;
         h[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
         let many = VecOp { pieces: vec![VecPiece { offset: 0, len: 1, count: 1, stride: 0 }; MAX_VEC_ENTRIES + 1], ..op.clone() };
-        let (h, desc) = UcxAm { token: 1, write: false, op: many }.encode();
+        let (h, desc) = UcxAm { token: 1, write: false, op: many, secret: [0; 16] }.encode();
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
         // A zero-length piece.
         let zero = VecOp { pieces: vec![VecPiece { offset: 0, len: 0, count: 1, stride: 0 }], ..op };
-        let (h, desc) = UcxAm { token: 1, write: false, op: zero }.encode();
+        let (h, desc) = UcxAm { token: 1, write: false, op: zero, secret: [0; 16] }.encode();
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
         // Replies.
-        let r = encode_ucx_am_reply(99, Status::OutOfBounds);
-        assert_eq!(decode_ucx_am_reply(&r).unwrap(), (99, Status::OutOfBounds));
-        assert!(decode_ucx_am_reply(&r[..9]).is_err());
+        let r = encode_ucx_am_reply(99, Status::OutOfBounds, &[7; 16]);
+        assert_eq!(decode_ucx_am_reply(&r).unwrap(), (99, Status::OutOfBounds, [7; 16]));
+        assert!(decode_ucx_am_reply(&r[..UCX_AM_REPLY_HEADER - 1]).is_err());
     }
 
     #[test]
     fn ucx_features_word_is_optional_and_exact() {
-        let open = Body::UcxOpen { rail: 1, addr: vec![1; 4], features: 0 }.encode(0);
+        let open = Body::UcxOpen { rail: 1, addr: vec![1; 4], features: 0, mac: None }.encode(0);
         let body = &open[HEADER_LEN..];
         assert_eq!(body.len(), 2 + 4 + 4, "no feature word when none is offered");
         let mut with = body.to_vec();
         with.extend_from_slice(&UCX_FEATURE_AM.to_le_bytes());
-        assert_eq!(Body::decode(Kind::UcxOpen, &with).unwrap(), Body::UcxOpen { rail: 1, addr: vec![1; 4], features: UCX_FEATURE_AM });
-        for extra in [1usize, 2, 3, 5] {
+        assert_eq!(
+            Body::decode(Kind::UcxOpen, &with).unwrap(),
+            Body::UcxOpen { rail: 1, addr: vec![1; 4], features: UCX_FEATURE_AM, mac: None }
+        );
+        with.extend_from_slice(&[6; 32]);
+        assert_eq!(
+            Body::decode(Kind::UcxOpen, &with).unwrap(),
+            Body::UcxOpen { rail: 1, addr: vec![1; 4], features: UCX_FEATURE_AM, mac: Some([6; 32]) }
+        );
+        let sealed = Body::UcxOpen { rail: 1, addr: vec![1; 4], features: 0, mac: Some([6; 32]) }.encode(0);
+        assert_eq!(sealed.len() - HEADER_LEN, 2 + 4 + 4 + 4 + 32, "a MAC comes after the feature word, always sent then");
+        for extra in [1usize, 2, 3, 5, 32, 35, 37] {
             let mut bad = body.to_vec();
             bad.extend(std::iter::repeat_n(0, extra));
             assert!(Body::decode(Kind::UcxOpen, &bad).is_err(), "{extra} trailing bytes");

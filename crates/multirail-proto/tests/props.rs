@@ -589,20 +589,19 @@ fn body() -> impl Strategy<Value = Body> {
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::Meta),
         prop::collection::vec(any::<u8>(), 0..300).prop_map(Body::MetaPut),
         (status(), name(512)).prop_map(|(status, msg)| Body::Error { status, msg }),
-        (any::<u16>(), prop::collection::vec(any::<u8>(), 0..300), any::<u32>()).prop_map(|(rail, addr, features)| Body::UcxOpen {
-            rail,
-            addr,
-            features
-        }),
+        (any::<u16>(), prop::collection::vec(any::<u8>(), 0..300), any::<u32>(), any::<Option<[u8; 32]>>())
+            .prop_map(|(rail, addr, features, mac)| Body::UcxOpen { rail, addr, features, mac }),
         (
             prop::collection::vec(any::<u8>(), 0..300),
             prop::collection::vec((any::<u64>(), any::<u64>(), any::<u64>(), prop::collection::vec(any::<u8>(), 0..100)), 0..5),
-            any::<u32>()
+            any::<u32>(),
+            any::<Option<[u8; 32]>>()
         )
-            .prop_map(|(addr, rs, features)| Body::UcxReady {
+            .prop_map(|(addr, rs, features, mac)| Body::UcxReady {
                 addr,
                 regions: rs.into_iter().map(|(id, base, len, rkey)| UcxRegion { id, base, len, rkey }).collect(),
-                features
+                features,
+                mac
             }),
         prop::collection::vec(any::<u64>(), 0..20).prop_map(Body::UcxRkeys),
         (any::<[u8; 16]>(), any::<[u8; 16]>(), prop::collection::vec((any::<u64>(), any::<[u8; 16]>()), 0..10))
@@ -727,7 +726,7 @@ fn write_fuzz_corpus() {
                 nonce: [6; 16],
             },
         ),
-        ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170], features: 0 }),
+        ("ucxopen", Body::UcxOpen { rail: 1, addr: vec![0x11; 170], features: 1, mac: Some([0x5a; 32]) }),
         (
             "ucxready",
             Body::UcxReady {
@@ -736,7 +735,8 @@ fn write_fuzz_corpus() {
                     UcxRegion { id: 1, base: 0x7f00_0000_0000, len: MIB, rkey: vec![0x33; 48] },
                     UcxRegion { id: 2, base: 0x7f00_1000_0000, len: 64 * MIB, rkey: vec![0x44; 48] },
                 ],
-                features: 0,
+                features: 1,
+                mac: Some([0x5b; 32]),
             },
         ),
         ("ucxrkeys", Body::UcxRkeys(vec![3, 4])),
@@ -776,7 +776,7 @@ fn write_fuzz_corpus() {
     ];
     // ucx active messages: [header length][header][data] (fuzz/fuzz_targets/ucx_am.rs).
     let am_seed = |write: bool, op: VecOp| {
-        let am = multirail_proto::codec::UcxAm { token: 0x1234, write, op };
+        let am = multirail_proto::codec::UcxAm { token: 0x1234, write, op, secret: [0x5c; 16] };
         let (h, mut d) = am.encode();
         if write {
             d.resize(d.len() + am.op.total() as usize, 0x77);
@@ -795,8 +795,8 @@ fn write_fuzz_corpus() {
         ("am_read", am_seed(false, am_op.clone())),
         ("am_write", am_seed(true, am_op)),
         ("am_reply", {
-            let mut v = vec![10u8];
-            v.extend_from_slice(&multirail_proto::codec::encode_ucx_am_reply(0x1234, Status::OutOfBounds));
+            let mut v = vec![multirail_proto::codec::UCX_AM_REPLY_HEADER as u8];
+            v.extend_from_slice(&multirail_proto::codec::encode_ucx_am_reply(0x1234, Status::OutOfBounds, &[0x5c; 16]));
             v
         }),
     ];
@@ -872,7 +872,7 @@ proptest! {
         use multirail_proto::codec::UcxAm;
         // Small pieces (the strides stay >= the lengths): a WRITE's bytes stay small.
         let op = VecOp { pieces: op.pieces.into_iter().map(|p| VecPiece { len: p.len % 512 + 1, ..p }).collect(), ..op };
-        let am = UcxAm { token, write, op };
+        let am = UcxAm { token, write, op, secret: [0x5d; 16] };
         let (h, desc) = am.encode();
         let mut data = desc.clone();
         if write {
@@ -902,7 +902,7 @@ proptest! {
 
     /// Arbitrary bytes as a request or a reply header never panic the decoders.
     #[test]
-    fn ucx_am_arbitrary_bytes(h in prop::collection::vec(any::<u8>(), 0..20), d in prop::collection::vec(any::<u8>(), 0..200)) {
+    fn ucx_am_arbitrary_bytes(h in prop::collection::vec(any::<u8>(), 0..40), d in prop::collection::vec(any::<u8>(), 0..200)) {
         let _ = multirail_proto::codec::UcxAm::decode(&h, &d);
         let _ = multirail_proto::codec::decode_ucx_am_reply(&h);
     }

@@ -440,7 +440,7 @@ impl PackedRkey {
             }
         }
         let rest = peer.len() - at;
-        if rest != 0 && (rest - 1) % 3 != 0 {
+        if rest != 0 && !(rest - 1).is_multiple_of(3) {
             return bad(format!("{rest} bytes after the domain keys (a device byte and 3-byte distances expected)"));
         }
         Ok(())
@@ -450,7 +450,6 @@ impl PackedRkey {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::WorkerAddress;
 
     /// Issue 33, item 2: the structure of a packed rkey is walked before UCX sees it.
     #[test]
@@ -474,7 +473,8 @@ mod tests {
 
     #[test]
     fn worker_address_shape() {
-        let like = crate::worker::test_address(vec![0x11; 200]);
+        use crate::worker::WorkerAddress;
+        let like = vec![0x11u8; 200];
         assert!(WorkerAddress::check_shape(&[0x01; 180], &like).is_ok());
         assert!(WorkerAddress::check_shape(&[0x12; 180], &like).is_err(), "another version");
         assert!(WorkerAddress::check_shape(&[0x01; 5], &like).is_err(), "too short");

@@ -548,12 +548,6 @@ impl std::fmt::Debug for WorkerAddress {
     }
 }
 
-/// An address of these bytes (tests of `check_shape`).
-#[cfg(test)]
-pub(crate) fn test_address(bytes: Vec<u8>) -> WorkerAddress {
-    WorkerAddress(bytes)
-}
-
 impl WorkerAddress {
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
@@ -585,21 +579,20 @@ impl WorkerAddress {
         Ok(())
     }
 
-    /// Whether a peer's address has the structure of `like` (an address this process's UCX
+    /// Whether a peer's address has the structure of `local` (an address this process's UCX
     /// produced for a worker of the same configuration): the same address version (the low
     /// nibble of the first byte, `UCP_ADDRESS_HEADER_VERSION_MASK`), at least a header and a
-    /// worker id, and no more than 16 times `like`'s length (4 KiB at least). A plausibility
+    /// worker id, and no more than 16 times `local`'s length (4 KiB at least). A plausibility
     /// check before `ucp_ep_create`, which takes no length: it stops garbage and truncation,
     /// not a well-formed forgery (the channel's MAC does that).
-    pub fn check_shape(peer: &[u8], like: &WorkerAddress) -> Result<()> {
+    pub fn check_shape(peer: &[u8], local: &[u8]) -> Result<()> {
         Self::check_len(peer)?;
         let bad = |why: String| Err(Error::Shape { what: "worker address", why });
-        let local = like.as_bytes();
         let min = local.len().min(9);
         if peer.len() < min {
             return bad(format!("{} bytes, shorter than a header and worker id ({min})", peer.len()));
         }
-        let max = (local.len() * 16).max(4096).min(MAX_ADDRESS_LEN);
+        let max = (local.len() * 16).clamp(4096, MAX_ADDRESS_LEN);
         if peer.len() > max {
             return bad(format!("{} bytes, more than 16 times this worker's address ({} bytes)", peer.len(), local.len()));
         }

@@ -19,7 +19,7 @@ fn deadline(secs: u64) -> Instant {
 /// would after receiving it.
 fn over_the_wire(addr: &WorkerAddress, rkey: &PackedRkey) -> (WorkerAddress, PackedRkey) {
     // What the loaded UCX produces passes the structure checks a transport makes first.
-    WorkerAddress::check_shape(addr.as_bytes(), addr).unwrap();
+    WorkerAddress::check_shape(addr.as_bytes(), addr.as_bytes()).unwrap();
     PackedRkey::check_shape(rkey.as_bytes()).unwrap_or_else(|e| panic!("{e}: {:02x?}", rkey.as_bytes()));
     // SAFETY: the bytes are exactly what ucp_worker_get_address / ucp_rkey_pack produced.
     unsafe { (WorkerAddress::from_peer(addr.as_bytes().to_vec()).unwrap(), PackedRkey::from_peer(rkey.as_bytes().to_vec()).unwrap()) }
@@ -332,7 +332,8 @@ fn reply_endpoint_tells_the_sender_apart() {
     let a = multirail_ucx::Worker::new(&ca, ThreadMode::Serialized).unwrap();
     let b = multirail_ucx::Worker::new(&cb, ThreadMode::Serialized).unwrap();
     let c = multirail_ucx::Worker::new(&cc, ThreadMode::Serialized).unwrap();
-    let got: std::sync::Arc<std::sync::Mutex<Vec<(u8, Option<usize>)>>> = Default::default();
+    type Seen = Vec<(u8, Option<usize>)>; // (first header byte, from)
+    let got: std::sync::Arc<std::sync::Mutex<Seen>> = Default::default();
     let g = got.clone();
     b.set_am_handler(9, Box::new(move |h, _, from| g.lock().unwrap().push((h[0], from)))).unwrap();
     // b's endpoint to a first (the target's reply endpoint), then a's to b (the initiator's).

@@ -522,7 +522,19 @@ fn choose_transports(
     };
     let choices: Vec<select::Choice> =
         asked.iter().map(|(k, dev)| select::choose(*k, select::RailFacts { rdma_dev: dev }, &facts)).collect();
+    let would: Vec<usize> = choices.iter().enumerate().filter(|(_, c)| c.kind == TransportKind::Ucx).map(|(i, _)| i).collect();
+    let kinds: Vec<TransportKind> = asked.iter().map(|(k, _)| *k).collect();
+    let choices = select::require_secret(&kinds, choices, cfg.secret.is_some())?;
     let mut notes = Vec::new();
+    let fell: Vec<String> =
+        would.iter().filter(|&&i| choices[i].kind == TransportKind::Tcp).map(|i| format!("{i} ({})", rails_meta[*i].name)).collect();
+    if !fell.is_empty() {
+        notes.push(format!(
+            "rail(s) {} have RDMA and would run ucx (transport \"auto\"), but no shared secret is set (auth_secret, or \
+             MULTIRAIL_SECRET): UCX sessions need one, so they run tcp. Set the same auth_secret on every agent to use RDMA",
+            fell.join(", ")
+        ));
+    }
     if let Some(w) = lib.as_ref().and_then(|u| u.info().rdma_warning()) {
         notes.push(w);
     }

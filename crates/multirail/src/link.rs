@@ -1334,8 +1334,8 @@ impl Host for Link {
         self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id))
     }
 
-    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
-        self.dial_rail(ri, role, timeout).map(|c| (c.stream, c.id, c.version))
+    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<Dialed> {
+        self.dial_rail(ri, role, timeout)
     }
 
     fn set_vectored(&self, ri: usize, on: bool) {

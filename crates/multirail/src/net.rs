@@ -113,6 +113,9 @@ pub(crate) struct Dialed {
     /// The `Hello` version the peer accepted: [`HELLO_VERSION`], or 1 for a peer from before
     /// vectored requests (its connections carry none).
     pub version: u16,
+    /// With a shared secret: the connection's session key (`auth::session_key` over both
+    /// nonces), which keys a UCX session's MACs and active-message secret.
+    pub session_key: Option<[u8; 32]>,
 }
 
 /// Open one authenticated connection and check the peer is the life we have metadata for.
@@ -124,7 +127,7 @@ pub(crate) fn dial(me: &Identity<'_>, to: Dial<'_>) -> Result<Dialed> {
     loop {
         match dial_version(me, &to, version) {
             Err(Error::Decode { source: multirail_proto::DecodeError::VersionMismatch { .. }, .. }) if version > 1 => version -= 1,
-            r => return r.map(|(stream, id)| Dialed { stream, id, version }),
+            r => return r.map(|(stream, id, session_key)| Dialed { stream, id, version, session_key }),
         }
     }
 }
@@ -135,7 +138,7 @@ pub(crate) fn refused(e: &Error) -> bool {
     matches!(e, Error::Io { kind: std::io::ErrorKind::ConnectionRefused, .. })
 }
 
-fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16])> {
+fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpStream, [u8; 16], Option<[u8; 32]>)> {
     let Dial { local, remote, role, expect, timeout } = *to;
     let who = format!("{remote}");
     let domain = socket2::Domain::for_address(remote);
@@ -200,7 +203,8 @@ fn dial_version(ctx: &Identity<'_>, to: &Dial<'_>, version: u16) -> Result<(TcpS
         Body::Error { status, msg } => return Err(status_error(&who, status, msg)),
         other => return Err(Error::Protocol { who, msg: format!("expected Welcome, got {:?}", other.kind()) }),
     }
-    Ok((s, nonce))
+    let session_key = ctx.secret.map(|secret| auth::session_key(secret, &nonce, &server_nonce));
+    Ok((s, nonce, session_key))
 }
 
 pub(crate) fn status_error(who: &str, status: Status, msg: String) -> Error {

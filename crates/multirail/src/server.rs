@@ -477,7 +477,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     };
     let greeted = handshake(sh, &mut s, &who, listener);
     sh.handshakes.finish(admitted);
-    let Some(Greeted { role, name: peer_name, conn_id, version: hello_version, welcome }) = greeted else {
+    let Some(Greeted { role, name: peer_name, conn_id, version: hello_version, welcome, session_key }) = greeted else {
         let _ = s.shutdown(Shutdown::Both);
         return;
     };
@@ -530,7 +530,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         return;
     }
     if role == Role::UcxSession {
-        serve_ucx(sh, &mut s, &me, &who, hello_version);
+        serve_ucx(sh, &mut s, &me, &who, hello_version, session_key);
         let _ = s.shutdown(Shutdown::Both);
         return;
     }
@@ -1173,7 +1173,7 @@ impl PendingWrites {
 /// fenced. The connection's `apply` lock is held for the worker's whole life: `fence` takes it
 /// after aborting the socket, so a fence returns only once the worker is destroyed, and then no
 /// late PUT of this session can land (the UCX fence).
-fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_version: u16) {
+fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_version: u16, session_key: Option<[u8; 32]>) {
     let Some(ucx) = sh.ucx.as_ref() else {
         // Read the UcxOpen first (bounded), so the refusal is not lost to a reset.
         let deadline = Instant::now() + sh.ctx.cfg.timeout;
@@ -1186,7 +1186,7 @@ fn serve_ucx(sh: &Shared, s: &mut TcpStream, me: &Served, who: &str, hello_versi
     if me.fenced.load(Ordering::Acquire) {
         return;
     }
-    let session = crate::transport::ucx::Session { fenced: &me.fenced, who, hello_version, counters: me.ctr.clone() };
+    let session = crate::transport::ucx::Session { fenced: &me.fenced, who, hello_version, counters: me.ctr.clone(), session_key };
     let r = crate::transport::ucx::serve_session(&sh.ctx.cfg, &sh.shutdown, &|m| sh.ctx.log(m), ucx, s, session);
     drop(guard);
     if let Err((status, msg)) = r {
@@ -1203,6 +1203,8 @@ struct Greeted {
     conn_id: [u8; 16],
     version: u16,
     welcome: [u8; 32],
+    /// With a secret: the connection's session key (`auth::session_key`; UCX sessions).
+    session_key: Option<[u8; 32]>,
 }
 
 /// Hello -> Challenge -> Auth. Returns the peer's role, name, connection id (the nonce of its
@@ -1277,7 +1279,8 @@ fn handshake(sh: &Shared, s: &mut TcpStream, who: &str, listener: usize) -> Opti
         }
         None => [0u8; 32],
     };
-    Some(Greeted { role, name, conn_id: client_nonce, version, welcome: reply })
+    let session_key = secret.map(|secret| auth::session_key(secret, &client_nonce, &nonce));
+    Some(Greeted { role, name, conn_id: client_nonce, version, welcome: reply, session_key })
 }
 
 /// The device ranges of a vectored request's pieces in region `r`, in stream order (checked

@@ -21,8 +21,11 @@ use crate::wire;
 
 const T: Duration = Duration::from_secs(5);
 
+/// The shared secret of these tests' agents (UCX sessions need one).
+const SECRET: &[u8] = b"ucx-tests";
+
 fn agent(name: &str, transport: TransportKind) -> Agent {
-    let cfg = Config { transport, timeout: T, ..Config::default() };
+    let cfg = Config { transport, timeout: T, secret: Some(SECRET.to_vec()), ..Config::default() };
     match Agent::new(name, cfg) {
         Ok(a) => a,
         Err(e) => panic!("{name}: {e}"),
@@ -40,7 +43,7 @@ fn try_open(init: &Agent, target: &Agent) -> Result<UcxRail> {
         &sh.ctx.identity(),
         Dial { expect: Some((target.name(), target.incarnation())), ..Dial::to(rail_addr(target), Role::UcxSession, T) },
     )?;
-    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, c.version, T)
+    UcxRail::open(sh.ucx.as_ref().expect("ucx agent"), 0, 0, c.stream, c.id, c.version, c.session_key, T)
 }
 
 fn open(init: &Agent, target: &Agent) -> UcxRail {
@@ -293,9 +296,11 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
         s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         let mut tick = |_: bool| Ok(());
         let Body::UcxOpen { .. } = wire::read_frame(&mut s, &mut tick).unwrap().1 else { panic!("no UcxOpen") };
+        let key = [7u8; 32]; // the session key both sides were given
         let w = Worker::new(&ctx, ThreadMode::Serialized).unwrap();
         let regions = vec![UcxRegion { id: 1, base: tmap.addr(), len: 65536, rkey: tmap.pack_rkey().unwrap().into_bytes() }];
-        wire::send(&mut s, &Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions, features: 0 }, 0, &mut tick).unwrap();
+        let ready = Body::UcxReady { addr: w.address().unwrap().into_bytes(), regions, features: 0, mac: None };
+        wire::send(&mut s, &crate::transport::ucx::seal(&key, 0, ready), 0, &mut tick).unwrap();
         while !h2.load(Ordering::Acquire) {
             let _ = w.wait_for_events(Duration::from_millis(10));
         }
@@ -307,7 +312,7 @@ fn ucx_hung_target_fails_the_rail_within_the_stall_time() {
     });
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
-    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], 1, T).unwrap();
+    let rail = UcxRail::open(init.shared().ucx.as_ref().unwrap(), 0, 0, s, [0; 16], 1, Some([7; 32]), T).unwrap();
     let ibuf = vec![0u8; 65536];
     let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
     rail.post(1, false, ibuf.as_ptr() as u64, 1, 0, 4096).unwrap();
@@ -393,7 +398,7 @@ fn ucx_session_refused_by_an_agent_without_ucx() {
     let ucx_target = agent("ucx-target", TransportKind::Ucx);
     let sh = init.shared();
     let c = dial(&sh.ctx.identity(), Dial::to(rail_addr(&ucx_target), Role::UcxSession, T)).unwrap();
-    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, c.version, T).err().expect("refused");
+    let e = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 5, c.stream, c.id, c.version, c.session_key, T).err().expect("refused");
     assert!(e.to_string().contains("no rail 5"), "{e}");
     assert_eq!(ucx_target.shared().ucx.as_ref().unwrap().sessions(), 0);
     ucx_target.close();
@@ -424,14 +429,14 @@ fn ucx_am_scattered_pages_land_exactly_both_ways() {
     // WRITE: 48 local pages (every third page of the first 576 KiB) to shuffled remote pages
     // (page k -> remote slot (k * 29) % 64 of 8 KiB, 100 bytes in).
     let writes: Vec<(u64, u64, u64)> = (0..48u64).map(|k| (ib + k * 3 * PAGE, ((k * 29) % 64) * 2 * PAGE + 100, PAGE)).collect();
-    rail.post_v(1, true, tr.id, &writes, Some(&wire_of(&writes))).unwrap();
+    rail.post_v(1, true, tr.id, tr.key, &writes, Some(&wire_of(&writes))).unwrap();
     // A strided remote entry: 16 pieces of 512 bytes, every 2 KiB from 700000, from one local run.
     let strided: Vec<(u64, u64, u64)> = (0..16u64).map(|k| (ib + 600_000 + k * 512, 700_000 + k * 2048, 512)).collect();
     let sw = [VecPiece { offset: 700_000, len: 512, count: 16, stride: 2048 }];
-    rail.post_v(2, true, tr.id, &strided, Some(&sw)).unwrap();
+    rail.post_v(2, true, tr.id, tr.key, &strided, Some(&sw)).unwrap();
     // READ: 40 remote pages from the upper half, shuffled, into scattered local pages.
     let reads: Vec<(u64, u64, u64)> = (0..40u64).map(|k| (ib + 800_000 + ((k * 7) % 40) * 5000, 524_288 + k * PAGE, PAGE)).collect();
-    rail.post_v(3, false, tr.id, &reads, Some(&wire_of(&reads))).unwrap();
+    rail.post_v(3, false, tr.id, tr.key, &reads, Some(&wire_of(&reads))).unwrap();
     let mut done = collect(&rail, 3);
     done.sort_by_key(|d| d.0);
     assert_eq!(done, vec![(1, Ok(())), (2, Ok(())), (3, Ok(()))]);
@@ -504,23 +509,26 @@ fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
     let ib = ibuf.as_ptr() as u64;
     let two = [(ib, 0u64, 4096u64), (ib + 8192, 8192, 4096)];
     // Checked on the initiator first, as RMA is: nothing sent.
-    let e = rail.post_v(1, true, tr.id, &[(ib, 65536 - 100, 4096), (ib + 8192, 0, 4096)], Some(&wire_of(&two))).unwrap_err();
+    let e = rail.post_v(1, true, tr.id, tr.key, &[(ib, 65536 - 100, 4096), (ib + 8192, 0, 4096)], Some(&wire_of(&two))).unwrap_err();
     assert!(e.contains("outside region"), "{e}");
     // What a faulty initiator could send: refused by the target, each with its status.
     let oob = [VecPiece { offset: 0, len: 4096, count: 1, stride: 0 }, VecPiece { offset: 65536 - 100, len: 4096, count: 1, stride: 0 }];
-    rail.post_am_unchecked(10, true, tr.id, &two, &oob).unwrap();
+    rail.post_am_unchecked(10, true, (tr.id, tr.key), &two, &oob).unwrap();
     let strided_oob = [VecPiece { offset: 0, len: 4096, count: 2, stride: 65536 }];
-    rail.post_am_unchecked(11, true, tr.id, &two, &strided_oob).unwrap();
-    rail.post_am_unchecked(12, false, tr.id, &two, &oob).unwrap();
-    rail.post_am_unchecked(13, true, ro.id, &two, &wire_of(&two)).unwrap();
-    rail.post_am_unchecked(14, true, lo.id, &two, &wire_of(&two)).unwrap();
-    rail.post_am_unchecked(15, true, 12345, &two, &wire_of(&two)).unwrap();
+    rail.post_am_unchecked(11, true, (tr.id, tr.key), &two, &strided_oob).unwrap();
+    rail.post_am_unchecked(12, false, (tr.id, tr.key), &two, &oob).unwrap();
+    rail.post_am_unchecked(13, true, (ro.id, ro.key), &two, &wire_of(&two)).unwrap();
+    rail.post_am_unchecked(14, true, (lo.id, lo.key), &two, &wire_of(&two)).unwrap();
+    rail.post_am_unchecked(15, true, (12345, RegionKey([0; 16])), &two, &wire_of(&two)).unwrap();
+    // The right region with a wrong key (issue 33: the key is checked on this path too).
+    rail.post_am_unchecked(9, true, (tr.id, RegionKey([0; 16])), &two, &wire_of(&two)).unwrap();
     // Malformed: an unknown op, a descriptor length past the data, a WRITE whose data is not
     // its pieces' bytes, an empty piece list.
     let good = multirail_proto::codec::UcxAm {
         token: 16,
         write: true,
-        op: VecOp { region: tr.id, key: RegionKey([0; 16]), pieces: wire_of(&two) },
+        op: VecOp { region: tr.id, key: tr.key, pieces: wire_of(&two) },
+        secret: rail.am_secret(),
     };
     let (mut h, desc) = good.encode();
     h[0] = 9;
@@ -536,9 +544,10 @@ fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
     let mut empty = desc_of(tr.id);
     h[9..13].copy_from_slice(&(empty.len() as u32).to_le_bytes());
     rail.post_am_raw(19, h.to_vec(), std::mem::take(&mut empty)).unwrap();
-    let mut got = collect(&rail, 10);
+    let mut got = collect(&rail, 11);
     got.sort_by_key(|d| d.0);
     let want = [
+        (9, "BadKey"),
         (10, "outside"),
         (11, "outside"),
         (12, "outside"),
@@ -559,20 +568,20 @@ fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
     rail.post_am_raw(20, vec![2, 0, 0], Vec::new()).unwrap();
     assert!(tbuf == torig && robuf == roorig && lobuf == loorig, "a refused request wrote");
     // The rail is healthy: a good request goes through, and the read-only region reads.
-    rail.post_v(21, true, tr.id, &two, Some(&wire_of(&two))).unwrap();
+    rail.post_v(21, true, tr.id, tr.key, &two, Some(&wire_of(&two))).unwrap();
     let ro_pieces = [(ib + 16384, 0, 4096), (ib + 32768, 4096, 4096)];
-    rail.post_v(22, false, ro.id, &ro_pieces, Some(&wire_of(&ro_pieces))).unwrap();
+    rail.post_v(22, false, ro.id, ro.key, &ro_pieces, Some(&wire_of(&ro_pieces))).unwrap();
     let mut got = collect(&rail, 2);
     got.sort_by_key(|d| d.0);
     assert_eq!(got, vec![(21, Ok(())), (22, Ok(()))]);
     assert!(tbuf[..4096] == ibuf[..4096] && tbuf[8192..12288] == ibuf[8192..12288], "WRITE after refusals");
     assert!(ibuf[16384..16384 + 4096] == roorig[..4096] && ibuf[32768..32768 + 4096] == roorig[4096..8192], "READ of a read-only region");
     let refused: u64 = target.served_stats().iter().map(|s| s.refused).sum();
-    assert_eq!(refused, 11, "every refusal counted (10 answered, 1 dropped)");
+    assert_eq!(refused, 12, "every refusal counted (11 answered, 1 dropped)");
     // Abort with an active message outstanding: reported lost, and no late reply lands.
     let zero = vec![0u8; 8192];
     ibuf[40960..40960 + 8192].copy_from_slice(&zero);
-    rail.post_v(30, false, tr.id, &[(ib + 40960, 0, 4096), (ib + 45056, 8192, 4096)], Some(&wire_of(&two))).unwrap();
+    rail.post_v(30, false, tr.id, tr.key, &[(ib + 40960, 0, 4096), (ib + 45056, 8192, 4096)], Some(&wire_of(&two))).unwrap();
     rail.abort();
     assert!(rail.take_unfinished().contains(&30));
     std::thread::sleep(Duration::from_millis(100));
@@ -607,12 +616,12 @@ fn ucx_am_is_negotiated_and_rma_stays_for_older_peers() {
     )
     .unwrap();
     assert_eq!(c.version, multirail_proto::codec::HELLO_UCX_FEATURES);
-    let rail = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 0, c.stream, c.id, 2, T).unwrap();
+    let rail = UcxRail::open(sh.ucx.as_ref().unwrap(), 0, 0, c.stream, c.id, 2, c.session_key, T).unwrap();
     assert!(!rail.am());
     let ib = ibuf.as_ptr() as u64;
     let two = [(ib, 0u64, 4096u64), (ib + 8192, 8192, 4096)];
     // The piece table is ignored without the feature: puts and a flush.
-    rail.post_v(1, true, tr.id, &two, Some(&wire_of(&two))).unwrap();
+    rail.post_v(1, true, tr.id, tr.key, &two, Some(&wire_of(&two))).unwrap();
     assert_eq!(collect(&rail, 1), vec![(1, Ok(()))]);
     assert_eq!(&tbuf[..4096], &ibuf[..4096]);
     assert_eq!(&tbuf[8192..12288], &ibuf[8192..12288]);
@@ -679,4 +688,150 @@ fn rdma_put_into_a_read_only_region_fails() {
     };
     assert!(failed, "an RDMA WRITE into a read-only region completed");
     assert!(dst.iter().all(|&b| b == 0), "the read-only region changed");
+}
+
+/// Issue 33, item 2: an agent asked to run ucx without a shared secret is refused at setup,
+/// naming the setting (a UCX session hands peer bytes to UCX: only MAC-checked sessions may).
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_without_a_secret_is_refused_at_setup() {
+    let cfg = Config { transport: TransportKind::Ucx, timeout: T, ..Config::default() };
+    let e = Agent::new("ucx-nosecret", cfg).err().expect("refused");
+    assert!(e.to_string().contains("auth_secret"), "{e}");
+}
+
+/// A raw `Role::UcxSession` connection to `target` (handshake done with the tests' secret) that
+/// sends `open(session key)` and returns the target's answer.
+fn raw_open(init: &Agent, target: &Agent, open: impl Fn(&[u8; 32]) -> Body) -> Body {
+    let sh = init.shared();
+    let c = dial(&sh.ctx.identity(), Dial::to(rail_addr(target), Role::UcxSession, T)).unwrap();
+    let mut s = c.stream;
+    let end = Instant::now() + T;
+    let mut tick = |_: bool| if Instant::now() > end { Err("late".to_string()) } else { Ok(()) };
+    wire::send(&mut s, &open(&c.session_key.expect("a secret")), 0, &mut tick).unwrap();
+    wire::read_frame(&mut s, &mut tick).expect("an answer").1
+}
+
+/// Issue 33, item 2: the target checks `UcxOpen`'s MAC before anything of it reaches UCX, and
+/// the initiator's worker address for structure: no MAC (an older build), a MAC of another
+/// session, and a sealed address of garbage (the review's 64 KiB of 0xff, which
+/// `ucp_address_unpack` would read past) are refused with no session worker made.
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_open_needs_its_mac_and_a_well_formed_address() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    // A real worker address of this UCX (what an initiator sends).
+    let ctx = Context::new(&Ucx::load_with(&LoadOptions::from_env()).unwrap(), &ContextConfig::new().tls("tcp").net_devices("lo")).unwrap();
+    let addr = Worker::new(&ctx, ThreadMode::Serialized).unwrap().address().unwrap().into_bytes();
+    let open = |addr: Vec<u8>, mac| Body::UcxOpen { rail: 0, addr, features: 1, mac };
+    let refused = |b: Body, what: &str| match b {
+        Body::Error { status, msg } => assert!(msg.contains(what), "{status:?}: {msg}"),
+        other => panic!("not refused: {other:?}"),
+    };
+    refused(raw_open(&init, &target, |_| open(addr.clone(), None)), "no valid MAC");
+    let other = crate::auth::session_key(SECRET, &[1; 16], &[2; 16]);
+    refused(raw_open(&init, &target, |_| crate::transport::ucx::seal(&other, 0, open(addr.clone(), None))), "no valid MAC");
+    refused(raw_open(&init, &target, |k| crate::transport::ucx::seal(k, 0, open(vec![0xff; 65536], None))), "worker address");
+    refused(raw_open(&init, &target, |k| crate::transport::ucx::seal(k, 0, open(vec![0x0f; 3], None))), "worker address");
+    assert_eq!(target.shared().ucx.as_ref().unwrap().sessions(), 0);
+    // Sealed with this connection's key and well formed: served.
+    match raw_open(&init, &target, |k| crate::transport::ucx::seal(k, 0, open(addr.clone(), None))) {
+        Body::UcxReady { mac, .. } => assert!(mac.is_some(), "UcxReady is sealed"),
+        other => panic!("{other:?}"),
+    }
+    init.close();
+    target.close();
+}
+
+/// Issue 33, item 3: a worker that is not the session's initiator sends an active-message WRITE
+/// to the session's worker, with everything the initiator would put in it (the region's key and
+/// even the session's secret): refused unanswered (it does not come from the session's own
+/// endpoint), the region unchanged; the session's own requests still land.
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_am_from_another_worker_is_refused() {
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let ibuf = pattern(21, 65536);
+    let tbuf = pattern(22, 65536);
+    let torig = tbuf.clone();
+    let _ir = init.register(ibuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let tr = target.register(tbuf.as_ptr() as u64, 65536, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = open(&init, &target);
+    assert!(rail.am());
+    // The third party: a worker of its own that reached the session worker's address.
+    let ucx = Ucx::load_with(&LoadOptions::from_env()).unwrap();
+    let ctx = Context::new(&ucx, &ContextConfig::new().tls("tcp").net_devices("lo").active_messages(true)).unwrap();
+    let w = Worker::new(&ctx, ThreadMode::Serialized).unwrap();
+    // SAFETY: the target's own worker address (from its UcxReady), intact.
+    let to = unsafe { multirail_ucx::WorkerAddress::from_peer(rail.peer_address()) }.unwrap();
+    let ep = w.connect(&to).unwrap();
+    let refused_before: u64 = target.served_stats().iter().map(|s| s.refused).sum();
+    let am = UcxAm {
+        token: 1,
+        write: true,
+        op: VecOp { region: tr.id, key: tr.key, pieces: vec![VecPiece { offset: 0, len: 4096, count: 1, stride: 0 }] },
+        secret: rail.am_secret(),
+    };
+    let (h, mut data) = am.encode();
+    data.extend(std::iter::repeat_n(0xee, 4096));
+    let mut req = ep.am_send(multirail_proto::codec::UCX_AM_REQ, h.to_vec(), data, &[]).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    while !req.test().unwrap() {
+        assert!(Instant::now() < end, "the forged request was not sent");
+        w.progress().unwrap();
+    }
+    // Handled (refused) by the session's progress: the refusal is counted.
+    let end = Instant::now() + Duration::from_secs(10);
+    while target.served_stats().iter().map(|s| s.refused).sum::<u64>() == refused_before {
+        assert!(Instant::now() < end, "the forged request was never handled");
+        w.progress().unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(tbuf == torig, "a third party's WRITE landed");
+    // The session itself still works.
+    let ib = ibuf.as_ptr() as u64;
+    let two = [(ib, 0u64, 4096u64), (ib + 8192, 8192, 4096)];
+    rail.post_v(1, true, tr.id, tr.key, &two, Some(&wire_of(&two))).unwrap();
+    assert_eq!(collect(&rail, 1), vec![(1, Ok(()))]);
+    assert_eq!(&tbuf[..4096], &ibuf[..4096]);
+    drop(ep);
+    drop(rail);
+    init.close();
+    target.close();
+}
+
+/// Issue 33, item 5: READ replies the initiator does not take are bounded per session: past
+/// the bound (lowered here to 8 MiB) further READs are refused `Busy` instead of queueing
+/// (a 65-byte request can ask for 64 MiB).
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_am_read_replies_are_bounded() {
+    crate::transport::ucx::set_reply_cap(8 * MIB as u64);
+    let init = agent("ucx-init", TransportKind::Ucx);
+    let target = agent("ucx-target", TransportKind::Ucx);
+    let tbuf = pattern(23, 4 * MIB);
+    let tr = target.register(tbuf.as_ptr() as u64, 4 * MIB as u64, 0, MemType::Dram, Access::ReadWrite).unwrap();
+    let rail = open(&init, &target);
+    crate::transport::ucx::set_reply_cap(crate::transport::ucx::MAX_REPLY_BYTES);
+    // 16 READs of the whole 4 MiB, the initiator not progressing (nothing takes the replies).
+    for t in 0..16u64 {
+        let am = UcxAm {
+            token: 100 + t,
+            write: false,
+            op: VecOp { region: tr.id, key: tr.key, pieces: vec![VecPiece { offset: 0, len: 4 * MIB as u64, count: 1, stride: 0 }] },
+            secret: rail.am_secret(),
+        };
+        let (h, desc) = am.encode();
+        rail.post_am_raw(100 + t, h.to_vec(), desc).unwrap();
+    }
+    // Every request is answered once the initiator progresses: READ bytes, or Busy.
+    let got = collect(&rail, 16);
+    let busy = got.iter().filter(|(_, r)| r.as_ref().is_err_and(|e| e.contains("Busy"))).count();
+    assert!(busy >= 1, "no READ refused past the bound: {got:?}");
+    assert!(busy < 16, "every READ refused: {got:?}");
+    drop(rail);
+    init.close();
+    target.close();
 }

@@ -262,8 +262,11 @@ def check_transport(args: argparse.Namespace) -> None:
         return
     import multirail  # lazy: the tool must import without the extension
 
+    # UCX sessions need a shared secret (--secret or MULTIRAIL_SECRET): without one this probe
+    # fails with the engine's message naming it.
+    secret = {"auth_secret": args.secret} if getattr(args, "secret", None) else {}
     probe = multirail.Agent(f"mr-bench-transport-probe-{os.getpid()}",
-                            {"host": "127.0.0.1", "port": 0, "transport": "ucx"})
+                            {"host": "127.0.0.1", "port": 0, "transport": "ucx", **secret})
     probe.close()
 
 

@@ -77,8 +77,9 @@ pub(crate) trait Host: Send + Sync {
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])>;
     /// As `dial`, and the `Hello` version the peer accepted (a `Role::UcxSession` connection
     /// offers `HELLO_UCX_FEATURES`: version 3 carries the ucx feature words).
-    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16], u16)> {
-        self.dial(ri, role, timeout).map(|(s, id)| (s, id, 1))
+    /// Also the connection's session key (with a shared secret; a UCX session needs it).
+    fn dial_hello(&self, ri: usize, role: Role, timeout: Duration) -> Result<crate::net::Dialed> {
+        self.dial(ri, role, timeout).map(|(stream, id)| crate::net::Dialed { stream, id, version: 1, session_key: None })
     }
     /// Whether rail `ri` is handed vectored chunks (many pieces of one region per chunk, see
     /// `Chunk::vec`): a transport sets it once it knows it and the peer take them on that rail.

@@ -9,6 +9,10 @@
 //! - `auto`: ucx where the rail's NIC has an RDMA device **and** the loaded UCX has an RDMA
 //!   transport (`ib`, `ib_*`, `mlx5`, `efa` modules); tcp elsewhere, with the reason. `auto`
 //!   never picks UCX over TCP.
+//! - No shared secret (`auth_secret`): UCX sessions are refused (issue 33: they hand
+//!   peer-supplied worker addresses and rkeys to UCX, so only a MAC-checked session may), so
+//!   [`require_secret`] turns `auto`'s ucx into tcp with the reason (the agent warns once) and
+//!   refuses `ucx` asked for by name, naming the setting.
 
 use crate::config::TransportKind;
 use crate::error::{Error, Result};
@@ -90,6 +94,32 @@ pub fn choose(asked: TransportKind, rail: RailFacts<'_>, ucx: &UcxFacts) -> Choi
     }
 }
 
+/// Apply the secret rule (module docs) to `choices` (one per rail, for `asked[i]`): without a
+/// secret, an `auto` rail that would run ucx runs tcp instead (its reason says why), and a rail
+/// asked to run `ucx` by name is an error naming `auth_secret`.
+pub fn require_secret(asked: &[TransportKind], choices: Vec<Choice>, secret: bool) -> Result<Vec<Choice>> {
+    if secret {
+        return Ok(choices);
+    }
+    choices
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| match (c.kind, asked.get(i).copied().unwrap_or(TransportKind::Auto)) {
+            (TransportKind::Ucx, TransportKind::Ucx) => Err(Error::InvalidArgument(format!(
+                "rail {i} is asked to run transport \"ucx\", which needs a shared secret (auth_secret, or MULTIRAIL_SECRET) \
+                 on both agents: a UCX session hands the peer's worker address and rkeys to UCX, so it is opened only over \
+                 an authenticated, MAC-checked connection (docs/SECURITY.md). Set auth_secret, or use transport \"tcp\""
+            ))),
+            (TransportKind::Ucx, _) => Ok(Choice {
+                kind: TransportKind::Tcp,
+                reason: format!("{}; but no auth_secret is set and UCX sessions need one: tcp", c.reason),
+                unprotected: false,
+            }),
+            _ => Ok(c),
+        })
+        .collect()
+}
+
 /// Load UCX as an agent does (`MULTIRAIL_UCX_LIB`, a system UCX with InfiniBand, the libucx
 /// wheel: docs/ucx.md) and describe it for [`choose`].
 pub fn load_ucx() -> Result<(multirail_ucx::Ucx, UcxFacts)> {
@@ -121,6 +151,27 @@ pub fn rdma_dev_of(netdev: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 33, item 2: without a secret, auto falls back to tcp (saying why) and an explicit
+    /// ucx is refused naming the setting; with one, nothing changes.
+    #[test]
+    fn ucx_needs_a_secret() {
+        let ib = UcxFacts::Loaded { label: "x".into(), modules: vec!["ib".into()] };
+        let rdma = RailFacts { rdma_dev: "mlx5_0" };
+        let auto = choose(TransportKind::Auto, rdma, &ib);
+        assert_eq!(auto.kind, TransportKind::Ucx);
+        let asked = [TransportKind::Auto, TransportKind::Tcp];
+        let tcp = choose(TransportKind::Tcp, rdma, &ib);
+        let got = require_secret(&asked, vec![auto.clone(), tcp.clone()], false).unwrap();
+        assert_eq!(got[0].kind, TransportKind::Tcp);
+        assert!(got[0].reason.contains("no auth_secret"), "{}", got[0].reason);
+        assert_eq!(got[1], tcp);
+        assert_eq!(require_secret(&asked, vec![auto.clone(), tcp.clone()], true).unwrap(), vec![auto, tcp.clone()]);
+        let ucx = choose(TransportKind::Ucx, rdma, &ib);
+        let e = require_secret(&[TransportKind::Ucx], vec![ucx.clone()], false).unwrap_err().to_string();
+        assert!(e.contains("auth_secret") && e.contains("rail 0"), "{e}");
+        assert_eq!(require_secret(&[TransportKind::Ucx], vec![ucx.clone()], true).unwrap(), vec![ucx]);
+    }
 
     fn loaded(mods: &[&str]) -> UcxFacts {
         UcxFacts::Loaded { label: "1.22.0 (libucx wheel)".into(), modules: mods.iter().map(|m| m.to_string()).collect() }

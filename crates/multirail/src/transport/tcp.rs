@@ -456,7 +456,7 @@ impl Transport for TcpRails {
         // Vectored requests on this rail only when every connection's peer takes them.
         let (mut vectored, mut gpu) = (true, true);
         for _ in 0..link.cfg().connections.max(1) {
-            let (s, id, v) = link.dial_hello(ri, Role::Data, timeout)?;
+            let crate::net::Dialed { stream: s, id, version: v, .. } = link.dial_hello(ri, Role::Data, timeout)?;
             vectored &= v >= HELLO_VECTORED && link.cfg().vectored;
             gpu &= v >= HELLO_VECTORED_GPU;
             streams.push((s, id));

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,9 +15,11 @@ use multirail_proto::codec::{
 use multirail_proto::{Body, RegionKey, Status};
 use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, PackedRkey, RemoteRegion, Request, Rkey, ThreadMode, Worker, WorkerAddress};
 
-use super::{find_local, lock, Kick, Maps, UcxAgent};
+use super::{find_local, lock, seal, sealed, Kick, Maps, UcxAgent, NO_SECRET};
+use crate::auth;
 use crate::error::{Error, Result};
 use crate::net::{abort_socket, status_error};
+use crate::registry::random_bytes;
 use crate::wire::{self, WireError};
 
 /// Bounded progress calls per sweep.
@@ -46,8 +48,11 @@ impl Remote {
 /// switch for measurements.
 pub(crate) const ENV_AM: &str = "MULTIRAIL_UCX_AM";
 
-/// A chunk sent as one active message, waiting for its reply (`UcxRail::post_v`).
+/// A chunk sent as one active message, waiting for its reply (`UcxRail::post_v`), under the
+/// random token its request carries.
 struct AmPending {
+    /// The chunk's token (what `progress` reports).
+    token: u64,
     write: bool,
     /// A READ's local destinations (address, length), in the order of the reply's bytes.
     dst: Vec<(u64, usize)>,
@@ -61,7 +66,10 @@ struct AmPending {
 /// Locked innermost (inside the rail state and the worker's lock).
 #[derive(Default)]
 struct AmInbox {
+    /// By the random token of the request (not the chunk's: a reply cannot be guessed).
     pending: HashMap<u64, AmPending>,
+    /// The session's active-message secret (`auth::am_secret`), in every request and reply.
+    secret: [u8; 16],
     /// Replies handled, not yet seen by `sweep`.
     done: Vec<(u64, std::result::Result<(), String>)>,
 }
@@ -78,11 +86,20 @@ fn target_refusal(op: &str, status: Status) -> String {
 
 /// The reply handler of a rail's worker (runs in `ucp_worker_progress`): a READ's bytes are
 /// scattered into its local pieces once their length is checked; a reply for no pending chunk
-/// (after an abort) is dropped untouched.
-fn on_reply(inbox: &Mutex<AmInbox>, header: &[u8], data: AmData<'_>) {
-    let Ok((token, status)) = decode_ucx_am_reply(header) else { return };
+/// (after an abort), from another endpoint than the session's (`ep`: `Endpoint::handle_id`),
+/// or without the session's secret is dropped untouched.
+fn on_reply(inbox: &Mutex<AmInbox>, ep: &AtomicUsize, header: &[u8], data: AmData<'_>, from: Option<usize>) {
+    let Ok((wire, status, secret)) = decode_ucx_am_reply(header) else { return };
+    let ours = ep.load(Ordering::Acquire);
+    if ours == 0 || from != Some(ours) {
+        return;
+    }
     let mut ib = lock(inbox);
-    let Some(p) = ib.pending.remove(&token) else { return };
+    if !auth::bytes_equal(&secret, &ib.secret) {
+        return;
+    }
+    let Some(p) = ib.pending.remove(&wire) else { return };
+    let token = p.token;
     let op = if p.write { "WRITE" } else { "READ" };
     let want = if p.write { 0 } else { p.total };
     let r = match data {
@@ -108,6 +125,8 @@ fn on_reply(inbox: &Mutex<AmInbox>, header: &[u8], data: AmData<'_>) {
 
 struct Op {
     token: u64,
+    /// An active message's random request token (its inbox entry), else 0.
+    wire: u64,
     write: bool,
     /// The chunk's gets or puts, one per piece (never empty); or its active message's send.
     reqs: Vec<Request>,
@@ -168,6 +187,13 @@ pub(crate) struct UcxRail {
     /// The session negotiated `UCX_FEATURE_AM`.
     am: bool,
     inbox: Arc<Mutex<AmInbox>>,
+    /// The session key: seals and checks the session's messages (`UcxRkeys` answers).
+    key: [u8; 32],
+    /// The target's session worker address (tests play a third party with it).
+    #[cfg(test)]
+    peer_addr: Vec<u8>,
+    /// `UcxRkeys` answers received so far (the next is sealed as this plus one).
+    rkeys_seq: std::sync::atomic::AtomicU64,
 }
 
 fn wire_error(who: &str, e: WireError) -> Error {
@@ -178,23 +204,32 @@ fn wire_error(who: &str, e: WireError) -> Error {
     }
 }
 
-/// Wrap an announced region list (from the authenticated session) for use.
-fn remotes(regions: Vec<UcxRegion>) -> impl Iterator<Item = (u64, Remote)> {
-    regions.into_iter().filter_map(|g| {
-        // SAFETY: the bytes come intact over the authenticated session from the target's
-        // `ucp_rkey_pack` (the codec bounds their length; empty ones are refused here).
-        let packed = unsafe { PackedRkey::from_peer(g.rkey) }.ok()?;
-        Some((g.id, Remote { region: RemoteRegion { addr: g.base, len: g.len }, packed, rkey: None }))
-    })
+/// Wrap an announced region list (from a `UcxReady` whose MAC verified) for use; a packed rkey
+/// without the structure `ucp_rkey_pack` gives refuses the whole list.
+fn remotes(regions: Vec<UcxRegion>) -> std::result::Result<Vec<(u64, Remote)>, String> {
+    regions
+        .into_iter()
+        .map(|g| {
+            PackedRkey::check_shape(&g.rkey).map_err(|e| format!("region {}: {e}", g.id))?;
+            // SAFETY: the bytes came in a UcxReady sealed with this session's key (only the
+            // target of this authenticated connection could produce it), checked for the
+            // structure of a packed rkey just above.
+            let packed = unsafe { PackedRkey::from_peer(g.rkey) }.map_err(|e| format!("region {}: {e}", g.id))?;
+            Ok((g.id, Remote { region: RemoteRegion { addr: g.base, len: g.len }, packed, rkey: None }))
+        })
+        .collect()
 }
 
 impl UcxRail {
     /// `session`: an already authenticated TCP connection to the target's rail (opened with
     /// `net::dial` and `Role::UcxSession`), `id` its Hello nonce (what a `Fence` names),
     /// `hello_version` the `Hello` version the target accepted (3 and up: the active-message
-    /// path is offered, unless `MULTIRAIL_UCX_AM=0`).
+    /// path is offered, unless `MULTIRAIL_UCX_AM=0`), `session_key` the connection's
+    /// (`net::Dialed`; none without a shared secret, and then the session is refused,
+    /// [`NO_SECRET`]).
     /// Does the UcxOpen/UcxReady exchange and connects the endpoint (waits for the wire-up with a
     /// flush). Bounded by `timeout`, which also bounds later `UcxRkeys` round trips and `abort`.
+    #[allow(clippy::too_many_arguments)]
     pub fn open(
         agent: &UcxAgent,
         local_rail: usize,
@@ -202,9 +237,11 @@ impl UcxRail {
         session: TcpStream,
         id: [u8; 16],
         hello_version: u16,
+        session_key: Option<[u8; 32]>,
         timeout: Duration,
     ) -> Result<UcxRail> {
         let who = session.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let Some(key) = session_key else { return Err(Error::Auth { who, msg: NO_SECRET.into() }) };
         let rail = agent.rail(local_rail).ok_or_else(|| {
             Error::InvalidArgument(format!("local rail {local_rail} does not run ucx (this agent has {} rails)", agent.rails.len()))
         })?;
@@ -213,36 +250,54 @@ impl UcxRail {
             e => Error::PeerLost { peer: who.clone(), reason: format!("ucx session: {what}: {e}") },
         };
         let worker = Worker::new(&rail.ctx, ThreadMode::Serialized).map_err(|e| ucx_err("worker", e))?;
-        let inbox: Arc<Mutex<AmInbox>> = Arc::default();
+        let inbox = Arc::new(Mutex::new(AmInbox { secret: auth::am_secret(&key), ..AmInbox::default() }));
+        let ep_id = Arc::new(AtomicUsize::new(0));
         let offer = hello_version >= HELLO_UCX_FEATURES && std::env::var(ENV_AM).map_or(true, |v| v.trim() != "0") && {
-            let ib = inbox.clone();
+            let (ib, id) = (inbox.clone(), ep_id.clone());
             // Before UcxOpen: no reply can come earlier. A worker that refuses it offers nothing.
-            worker.set_am_handler(UCX_AM_REPLY, Box::new(move |h, d, _from| on_reply(&ib, h, d))).is_ok()
+            worker.set_am_handler(UCX_AM_REPLY, Box::new(move |h, d, from| on_reply(&ib, &id, h, d, from))).is_ok()
         };
         let addr = worker.address().map_err(|e| ucx_err("worker address", e))?;
+        let local_addr = addr.as_bytes().to_vec();
         let deadline = Instant::now() + timeout;
         let mut s = session;
         let mut tick =
             |_: bool| if Instant::now() > deadline { Err(format!("ucx session with {who} not open within {timeout:?}")) } else { Ok(()) };
         let features = if offer { UCX_FEATURE_AM } else { 0 };
-        let open = Body::UcxOpen { rail: remote_rail, addr: addr.into_bytes(), features };
+        let open = seal(&key, 0, Body::UcxOpen { rail: remote_rail, addr: addr.into_bytes(), features, mac: None });
         wire::send(&mut s, &open, 0, &mut tick).map_err(|e| wire_error(&who, e))?;
-        let (peer_addr, regions, served) = match wire::read_frame(&mut s, &mut tick).map_err(|e| wire_error(&who, e))?.1 {
-            Body::UcxReady { addr, regions, features } => (addr, regions, features),
+        let ready = match wire::read_frame(&mut s, &mut tick).map_err(|e| wire_error(&who, e))?.1 {
+            b @ Body::UcxReady { .. } => b,
             Body::Error { status, msg } | Body::Resp { status, msg, .. } => return Err(status_error(&who, status, msg)),
             other => return Err(Error::Protocol { who, msg: format!("expected UcxReady, got {:?}", other.kind()) }),
         };
-        // SAFETY: the target's `ucp_worker_get_address`, intact over the authenticated session.
-        let peer_addr = unsafe { WorkerAddress::from_peer(peer_addr) }
-            .map_err(|e| Error::Protocol { who: who.clone(), msg: format!("bad worker address in UcxReady: {e}") })?;
+        if !sealed(&key, 0, &ready) {
+            return Err(Error::Auth {
+                who,
+                msg: "UcxReady carries no valid MAC (not from the target of this handshake, or altered on the way): refused".into(),
+            });
+        }
+        let Body::UcxReady { addr: peer_addr, regions, features: served, .. } = ready else {
+            return Err(Error::Protocol { who, msg: "not a UcxReady".into() });
+        };
+        let bad = |msg: String| Error::Protocol { who: who.clone(), msg };
+        WorkerAddress::check_shape(&peer_addr, &local_addr).map_err(|e| bad(format!("UcxReady: {e}")))?;
+        let remote = remotes(regions).map_err(|e| bad(format!("UcxReady: {e}")))?;
+        // SAFETY: the target's worker address, in a UcxReady sealed with this session's key
+        // (only the target of this authenticated connection could produce it), its structure
+        // checked against this UCX's own address just above.
+        #[cfg(test)]
+        let peer_bytes = peer_addr.clone();
+        let peer_addr = unsafe { WorkerAddress::from_peer(peer_addr) }.map_err(|e| bad(format!("bad worker address in UcxReady: {e}")))?;
         let ep = worker.connect(&peer_addr).map_err(|e| ucx_err("connect", e))?;
+        ep_id.store(ep.handle_id(), Ordering::Release);
         // The wire-up completes only while both sides progress: wait for it here, bounded.
         ep.flush().and_then(|mut r| r.wait(deadline)).map_err(|e| ucx_err("connect (wire-up flush)", e))?;
         let kick = Kick::new().map_err(|e| Error::io("eventfd", e))?;
         let sock_ctl = s.try_clone().map_err(|e| Error::io("clone ucx session socket", e))?;
         let state = RailState {
             ep: Some(ep),
-            remote: remotes(regions).collect(),
+            remote: remote.into_iter().collect(),
             ops: Vec::new(),
             lost: Vec::new(),
             failed: None,
@@ -264,6 +319,10 @@ impl UcxRail {
             aborted: AtomicBool::new(false),
             am: offer && served & UCX_FEATURE_AM != 0,
             inbox,
+            key,
+            rkeys_seq: Default::default(),
+            #[cfg(test)]
+            peer_addr: peer_bytes,
         })
     }
 
@@ -296,7 +355,7 @@ impl UcxRail {
         remote_offset: u64,
         len: u64,
     ) -> std::result::Result<(), String> {
-        self.post_v(token, write, remote_region, &[(local, remote_offset, len)], None)
+        self.post_v(token, write, remote_region, RegionKey([0; 16]), &[(local, remote_offset, len)], None)
     }
 
     /// Post a chunk of `pieces` (local address, remote offset, length), all in remote region
@@ -314,15 +373,19 @@ impl UcxRail {
     /// target checks and applies it and answers once, and the chunk completes on that reply (a
     /// READ's reply is scattered into the local pieces). Same checks first; a refused send
     /// refuses the chunk.
+    ///
+    /// `key`: the remote region's key (from the peer's metadata), which an active message
+    /// carries and the target checks; RMA does not use it.
     pub fn post_v(
         &self,
         token: u64,
         write: bool,
         remote_region: u64,
+        key: RegionKey,
         pieces: &[(u64, u64, u64)],
         wire: Option<&[VecPiece]>,
     ) -> std::result::Result<(), String> {
-        self.post_checked(token, write, remote_region, pieces, wire.filter(|_| self.am), true)
+        self.post_checked(token, write, (remote_region, key), pieces, wire.filter(|_| self.am), true)
     }
 
     #[cfg(test)]
@@ -333,11 +396,23 @@ impl UcxRail {
         &self,
         token: u64,
         write: bool,
-        remote_region: u64,
+        remote: (u64, RegionKey),
         pieces: &[(u64, u64, u64)],
         wire: &[VecPiece],
     ) -> std::result::Result<(), String> {
-        self.post_checked(token, write, remote_region, pieces, Some(wire), false)
+        self.post_checked(token, write, remote, pieces, Some(wire), false)
+    }
+
+    #[cfg(test)]
+    /// The target's session worker address, as its UcxReady gave it.
+    pub fn peer_address(&self) -> Vec<u8> {
+        self.peer_addr.clone()
+    }
+
+    #[cfg(test)]
+    /// The session's active-message secret (tests build raw requests with it).
+    pub fn am_secret(&self) -> [u8; 16] {
+        lock(&self.inbox).secret
     }
 
     #[cfg(test)]
@@ -348,12 +423,12 @@ impl UcxRail {
         let mut g = lock(&self.state);
         let st = &mut *g;
         let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
-        lock(&self.inbox).pending.insert(token, AmPending { write: true, dst: Vec::new(), total: 0, _mems: Vec::new() });
+        lock(&self.inbox).pending.insert(token, AmPending { token, write: true, dst: Vec::new(), total: 0, _mems: Vec::new() });
         let req = ep.am_send(UCX_AM_REQ, header, data, &[]).map_err(|e| {
             lock(&self.inbox).pending.remove(&token);
             e.to_string()
         })?;
-        st.ops.push(Op { token, write: true, reqs: vec![req], am: true, flush: None });
+        st.ops.push(Op { token, wire: token, write: true, reqs: vec![req], am: true, flush: None });
         Ok(())
     }
 
@@ -361,7 +436,7 @@ impl UcxRail {
         &self,
         token: u64,
         write: bool,
-        remote_region: u64,
+        (remote_region, key): (u64, RegionKey),
         pieces: &[(u64, u64, u64)],
         wire: Option<&[VecPiece]>,
         check_remote: bool,
@@ -398,7 +473,7 @@ impl UcxRail {
         let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
         if !check_remote {
             if let Some(wire) = wire {
-                return self.post_am(st, token, write, remote_region, pieces, &locals, wire);
+                return self.post_am(st, token, write, (remote_region, key), pieces, &locals, wire);
             }
         }
         let remote =
@@ -416,7 +491,7 @@ impl UcxRail {
             }
         }
         if let Some(wire) = wire {
-            return self.post_am(st, token, write, remote_region, pieces, &locals, wire);
+            return self.post_am(st, token, write, (remote_region, key), pieces, &locals, wire);
         }
         let rkey = remote.rkey(ep).map_err(|e| format!("{op}: cannot unpack the rkey of region {remote_region}: {e}"))?;
         let mut reqs = Vec::with_capacity(pieces.len());
@@ -444,7 +519,7 @@ impl UcxRail {
         if st.outstanding() == 0 {
             st.last_event = Instant::now();
         }
-        st.ops.push(Op { token, write, reqs, am: false, flush });
+        st.ops.push(Op { token, wire: 0, write, reqs, am: false, flush });
         drop(g);
         self.kick.kick();
         Ok(())
@@ -457,7 +532,7 @@ impl UcxRail {
         st: &mut RailState,
         token: u64,
         write: bool,
-        remote_region: u64,
+        (remote_region, key): (u64, RegionKey),
         pieces: &[(u64, u64, u64)],
         locals: &[(MemRegion, usize, usize)],
         wire: &[VecPiece],
@@ -465,7 +540,16 @@ impl UcxRail {
         let op = if write { "WRITE" } else { "READ" };
         let Some(ep) = st.ep.as_ref() else { return Err("rail was aborted".into()) };
         let total: u64 = pieces.iter().map(|p| p.2).sum();
-        let am = UcxAm { token, write, op: VecOp { region: remote_region, key: RegionKey([0; 16]), pieces: wire.to_vec() } };
+        let mut ib = lock(&self.inbox);
+        // A random request token, not the chunk's (a reply cannot be forged by guessing it).
+        let wire_token = loop {
+            let t = u64::from_le_bytes(random_bytes());
+            if t != 0 && !ib.pending.contains_key(&t) {
+                break t;
+            }
+        };
+        let secret = ib.secret;
+        let am = UcxAm { token: wire_token, write, op: VecOp { region: remote_region, key, pieces: wire.to_vec() }, secret };
         if am.op.total() != total {
             return Err(format!("{op}: the piece table ({} bytes) does not match the chunk ({total} bytes)", am.op.total()));
         }
@@ -482,19 +566,20 @@ impl UcxRail {
             pieces.iter().map(|&(l, _, n)| (l, n as usize)).collect()
         };
         // Pending before the send: another thread's progress may run the reply handler at once.
-        lock(&self.inbox).pending.insert(token, AmPending { write, dst, total: total as usize, _mems: mems });
+        ib.pending.insert(wire_token, AmPending { token, write, dst, total: total as usize, _mems: mems });
+        drop(ib);
         let iov: Vec<(&MemRegion, usize, usize)> = if write { locals.iter().map(|(m, o, n)| (m, *o, *n)).collect() } else { Vec::new() };
         match ep.am_send(UCX_AM_REQ, header.to_vec(), desc, &iov) {
             Ok(req) => {
                 if st.outstanding() == 0 {
                     st.last_event = Instant::now();
                 }
-                st.ops.push(Op { token, write, reqs: vec![req], am: true, flush: None });
+                st.ops.push(Op { token, wire: wire_token, write, reqs: vec![req], am: true, flush: None });
                 self.kick.kick();
                 Ok(())
             }
             Err(e) => {
-                lock(&self.inbox).pending.remove(&token);
+                lock(&self.inbox).pending.remove(&wire_token);
                 match e {
                     e @ multirail_ucx::Error::EndpointFailed { .. } => Err(format!("rail is down: {}", st.fail(e.to_string()))),
                     // Nothing of this chunk in flight: only the chunk is refused.
@@ -515,8 +600,17 @@ impl UcxRail {
             |_: bool| if Instant::now() > deadline { Err(format!("no rkey for region {id} within {:?}", self.timeout)) } else { Ok(()) };
         wire::send(&mut s, &Body::UcxRkeys(vec![id]), 0, &mut tick).map_err(|e| format!("ucx session: {e}"))?;
         match wire::read_frame(&mut s, &mut tick).map_err(|e| format!("ucx session: {e}"))?.1 {
-            Body::UcxReady { regions, .. } => {
-                lock(&self.state).remote.extend(remotes(regions));
+            b @ Body::UcxReady { .. } => {
+                let seq = self.rkeys_seq.fetch_add(1, Ordering::AcqRel) + 1;
+                if !sealed(&self.key, seq, &b) {
+                    return Err(format!(
+                        "rail is down: {}",
+                        lock(&self.state).fail("a UcxReady without a valid MAC: session refused".into())
+                    ));
+                }
+                let Body::UcxReady { regions, .. } = b else { return Err("not a UcxReady".into()) };
+                let got = remotes(regions).map_err(|e| format!("rail is down: {}", lock(&self.state).fail(format!("UcxReady: {e}"))))?;
+                lock(&self.state).remote.extend(got);
                 Ok(())
             }
             Body::Error { status, msg } => Err(format!("ucx session refused: {status:?}: {msg}")),
@@ -633,7 +727,7 @@ impl UcxRail {
                     progressed = true;
                     replied.remove(&op.token);
                     if op.am {
-                        lock(&self.inbox).pending.remove(&op.token);
+                        lock(&self.inbox).pending.remove(&op.wire);
                     }
                     done.push((op.token, Err(format!("{} failed: {e}", if op.write { "WRITE" } else { "READ" }))));
                 }
@@ -763,5 +857,35 @@ const _: fn() = || {
 impl Drop for UcxRail {
     fn drop(&mut self) {
         self.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use multirail_proto::codec::encode_ucx_am_reply;
+
+    /// Issue 33, item 3: a reply is taken only from the session's endpoint, with the session's
+    /// secret and the request's random token: a guessed token (the chunk's, which used to be
+    /// the request's, counting from 1), a missing secret or another sender change nothing.
+    #[test]
+    fn forged_replies_are_ignored() {
+        let secret = [7u8; 16];
+        let inbox = Mutex::new(AmInbox { secret, ..AmInbox::default() });
+        let ep = AtomicUsize::new(0x1000);
+        let mut dst = vec![0u8; 4];
+        let at = dst.as_mut_ptr() as u64;
+        let wire = 0x5eed_u64;
+        lock(&inbox).pending.insert(wire, AmPending { token: 1, write: false, dst: vec![(at, 4)], total: 4, _mems: Vec::new() });
+        let reply = |token, secret: &[u8; 16]| encode_ucx_am_reply(token, Status::Ok, secret);
+        on_reply(&inbox, &ep, &reply(1, &secret), AmData::Eager(b"evil"), Some(0x1000));
+        on_reply(&inbox, &ep, &reply(wire, &[0; 16]), AmData::Eager(b"evil"), Some(0x1000));
+        on_reply(&inbox, &ep, &reply(wire, &secret), AmData::Eager(b"evil"), Some(0x2000));
+        on_reply(&inbox, &ep, &reply(wire, &secret), AmData::Eager(b"evil"), None);
+        assert_eq!(dst, [0; 4], "a forged reply wrote");
+        assert!(lock(&inbox).done.is_empty() && lock(&inbox).pending.contains_key(&wire));
+        on_reply(&inbox, &ep, &reply(wire, &secret), AmData::Eager(b"good"), Some(0x1000));
+        assert_eq!(&dst, b"good");
+        assert_eq!(lock(&inbox).done, vec![(1, Ok(()))]);
     }
 }

@@ -36,7 +36,9 @@ mod target;
 
 pub(crate) use initiator::UcxRail;
 pub(crate) use rails::UcxRails;
-pub(crate) use target::{serve_session, AmCounters, Session};
+pub(crate) use target::{serve_session, AmCounters, Session, NO_SECRET};
+#[cfg(test)]
+pub(crate) use target::{set_reply_cap, MAX_REPLY_BYTES};
 
 use std::collections::HashMap;
 use std::ffi::CStr;
@@ -44,8 +46,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use multirail_proto::codec::UcxRegion;
-use multirail_proto::{Access, RailInfo};
+use multirail_proto::codec::{UcxRegion, HEADER_LEN};
+use multirail_proto::{Access, Body, RailInfo, RegionKey};
 use multirail_ucx::{Context, ContextConfig, MemRegion, PackedRkey, Protection, Ucx};
 
 use crate::error::{Error, Result};
@@ -67,6 +69,8 @@ struct RailCtx {
 struct Mapped {
     base: u64,
     len: u64,
+    /// Its key: an active-message request must name it (checked in constant time).
+    key: RegionKey,
     exported: bool,
     /// What a peer may do to it (the active-message path checks it on the target).
     access: Access,
@@ -193,7 +197,8 @@ impl UcxAgent {
             per_rail.push(Some((m, packed)));
         }
         let host = region.mem == multirail_proto::MemType::Dram;
-        let mapped = Arc::new(Mapped { base: region.base, len: region.len, exported, access: region.access, host, per_rail });
+        let mapped =
+            Arc::new(Mapped { base: region.base, len: region.len, key: region.key, exported, access: region.access, host, per_rail });
         self.maps.write().unwrap_or_else(PoisonError::into_inner).insert(region.id, mapped);
         Ok(())
     }
@@ -267,6 +272,82 @@ impl UcxAgent {
                 v
             }
         }
+    }
+}
+
+/// MAC labels of a session's `UcxOpen` and `UcxReady` (docs/PROTOCOL.md, "UCX sessions").
+const OPEN_LABEL: &[u8] = b"multirail-ucx-open-v1";
+const READY_LABEL: &[u8] = b"multirail-ucx-ready-v1";
+
+/// `body` (a `UcxOpen` or `UcxReady`) with `mac` in its MAC field.
+fn with_mac(body: Body, mac: Option<[u8; 32]>) -> Body {
+    match body {
+        Body::UcxOpen { rail, addr, features, .. } => Body::UcxOpen { rail, addr, features, mac },
+        Body::UcxReady { addr, regions, features, .. } => Body::UcxReady { addr, regions, features, mac },
+        other => other,
+    }
+}
+
+/// The MAC of a `UcxOpen`/`UcxReady` body: `auth::session_mac` over its encoding with a zero
+/// MAC (canonical: what the receiver decodes re-encodes to the same bytes), its kind's label
+/// and `seq` (its place in the session: `UcxReady` 0 answers `UcxOpen` 0, the n-th `UcxRkeys`
+/// answer is `UcxReady` n).
+fn mac_of(key: &[u8; 32], seq: u64, body: &Body) -> [u8; 32] {
+    let label = if matches!(body, Body::UcxOpen { .. }) { OPEN_LABEL } else { READY_LABEL };
+    let bytes = with_mac(body.clone(), Some([0; 32])).encode(0);
+    crate::auth::session_mac(key, label, seq, &bytes[HEADER_LEN..])
+}
+
+/// `body` with its MAC.
+pub(crate) fn seal(key: &[u8; 32], seq: u64, body: Body) -> Body {
+    let mac = mac_of(key, seq, &body);
+    with_mac(body, Some(mac))
+}
+
+/// Whether `body` carries the MAC `seal` gives it (constant-time compare); false without one.
+fn sealed(key: &[u8; 32], seq: u64, body: &Body) -> bool {
+    let mac = match body {
+        Body::UcxOpen { mac: Some(m), .. } | Body::UcxReady { mac: Some(m), .. } => m,
+        _ => return false,
+    };
+    crate::auth::bytes_equal(mac, &mac_of(key, seq, body))
+}
+
+/// Default of [`ENV_MAX_SESSIONS`].
+pub(crate) const DEFAULT_MAX_SESSIONS: usize = 256;
+/// Most UCX session workers the agents of this process serve at once (each holds its own UCX
+/// worker: endpoints, queues, memory; on RDMA, QPs and CQs of the HCA).
+pub(crate) const ENV_MAX_SESSIONS: &str = "MULTIRAIL_UCX_MAX_SESSIONS";
+
+/// Session workers alive in this process (all agents).
+static SESSION_WORKERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One of the process's session-worker slots, released on drop.
+struct SessionSlot(&'static std::sync::atomic::AtomicUsize);
+
+impl SessionSlot {
+    /// A slot, or why not (the cap and the setting that raises it).
+    fn take() -> std::result::Result<SessionSlot, String> {
+        let max = std::env::var(ENV_MAX_SESSIONS).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_MAX_SESSIONS);
+        Self::take_in(&SESSION_WORKERS, max)
+    }
+
+    fn take_in(count: &'static std::sync::atomic::AtomicUsize, max: usize) -> std::result::Result<SessionSlot, String> {
+        let n = count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n >= max {
+            count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            return Err(format!(
+                "this process serves {n} UCX sessions already, its cap ({ENV_MAX_SESSIONS}={max}): refused; raise \
+                 {ENV_MAX_SESSIONS} if that many peers are expected"
+            ));
+        }
+        Ok(SessionSlot(count))
+    }
+}
+
+impl Drop for SessionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -423,6 +504,39 @@ mod tests {
     use super::*;
 
     /// Runs without UCX: the decision from what the contexts report and /sys/module.
+    /// Issue 33, item 5: session workers are capped per process, the refusal naming the setting.
+    #[test]
+    fn session_workers_are_capped() {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let a = SessionSlot::take_in(&COUNT, 2).unwrap();
+        let b = SessionSlot::take_in(&COUNT, 2).unwrap();
+        let e = SessionSlot::take_in(&COUNT, 2).err().expect("over the cap");
+        assert!(e.contains(ENV_MAX_SESSIONS) && e.contains("=2"), "{e}");
+        drop(a);
+        let _c = SessionSlot::take_in(&COUNT, 2).expect("a slot came free");
+        drop(b);
+        assert_eq!(COUNT.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    /// Issue 33, item 2: `UcxOpen`/`UcxReady` carry a MAC keyed by the session: a changed byte,
+    /// another key, another place in the session, another kind or no MAC at all fail.
+    #[test]
+    fn session_messages_are_sealed() {
+        let key = crate::auth::session_key(b"s", &[1; 16], &[2; 16]);
+        let open = seal(&key, 0, Body::UcxOpen { rail: 0, addr: vec![5; 300], features: 1, mac: None });
+        assert!(sealed(&key, 0, &open));
+        assert!(!sealed(&key, 1, &open), "another place");
+        assert!(!sealed(&crate::auth::session_key(b"s", &[1; 16], &[3; 16]), 0, &open), "another session");
+        let Body::UcxOpen { rail, mut addr, features, mac } = open.clone() else { panic!() };
+        addr[7] ^= 1;
+        assert!(!sealed(&key, 0, &Body::UcxOpen { rail, addr, features, mac }), "a changed address");
+        assert!(!sealed(&key, 0, &with_mac(open.clone(), None)), "no MAC");
+        let ready = seal(&key, 0, Body::UcxReady { addr: vec![5; 300], regions: vec![], features: 1, mac: None });
+        assert!(sealed(&key, 0, &ready));
+        let Body::UcxOpen { mac, .. } = open else { panic!() };
+        assert!(!sealed(&key, 0, &with_mac(ready, mac)), "an open's MAC on a ready");
+    }
+
     /// Runs without UCX: what each access maps to (enforced by the HCA over RDMA only; the
     /// hardware check is `ucx_tests::ucx_put_into_a_read_only_region_fails_on_rdma`).
     #[test]

@@ -133,7 +133,7 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
             _ => None,
         };
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
-        let posted = p.rail.post_v(token, write, piece.region, &pieces, wire.as_deref());
+        let posted = p.rail.post_v(token, write, piece.region, link.key(piece.region), &pieces, wire.as_deref());
         if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
             if msg.starts_with("rail is down") || msg.starts_with("rail was aborted") {
@@ -224,9 +224,9 @@ impl Transport for UcxRails {
 
     fn open_rail(&self, link: &Arc<dyn Host>, ri: usize, timeout: Duration) -> Result<()> {
         let (local_index, remote_index) = link.rail_indices(ri);
-        let (s, id, hello) = link.dial_hello(ri, Role::UcxSession, timeout)?;
+        let d = link.dial_hello(ri, Role::UcxSession, timeout)?;
         let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
-        let rail = UcxRail::open(&self.agent, local_index, remote_rail, s, id, hello, timeout)?;
+        let rail = UcxRail::open(&self.agent, local_index, remote_rail, d.stream, d.id, d.version, d.session_key, timeout)?;
         // One-sided: the target parses nothing, so any peer takes batched gets and puts.
         link.set_vectored(ri, link.cfg().vectored);
         link.set_byte_progress(ri, false); // no progress evidence below a completion

@@ -9,11 +9,19 @@
 //! the session loop to send on an endpoint of its own to the initiator's worker (a READ's reply
 //! carries the pieces gathered from the region by an iov). A refused request is answered with
 //! its status and writes nothing.
+//!
+//! Tied to the session (issue 33): a session needs a shared secret (the connection's session
+//! key, `auth::session_key`); `UcxOpen`'s MAC is checked and the initiator's worker address is
+//! checked for structure before UCX sees it, and `UcxReady` is sealed. An active message is
+//! handled only when it comes from the session's own endpoint (UCX's `reply_ep`) and carries
+//! the session's active-message secret; it must name the region's real key. READ replies
+//! waiting to be sent are bounded per session ([`MAX_REPLY_BYTES`], [`MAX_QUEUED_REPLIES`]),
+//! and session workers per process (`SessionSlot`).
 
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -21,7 +29,30 @@ use multirail_proto::codec::{encode_ucx_am_reply, UcxAm, HELLO_UCX_FEATURES, UCX
 use multirail_proto::{Access, Body, Status};
 use multirail_ucx::{AmData, CloseMode, Endpoint, MemRegion, Request, ThreadMode, Worker, WorkerAddress};
 
-use super::{Kick, Mapped, UcxAgent};
+use super::{seal, sealed, Kick, Mapped, SessionSlot, UcxAgent};
+use crate::auth;
+
+/// Why a UCX session is refused without a shared secret (both sides say it, naming the setting).
+pub(crate) const NO_SECRET: &str = "UCX sessions need a shared secret on both agents (auth_secret, or MULTIRAIL_SECRET): \
+     a session hands peer-supplied worker addresses and rkeys to UCX, which takes them unchecked, so only a MAC-checked \
+     session of an authenticated peer may (docs/SECURITY.md)";
+
+/// Most bytes of READ replies a session holds at once (queued, or sent and not yet complete):
+/// beyond, a READ is refused `Busy` (a 65-byte request can ask for 64 MiB). Far above what an
+/// initiator's window of chunks asks at once.
+pub(crate) const MAX_REPLY_BYTES: u64 = 1 << 30;
+/// Most replies a session queues before the session loop sends them; beyond, requests are
+/// dropped (counted `Busy`; the initiator's stall rule fails the rail).
+pub(crate) const MAX_QUEUED_REPLIES: usize = 1 << 16;
+
+/// [`MAX_REPLY_BYTES`], lowered by tests (a session takes it when it starts).
+static REPLY_CAP: AtomicU64 = AtomicU64::new(MAX_REPLY_BYTES);
+
+/// Sessions started from now on bound their READ replies to `cap` bytes (tests).
+#[cfg(test)]
+pub(crate) fn set_reply_cap(cap: u64) {
+    REPLY_CAP.store(cap, Ordering::SeqCst);
+}
 
 /// A refused session's message when the asked rail does not run ucx on this agent.
 pub(crate) const NOT_ON_RAIL: &str = "this agent does not run the ucx transport on rail";
@@ -57,17 +88,27 @@ enum AmReply {
     /// A READ's pieces (offset, length) of this mapping, sent gathered as the reply's data.
     /// `region` is held until the send completes: `UcxAgent::unmap` (deregistration) waits
     /// for it, so no reply reads the application's memory after deregistration returned.
-    Read { token: u64, mem: MemRegion, region: Arc<Mapped>, pieces: Vec<(usize, usize)> },
+    /// `bytes` count in the session's [`MAX_REPLY_BYTES`] until the send completes.
+    Read { token: u64, mem: MemRegion, region: Arc<Mapped>, pieces: Vec<(usize, usize)>, bytes: u64 },
 }
 
 /// READ replies still being sent (UCX may send an iov after `ucp_am_send_nbx` returned), each
-/// with the region it reads, released once the send completed or failed.
-type Sending = Mutex<Vec<(Request, Arc<Mapped>)>>;
+/// with the region it reads and its bytes, released once the send completed or failed.
+type Sending = Mutex<Vec<(Request, Arc<Mapped>, u64)>>;
 
-/// The handler's replies, and the kick that wakes the session loop for them.
+/// The handler's replies, the kick that wakes the session loop for them, and what ties a
+/// message to the session.
 struct AmInbox {
     replies: Mutex<Vec<AmReply>>,
     kick: Kick,
+    /// The session's active-message secret (`auth::am_secret`), in every request and reply.
+    secret: [u8; 16],
+    /// The session's endpoint to the initiator (`Endpoint::handle_id`; 0 until connected):
+    /// the only sender whose messages are handled.
+    ep: AtomicUsize,
+    /// READ reply bytes queued or being sent, and their bound ([`MAX_REPLY_BYTES`]).
+    reply_bytes: AtomicU64,
+    reply_cap: u64,
 }
 
 /// Where a session counts its active-message requests (the server's per-peer serving counters):
@@ -88,22 +129,35 @@ pub(crate) struct Session<'a> {
     /// The peer's serving counters: active-message requests count as served READs/WRITEs
     /// (and refusals by status); RMA is one-sided and counted nowhere here.
     pub counters: Arc<dyn AmCounters>,
+    /// The connection's session key (`auth::session_key`): None without a shared secret,
+    /// and then the session is refused ([`NO_SECRET`]).
+    pub session_key: Option<[u8; 32]>,
 }
 
 /// Handle one `UcxAm` request (in UCX's callback, on the session thread): every check before
 /// any byte is touched, then a WRITE is scattered into the region; the reply to send, if the
 /// request named a token to answer (a header too short to hold one is dropped).
+///
+/// Messages from any endpoint but the session's own, or without the session's secret, are
+/// dropped unanswered (counted `AuthFailed`): nothing of them is read past the header.
 fn handle_am(
     maps: &RwLock<HashMap<u64, Arc<Mapped>>>,
     rail: usize,
     ctr: &dyn AmCounters,
+    ib: &AmInbox,
     header: &[u8],
     data: AmData<'_>,
+    from: Option<usize>,
 ) -> Option<AmReply> {
     let Some(token) = (header.len() == UCX_AM_REQ_HEADER).then(|| u64::from_le_bytes(header[1..9].try_into().expect("8 bytes"))) else {
         ctr.refused(Status::Malformed);
         return None;
     };
+    let ours = ib.ep.load(Ordering::Acquire);
+    if ours == 0 || from != Some(ours) || !auth::bytes_equal(&header[13..29], &ib.secret) {
+        ctr.refused(Status::AuthFailed);
+        return None;
+    }
     let refuse = |status: Status| {
         ctr.refused(status);
         Some(AmReply::Status { token, status })
@@ -113,6 +167,9 @@ fn handle_am(
     let Ok((am, payload)) = UcxAm::decode(header, data) else { return refuse(Status::Malformed) };
     let m = maps.read().unwrap_or_else(PoisonError::into_inner).get(&am.op.region).cloned();
     let Some(m) = m.filter(|m| m.exported) else { return refuse(Status::UnknownRegion) };
+    if !auth::bytes_equal(&am.op.key.0, &m.key.0) {
+        return refuse(Status::BadKey);
+    }
     if !m.host {
         // GPU memory is not the CPU's to copy (vectored requests are for host memory).
         return refuse(Status::Unexpected);
@@ -144,6 +201,12 @@ fn handle_am(
         return Some(AmReply::Status { token, status: Status::Ok });
     }
     let Some(Some((mem, _))) = m.per_rail.get(rail) else { return refuse(Status::Internal) };
+    // Bounded per session: replies the initiator does not take pile up here otherwise.
+    let total = am.op.total();
+    if ib.reply_bytes.fetch_add(total, Ordering::AcqRel) + total > ib.reply_cap {
+        ib.reply_bytes.fetch_sub(total, Ordering::AcqRel);
+        return refuse(Status::Busy);
+    }
     // At most MAX_VEC_PIECES (decode bounded the count).
     let mut pieces = Vec::with_capacity(am.op.pieces.iter().map(|p| p.count as usize).sum());
     for p in &am.op.pieces {
@@ -151,8 +214,8 @@ fn handle_am(
             pieces.push(((p.offset + k * p.stride) as usize, p.len as usize));
         }
     }
-    ctr.served(false, am.op.total());
-    Some(AmReply::Read { token, mem: mem.clone(), region: m.clone(), pieces })
+    ctr.served(false, total);
+    Some(AmReply::Read { token, mem: mem.clone(), region: m.clone(), pieces, bytes: total })
 }
 
 /// Target side of one `Role::UcxSession` connection (already authenticated and registered in
@@ -170,17 +233,34 @@ pub(crate) fn serve_session(
     s: &mut TcpStream,
     session: Session<'_>,
 ) -> std::result::Result<(), (Status, String)> {
-    let Session { fenced, who, hello_version, counters } = session;
+    let Session { fenced, who, hello_version, counters, session_key } = session;
     let timeout = cfg.timeout;
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("no UcxOpen within {timeout:?}"));
-    let (rail, peer_addr, offered) = match wire::read_frame(s, &mut tick) {
-        Ok((_, Body::UcxOpen { rail, addr, features })) => (rail as usize, addr, features),
+    let open = match wire::read_frame(s, &mut tick) {
+        Ok((_, b @ Body::UcxOpen { .. })) => b,
         Ok((_, other)) => return Err((Status::Unexpected, format!("expected UcxOpen, got {:?}", other.kind()))),
         Err(WireError::Decode(e)) => return Err((Status::Malformed, e.to_string())),
         Err(WireError::GaveUp(m)) => return Err((Status::Malformed, m)),
         Err(WireError::Io(_)) => return Err((Status::Ok, String::new())),
     };
+    // Read first, so the refusal reaches the initiator instead of a reset.
+    let Some(key) = session_key.filter(|_| cfg.secret.is_some()) else {
+        log(&format!("ucx session from {who} refused: {NO_SECRET}"));
+        return Err((Status::AuthFailed, NO_SECRET.into()));
+    };
+    if !sealed(&key, 0, &open) {
+        return Err((
+            Status::AuthFailed,
+            "UcxOpen carries no valid MAC (not from the peer that completed this handshake, altered on the way, or a build \
+             from before issue 33): refused"
+                .into(),
+        ));
+    }
+    let Body::UcxOpen { rail, addr: peer_addr, features: offered, .. } = open else {
+        return Err((Status::Internal, "not a UcxOpen".into()));
+    };
+    let rail = rail as usize;
     if rail >= agent.rails.len() {
         return Err((Status::Unexpected, format!("no rail {rail} here (this agent has {})", agent.rails.len())));
     }
@@ -188,9 +268,14 @@ pub(crate) fn serve_session(
         // Chosen tcp here (auto without RDMA, or explicit): no UCX over TCP without asking.
         return Err((Status::Unexpected, format!("{NOT_ON_RAIL} {rail} (it runs tcp there)")));
     };
+    let slot = SessionSlot::take().map_err(|e| (Status::Busy, e))?;
     let worker = Worker::new(&rc.ctx, ThreadMode::Serialized).map_err(|e| (Status::Internal, format!("ucx session worker: {e}")))?;
+    let local = worker.address().map_err(|e| (Status::Internal, format!("ucx session worker address: {e}")))?;
+    if let Err(e) = WorkerAddress::check_shape(&peer_addr, local.as_bytes()) {
+        return Err((Status::Malformed, format!("UcxOpen: {e}")));
+    }
     let am = if hello_version >= HELLO_UCX_FEATURES && offered & UCX_FEATURE_AM != 0 {
-        match am_setup(agent, rail, &worker, peer_addr, counters) {
+        match am_setup(agent, rail, &worker, peer_addr, counters, auth::am_secret(&key)) {
             Ok(am) => Some(am),
             Err(e) => {
                 // The session still serves RMA; the initiator sees no AM feature in UcxReady.
@@ -203,7 +288,7 @@ pub(crate) fn serve_session(
     };
     agent.sessions.fetch_add(1, Ordering::SeqCst);
     let sending = Sending::default();
-    let r = session_serve(cfg, shutdown, log, agent, s, &worker, rail, fenced, who, am.as_ref(), &sending);
+    let r = session_serve(cfg, shutdown, log, agent, s, (&worker, local, &key), rail, fenced, who, am.as_ref(), &sending);
     if let Some((ep, _)) = am {
         // Pending replies are cancelled: the session is over (and the worker goes next).
         let _ = ep.close(CloseMode::Force, Instant::now() + Duration::from_secs(1));
@@ -216,6 +301,7 @@ pub(crate) fn serve_session(
     // drops here, before the region it reads is released (a tuple drops its request first).
     drop(sending);
     agent.sessions.fetch_sub(1, Ordering::SeqCst);
+    drop(slot);
     r
 }
 
@@ -227,16 +313,32 @@ fn am_setup(
     worker: &Worker,
     peer_addr: Vec<u8>,
     ctr: Arc<dyn AmCounters>,
+    secret: [u8; 16],
 ) -> std::result::Result<(Endpoint, Arc<AmInbox>), String> {
     let kick = Kick::new().map_err(|e| format!("eventfd: {e}"))?;
-    let inbox = Arc::new(AmInbox { replies: Mutex::new(Vec::new()), kick });
+    let inbox = Arc::new(AmInbox {
+        replies: Mutex::new(Vec::new()),
+        kick,
+        secret,
+        ep: AtomicUsize::new(0),
+        reply_bytes: AtomicU64::new(0),
+        reply_cap: REPLY_CAP.load(Ordering::SeqCst),
+    });
     let (maps, ib) = (agent.maps.clone(), inbox.clone());
     worker
         .set_am_handler(
             UCX_AM_REQ,
-            Box::new(move |h, d, _from| {
-                if let Some(r) = handle_am(&maps, rail, &*ctr, h, d) {
+            Box::new(move |h, d, from| {
+                if let Some(r) = handle_am(&maps, rail, &*ctr, &ib, h, d, from) {
                     let mut q = ib.replies.lock().unwrap_or_else(PoisonError::into_inner);
+                    if q.len() >= MAX_QUEUED_REPLIES {
+                        // The session loop is behind by this much: drop (the initiator stalls).
+                        if let AmReply::Read { bytes, .. } = r {
+                            ib.reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                        }
+                        ctr.refused(Status::Busy);
+                        return;
+                    }
                     q.push(r);
                     if q.len() == 1 {
                         ib.kick.kick();
@@ -245,9 +347,14 @@ fn am_setup(
             }),
         )
         .map_err(|e| e.to_string())?;
-    // SAFETY: the initiator's `ucp_worker_get_address`, intact over the authenticated session.
+    // SAFETY: the initiator's `ucp_worker_get_address`: its UcxOpen's MAC verified (only the
+    // authenticated peer of this connection could have sent it) and its structure checked
+    // against this UCX's own addresses (`serve_session`).
     let addr = unsafe { WorkerAddress::from_peer(peer_addr) }.map_err(|e| format!("initiator worker address: {e}"))?;
     let ep = worker.connect(&addr).map_err(|e| format!("reply endpoint: {e}"))?;
+    // From now on the handler (which runs only inside this worker's progress) takes messages
+    // that UCX delivers on this endpoint: the initiator's.
+    inbox.ep.store(ep.handle_id(), Ordering::Release);
     Ok((ep, inbox))
 }
 
@@ -256,25 +363,54 @@ fn am_setup(
 fn send_replies(ep: &Endpoint, inbox: &AmInbox, sending: &Sending) -> std::result::Result<(), String> {
     let mut pending = sending.lock().unwrap_or_else(PoisonError::into_inner);
     // Done or failed: either way UCX no longer reads the region for it.
-    pending.retain_mut(|(req, _)| matches!(req.check(), Ok(false)));
+    pending.retain_mut(|(req, _, bytes)| {
+        let keep = matches!(req.check(), Ok(false));
+        if !keep {
+            inbox.reply_bytes.fetch_sub(*bytes, Ordering::AcqRel);
+        }
+        keep
+    });
     let replies = std::mem::take(&mut *inbox.replies.lock().unwrap_or_else(PoisonError::into_inner));
-    for r in replies {
-        match r {
-            AmReply::Status { token, status } => {
-                // A pending status reply keeps only its own buffers alive.
-                drop(
-                    ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, status).to_vec(), Vec::new(), &[])
-                        .map_err(|e| format!("reply: {e}"))?,
-                );
-            }
-            AmReply::Read { token, mem, region, pieces } => {
-                let iov: Vec<(&MemRegion, usize, usize)> = pieces.iter().map(|&(o, n)| (&mem, o, n)).collect();
-                let mut req = ep
-                    .am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, Status::Ok).to_vec(), Vec::new(), &iov)
-                    .map_err(|e| format!("reply: {e}"))?;
-                if matches!(req.check(), Ok(false)) {
-                    pending.push((req, region));
+    let mut replies = replies.into_iter();
+    let r = replies.try_for_each(|r| send_reply(ep, inbox, &mut pending, r));
+    // Not sent (the endpoint refused one): their bytes no longer count.
+    for left in replies {
+        if let AmReply::Read { bytes, .. } = left {
+            inbox.reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        }
+    }
+    r
+}
+
+/// Send one reply; a READ's still sending joins `pending` (else its bytes are released).
+fn send_reply(
+    ep: &Endpoint,
+    inbox: &AmInbox,
+    pending: &mut Vec<(Request, Arc<Mapped>, u64)>,
+    r: AmReply,
+) -> std::result::Result<(), String> {
+    match r {
+        AmReply::Status { token, status } => {
+            // A pending status reply keeps only its own buffers alive.
+            drop(
+                ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, status, &inbox.secret).to_vec(), Vec::new(), &[])
+                    .map_err(|e| format!("reply: {e}"))?,
+            );
+        }
+        AmReply::Read { token, mem, region, pieces, bytes } => {
+            let iov: Vec<(&MemRegion, usize, usize)> = pieces.iter().map(|&(o, n)| (&mem, o, n)).collect();
+            let sent = ep.am_send(UCX_AM_REPLY, encode_ucx_am_reply(token, Status::Ok, &inbox.secret).to_vec(), Vec::new(), &iov);
+            let mut req = match sent {
+                Ok(req) => req,
+                Err(e) => {
+                    inbox.reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                    return Err(format!("reply: {e}"));
                 }
+            };
+            if matches!(req.check(), Ok(false)) {
+                pending.push((req, region, bytes));
+            } else {
+                inbox.reply_bytes.fetch_sub(bytes, Ordering::AcqRel);
             }
         }
     }
@@ -288,7 +424,7 @@ fn session_serve(
     log: &dyn Fn(&str),
     agent: &UcxAgent,
     s: &mut TcpStream,
-    worker: &Worker,
+    (worker, addr, key): (&Worker, WorkerAddress, &[u8; 32]),
     rail: usize,
     fenced: &AtomicBool,
     who: &str,
@@ -299,9 +435,10 @@ fn session_serve(
     let stop = || shutdown.load(Ordering::Acquire) || fenced.load(Ordering::Acquire);
     let mut tick = tick_until(&stop, Instant::now() + timeout, || format!("UcxReady not sent within {timeout:?}"));
     let Some(rc) = agent.rail(rail) else { return Err((Status::Internal, format!("rail {rail} has no UCX context"))) };
-    let addr = worker.address().map_err(|e| (Status::Internal, format!("ucx session worker address: {e}")))?;
     let features = if am.is_some() { UCX_FEATURE_AM } else { 0 };
-    let ready = Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None), features };
+    let ready = seal(key, 0, Body::UcxReady { addr: addr.into_bytes(), regions: agent.ready_regions(rail, None), features, mac: None });
+    // The n-th answer to UcxRkeys is sealed as place n (no answer can stand in for another).
+    let mut seq = 0u64;
     if wire::send(s, &ready, 0, &mut tick).is_err() {
         return Err((Status::Ok, String::new()));
     }
@@ -368,7 +505,12 @@ fn session_serve(
         let mut op_tick = tick_until(&stop, Instant::now() + timeout, || format!("request not completed within {timeout:?}"));
         match wire::read_frame(s, &mut op_tick) {
             Ok((h, Body::UcxRkeys(ids))) => {
-                let resp = Body::UcxReady { addr: Vec::new(), regions: agent.ready_regions(rail, Some(&ids)), features: 0 };
+                seq += 1;
+                let resp = seal(
+                    key,
+                    seq,
+                    Body::UcxReady { addr: Vec::new(), regions: agent.ready_regions(rail, Some(&ids)), features: 0, mac: None },
+                );
                 if wire::send(s, &resp, h.req_id, &mut op_tick).is_err() {
                     break Ok(());
                 }
