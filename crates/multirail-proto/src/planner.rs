@@ -791,8 +791,9 @@ impl Planner {
         self.hold = on;
     }
 
-    /// Since when every rail has been down while transfers were held (None while a rail is up
-    /// or nothing is held).
+    /// Since when transfers have been held: every rail went down then, and no byte has moved
+    /// since (a rail readmitted meanwhile does not end it until data moves on it). None while
+    /// nothing is held.
     pub fn all_down_since(&self) -> Option<Instant> {
         if self.xfers.is_empty() {
             return None;
@@ -808,6 +809,11 @@ impl Planner {
             self.drop_xfer(*id);
         }
         ids
+    }
+
+    /// Whether any rail is up.
+    pub fn any_rail_up(&self) -> bool {
+        self.rails.iter().any(|r| r.up)
     }
 
     /// Why every rail is down, as the failure reason of held transfers.
@@ -974,6 +980,8 @@ impl Planner {
             self.all_down_since = Some(now);
         } else if none_up {
             self.all_down_since.get_or_insert(now);
+        } else if self.xfers.is_empty() {
+            self.all_down_since = None;
         }
         let pinned = match self.cfg.policy {
             Policy::Pinned(r) => Some(r),
@@ -1252,6 +1260,9 @@ impl Planner {
         let Some(f) = self.release(chunk, Some(now)) else {
             return false;
         };
+        if self.rails[f.rail].up {
+            self.all_down_since = None;
+        }
         let cfg = &self.cfg;
         let r = &mut self.rails[f.rail];
         r.bytes_done += f.piece.len;
@@ -1405,7 +1416,9 @@ impl Planner {
                 r.late = 0.0;
                 r.last_done = None;
                 r.probe = 1.0;
-                self.all_down_since = None;
+                // `all_down_since` stays: a readmitted rail ends the hold only once bytes move
+                // on it (`handle_done`, `handle_progress`), so a peer that answers probes but
+                // moves no data cannot renew the hold forever.
                 self.events.push_back(Event::RailUp(rail));
                 // A transfer held while every rail was down whose tiers are still all down.
                 self.fail_stranded();
@@ -1436,6 +1449,9 @@ impl Planner {
         if let Some(r) = self.rails.get_mut(rail) {
             if r.inflight_chunks > 0 && at > r.last_progress {
                 r.last_progress = at;
+                if r.up {
+                    self.all_down_since = None;
+                }
             }
         }
     }
@@ -1947,10 +1963,11 @@ mod tests {
         p.submit(XferId(2), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
         assert!(std::iter::from_fn(|| p.poll_event()).all(|e| !matches!(e, Event::XferFailed { .. })));
         p.handle_rail_up(a, now);
-        assert_eq!(p.all_down_since(), None);
+        assert_eq!(p.all_down_since(), Some(now), "readmitted, nothing moved yet");
         while let Some(c) = p.poll_work(a, now) {
             p.handle_done(c.id, now);
         }
+        assert_eq!(p.all_down_since(), None);
         let done: Vec<Event> = std::iter::from_fn(|| p.poll_event()).filter(|e| matches!(e, Event::XferDone(_))).collect();
         assert_eq!(done.len(), 2, "{done:?}");
         // the driver gives up: every held transfer is dropped and named
@@ -1958,6 +1975,35 @@ mod tests {
         p.submit(XferId(3), vec![Pair { local: 0, region: 1, offset: 0, len: 4096 }], now);
         assert_eq!(p.take_all(), vec![XferId(3)]);
         assert!(p.is_idle() && p.all_down_since().is_none());
+    }
+
+    #[test]
+    fn a_rail_that_comes_back_but_moves_nothing_does_not_restart_the_hold() {
+        // A peer that answers handshakes but moves no data (an MTU blackhole, a wedged
+        // application): the probe readmits the rail, its chunk stalls, the rail goes down
+        // again, and so on. The hold must still end `timeout` after the first outage, or the
+        // transfer never fails (checkXfer IN_PROG forever).
+        let t0 = Instant::now();
+        let mut p = Planner::new(PlannerConfig::default());
+        p.set_hold_when_all_down(true);
+        let a = p.add_rail(None, t0);
+        p.submit(XferId(1), vec![Pair { local: 0, region: 1, offset: 0, len: 8 << 20 }], t0);
+        p.poll_work(a, t0).unwrap();
+        p.handle_rail_down(a, "stalled".into(), t0);
+        for k in 1..5u64 {
+            let t = t0 + Duration::from_secs(k);
+            p.handle_rail_up(a, t);
+            p.poll_work(a, t).unwrap();
+            assert_eq!(p.all_down_since(), Some(t0), "readmitted without progress: still held since the first outage");
+            p.handle_rail_down(a, "stalled".into(), t + Duration::from_millis(500));
+            assert_eq!(p.all_down_since(), Some(t0), "flap {k}: the clock restarted");
+        }
+        // bytes that move end the hold
+        let t = t0 + Duration::from_secs(6);
+        p.handle_rail_up(a, t);
+        let c = p.poll_work(a, t).unwrap();
+        p.handle_done(c.id, t);
+        assert_eq!(p.all_down_since(), None);
     }
 
     #[test]

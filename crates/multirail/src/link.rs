@@ -533,15 +533,17 @@ impl Link {
         let timeout = self.ctx.cfg.timeout;
         let since = self.sched.lock().expect("sched lock").planner.all_down_since();
         if since.is_some_and(|t| now.saturating_duration_since(t) >= timeout) {
-            self.fail_held(|why| Error::Timeout(format!("peer {}: no rail came back within {timeout:?} ({why})", self.peer_name)));
+            self.fail_held(false, |why| {
+                Error::Timeout(format!("peer {}: no data moved within {timeout:?} after every rail went down ({why})", self.peer_name))
+            });
         }
     }
 
-    /// Fail every transfer held while every rail is down with `err(why every rail is down)`;
-    /// nothing when a rail is up.
-    fn fail_held(&self, err: impl Fn(&str) -> Error) {
+    /// Fail every transfer held since every rail went down (and no data moved since) with
+    /// `err(why the rails went down)`; with `only_when_none_up`, nothing while a rail is up.
+    fn fail_held(&self, only_when_none_up: bool, err: impl Fn(&str) -> Error) {
         let mut g = self.sched.lock().expect("sched lock");
-        if g.planner.all_down_since().is_none() {
+        if g.planner.all_down_since().is_none() || (only_when_none_up && g.planner.any_rail_up()) {
             return;
         }
         let why = g.planner.down_reason();
@@ -918,14 +920,14 @@ impl Link {
                         l.ctx.log(&format!("peer {}: {e}", l.peer_name));
                         let why = e.to_string();
                         *l.fatal.lock().expect("link lock") = Some(e);
-                        l.fail_held(|_| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("the peer restarted: {why}") });
+                        l.fail_held(false, |_| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("the peer restarted: {why}") });
                         break;
                     }
                     Err(e) => {
                         if crate::net::refused(&e) {
                             // Nothing listens at the peer's address any more: it exited; what
                             // waits for every rail to come back fails now.
-                            l.fail_held(|why| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("{e}; {why}") });
+                            l.fail_held(true, |why| Error::PeerLost { peer: l.peer_name.clone(), reason: format!("{e}; {why}") });
                         }
                         backoff = (backoff * 2).min(Duration::from_secs(2));
                     }
