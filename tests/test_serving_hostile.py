@@ -195,10 +195,29 @@ def test_peer_table_is_bounded() -> None:
             assert _meta_put(a.port, f"p{k}", _renamed(blob, f"p{k}")) == ("Ok", "")
         status, msg = _meta_put(a.port, "p3", _renamed(blob, "p3"))
         assert status == "Busy" and "max_peers" in msg
-        # A known name may still be updated, and the application's own installs hit the cap too.
+        # A known name may still be updated.
         assert _meta_put(a.port, "p1", _renamed(blob, "p1")) == ("Ok", "")
+    finally:
+        a.close()
+
+
+def test_peers_pushed_from_the_wire_never_keep_the_applications_out() -> None:
+    """A table filled by MetaPut (any client, where accepted) used to refuse the application's own
+    installs (fetch_remote_metadata, add_remote_agent, NIXL): now they take a pushed peer's place;
+    the application's own installs alone hit the cap."""
+    a = multirail.Agent("a", {"accept_metaput": True, "max_peers": 3})
+    try:
+        blob = a.get_agent_metadata()
+        for k in range(3):
+            assert _meta_put(a.port, f"p{k}", _renamed(blob, f"p{k}")) == ("Ok", "")
+        for k in range(3):
+            a.add_remote_agent(_renamed(blob, f"app{k}"))
+        assert all(a.check_remote_metadata(f"app{k}") for k in range(3))
+        assert not any(a.check_remote_metadata(f"p{k}") for k in range(3))
         with pytest.raises(multirail.errors.MultirailError, match="max_peers"):
-            a.add_remote_agent(_renamed(blob, "p4"))
+            a.add_remote_agent(_renamed(blob, "app3"))
+        status, msg = _meta_put(a.port, "p9", _renamed(blob, "p9"))
+        assert status == "Busy" and "max_peers" in msg
     finally:
         a.close()
 
@@ -272,3 +291,108 @@ def test_one_peer_cannot_fill_the_notification_inbox_for_the_others() -> None:
         assert len(got["noisy"]) == 64 and got["quiet"] == [b"layer 0"]
     finally:
         t.close()
+
+
+# ------------------------------------------------------------------ random frame sequences
+
+def _random_request(rng: Any, regions: list[dict], req: int) -> tuple[bytes, tuple]:
+    """One random request (zero lengths, out of bounds, wrong keys, vectored and strided entries,
+    pings, fences of unknown connections, a MetaPut on a data connection) and what its answer must
+    be: (kind, req, ok, region id, pieces, payload)."""
+    n = 4096
+    reg = rng.choice(regions)
+    key = reg["key"] if rng.random() > 0.05 else os.urandom(16)
+
+    def span() -> tuple[int, int]:
+        c = rng.random()
+        if c < 0.15:
+            return rng.randint(0, n), 0
+        if c < 0.2:
+            return rng.randint(n - 10, n + 10), rng.randint(0, 20)
+        off = rng.randint(0, n - 1)
+        return off, rng.randint(1, min(300, n - off))
+
+    k = rng.random()
+    if k < 0.5:
+        off, ln = span()
+        ok = key == reg["key"] and off + ln <= n
+        if k < 0.25:
+            data = rng.randbytes(ln)
+            return (rawpeer.frame(rawpeer.WRITE_REQ, rawpeer.op_body(reg["id"], key, off, ln), req) + data,
+                    ("w", req, ok, reg["id"], [(off, ln, 1, ln)], data))
+        return rawpeer.frame(rawpeer.READ_REQ, rawpeer.op_body(reg["id"], key, off, ln), req), ("r", req, ok, reg["id"], [(off, ln, 1, ln)], b"")
+    if k < 0.85:
+        pieces = []
+        for _ in range(rng.randint(1, 4)):
+            ln, cnt = rng.randint(1, 64), rng.choice([1, 1, 2, 3])
+            off = rng.randint(0, n - 1) if rng.random() > 0.1 else rng.randint(n - 100, n + 10)
+            pieces.append((off, ln, cnt, ln + rng.randint(0, 64) if cnt > 1 else ln))
+        ok = key == reg["key"] and all(o + st * (c - 1) + ln <= n for o, ln, c, st in pieces)
+        body = rawpeer.vec_body(reg["id"], key, pieces)
+        if k < 0.65:
+            data = rng.randbytes(sum(ln * c for _, ln, c, _ in pieces))
+            return rawpeer.frame(rawpeer.WRITE_VREQ, body, req) + data, ("w", req, ok, reg["id"], pieces, data)
+        return rawpeer.frame(rawpeer.READ_VREQ, body, req), ("r", req, ok, reg["id"], pieces, b"")
+    if k < 0.9:
+        return rawpeer.frame(rawpeer.PING, b"", req), ("p", req, True, 0, [], b"")
+    if k < 0.95:
+        return rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([os.urandom(16)]), req), ("p", req, True, 0, [], b"")
+    return rawpeer.frame(rawpeer.META_PUT, b"xx", req), ("p", req, False, 0, [], b"")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_frame_sequences_are_answered_in_order(seed: int) -> None:
+    """Issue 33's stateful check: random pipelined request sequences on one connection into a GPU
+    region (stand-in) and a host region are each answered, in order, within the timeout, and READs
+    return what earlier WRITEs left (a shadow copy; bytes two entries of one GPU WRITE overlap are
+    not asserted, the gather kernel's order is unspecified); a self-fence then ends it."""
+    import random
+
+    rng = random.Random(seed)
+    t = multirail.Agent("target", {"gpu": "standin", "timeout": ANSWER_S})
+    g, h = DeviceBuffer(4096, kind="standin"), np.zeros(4096, np.uint8)
+    t.register_memory(g)
+    t.register_memory(h)
+    G, H = _regions(t, g, h)
+    shadow = {G["id"]: np.zeros(4096, np.int16), H["id"]: np.zeros(4096, np.int16)}
+    nonce = os.urandom(16)
+    s = rawpeer.connect(t.port, nonce=nonce)
+    s.settimeout(ANSWER_S)
+    req = 0
+    try:
+        while req < 200:
+            out, expect = b"", []
+            for _ in range(rng.randint(1, 8)):
+                req += 1
+                data, e = _random_request(rng, [G, H], req)
+                out += data
+                expect.append(e)
+            s.sendall(out)
+            for kind, rq, ok, rid, pieces, data in expect:
+                fk, got, body = rawpeer.read_frame(s)
+                assert (fk, got) == (rawpeer.RESP, rq), (fk, got, rq, body)
+                status, bulk, msg = rawpeer.parse_status(body)
+                assert (status == "Ok") == ok, (rq, kind, status, msg, pieces)
+                ranges = [(o + j * st, ln) for o, ln, c, st in pieces for j in range(c)]
+                if kind == "r" and ok:
+                    got_b = np.frombuffer(rawpeer.recv_exact(s, bulk), np.uint8).astype(np.int16)
+                    want = np.concatenate([shadow[rid][a:a + ln] for a, ln in ranges]) if ranges else np.zeros(0, np.int16)
+                    assert ((want < 0) | (want == got_b)).all(), (rq, pieces)
+                elif kind == "w" and ok:
+                    touched, p = np.zeros(4096, np.int32), 0
+                    for a, ln in ranges:
+                        shadow[rid][a:a + ln] = np.frombuffer(data[p:p + ln], np.uint8)
+                        touched[a:a + ln] += 1
+                        p += ln
+                    if rid == G["id"]:
+                        shadow[rid][touched > 1] = -1
+        s.sendall(rawpeer.frame(rawpeer.FENCE, rawpeer.fence_body([nonce]), req + 1))
+        try:
+            assert rawpeer.read_frame(s)[:2] == (rawpeer.RESP, req + 1)
+        except (ConnectionError, OSError) as e:
+            assert not isinstance(e, socket.timeout), "self-fence never answered"
+    finally:
+        s.close()
+        t0 = time.monotonic()
+        t.close()
+        assert time.monotonic() - t0 < 4.0, "close() waited on a serving thread"

@@ -136,8 +136,9 @@ class AgentConfig:
         comes only from this application (fetch_remote_metadata, add_remote_agent, NIXL, a
         metadata store). Even on, a pushed name never replaces a peer this application installed
         (docs/SECURITY.md).
-    max_peers: most peers this agent keeps metadata for (default 4096); installing one more
-        name is refused with an error.
+    max_peers: most peers this agent keeps metadata for (default 4096); beyond it a MetaPut is
+        refused Busy, and an install by the application takes the place of a peer that came by
+        MetaPut, or is refused with an error when the application's own fill the table.
     max_connections: most authenticated inbound connections (default 1024); more are refused Busy.
     max_handshakes: most inbound connections still in their handshake (default 256); they take no
         slot of max_connections, and beyond it the oldest handshake is dropped for the newest.

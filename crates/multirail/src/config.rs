@@ -144,7 +144,8 @@ pub struct Config {
     /// metadata then comes only from the application (fetch_remote, add_remote, NIXL, etcd).
     pub accept_metaput: bool,
     /// Most peers in the peer table (installed by the application or by `MetaPut`); beyond it,
-    /// installing a new name is refused with an error that says so.
+    /// a `MetaPut` of a new name is refused, and an application install takes the place of a
+    /// peer that came by `MetaPut` (refused with an error only when the application's own fill it).
     pub max_peers: usize,
     /// Most requests one connection keeps in flight.
     pub conn_window: usize,

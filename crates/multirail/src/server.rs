@@ -108,6 +108,8 @@ impl Shared {
 
     /// Insert or replace a peer, within `max_peers`; the replaced one is closed after the
     /// table's lock is released (its transfers fail; other threads keep using the table).
+    /// Peers pushed from the wire never keep the application's own out: a full table makes room
+    /// for an application install by dropping a peer that came by `MetaPut`.
     fn install(&self, meta: AgentMeta, addr_hint: Option<IpAddr>, origin: PeerOrigin) -> std::result::Result<String, (Status, String)> {
         if meta.name.is_empty() {
             return Err((Status::Malformed, "metadata has an empty agent name".into()));
@@ -118,8 +120,9 @@ impl Shared {
         let name = meta.name.clone();
         let mut peer = Peer::new(meta, addr_hint, self.ctx.clone());
         peer.origin = origin;
-        let old = {
+        let (old, evicted) = {
             let mut g = self.peers.write().expect("peers lock");
+            let mut evicted = None;
             match g.get(&name) {
                 Some(old) if origin == PeerOrigin::Wire && old.origin == PeerOrigin::App => {
                     return Err((
@@ -128,17 +131,23 @@ impl Shared {
                     ));
                 }
                 None if g.len() >= self.ctx.cfg.max_peers => {
-                    return Err((
-                        Status::Busy,
-                        format!("peer table full: {} peers (max_peers = {}); {name:?} not added", g.len(), self.ctx.cfg.max_peers),
-                    ));
+                    let pushed = g.iter().find(|(_, p)| p.origin == PeerOrigin::Wire).map(|(n, _)| n.clone());
+                    match pushed {
+                        Some(n) if origin == PeerOrigin::App => evicted = g.remove(&n),
+                        _ => {
+                            return Err((
+                                Status::Busy,
+                                format!("peer table full: {} peers (max_peers = {}); {name:?} not added", g.len(), self.ctx.cfg.max_peers),
+                            ))
+                        }
+                    }
                 }
                 _ => {}
             }
-            g.insert(name.clone(), Arc::new(peer))
+            (g.insert(name.clone(), Arc::new(peer)), evicted)
         };
-        if let Some(old) = old {
-            old.close();
+        for p in [old, evicted].into_iter().flatten() {
+            p.close();
         }
         Ok(name)
     }
