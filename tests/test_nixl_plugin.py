@@ -382,6 +382,41 @@ def test_bad_settings_fail_create_backend_cleanly(plugin_dir: Path) -> None:
     assert "unknown MULTIRAIL backend parameter" in res.stderr
 
 
+def _non_loopback_ipv4() -> str | None:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: picks the address a route would use
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def test_an_agent_open_to_the_network_without_a_secret_says_so(plugin_dir: Path) -> None:
+    """Issue 33: an agent listening on a non-loopback address without a secret logs that anyone on
+    the network can read and write its exported memory; the plugin's agents said nothing."""
+    ip = _non_loopback_ipv4()
+    if ip is None:
+        pytest.skip("no non-loopback IPv4 address on this host")
+    code = """if True:
+        import sys
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+        a = nixl_agent('open', nixl_agent_config(backends=[]))
+        a.create_backend('MULTIRAIL', {'rails': sys.argv[1]})
+        b = nixl_agent('closed', nixl_agent_config(backends=[]))
+        b.create_backend('MULTIRAIL', {'rails': sys.argv[1], 'auth_secret': 's3cret'})
+        c = nixl_agent('local', nixl_agent_config(backends=[]))
+        c.create_backend('MULTIRAIL', {'rails': '127.0.0.1'})
+        print('ALIVE')
+    """
+    res = subprocess.run([sys.executable, "-c", code, ip], env=_env(plugin_dir), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "ALIVE" in res.stdout, res.stdout + res.stderr
+    warned = [ln for ln in res.stderr.splitlines() if "without auth_secret" in ln]
+    assert len(warned) == 1 and '"open"' in warned[0] and ip in warned[0] and "read and write" in warned[0], res.stderr
+
+
 @pytest.mark.parametrize("pair", [{"vram": True, "params": {"gpu": "standin"}}], indirect=True)
 def test_vram_through_the_gpu_paths_on_the_standin(pair: Pair) -> None:
     pair.run("basic")

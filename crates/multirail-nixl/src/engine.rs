@@ -120,11 +120,32 @@ fn mem_of(m: i32) -> Result<MemType, Error> {
     }
 }
 
+/// The start-up warning of an agent that anyone on the network can use (issue 33): it listens on
+/// an address other than loopback (its host or a rail) and has no shared secret. None otherwise.
+pub fn open_without_secret(name: &str, secret: bool, host: &str, rails: &[multirail_proto::RailInfo]) -> Option<String> {
+    let loopback = |a: &str| a == "localhost" || a.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback());
+    let mut open: Vec<&str> = std::iter::once(host).chain(rails.iter().map(|r| r.addr.as_str())).filter(|a| !loopback(a)).collect();
+    if secret || open.is_empty() {
+        return None;
+    }
+    open.sort_unstable();
+    open.dedup();
+    Some(format!(
+        "agent {name:?} listens on {} without auth_secret: anyone who can reach these addresses can read and write its \
+         exported memory (set auth_secret / MULTIRAIL_SECRET on every agent; docs/SECURITY.md)",
+        open.join(", ")
+    ))
+}
+
 impl Engine {
     pub fn new(name: &str, cfg: multirail::Config) -> Result<Engine, Error> {
         let gpu = cfg.staging.gpu;
         let small_below = cfg.planner.stripe_threshold;
+        let (host, secret) = (cfg.host.clone(), cfg.secret.is_some());
         let agent = Agent::new(name, cfg)?;
+        if let Some(msg) = open_without_secret(name, secret, &host, &agent.metadata().rails) {
+            eprintln!("multirail: warning: {msg}");
+        }
         Ok(Engine {
             agent,
             name: name.to_string(),
