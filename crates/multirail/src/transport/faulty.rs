@@ -44,20 +44,19 @@ impl<T: Transport> Faulty<T> {
         self.faults.iter().enumerate().filter(move |(_, f)| f.rail == ri && f.active(since))
     }
 
-    /// Carry out kills that are due (from the timer thread). A rail this transport does not
-    /// carry now (a mixed link's rail on its other transport) is left alone: its reopening
-    /// here is refused while the fault lasts.
+    /// Carry out kills that are due (from the timer thread). A rail that is not up now (still
+    /// opening, or a mixed link's rail on its other transport) is killed when it comes up while
+    /// the fault lasts: an open that began before the fault and ended inside it would otherwise
+    /// escape it. A rail that stays down is only refused reopening here.
     fn kill_due(&self, link: &dyn Host) {
         for ri in 0..link.rails() {
             for (i, f) in self.active(ri) {
-                if f.kind == FaultKind::Kill {
+                if f.kind == FaultKind::Kill && self.inner.is_up(ri) {
                     let mut k = self.killed.lock().expect("fault lock");
                     if !k.contains(&i) {
                         k.push(i);
                         drop(k);
-                        if self.inner.is_up(ri) {
-                            link.rail_failed(ri, "fault injected: rail killed".into());
-                        }
+                        link.rail_failed(ri, "fault injected: rail killed".into());
                     }
                 }
             }

@@ -662,4 +662,35 @@ mod tests {
             assert_eq!(s.plan(), Carrier::Ucx);
         }
     }
+
+    /// A kill that comes due while the rail is still opening (a UCX session's handshake took
+    /// longer than the fault's start: test_faulty_kill_then_readmit[ucx] flaked so) must hit the
+    /// rail once it is up, not be spent on a rail that was not up yet.
+    #[test]
+    fn a_kill_due_mid_open_hits_the_rail_once_it_is_up() {
+        use crate::config::{Fault, FaultKind};
+
+        let (entered_tx, entered_rx) = std::sync::mpsc::sync_channel(0);
+        let (go_tx, go_rx) = std::sync::mpsc::sync_channel(0);
+        let stub = Stub { name: "ucx", up: AtomicBool::new(false), gate: Some((Mutex::new(entered_tx), Mutex::new(go_rx))) };
+        let at = Duration::from_millis(50);
+        let kill = Fault { rail: 0, transport: None, kind: FaultKind::Kill, at, dur: Some(Duration::from_secs(600)) };
+        let f = Arc::new(super::super::faulty::Faulty::new(stub, vec![kill]));
+        let host = Arc::new(StubHost { failed: Mutex::new(Vec::new()) });
+        let dyn_host: Arc<dyn Host> = host.clone();
+        let opener = {
+            let (f, h) = (f.clone(), dyn_host.clone());
+            std::thread::spawn(move || f.open_rail(&h, 0, Duration::from_secs(1)))
+        };
+        entered_rx.recv().unwrap();
+        std::thread::sleep(at * 2);
+        // Due, but the rail is still opening: nothing to kill yet.
+        f.tick_faults(&*dyn_host);
+        assert!(host.failed.lock().unwrap().is_empty());
+        go_tx.send(()).unwrap();
+        opener.join().unwrap().unwrap();
+        f.tick_faults(&*dyn_host);
+        f.tick_faults(&*dyn_host);
+        assert_eq!(*host.failed.lock().unwrap(), vec!["fault injected: rail killed".to_string()]);
+    }
 }
