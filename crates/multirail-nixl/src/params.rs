@@ -21,7 +21,7 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
         "rails",
         "MULTIRAIL_RAILS",
         "auto",
-        "interfaces or IPv4 addresses, comma-separated, or 'auto' (every up, addressed, non-loopback interface; \
+        "interfaces or IPv4 addresses, comma-separated, or 'auto' (every up, addressed, non-loopback interface with carrier; \
          127.0.0.1 on a host that has none); empty: one rail on `host`",
     ),
     ("host", "MULTIRAIL_HOST", "", "listen address of one rail when set and `rails` is not (0.0.0.0: rails=auto)"),
@@ -260,7 +260,10 @@ fn if_addrs() -> Result<Vec<IfAddr>, String> {
                     name,
                     addr: IpAddr::V4(addr),
                     prefix,
-                    up: flags & libc::IFF_UP != 0,
+                    // Up with carrier (IFF_RUNNING: operstate up or unknown), as the Python
+                    // API's `oper_up`: a cable out, or a bridge with no port (docker0 with no
+                    // container, virbr0 with no VM), is no rail.
+                    up: flags & libc::IFF_UP != 0 && flags & libc::IFF_RUNNING != 0,
                     loopback: flags & libc::IFF_LOOPBACK != 0,
                 });
             }
@@ -400,6 +403,77 @@ mod tests {
         assert_eq!(resolve_rails("10.9.8.7/24").unwrap()[0].prefix_len, 24);
         let s = settings(&HashMap::new(), &no_env).unwrap();
         assert!(s.effective.iter().any(|(k, v)| k == "auth_secret" && v.is_empty()));
+    }
+
+    /// Runs `f` on a thread in a fresh network namespace of its own (gone with the thread),
+    /// after the `ip` commands `setup`. None when this host cannot (not root, no `ip`).
+    fn in_own_netns<T: Send + 'static>(setup: &'static [&'static str], f: fn() -> T) -> Option<T> {
+        std::thread::spawn(move || {
+            // SAFETY: unshare only changes this thread's network namespace.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                eprintln!("skipped: unshare(CLONE_NEWNET): {}", std::io::Error::last_os_error());
+                return None;
+            }
+            for cmd in setup {
+                let ok = std::process::Command::new("ip").args(cmd.split(' ')).status().map(|s| s.success());
+                if !matches!(ok, Ok(true)) {
+                    eprintln!("skipped: ip {cmd}: {ok:?}");
+                    return None;
+                }
+            }
+            // The kernel settles a bridge's carrier after its last port left: wait (bounded)
+            // until `ip` shows mr-br (when there is one) NO-CARRIER.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                let out = std::process::Command::new("ip").args(["-o", "link", "show", "dev", "mr-br"]).output();
+                if out.map_or(true, |o| !o.status.success() || String::from_utf8_lossy(&o.stdout).contains("NO-CARRIER")) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(f())
+        })
+        .join()
+        .expect("netns thread")
+    }
+
+    #[test]
+    fn auto_takes_no_interface_without_carrier() {
+        // mr-nc is up with an address but its veth peer is down (no carrier: a cable out);
+        // mr-br is a bridge with no port (docker0 with no container, virbr0 with no VM);
+        // mr-ok is a veth whose peer is up (carrier).
+        const NC: [&str; 3] =
+            ["link add name mr-nc type veth peer name mr-nc-peer", "addr add 10.231.0.1/24 dev mr-nc", "link set mr-nc up"];
+        const SETUP: &[&str] = &[
+            NC[0],
+            NC[1],
+            NC[2],
+            "link add name mr-br type bridge",
+            "addr add 10.231.2.1/24 dev mr-br",
+            "link set mr-br up",
+            // a bridge that never had a port reports carrier; one whose last port left does not
+            "link add name mr-bp type veth peer name mr-bp-peer",
+            "link set mr-bp master mr-br",
+            "link del mr-bp",
+            "link add name mr-ok type veth peer name mr-ok-peer",
+            "addr add 10.231.1.1/24 dev mr-ok",
+            "link set mr-ok-peer up",
+            "link set mr-ok up",
+        ];
+        let Some((auto, nothing_set)) = in_own_netns(SETUP, || {
+            let auto: Vec<String> = resolve_rails("auto").unwrap().into_iter().map(|r| r.name).collect();
+            let s = settings(&HashMap::new(), &no_env).unwrap();
+            (auto, s.cfg.rails.into_iter().map(|r| r.name).collect::<Vec<String>>())
+        }) else {
+            return;
+        };
+        assert_eq!(auto, vec!["mr-ok".to_string()]);
+        assert_eq!(nothing_set, vec!["mr-ok".to_string()]);
+        // nothing with carrier besides lo: one rail on loopback, as on a host with nothing else
+        let Some(rails) = in_own_netns(&NC, || settings(&HashMap::new(), &no_env).map(|s| s.cfg.rails.len())) else {
+            return;
+        };
+        assert_eq!(rails, Ok(0));
     }
 
     #[test]
