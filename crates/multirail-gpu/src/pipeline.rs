@@ -325,6 +325,11 @@ impl<D: Device> Staged<D> {
         self.pool_cfg.bytes()
     }
 
+    /// The pool's pinned buffers as (address, length), for placing them on a NUMA node.
+    pub fn pinned_ranges(&self) -> impl Iterator<Item = (*mut u8, usize)> + '_ {
+        self.pool.iter().map(|b| (b.as_ptr(), b.len()))
+    }
+
     pub fn device(&self) -> &D {
         &self.dev
     }

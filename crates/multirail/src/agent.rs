@@ -214,7 +214,17 @@ impl Agent {
             let cfg = &self.shared.ctx.cfg;
             let direct = self.shared.ucx.as_ref().is_some_and(|u| u.gpu_direct().is_ok());
             if !direct {
-                let _ = crate::staging::prewarm(cfg.staging, dev, cfg.connections.max(1) * cfg.rails.len().max(1));
+                // Per NUMA node of the rails' NICs (issue 34 item 3): each rail's connections
+                // take pools placed on its NIC's node (`Stagers::new` in transport/tcp.rs).
+                let topo = self.shared.ctx.topo.get();
+                let mut per_node: std::collections::BTreeMap<Option<i32>, usize> = Default::default();
+                for i in 0..cfg.rails.len().max(1) {
+                    let node = topo.and_then(|t| t.cpus.get(i)).and_then(|c| crate::numa::node_of_cpus(c));
+                    *per_node.entry(node).or_default() += cfg.connections.max(1);
+                }
+                for (node, n) in per_node {
+                    let _ = crate::staging::prewarm(cfg.staging, dev, n, node);
+                }
             }
         }
         let r = self.shared.registry.register(base, len, dev, mem, access)?;

@@ -154,15 +154,13 @@ pub fn pin_current_thread(cpus: &[usize]) -> bool {
 /// another node when it is full; pages already there stay). For buffers allocated before their
 /// first touch. Returns whether the kernel took the policy.
 pub fn prefer_node(ptr: *mut u8, len: usize, node: i32) -> bool {
-    const MPOL_PREFERRED: libc::c_int = 1;
-    if node < 0 || node as usize >= 1024 || ptr.is_null() || len == 0 {
+    let Some(mask) = node_mask(node) else { return false };
+    if ptr.is_null() || len == 0 {
         return false;
     }
     let ps = page_size() as usize;
     let start = (ptr as usize) & !(ps - 1);
     let end = (ptr as usize + len).next_multiple_of(ps);
-    let mut mask = [0u64; 16];
-    mask[node as usize / 64] |= 1u64 << (node as usize % 64);
     // SAFETY: mbind only changes the policy of this process's range; maxnode covers `mask`.
     let rc = unsafe {
         libc::syscall(
@@ -176,6 +174,77 @@ pub fn prefer_node(ptr: *mut u8, len: usize, node: i32) -> bool {
         )
     };
     rc == 0
+}
+
+/// The NUMA node of the CPUs in `cpus` (a rail's NIC-local CPUs): the node of the first one
+/// that sysfs places (`/sys/devices/system/cpu/cpuN/nodeM`); None when the list is empty or
+/// sysfs does not say (no NUMA support).
+pub fn node_of_cpus(cpus: &[usize]) -> Option<i32> {
+    cpus.iter().find_map(|c| {
+        std::fs::read_dir(format!("/sys/devices/system/cpu/cpu{c}"))
+            .ok()?
+            .flatten()
+            .find_map(|e| e.file_name().to_str()?.strip_prefix("node")?.parse::<i32>().ok().filter(|n| *n >= 0))
+    })
+}
+
+const MPOL_PREFERRED: libc::c_int = 1;
+/// Enough bits for 1024 nodes (the kernel's default MAX_NUMNODES is at most that).
+type NodeMask = [u64; 16];
+
+fn node_mask(node: i32) -> Option<NodeMask> {
+    if node < 0 || node as usize >= 1024 {
+        return None;
+    }
+    let mut mask = [0u64; 16];
+    mask[node as usize / 64] |= 1u64 << (node as usize % 64);
+    Some(mask)
+}
+
+/// Runs `f` (an allocation that touches its pages, such as `cudaHostAlloc`, which pins them at
+/// once) with the calling thread's memory policy set to prefer `node`, then puts the thread's
+/// previous policy back. With `None`, or when the kernel refuses the policy, `f` runs as is:
+/// placement is best effort.
+pub fn with_preferred_node<T>(node: Option<i32>, f: impl FnOnce() -> T) -> T {
+    let Some(mask) = node.and_then(node_mask) else { return f() };
+    let mut old_mode: libc::c_int = 0;
+    let mut old_mask: NodeMask = [0; 16];
+    let bits = (old_mask.len() * 64) as libc::c_ulong;
+    // SAFETY: get_mempolicy writes one int and at most `bits` bits into buffers we own.
+    let got = unsafe {
+        libc::syscall(libc::SYS_get_mempolicy, &mut old_mode as *mut libc::c_int, old_mask.as_mut_ptr(), bits, 0usize, 0 as libc::c_ulong)
+    } == 0;
+    // SAFETY: set_mempolicy reads `bits` bits of the mask we own; it only affects this thread.
+    let set = got && unsafe { libc::syscall(libc::SYS_set_mempolicy, MPOL_PREFERRED, mask.as_ptr(), bits) } == 0;
+    let out = f();
+    if set {
+        // MPOL_DEFAULT (0) takes an empty mask; any other mode its own.
+        let m = if old_mode == 0 { std::ptr::null() } else { old_mask.as_ptr() };
+        // SAFETY: as above, with the policy read before.
+        unsafe { libc::syscall(libc::SYS_set_mempolicy, old_mode, m, if old_mode == 0 { 0 } else { bits }) };
+    }
+    out
+}
+
+/// The memory policy of the page at `addr` (MPOL_F_ADDR): (mode, nodes); None when the kernel
+/// cannot say. Mode 0 is the default policy, 1 MPOL_PREFERRED, 2 MPOL_BIND.
+pub fn policy_of_addr(addr: u64) -> Option<(i32, Vec<i32>)> {
+    const MPOL_F_ADDR: libc::c_ulong = 2;
+    let mut mode: libc::c_int = 0;
+    let mut mask: NodeMask = [0; 16];
+    // SAFETY: a query for this process's address; writes one int and the mask we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut mode as *mut libc::c_int,
+            mask.as_mut_ptr(),
+            (mask.len() * 64) as libc::c_ulong,
+            addr as usize,
+            MPOL_F_ADDR,
+        )
+    };
+    let nodes = (0..1024).filter(|&n| mask[n / 64] & (1u64 << (n % 64)) != 0).map(|n| n as i32).collect();
+    (rc == 0).then_some((mode, nodes))
 }
 
 #[cfg(test)]

@@ -663,7 +663,7 @@ struct Conn<'a> {
 impl<'a> Conn<'a> {
     fn new(sh: &'a Shared, me: &'a Served, ctr: Arc<ServedCounters>, peer: &'a str, who: &'a str, role: Role, s: TcpStream) -> Self {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone());
+        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone(), None);
         Conn {
             sh,
             me,

@@ -43,8 +43,9 @@ impl Default for StagingConfig {
 /// Pinned bytes of idle pools kept for reuse, process-wide; a pool returned beyond it is freed.
 pub const MAX_IDLE_BYTES: u64 = 256 << 20;
 
-/// A pool waiting for its next connection: (device kind, device, direction, shape, the pool).
-type IdlePool = (GpuKind, u32, Role, PoolConfig, Staged<Gpu>);
+/// A pool waiting for its next connection: (device kind, device, direction, shape, the pool,
+/// the NUMA node its buffers were placed on).
+type IdlePool = (GpuKind, u32, Role, PoolConfig, Staged<Gpu>, Option<i32>);
 
 fn idle() -> &'static Mutex<Vec<IdlePool>> {
     static IDLE: OnceLock<Mutex<Vec<IdlePool>>> = OnceLock::new();
@@ -55,32 +56,50 @@ fn lock_idle() -> std::sync::MutexGuard<'static, Vec<IdlePool>> {
     idle().lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn new_pool(cfg: StagingConfig, dev: u32, role: Role) -> Result<Staged<Gpu>, StageError> {
+/// A new pool whose pinned buffers come from `node` (the NUMA node of the rail's NIC, issue
+/// 34 item 3), not from whichever thread first needed them: the allocation runs under a
+/// thread policy preferring `node` (`cudaHostAlloc` touches and pins its pages at once), and
+/// each buffer's range then carries that policy itself (`numa::prefer_node`, for pages not
+/// yet touched). `None`: placed as before (first touch).
+fn new_pool(cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> Result<Staged<Gpu>, StageError> {
     let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
     let gpu = Gpu::open(cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
-    let mut st = Staged::new(gpu, role, cfg.pool).map_err(|e| StageError::Device(e.to_string()))?;
+    let mut st =
+        crate::numa::with_preferred_node(node, || Staged::new(gpu, role, cfg.pool)).map_err(|e| StageError::Device(e.to_string()))?;
+    if let Some(n) = node {
+        for (p, len) in st.pinned_ranges() {
+            // Best effort: a mapping the kernel will not take a policy for (a driver's) keeps
+            // the placement the thread policy gave it.
+            crate::numa::prefer_node(p, len, n);
+        }
+    }
     st.keep_ops(false);
     Ok(st)
 }
 
-/// A pool for (`dev`, `role`) of `cfg`'s shape: an idle one if there is one, else a new one.
-pub fn take_pool(cfg: StagingConfig, dev: u32, role: Role) -> Result<Staged<Gpu>, StageError> {
+fn fits(p: &IdlePool, cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> bool {
+    p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool && p.5 == node
+}
+
+/// A pool for (`dev`, `role`) of `cfg`'s shape with its buffers on `node`: an idle one if
+/// there is one, else a new one.
+pub fn take_pool(cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> Result<Staged<Gpu>, StageError> {
     {
         let mut idle = lock_idle();
-        if let Some(i) = idle.iter().position(|p| p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool) {
+        if let Some(i) = idle.iter().position(|p| fits(p, cfg, dev, role, node)) {
             return Ok(idle.swap_remove(i).4);
         }
     }
-    new_pool(cfg, dev, role)
+    new_pool(cfg, dev, role, node)
 }
 
 /// Gives a pool back for the next connection (idle: its last transfer has returned, so no
 /// copy runs on it), or frees it when [`MAX_IDLE_BYTES`] are idle already.
-fn give_pool(cfg: StagingConfig, dev: u32, role: Role, st: Staged<Gpu>) {
+fn give_pool(cfg: StagingConfig, dev: u32, role: Role, st: Staged<Gpu>, node: Option<i32>) {
     let mut idle = lock_idle();
     let held: u64 = idle.iter().map(|p| p.4.pool_bytes()).sum();
     if held + st.pool_bytes() <= MAX_IDLE_BYTES {
-        idle.push((cfg.gpu, dev, role, cfg.pool, st));
+        idle.push((cfg.gpu, dev, role, cfg.pool, st, node));
     } else {
         drop(idle);
         drop(st); // waits for its stream, then frees the pinned buffers
@@ -89,13 +108,14 @@ fn give_pool(cfg: StagingConfig, dev: u32, role: Role, st: Staged<Gpu>) {
 
 /// Pins, ahead of the first transfer, `per_role` pools of each direction for device `dev`
 /// (those already idle count), so no transfer pins memory. Registration of the first GPU
-/// region of a device calls it with the number of connections the agent's rails open.
-pub fn prewarm(cfg: StagingConfig, dev: u32, per_role: usize) -> Result<(), StageError> {
+/// region of a device calls it per NUMA node of its rails' NICs (`node`) with the number of
+/// connections those rails open.
+pub fn prewarm(cfg: StagingConfig, dev: u32, per_role: usize, node: Option<i32>) -> Result<(), StageError> {
     for role in [Role::Sender, Role::Receiver] {
-        let have = lock_idle().iter().filter(|p| p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool).count();
+        let have = lock_idle().iter().filter(|p| fits(p, cfg, dev, role, node)).count();
         for _ in have..per_role {
-            let st = new_pool(cfg, dev, role)?;
-            give_pool(cfg, dev, role, st);
+            let st = new_pool(cfg, dev, role, node)?;
+            give_pool(cfg, dev, role, st, node);
         }
     }
     Ok(())
@@ -244,6 +264,8 @@ impl Wire for SockIn<'_> {
 pub struct Stagers {
     cfg: StagingConfig,
     stats: Arc<StageStats>,
+    /// The NUMA node of the rail's NIC, where this connection's pools are (None: unknown).
+    node: Option<i32>,
     /// (device, role) → that direction's pool on that device.
     sides: Vec<(u32, Role, Staged<Gpu>)>,
 }
@@ -255,8 +277,9 @@ impl std::fmt::Debug for Stagers {
 }
 
 impl Stagers {
-    pub fn new(cfg: StagingConfig, stats: Arc<StageStats>) -> Stagers {
-        Stagers { cfg, stats, sides: Vec::new() }
+    /// `node`: the NUMA node of the rail's NIC, where the pools' buffers go (None: unknown).
+    pub fn new(cfg: StagingConfig, stats: Arc<StageStats>, node: Option<i32>) -> Stagers {
+        Stagers { cfg, stats, node, sides: Vec::new() }
     }
 
     /// Runs `f` on this connection's pool for (`dev`, `role`), made on first use, and adds what
@@ -267,11 +290,11 @@ impl Stagers {
         role: Role,
         f: impl FnOnce(&mut Staged<Gpu>) -> Result<T, PipelineError>,
     ) -> Result<Result<T, PipelineError>, StageError> {
-        let Stagers { cfg, stats, sides } = self;
+        let Stagers { cfg, stats, node, sides } = self;
         let i = match sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
             Some(i) => i,
             None => {
-                let st = take_pool(*cfg, dev, role)?;
+                let st = take_pool(*cfg, dev, role, *node)?;
                 stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
                 stats.pools.fetch_add(1, Ordering::Relaxed);
                 sides.push((dev, role, st));
@@ -443,7 +466,49 @@ impl Drop for Stagers {
         // transfer has returned), then back to the process's idle pools.
         for (dev, role, mut st) in self.sides.drain(..) {
             st.abandon();
-            give_pool(self.cfg, dev, role, st);
+            give_pool(self.cfg, dev, role, st, self.node);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The /proc/self/numa_maps line of the mapping that holds `addr` (lines start with the
+    /// mapping's start address; the last one at or below `addr`).
+    fn numa_maps_line(addr: u64) -> Option<String> {
+        let maps = std::fs::read_to_string("/proc/self/numa_maps").ok()?;
+        maps.lines()
+            .filter_map(|l| Some((u64::from_str_radix(l.split_whitespace().next()?, 16).ok()?, l.to_string())))
+            .filter(|(start, _)| *start <= addr)
+            .max_by_key(|(start, _)| *start)
+            .map(|(_, l)| l)
+    }
+
+    /// Issue 34 item 3: a pool for a rail whose NIC is on node 0 has every pinned buffer's
+    /// pages under a policy preferring node 0 (numa_maps "prefer:0", and get_mempolicy says so
+    /// for the buffer's address), not the policy of whichever thread allocated it. Before the
+    /// node was passed down, the buffers had the default policy.
+    #[test]
+    fn a_pool_for_a_node_0_rail_has_its_buffers_on_node_0() {
+        let cfg = StagingConfig { gpu: GpuKind::StandIn, pool: PoolConfig { buffers: 2, buffer_size: 1 << 20 }, ipc: false };
+        let st = take_pool(cfg, 0, Role::Sender, Some(0)).expect("stand-in pool");
+        let ranges: Vec<_> = st.pinned_ranges().collect();
+        assert_eq!(ranges.len(), 2);
+        for (p, len) in ranges {
+            for addr in [p as u64, p as u64 + len as u64 - 1] {
+                let line = numa_maps_line(addr).expect("numa_maps has the buffer's mapping");
+                assert!(line.contains(" prefer:0"), "{addr:#x}: {line}");
+                assert_eq!(crate::numa::policy_of_addr(addr), Some((1, vec![0])), "{addr:#x}: {line}");
+            }
+        }
+        // An idle pool of node 0 is not handed out to a connection of another (or no) node.
+        let mine: Vec<_> = st.pinned_ranges().map(|r| r.0 as u64).collect();
+        give_pool(cfg, 0, Role::Sender, st, Some(0));
+        let other = take_pool(cfg, 0, Role::Sender, None).expect("stand-in pool");
+        assert!(other.pinned_ranges().all(|r| !mine.contains(&(r.0 as u64))));
+        let again = take_pool(cfg, 0, Role::Sender, Some(0)).expect("stand-in pool");
+        assert_eq!(again.pinned_ranges().map(|r| r.0 as u64).collect::<Vec<_>>(), mine, "the idle node-0 pool is reused");
     }
 }
