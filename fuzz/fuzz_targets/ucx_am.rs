@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     assert_eq!(payload.len() as u64, if am.write { am.op.total() } else { 0 });
-    let (h2, mut d2) = am.encode();
+    let (h2, mut d2) = am.encode().expect("a decoded request re-encodes");
     d2.extend_from_slice(payload);
     let (back, p2) = UcxAm::decode(&h2, &d2).expect("an encoded request decodes");
     assert_eq!(back, am);

@@ -273,6 +273,20 @@ pub enum DecodeError {
     Malformed(&'static str),
 }
 
+/// Why a body could not be encoded: a value does not fit its wire field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// A length or count over what its field holds (a caller's bug: the planner cuts chunks
+    /// far below these bounds). Nothing was sent.
+    #[error("{what} {n} does not fit its {max}-max wire field")]
+    TooLarge { what: &'static str, n: u64, max: u64 },
+}
+
+/// `n` as a u32 wire field, or the error naming `what`.
+fn fit32(what: &'static str, n: u64) -> Result<u32, EncodeError> {
+    u32::try_from(n).map_err(|_| EncodeError::TooLarge { what, n, max: u32::MAX as u64 })
+}
+
 /// The fixed 16-byte header: magic, version, kind, body length, request id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -290,6 +304,12 @@ impl Header {
         h[4..8].copy_from_slice(&self.body_len.to_le_bytes());
         h[8..16].copy_from_slice(&self.req_id.to_le_bytes());
         h
+    }
+
+    /// Rewrite the request id of an encoded frame (one encoded before its id was drawn).
+    /// `frame` starts with a header (as every `Body::encode` output does).
+    pub fn set_req_id(frame: &mut [u8], req_id: u64) {
+        frame[8..16].copy_from_slice(&req_id.to_le_bytes());
     }
 
     /// Parse and bound-check a header. The body length is checked against the kind's
@@ -524,7 +544,23 @@ impl Body {
     }
 
     /// Encode header and body into one buffer (bulk data, if any, is sent separately).
+    ///
+    /// # Panics
+    /// If a length or count does not fit its wire field (see [`Body::try_encode`]): only for
+    /// bodies bounded by construction (responses, control frames, tests). A body whose sizes
+    /// come from a caller (vectored requests, blobs) goes through `try_encode`.
     pub fn encode(&self, req_id: u64) -> Vec<u8> {
+        match self.try_encode(req_id) {
+            Ok(b) => b,
+            Err(e) => panic!("{:?} body cannot be encoded: {e}", self.kind()),
+        }
+    }
+
+    /// Encode header and body into one buffer, or a typed error when a piece length, piece
+    /// count, entry count or the body length does not fit its u32 wire field (never a
+    /// silently truncated frame that would decode to a different request). The check is one
+    /// comparison per field on the way.
+    pub fn try_encode(&self, req_id: u64) -> Result<Vec<u8>, EncodeError> {
         let mut out = Vec::with_capacity(HEADER_LEN + 64);
         out.extend_from_slice(&[0u8; HEADER_LEN]);
         match self {
@@ -554,11 +590,11 @@ impl Body {
                 out.reserve(8 + 16 + 4 + 16 * op.pieces.len());
                 out.extend_from_slice(&op.region.to_le_bytes());
                 out.extend_from_slice(&op.key.0);
-                out.extend_from_slice(&(op.pieces.len() as u32).to_le_bytes());
+                out.extend_from_slice(&fit32("vectored entries", op.pieces.len() as u64)?.to_le_bytes());
                 for p in &op.pieces {
                     out.extend_from_slice(&p.offset.to_le_bytes());
-                    out.extend_from_slice(&(p.len as u32).to_le_bytes());
-                    out.extend_from_slice(&(p.count as u32).to_le_bytes());
+                    out.extend_from_slice(&fit32("vectored piece length", p.len)?.to_le_bytes());
+                    out.extend_from_slice(&fit32("vectored piece count", p.count)?.to_le_bytes());
                     if p.count != 1 {
                         out.extend_from_slice(&p.stride.to_le_bytes());
                     }
@@ -652,10 +688,10 @@ impl Body {
                 }
             }
         }
-        let body_len = (out.len() - HEADER_LEN) as u32;
+        let body_len = fit32("body length", (out.len() - HEADER_LEN) as u64)?;
         let h = Header { kind: self.kind(), body_len, req_id }.encode();
         out[..HEADER_LEN].copy_from_slice(&h);
-        out
+        Ok(out)
     }
 
     /// Decode a body of the kind named by its (already validated) header.
@@ -857,15 +893,16 @@ pub struct UcxAm {
 
 impl UcxAm {
     /// The AM header and the descriptor (the head of the AM data; a WRITE's bytes follow it).
-    pub fn encode(&self) -> ([u8; UCX_AM_REQ_HEADER], Vec<u8>) {
-        let body = if self.write { Body::WriteVReq(self.op.clone()) } else { Body::ReadVReq(self.op.clone()) }.encode(0);
+    /// Fails, sending nothing, when a piece's length or count does not fit its wire field.
+    pub fn encode(&self) -> Result<([u8; UCX_AM_REQ_HEADER], Vec<u8>), EncodeError> {
+        let body = if self.write { Body::WriteVReq(self.op.clone()) } else { Body::ReadVReq(self.op.clone()) }.try_encode(0)?;
         let desc = body[HEADER_LEN..].to_vec();
         let mut h = [0u8; UCX_AM_REQ_HEADER];
         h[0] = if self.write { 2 } else { 1 };
         h[1..9].copy_from_slice(&self.token.to_le_bytes());
-        h[9..13].copy_from_slice(&(desc.len() as u32).to_le_bytes());
+        h[9..13].copy_from_slice(&fit32("descriptor length", desc.len() as u64)?.to_le_bytes());
         h[13..29].copy_from_slice(&self.secret);
-        (h, desc)
+        Ok((h, desc))
     }
 
     /// Decode a received request: `header` and the whole AM `data`. Checks everything a
@@ -1143,6 +1180,31 @@ mod tests {
     }
 
     #[test]
+    fn oversized_fields_are_refused_not_truncated() {
+        // A piece of 4 GiB + 1 used to be written as a 1-byte piece (`as u32`): a frame that
+        // decodes to another request. Now every field that does not fit is a typed error.
+        let key = RegionKey([1; 16]);
+        let piece = |len: u64, count: u64| VecPiece { offset: 0, len, count, stride: if count == 1 { 0 } else { len } };
+        let over = (u32::MAX as u64) + 2; // 4 GiB + 1
+        for (what, p) in [("vectored piece length", piece(over, 1)), ("vectored piece count", piece(1, over))] {
+            for body in
+                [Body::ReadVReq(VecOp { region: 1, key, pieces: vec![p] }), Body::WriteVReq(VecOp { region: 1, key, pieces: vec![p] })]
+            {
+                assert_eq!(body.try_encode(7), Err(EncodeError::TooLarge { what, n: over, max: u32::MAX as u64 }));
+            }
+            let am = UcxAm { token: 1, write: true, op: VecOp { region: 1, key, pieces: vec![p] }, secret: [0; 16] };
+            assert!(matches!(am.encode(), Err(EncodeError::TooLarge { .. })));
+        }
+        // The largest value that fits is encoded exactly (the decoder then applies its bounds).
+        let edge = Body::ReadVReq(VecOp { region: 1, key, pieces: vec![piece(u32::MAX as u64, 1)] }).try_encode(7).unwrap();
+        assert_eq!(u32::from_le_bytes(edge[HEADER_LEN + 36..HEADER_LEN + 40].try_into().unwrap()), u32::MAX);
+        assert!(matches!(Body::decode(Kind::ReadVReq, &edge[HEADER_LEN..]), Err(DecodeError::TooMany { .. })));
+        // `encode` refuses loudly rather than truncating.
+        let caught = std::panic::catch_unwind(|| Body::ReadVReq(VecOp { region: 1, key, pieces: vec![piece(over, 1)] }).encode(0));
+        assert!(caught.is_err());
+    }
+
+    #[test]
     fn ucx_bodies_are_bounded() {
         // Lengths over their bounds are refused before anything is copied.
         let mut open = 0u16.to_le_bytes().to_vec();
@@ -1315,7 +1377,7 @@ mod tests {
         let total = op.total() as usize;
         for write in [false, true] {
             let am = UcxAm { token: 0x1234_5678_9abc, write, op: op.clone(), secret: [0x5e; 16] };
-            let (h, desc) = am.encode();
+            let (h, desc) = am.encode().expect("fits");
             let mut data = desc.clone();
             if write {
                 data.extend(std::iter::repeat_n(0xa5, total));
@@ -1336,18 +1398,18 @@ mod tests {
             assert!(UcxAm::decode(&h[..UCX_AM_REQ_HEADER - 1], &data).is_err());
         }
         // Unknown op, a descriptor length past the bound, a piece list over the entry bound.
-        let (mut h, desc) = UcxAm { token: 1, write: false, op: op.clone(), secret: [0; 16] }.encode();
+        let (mut h, desc) = UcxAm { token: 1, write: false, op: op.clone(), secret: [0; 16] }.encode().expect("fits");
         h[0] = 3;
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
         h[0] = 1;
         h[9..13].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
         let many = VecOp { pieces: vec![VecPiece { offset: 0, len: 1, count: 1, stride: 0 }; MAX_VEC_ENTRIES + 1], ..op.clone() };
-        let (h, desc) = UcxAm { token: 1, write: false, op: many, secret: [0; 16] }.encode();
+        let (h, desc) = UcxAm { token: 1, write: false, op: many, secret: [0; 16] }.encode().expect("fits");
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::TooMany { .. })));
         // A zero-length piece.
         let zero = VecOp { pieces: vec![VecPiece { offset: 0, len: 0, count: 1, stride: 0 }], ..op };
-        let (h, desc) = UcxAm { token: 1, write: false, op: zero, secret: [0; 16] }.encode();
+        let (h, desc) = UcxAm { token: 1, write: false, op: zero, secret: [0; 16] }.encode().expect("fits");
         assert!(matches!(UcxAm::decode(&h, &desc), Err(DecodeError::Malformed(_))));
         // Replies.
         let r = encode_ucx_am_reply(99, Status::OutOfBounds, &[7; 16]);

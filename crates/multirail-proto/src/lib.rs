@@ -18,6 +18,6 @@ pub mod meta;
 pub mod planner;
 pub mod reader;
 
-pub use codec::{Body, DecodeError, Header, Kind, Status};
+pub use codec::{Body, DecodeError, EncodeError, Header, Kind, Status};
 pub use meta::{Access, AgentMeta, DescList, MemType, RailInfo, RegionKey, RegionMeta};
 pub use planner::{Chunk, ChunkId, Event, Pair, Planner, PlannerConfig, Policy, RailId, XferId};

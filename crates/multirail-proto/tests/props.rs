@@ -777,7 +777,7 @@ fn write_fuzz_corpus() {
     // ucx active messages: [header length][header][data] (fuzz/fuzz_targets/ucx_am.rs).
     let am_seed = |write: bool, op: VecOp| {
         let am = multirail_proto::codec::UcxAm { token: 0x1234, write, op, secret: [0x5c; 16] };
-        let (h, mut d) = am.encode();
+        let (h, mut d) = am.encode().expect("fits");
         if write {
             d.resize(d.len() + am.op.total() as usize, 0x77);
         }
@@ -873,7 +873,7 @@ proptest! {
         // Small pieces (the strides stay >= the lengths): a WRITE's bytes stay small.
         let op = VecOp { pieces: op.pieces.into_iter().map(|p| VecPiece { len: p.len % 512 + 1, ..p }).collect(), ..op };
         let am = UcxAm { token, write, op, secret: [0x5d; 16] };
-        let (h, desc) = am.encode();
+        let (h, desc) = am.encode().expect("fits");
         let mut data = desc.clone();
         if write {
             data.resize(desc.len() + am.op.total() as usize, 0x5a);

@@ -530,17 +530,17 @@ fn ucx_am_refusals_write_nothing_and_keep_the_rail() {
         op: VecOp { region: tr.id, key: tr.key, pieces: wire_of(&two) },
         secret: rail.am_secret(),
     };
-    let (mut h, desc) = good.encode();
+    let (mut h, desc) = good.encode().expect("fits");
     h[0] = 9;
     rail.post_am_raw(16, h.to_vec(), desc.clone()).unwrap();
-    let (mut h, desc) = UcxAm { token: 17, ..good.clone() }.encode();
+    let (mut h, desc) = UcxAm { token: 17, ..good.clone() }.encode().expect("fits");
     h[9..13].copy_from_slice(&(desc.len() as u32 + 1).to_le_bytes());
     rail.post_am_raw(17, h.to_vec(), desc).unwrap();
-    let (h, desc) = UcxAm { token: 18, ..good.clone() }.encode();
+    let (h, desc) = UcxAm { token: 18, ..good.clone() }.encode().expect("fits");
     let mut short = desc.clone();
     short.extend(std::iter::repeat_n(0xee, 8191));
     rail.post_am_raw(18, h.to_vec(), short).unwrap();
-    let (mut h, _) = UcxAm { token: 19, ..good.clone() }.encode();
+    let (mut h, _) = UcxAm { token: 19, ..good.clone() }.encode().expect("fits");
     let mut empty = desc_of(tr.id);
     h[9..13].copy_from_slice(&(empty.len() as u32).to_le_bytes());
     rail.post_am_raw(19, h.to_vec(), std::mem::take(&mut empty)).unwrap();
@@ -774,7 +774,7 @@ fn ucx_am_from_another_worker_is_refused() {
         op: VecOp { region: tr.id, key: tr.key, pieces: vec![VecPiece { offset: 0, len: 4096, count: 1, stride: 0 }] },
         secret: rail.am_secret(),
     };
-    let (h, mut data) = am.encode();
+    let (h, mut data) = am.encode().expect("fits");
     data.extend(std::iter::repeat_n(0xee, 4096));
     let mut req = ep.am_send(multirail_proto::codec::UCX_AM_REQ, h.to_vec(), data, &[]).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
@@ -823,7 +823,7 @@ fn ucx_am_read_replies_are_bounded() {
             op: VecOp { region: tr.id, key: tr.key, pieces: vec![VecPiece { offset: 0, len: 4 * MIB as u64, count: 1, stride: 0 }] },
             secret: rail.am_secret(),
         };
-        let (h, desc) = am.encode();
+        let (h, desc) = am.encode().expect("fits");
         rail.post_am_raw(100 + t, h.to_vec(), desc).unwrap();
     }
     // Every request is answered once the initiator progresses: READ bytes, or Busy.

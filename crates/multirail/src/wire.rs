@@ -400,7 +400,10 @@ pub fn read_frame(s: &mut TcpStream, tick: &mut dyn FnMut(bool) -> Result<(), St
 }
 
 pub fn send(s: &mut TcpStream, body: &Body, req_id: u64, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<(), WireError> {
-    let b = body.encode(req_id);
+    // A body that does not fit the wire format is refused before anything is sent: an
+    // `InvalidInput` error carrying the codec's `EncodeError` (kept out of `WireError`'s
+    // variants, which name what the socket or the peer did).
+    let b = body.try_encode(req_id).map_err(|e| WireError::Io(io::Error::new(io::ErrorKind::InvalidInput, e)))?;
     write_full(s, &[&b], tick)
 }
 

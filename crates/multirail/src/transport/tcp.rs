@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use multirail_gpu::{DevicePtr, Pages, Src};
 use multirail_proto::codec::{RemoteOp, Role, Status, VecOp, HELLO_VECTORED, HELLO_VECTORED_GPU};
 use multirail_proto::planner::{vec_pieces, Run};
-use multirail_proto::{Body, Chunk, Pair};
+use multirail_proto::{Body, Chunk, Header, Pair};
 
 use super::{Caps, GpuPath, Host, Transport};
 use crate::config::Progress;
@@ -719,11 +719,17 @@ fn request(link: &dyn Host, chunk: &Chunk, write: bool) -> Body {
 }
 
 /// Fails `chunk` (and so its transfer) with `e`, the error that kept it from being ordered
-/// after the application's stream, without sending it: a device error, not the rail's.
+/// after the application's stream or from being encoded, without sending it: a device error
+/// or a request over the wire format's fields, not the rail's.
 fn fail_unordered(link: &dyn Host, rail: usize, chunk: &Chunk, x: &XferShared, e: Error) {
     let msg = e.to_string();
     x.set_cause(e);
     link.chunk_done(rail, chunk.id, x, chunk.piece.len, Err((Status::Internal, msg)));
+}
+
+/// The error of a chunk whose request does not fit the wire format (a planner bug).
+fn unencodable(e: multirail_proto::EncodeError) -> Error {
+    Error::InvalidArgument(format!("chunk request cannot be encoded: {e}"))
 }
 
 fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
@@ -735,7 +741,12 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
     let write = x.op == Op::Write;
     let vec = chunk.vec.clone();
     let piece = chunk.piece;
-    let body = request(link, &chunk, write);
+    // Encoded before anything is taken: a request whose sizes do not fit the wire format
+    // fails its chunk (never a truncated frame). The id is stamped once it is drawn.
+    let mut hdr = match request(link, &chunk, write).try_encode(0) {
+        Ok(h) => h,
+        Err(e) => return fail_unordered(link, c.rail, &chunk, &x, unencodable(e)),
+    };
     let src = if write && x.local_dev(piece.local).is_some() { Some(local_src(&piece, vec.as_deref())) } else { None };
     let mut w = match held {
         Some(w) => w,
@@ -765,7 +776,7 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
         // looked (a parked receiver does not keep `Clock::last` fresh while idle).
         c.busy_at.store(link.now_us(), Ordering::Release);
     }
-    let hdr = body.encode(req_id);
+    Header::set_req_id(&mut hdr, req_id);
     // A send that cannot progress is a stall of the rail: the link's watchdog shuts it.
     let mut tick = |_: bool| {
         if link.is_shutdown() || c.dead.load(Ordering::Acquire) {
@@ -809,7 +820,13 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                     fail_unordered(link, c.rail, &ch, &xx, e);
                     return None;
                 }
-                let body = request(link, &ch, true);
+                let mut body = match request(link, &ch, true).try_encode(0) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        fail_unordered(link, c.rail, &ch, &xx, unencodable(e));
+                        return None;
+                    }
+                };
                 let src = local_src(&ch.piece, ch.vec.as_deref());
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
                 c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx });
@@ -819,7 +836,8 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
                     c.kick(); // a parked receiver reads the responses as they come
                 }
-                Some((src, id, body.encode(id)))
+                Header::set_req_id(&mut body, id);
+                Some((src, id, body))
             };
             let mut stage = c.stage_tx.lock().expect("conn lock");
             let first = (src.expect("a WRITE from GPU memory"), req_id, hdr.to_vec());

@@ -553,7 +553,7 @@ impl UcxRail {
         if am.op.total() != total {
             return Err(format!("{op}: the piece table ({} bytes) does not match the chunk ({total} bytes)", am.op.total()));
         }
-        let (header, desc) = am.encode();
+        let (header, desc) = am.encode().map_err(|e| format!("{op}: {e}"))?;
         let mut mems: Vec<MemRegion> = Vec::new();
         let dst = if write {
             Vec::new()
