@@ -119,6 +119,40 @@ def test_fences_after_a_zero_length_gpu_write_are_answered(gpu_target: Any) -> N
     assert time.monotonic() - t0 < 4.0, "close() waited on a serving thread"
 
 
+def test_a_peer_that_stops_reading_gpu_write_answers_loses_the_connection_in_time() -> None:
+    """A peer that pipelines GPU WRITEs and never reads the answers used to keep its serving
+    thread (with the fence lock and the pinned staging pool) until a fence or close(): the answers
+    of landed GPU WRITEs waited for room on the socket without the request timeout. With one
+    authenticated slot, the next peer is let in once the server gave up on the first."""
+    t = multirail.Agent("target", {"gpu": "standin", "timeout": 2.0, "max_connections": 1})
+    g = DeviceBuffer(4096, kind="standin")
+    t.register_memory(g)
+    (G,) = _regions(t, g)
+    a = rawpeer.connect(t.port)
+    try:
+        blob = b"".join(rawpeer.frame(rawpeer.WRITE_REQ, rawpeer.op_body(G["id"], G["key"], 0, 1), k + 1) + b"x"
+                        for k in range(5000))
+        a.settimeout(1.0)
+        t0 = time.monotonic()
+        with pytest.raises(socket.timeout):  # the server stops reading once its answers have no room
+            while time.monotonic() - t0 < 60:
+                a.sendall(blob)
+        deadline = time.monotonic() + 20
+        while True:
+            b = rawpeer.connect(t.port, name="next", welcome=False)
+            b.settimeout(ANSWER_S)
+            kind, _, body = rawpeer.read_frame(b)
+            b.close()
+            if kind == rawpeer.WELCOME:
+                break
+            assert kind == rawpeer.ERROR and rawpeer.parse_status(body)[0] == "Busy", body
+            assert time.monotonic() < deadline, "the connection that stopped reading still holds its slot"
+            time.sleep(0.5)
+    finally:
+        a.close()
+        t.close()
+
+
 # ------------------------------------------------------------------ MetaPut (H2)
 
 def _renamed(blob: bytes, name: str) -> bytes:

@@ -692,8 +692,10 @@ impl<'a> Conn<'a> {
             self.lock.check();
             if !self.lock.pending.is_empty() && self.inb.unread() == 0 && !wire::readable_now(self.fd) {
                 // Nothing more to read right now: let every pending WRITE land and answer it.
-                let sh = self.sh;
-                let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
+                // Bounded as a request: a peer that stops reading its answers loses the
+                // connection after `timeout` (it used to keep this thread, the fence lock and the
+                // pinned staging pool until a fence or close).
+                let mut t = request_tick(self.sh, self.me, self.timeout);
                 if self.flush_writes(true, &mut t).is_err() {
                     break;
                 }
@@ -866,14 +868,15 @@ impl<'a> Conn<'a> {
         if self.answers.is_none() {
             self.answers = Some(self.s.try_clone().map_err(|_| hang_up())?);
         }
-        let Conn { sh, ctr, s, inb, stage, answers, lock, .. } = self;
-        let sh: &Shared = sh;
+        let Conn { sh, me, ctr, s, inb, stage, answers, lock, timeout, .. } = self;
+        let (sh, me, timeout): (&Shared, &Served, Duration) = (sh, me, *timeout);
         let w = answers.as_mut().ok_or_else(hang_up)?;
         let pending = &mut lock.pending;
         let mut answer_err = None;
         let mut landed = |tag: u64| {
             if answer_err.is_none() {
-                let mut t = |_: bool| if sh.shutdown.load(Ordering::Acquire) { Err(String::new()) } else { Ok(()) };
+                // Each answer within `timeout`, as any request's (the peer may stop reading).
+                let mut t = request_tick(sh, me, timeout);
                 if let Err(e) = pending.answer(tag, w, ctr, &mut t) {
                     answer_err = Some(e);
                 }
