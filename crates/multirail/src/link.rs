@@ -527,13 +527,16 @@ impl Link {
         }
     }
 
-    /// Transfers held while every rail is down (`Config::hold_when_down`) fail once nothing has
-    /// come back within `timeout`.
+    /// Transfers held since every rail went down (`Config::hold_when_down`) fail once no data
+    /// has moved within `timeout` of that, at a moment when no rail is up.
     fn expire_held(&self, now: Instant) {
         let timeout = self.ctx.cfg.timeout;
         let since = self.sched.lock().expect("sched lock").planner.all_down_since();
         if since.is_some_and(|t| now.saturating_duration_since(t) >= timeout) {
-            self.fail_held(false, |why| {
+            // Only while no rail is up: the chunks of a readmitted rail may still be landing,
+            // and a rail that moves nothing is declared down again within its stall (or held)
+            // timeout, so such a phase comes.
+            self.fail_held(true, |why| {
                 Error::Timeout(format!("peer {}: no data moved within {timeout:?} after every rail went down ({why})", self.peer_name))
             });
         }
