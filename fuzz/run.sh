@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run every cargo-fuzz target of multirail-proto for SECONDS each (default 60), starting from
+# Run every cargo-fuzz target (multirail-proto's decoders, multirail's framing layer) for SECONDS each (default 60), starting from
 # the committed seed corpus (copied to a temp dir so the run leaves the repo clean).
 # Installs cargo-fuzz if missing. cargo-fuzz needs nightly flags; on a stable toolchain
 # RUSTC_BOOTSTRAP=1 unlocks them. Exits non-zero on any crash (the artifact path is printed).
@@ -12,7 +12,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "installing cargo-fuzz ..."
     cargo install --locked cargo-fuzz
 fi
-targets=(frame metadata ucx_am)
+targets=(frame metadata ucx_am inbound)
 cargo fuzz build -O
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
