@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ if engine_available():
 
 MiB = 1 << 20
 SI = "standin"
-# In-process tests use stand-in GPUs 20-24, which no other test file uses (the stand-in counts
+# In-process tests use stand-in GPUs 20-25, which no other test file uses (the stand-in counts
 # allocations per device, and test_gpu_hazards checks those counts on its own devices).
 PAGE = 4096
 PAGES = 64
@@ -309,3 +310,72 @@ def test_no_context_is_made_on_gpu0_from_a_thread_without_one() -> None:
     got = _run(CONTEXTS, [], {"MULTIRAIL_STANDIN_DEVICES": "2"})
     assert got["contexts"] == [1], got
     assert got["current"] is None, got
+
+
+def test_a_persistent_staging_error_fails_the_transfer_not_the_rails(standin_pair: Any) -> None:
+    """Every staging copy on the GPU fails (a broken device, a sticky error): the GPU WRITE fails
+    promptly with the CUDA error, the rails stay up (a device error is not a network error: no
+    rail goes down, is probed and readmitted, no chunk is reissued), and a host-memory WRITE to
+    the same peer posted at the same time completes with its bytes (docs/gpu.md, "Device
+    errors")."""
+    t, i = standin_pair
+    dev, n = 25, 4 * MiB
+    remote, host_remote = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    t.register_memory(remote)
+    t.register_memory(host_remote)
+    src = DeviceBuffer(n, device=dev, kind=SI)
+    src.copy_from_host(pattern(n, 9))
+    hsrc = pattern(n, 11)
+    i.register_memory(src)
+    i.register_memory(hsrc)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    hg = i.initialize_xfer("WRITE", [src], [remote], "target")
+    hh = i.initialize_xfer("WRITE", [hsrc], [host_remote], "target")
+    gpu.standin_fail("copy", device=dev, persistent=True)
+    raised = None
+    try:
+        t0 = time.monotonic()
+        i.transfer(hg)
+        i.transfer(hh)
+        try:
+            i.wait(hg, 30)
+        except Exception as e:  # noqa: BLE001 - checked below
+            raised = e
+        took = time.monotonic() - t0
+        i.wait(hh, 30)
+    finally:
+        gpu.standin_fail("copy", 0, dev)
+        i.release_xfer_handle(hg)
+        i.release_xfer_handle(hh)
+    assert isinstance(raised, errors.GpuError) and "cudaMemcpyAsync" in str(raised), raised
+    assert took < 10, took
+    assert np.array_equal(host_remote, hsrc)
+    rails = i.rail_stats("target")
+    assert all(r["up"] and r["times_down"] == 0 and r["reissued"] == 0 for r in rails), rails
+    # The connection that carried the broken stream is still in step: the next GPU WRITE works.
+    h2 = i.initialize_xfer("WRITE", [src], [remote], "target")
+    i.transfer_sync(h2, 30)
+    i.release_xfer_handle(h2)
+    assert np.array_equal(remote, src.to_host())
+
+
+DESTROY = r"""
+import json, threading
+from multirail import gpu
+s = gpu.Stream(1, "standin")   # made on GPU 1 (this thread keeps no current device)
+seen = {"before": gpu.standin_contexts()}
+th = threading.Thread(target=s.close)   # destroyed on a thread with no context
+th.start()
+th.join(60)
+seen["contexts"] = gpu.standin_contexts()
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_destroying_a_stream_on_a_thread_without_a_context_makes_none_on_gpu0() -> None:
+    """`cudaStreamDestroy` (and `cudaEventDestroy`) run on the device the object was made on,
+    through the device guard: a destroy from a thread with no current context makes no context
+    on GPU 0 (defect 4 of issue 35, the destroy paths)."""
+    got = _run(DESTROY, [], {"MULTIRAIL_STANDIN_DEVICES": "2"})
+    assert got["before"] == [1], got
+    assert got["contexts"] == [1], got

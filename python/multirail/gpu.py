@@ -48,9 +48,11 @@ def set_current_device(device: int | None) -> None:
     _core.gpu_set_current_device(device)
 
 
-def standin_fail(op: str, n: int = 1, device: int = 0) -> None:
-    """Stand-in only: the `n`-th next call of `op` ("query", "synchronize") on `device` fails."""
-    _core.gpu_standin(f"fail_{op}", device, n)
+def standin_fail(op: str, n: int = 1, device: int = 0, persistent: bool = False) -> None:
+    """Stand-in only: the `n`-th next call of `op` ("query", "synchronize", "copy": a
+    `cudaMemcpyAsync`) on `device` fails (n=0 clears it); `persistent`: every call of `op` fails
+    until cleared, as with a sticky device error."""
+    _core.gpu_standin(f"fail_{op}", device, (1 << 64) - 1 if persistent else n)
 
 
 def standin_contexts() -> list[int]:

@@ -672,7 +672,9 @@ impl Drop for OnDevice<'_> {
 /// A CUDA stream (destroyed on drop).
 #[derive(Debug)]
 pub struct CudaStream {
-    rt: Arc<CudaRuntime>,
+    /// The device it was made on: destroyed there, through the device guard (a destroy on a
+    /// thread with no context would make one on device 0).
+    dev: Cuda,
     raw: Stream,
     /// The gather kernel's piece table (`crate::gather`), written in stream order before each
     /// launch.
@@ -701,7 +703,8 @@ struct KernelTable {
 /// A CUDA event (destroyed on drop).
 #[derive(Debug)]
 pub struct CudaEvent {
-    rt: Arc<CudaRuntime>,
+    /// As `CudaStream::dev`.
+    dev: Cuda,
     raw: Event,
 }
 
@@ -712,26 +715,33 @@ unsafe impl Send for CudaEvent {}
 
 impl Drop for CudaStream {
     fn drop(&mut self) {
-        // SAFETY: created by cudaStreamCreateWithFlags, destroyed once. Errors here (a context
-        // torn down at exit) leave nothing to do.
-        unsafe { (self.rt.api.stream_destroy)(self.raw) };
+        // On the stream's device (no context on device 0 for a thread that has none). Errors
+        // here (a context torn down at exit) leave nothing to do.
+        let _on = self.dev.enter();
+        let api = &self.dev.rt.api;
+        // SAFETY: created by cudaStreamCreateWithFlags, destroyed once, after its work ran (the
+        // gather table below is freed only then: cudaFree's implicit wait is not promised).
+        unsafe {
+            (api.stream_synchronize)(self.raw);
+            (api.stream_destroy)(self.raw);
+        }
         let t = std::mem::take(&mut *self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         if t.dev != 0 {
             // SAFETY: allocated by cudaMalloc for this stream, which is gone (its work done:
             // cudaStreamDestroy lets queued work finish, and cudaFree waits for the device).
-            unsafe { (self.rt.api.free)(t.dev as *mut c_void) };
+            unsafe { (api.free)(t.dev as *mut c_void) };
         }
         for (host, _, ev) in t.slots {
             if ev != 0 {
                 // SAFETY: our event, waited for before the slot goes.
                 unsafe {
-                    (self.rt.api.event_synchronize)(ev as Event);
-                    (self.rt.api.event_destroy)(ev as Event);
+                    (api.event_synchronize)(ev as Event);
+                    (api.event_destroy)(ev as Event);
                 }
             }
             if host != 0 {
                 // SAFETY: from cudaMallocHost for this stream; its upload has run (above).
-                unsafe { (self.rt.api.free_host)(host as *mut c_void) };
+                unsafe { (api.free_host)(host as *mut c_void) };
             }
         }
     }
@@ -739,8 +749,9 @@ impl Drop for CudaStream {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        // SAFETY: created by cudaEventCreateWithFlags, destroyed once.
-        unsafe { (self.rt.api.event_destroy)(self.raw) };
+        let _on = self.dev.enter();
+        // SAFETY: created by cudaEventCreateWithFlags, destroyed once, on its device.
+        unsafe { (self.dev.rt.api.event_destroy)(self.raw) };
     }
 }
 
@@ -1089,7 +1100,7 @@ impl Device for Cuda {
         let mut s = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaStreamCreateWithFlags", unsafe { (self.api().stream_create_with_flags)(&mut s, STREAM_NON_BLOCKING) })?;
-        Ok(CudaStream { rt: self.rt.clone(), raw: s, table: std::sync::Mutex::default() })
+        Ok(CudaStream { dev: self.clone(), raw: s, table: std::sync::Mutex::default() })
     }
 
     fn create_event(&self) -> Result<CudaEvent> {
@@ -1097,7 +1108,7 @@ impl Device for Cuda {
         let mut e = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         self.rt.check("cudaEventCreateWithFlags", unsafe { (self.api().event_create_with_flags)(&mut e, EVENT_FLAGS) })?;
-        Ok(CudaEvent { rt: self.rt.clone(), raw: e })
+        Ok(CudaEvent { dev: self.clone(), raw: e })
     }
 
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &CudaStream) -> Result<()> {

@@ -94,6 +94,7 @@ struct Inner {
     fail_alloc_pinned: AtomicU64,
     fail_query: AtomicU64,
     fail_synchronize: AtomicU64,
+    fail_copy: AtomicU64,
 }
 
 /// A stand-in call whose failure a test can inject ([`StandIn::fail_in`]).
@@ -106,7 +107,13 @@ pub enum FailOp {
     Query,
     /// `cudaEventSynchronize`.
     Synchronize,
+    /// `cudaMemcpyAsync` and the batched copies (a staging copy).
+    Copy,
 }
+
+/// `fail_in`'s `n` for a failure that persists: every call of that kind fails until cleared
+/// (what a sticky device error or a broken copy engine does).
+pub const FAIL_ALWAYS: u64 = u64::MAX;
 
 thread_local! {
     /// The calling thread's current stand-in device (None: never set, like a thread with no
@@ -306,6 +313,7 @@ impl StandIn {
                 fail_alloc_pinned: AtomicU64::new(0),
                 fail_query: AtomicU64::new(0),
                 fail_synchronize: AtomicU64::new(0),
+                fail_copy: AtomicU64::new(0),
             }),
         }
     }
@@ -330,7 +338,8 @@ impl StandIn {
         self.inner.in_flight.load(Ordering::SeqCst)
     }
 
-    /// Makes the `n`-th next call of `op` fail (n >= 1; 0 clears it).
+    /// Makes the `n`-th next call of `op` fail (n >= 1; 0 clears it; [`FAIL_ALWAYS`]: every call
+    /// until cleared).
     pub fn fail_in(&self, op: FailOp, n: u64) {
         self.counter(op).store(n, Ordering::SeqCst);
     }
@@ -342,6 +351,7 @@ impl StandIn {
             FailOp::AllocPinned => &self.inner.fail_alloc_pinned,
             FailOp::Query => &self.inner.fail_query,
             FailOp::Synchronize => &self.inner.fail_synchronize,
+            FailOp::Copy => &self.inner.fail_copy,
         }
     }
 
@@ -349,6 +359,9 @@ impl StandIn {
     fn maybe_fail(&self, op: FailOp, name: &'static str) -> Result<()> {
         let c = self.counter(op);
         let mut n = c.load(Ordering::SeqCst);
+        if n == FAIL_ALWAYS {
+            return Err(DeviceError::Injected { op: name });
+        }
         while n > 0 {
             match c.compare_exchange(n, n - 1, Ordering::SeqCst, Ordering::SeqCst) {
                 Ok(_) if n == 1 => return Err(DeviceError::Injected { op: name }),
@@ -553,12 +566,24 @@ unsafe fn unmap(addr: u64, len: usize, fd: i32) {
 #[derive(Debug)]
 pub struct StandInStream {
     handle: u64,
+    /// The device it was made on: its destroy runs there (the device guard), as every call.
+    device: i32,
     tx: Option<mpsc::Sender<Op>>,
     thread: Option<JoinHandle<()>>,
 }
 
+/// A destroy call (`cudaStreamDestroy`, `cudaEventDestroy`) of an object made on `device`,
+/// through the device guard: without it, a thread with no context would get one on device 0.
+fn destroy_on(device: i32) {
+    let _on = Entered::new(device);
+    if current_device().is_none() {
+        set_current_device(Some(0));
+    }
+}
+
 impl Drop for StandInStream {
     fn drop(&mut self) {
+        destroy_on(self.device);
         // Closing the queue (ours and the registry's sender) ends the thread after it has run
         // what was queued.
         lock(streams()).remove(&self.handle);
@@ -583,7 +608,15 @@ struct EventState {
 
 /// A stand-in event: reusable, like a CUDA event.
 #[derive(Debug, Default)]
-pub struct StandInEvent(Arc<EventState>);
+pub struct StandInEvent(Arc<EventState>, Option<i32>);
+
+impl Drop for StandInEvent {
+    fn drop(&mut self) {
+        if let Some(d) = self.1 {
+            destroy_on(d);
+        }
+    }
+}
 
 enum Op {
     Copy {
@@ -817,7 +850,7 @@ impl Device for StandIn {
             .map_err(|_| DeviceError::StreamGone)?;
         let handle = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
         lock(streams()).insert(handle, (self.inner.id, tx.clone()));
-        Ok(StandInStream { handle, tx: Some(tx), thread: Some(thread) })
+        Ok(StandInStream { handle, device: self.inner.id, tx: Some(tx), thread: Some(thread) })
     }
 
     fn create_event(&self) -> Result<StandInEvent> {
@@ -825,12 +858,13 @@ impl Device for StandIn {
         self.runtime_call("cudaEventCreateWithFlags")?;
         self.capture_forbids("cudaEventCreateWithFlags")?;
         self.maybe_fail(FailOp::CreateEvent, "create_event")?;
-        Ok(StandInEvent::default())
+        Ok(StandInEvent(Arc::default(), Some(self.inner.id)))
     }
 
     unsafe fn copy_async(&self, kind: CopyKind, dst: u64, src: u64, len: usize, stream: &StandInStream) -> Result<()> {
         let _on = Entered::new(self.inner.id);
         self.runtime_call("cudaMemcpyAsync")?;
+        self.maybe_fail(FailOp::Copy, "cudaMemcpyAsync")?;
         self.inner.in_flight.fetch_add(1, Ordering::SeqCst);
         stream.send(Op::Copy { kind, dst: dst as usize, src: src as usize, len }).inspect_err(|_| {
             self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);

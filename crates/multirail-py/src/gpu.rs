@@ -210,6 +210,7 @@ pub fn gpu_standin(action: &str, device: i32, n: u64, stream: u64) -> PyResult<V
     match action {
         "fail_query" => fail(multirail_gpu::FailOp::Query),
         "fail_synchronize" => fail(multirail_gpu::FailOp::Synchronize),
+        "fail_copy" => fail(multirail_gpu::FailOp::Copy),
         "begin_capture" => standin::begin_capture(stream).map(|_| Vec::new()).map_err(|e| gpu_err("begin capture", e)),
         "end_capture" => standin::end_capture(stream).map(|_| Vec::new()).map_err(|e| gpu_err("end capture", e)),
         "contexts" => Ok(standin::contexts().into_iter().map(i64::from).collect()),

@@ -212,11 +212,14 @@ pub struct SockOut<'a> {
     pub s: &'a mut TcpStream,
     pub tick: Tick<'a>,
     err: Option<WireError>,
+    /// Bytes written so far (preambles and payload): after a device error, where the stream
+    /// stopped (see the tcp transport's `stream_device_failed`).
+    pub sent: u64,
 }
 
 impl<'a> SockOut<'a> {
     pub fn new(s: &'a mut TcpStream, tick: Tick<'a>) -> Self {
-        SockOut { s, tick, err: None }
+        SockOut { s, tick, err: None, sent: 0 }
     }
 }
 
@@ -226,7 +229,9 @@ impl Wire for SockOut<'_> {
             let m = e.to_string();
             self.err = Some(e);
             std::io::Error::other(m)
-        })
+        })?;
+        self.sent += buf.len() as u64;
+        Ok(())
     }
     fn recv(&mut self, _buf: &mut [u8]) -> std::io::Result<()> {
         Err(std::io::Error::other("the sending half of a connection cannot receive"))

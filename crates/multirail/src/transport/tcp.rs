@@ -36,6 +36,9 @@ struct Sent {
     req_id: u64,
     chunk: Chunk,
     xfer: Arc<XferShared>,
+    /// Its payload was cut by a device error and completed with zeros to keep the stream in
+    /// step (`stream_device_failed`): the chunk fails when its response comes.
+    spoiled: bool,
 }
 
 /// Who is reading a connection's responses (`Conn::owner`).
@@ -732,6 +735,67 @@ fn unencodable(e: multirail_proto::EncodeError) -> Error {
     Error::InvalidArgument(format!("chunk request cannot be encoded: {e}"))
 }
 
+/// A staging device error stopped a GPU WRITE stream after `sent` bytes of its segments `segs`
+/// ((request id, bytes on the wire) in order). A device error is the transfer's failure, not
+/// the rail's (issue 35 defect 5): segments fully written went out with their bytes and are
+/// answered as usual; the one cut short is completed with zeros (the target reads the next
+/// request where it expects it) and fails when its response comes; those never started leave
+/// the connection's window and fail now. Err only when the padding cannot be written (then
+/// the connection is out of step and the rail's failure path runs).
+fn stream_device_failed(
+    link: &dyn Host,
+    c: &Conn,
+    w: &mut TcpStream,
+    tick: &mut dyn FnMut(bool) -> std::result::Result<(), String>,
+    segs: &[(u64, u64)],
+    sent: u64,
+    err: Error,
+) -> std::result::Result<(), String> {
+    let msg = err.to_string();
+    let mut at = 0u64;
+    let mut unsent = Vec::new();
+    for &(id, len) in segs {
+        let end = at + len;
+        if sent > at && sent < end {
+            pad_zeros(w, end - sent, tick)?;
+            if let Some(s) = c.inflight.lock().expect("conn lock").iter_mut().find(|s| s.req_id == id) {
+                s.spoiled = true;
+                s.xfer.set_cause(err.clone());
+            }
+        } else if sent <= at {
+            unsent.push(id);
+        }
+        at = end;
+    }
+    let gone: Vec<Sent> = {
+        let mut q = c.inflight.lock().expect("conn lock");
+        let (keep, gone): (VecDeque<Sent>, VecDeque<Sent>) = q.drain(..).partition(|s| !unsent.contains(&s.req_id));
+        *q = keep;
+        gone.into()
+    };
+    for s in gone {
+        c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+        s.xfer.set_cause(err.clone());
+        link.chunk_done(c.rail, s.chunk.id, &s.xfer, s.chunk.piece.len, Err((Status::Internal, msg.clone())));
+    }
+    Ok(())
+}
+
+/// Writes `n` zero bytes (the rest of a payload a device error cut short).
+fn pad_zeros(
+    w: &mut TcpStream,
+    mut n: u64,
+    tick: &mut dyn FnMut(bool) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
+    let zeros = [0u8; 64 << 10];
+    while n > 0 {
+        let k = n.min(zeros.len() as u64) as usize;
+        wire::write_full(w, &[&zeros[..k]], tick).map_err(|e| e.to_string())?;
+        n -= k as u64;
+    }
+    Ok(())
+}
+
 fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) {
     send_chunk_on(link, c, chunk, x, None)
 }
@@ -770,7 +834,7 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
     // A chunk a GPU stream pulled that it could not take: sent after the stream.
     let mut other: Option<(Chunk, Arc<XferShared>)> = None;
     let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
-    c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x });
+    c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x, spoiled: false });
     if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
         // Idle until now: the stall clock starts here, however long ago a reader last
         // looked (a parked receiver does not keep `Clock::last` fresh while idle).
@@ -807,6 +871,8 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
             // the sends of this one (no fill at every planner chunk). A chunk that is not a
             // WRITE from this GPU is sent after the stream (`other`).
             let window = link.cfg().conn_window;
+            // (request id, bytes on the wire) of every segment of the stream, in order.
+            let mut segs: Vec<(u64, u64)> = vec![(req_id, hdr.len() as u64 + src.as_ref().map_or(0, Src::len))];
             let mut refill = || {
                 if other.is_some() || c.dead.load(Ordering::Acquire) || c.inflight_n.load(Ordering::Acquire) >= window {
                     return None;
@@ -829,7 +895,8 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 };
                 let src = local_src(&ch.piece, ch.vec.as_deref());
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
-                c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx });
+                segs.push((id, body.len() as u64 + src.len()));
+                c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx, spoiled: false });
                 if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
                     c.busy_at.store(link.now_us(), Ordering::Release);
                 }
@@ -841,9 +908,22 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
             };
             let mut stage = c.stage_tx.lock().expect("conn lock");
             let first = (src.expect("a WRITE from GPU memory"), req_id, hdr.to_vec());
+            let mut out = SockOut::new(&mut w, &mut tick);
             // SAFETY: GPU memory of `dev` inside regions registered and held as above (every
             // refilled chunk's transfer holds its regions until it completes).
-            unsafe { stage.send_stream(dev, first, &mut SockOut::new(&mut w, &mut tick), &mut refill) }.map_err(|e| e.to_string())
+            let r = unsafe { stage.send_stream(dev, first, &mut out, &mut refill) };
+            let sent = out.sent;
+            drop(out);
+            match r {
+                Err(StageError::Device(m)) => {
+                    // The device failed, not the network: no copy runs on the pool any more,
+                    // and the stream is put back in step; the rail stays up.
+                    stage.abandon();
+                    drop(stage);
+                    stream_device_failed(link, c, &mut w, &mut tick, &segs, sent, Error::Gpu(format!("staging on GPU {dev}: {m}")))
+                }
+                r => r.map_err(|e| e.to_string()),
+            }
         }
         (false, _) => wire::write_full(&mut w, &[&hdr], &mut tick).map_err(|e| e.to_string()),
     };
@@ -1287,7 +1367,13 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
         landing.push_back((sent, dev));
         return Ok(());
     }
-    let r = if ok { Ok(()) } else { Err((status, msg)) };
+    let r = if sent.spoiled {
+        Err((Status::Internal, "its payload was cut short by a GPU staging error".to_string()))
+    } else if ok {
+        Ok(())
+    } else {
+        Err((status, msg))
+    };
     link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, r);
     Ok(())
 }
