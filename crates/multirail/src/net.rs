@@ -254,7 +254,7 @@ mod tests {
     }
 
     #[test]
-    fn hello_offers_v4_and_falls_back_for_an_old_peer() {
+    fn hello_offers_the_newest_version_and_falls_back_for_an_old_peer() {
         let me = Identity { name: "cli", incarnation: 7, secret: None, bind_devices: false };
         let t = Duration::from_secs(5);
         let (addr, h) = server(HELLO_VERSION, 1);
@@ -264,15 +264,17 @@ mod tests {
         assert_eq!(h.join().unwrap(), vec![HELLO_VERSION]);
         // A build from before vectored requests on GPU regions (it speaks 3): vectored
         // requests on host memory only.
-        let (addr, h) = server(3, 2);
+        // Each version is offered in turn, newest first, until the server takes one.
+        let offered = |down_to: u16| (down_to..=HELLO_VERSION).rev().collect::<Vec<u16>>();
+        let (addr, h) = server(3, offered(3).len());
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert!((HELLO_VECTORED..HELLO_VECTORED_GPU).contains(&v), "{v}");
-        assert_eq!(h.join().unwrap(), vec![4, 3]);
+        assert_eq!(h.join().unwrap(), offered(3));
         // An old server: refused until version 1 (no vectored requests).
-        let (addr, h) = server(1, 4);
+        let (addr, h) = server(1, offered(1).len());
         let v = dial(&me, Dial::to(addr, Role::Data, t)).unwrap().version;
         assert_eq!(v, 1);
-        assert_eq!(h.join().unwrap(), vec![4, 3, 2, 1]);
+        assert_eq!(h.join().unwrap(), offered(1));
     }
 
     #[test]
