@@ -361,9 +361,9 @@ struct Mapped {
     gen: u64,
 }
 
-/// A mapping's key: the peer's region and the local device it is opened for (None: for a
-/// host-memory local side).
-pub(crate) type MapKey = (u64, Option<i32>);
+// A mapping's key: the peer's region and the local device it is opened for (None: for a
+// host-memory local side); defined in `xfer`, which must not import this module.
+use crate::xfer::MapKey;
 
 type Maps = Arc<Mutex<HashMap<MapKey, std::result::Result<Mapped, String>>>>;
 

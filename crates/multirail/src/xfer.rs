@@ -174,14 +174,19 @@ impl TraceRec {
     }
 }
 
+/// A CUDA IPC mapping's key: (remote region id, the local device it is opened on; None for host
+/// memory). Defined here, below `ipc`, so that `IpcPlan` names it without `xfer` importing `ipc`
+/// (tests/layers.rs forbids the cycle).
+pub(crate) type MapKey = (u64, Option<i32>);
+
 /// What a prepared IPC transfer does when posted: copies on the mapping's device.
 pub(crate) struct IpcPlan {
     /// Per local device, the copies that run there: (kind, dst, src, len), pieces that continue
     /// one another on both sides merged.
     pub parts: Vec<(multirail_gpu::Gpu, Vec<multirail_gpu::BatchCopy>)>,
-    /// (mapping key, mapping generation) of every mapping the copies use (crate::ipc checks
+    /// (mapping key, mapping generation) of every mapping the copies use (`ipc` checks
     /// them under its copy lock: a revoked mapping is never copied into).
-    pub uses: Vec<(crate::ipc::MapKey, u64)>,
+    pub uses: Vec<(MapKey, u64)>,
 }
 
 pub(crate) struct XferShared {
