@@ -185,6 +185,8 @@ def test_target_stages_unreachable_shows_the_initiators_only(monkeypatch: pytest
     from multirail.bench.target import launch, stop
 
     monkeypatch.setenv("MULTIRAIL_STANDIN_RATE", "2e9")
+    # The target runs with GPU_ENV's secret; this in-process initiator must hold the same one.
+    monkeypatch.setenv("MULTIRAIL_SECRET", GPU_ENV["MULTIRAIL_SECRET"])
     cmd = [ENGINE_PY or sys.executable, "-c", RUNNER, "bench", "target", "--listen", "127.0.0.1:0",
            "--gpu", "standin", "--total-buffer-size", "1MiB", "--idle-timeout", "30", "--duration", "60", *STAGED]
     proc, ready, errf = launch(cmd, env=GPU_ENV)
