@@ -250,18 +250,7 @@ impl Agent {
         self.shared.registry.deregister(id, Duration::from_secs(2))?;
         // The registry let go only once no transfer holds the region, so no local UCX request
         // uses it any more (and a pending one keeps its own mapping alive until it completes).
-        if let Some(u) = &self.shared.ucx {
-            // A no-op for regions never mapped (VRAM). Waits for the ucx sessions' active-message
-            // requests that still use the region (a WRITE being scattered, a READ reply sending).
-            u.unmap(id, self.shared.ctx.cfg.timeout).map_err(|why| {
-                Error::Timeout(format!("region {id} is deregistered, but {why}: do not free or reuse it until this agent is closed"))
-            })?;
-        }
-        crate::ipc::revoke(&self.shared.ctx, &self.shared.ipc_exports, Some(&[id]), self.shared.ctx.cfg.timeout).map_err(|why| {
-            Error::Timeout(format!(
-                "region {id} is deregistered, but {why}: they may still write into this GPU memory, so do not free or reuse it until those peers are closed"
-            ))
-        })
+        self.unmap_and_revoke(id)
     }
 
     /// Deregister a region at once, even while a transfer handle holds it (NIXL's contract:
@@ -270,6 +259,13 @@ impl Agent {
     /// handle that holds it fails its next post.
     pub fn withdraw(&self, id: u64) -> Result<()> {
         self.shared.registry.withdraw(id)?;
+        self.unmap_and_revoke(id)
+    }
+
+    /// After region `id` left the registry: its UCX mappings go (a no-op for regions never
+    /// mapped, such as VRAM; waits for the ucx sessions' active-message requests that still use
+    /// it) and peers' CUDA IPC mappings of it are revoked.
+    fn unmap_and_revoke(&self, id: u64) -> Result<()> {
         if let Some(u) = &self.shared.ucx {
             u.unmap(id, self.shared.ctx.cfg.timeout).map_err(|why| {
                 Error::Timeout(format!("region {id} is deregistered, but {why}: do not free or reuse it until this agent is closed"))
