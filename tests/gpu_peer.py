@@ -87,10 +87,14 @@ class Target:
 
 
 INITIATOR_SCRIPT = r"""
-import json, sys
+import hashlib, json, os, sys
 import numpy as np
 import multirail
+from multirail import gpu
 port, addr, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+# A GPU this process uses before the transfer (as a vLLM worker uses its own), if any.
+used = os.environ.get("MULTIRAIL_TEST_USE_GPU")
+own = gpu.DeviceBuffer(64, device=int(used), kind="standin") if used else None
 i = multirail.Agent("initiator", {"gpu": "standin", "timeout": 5.0})
 local = np.zeros(n, np.uint8)
 i.register_memory(local)
@@ -111,6 +115,12 @@ for line in sys.stdin:
     cmd = line.strip()
     if cmd == "counters":
         print(json.dumps(i.peer_counters("target")), flush=True)
+    elif cmd == "digest":
+        print(json.dumps(hashlib.sha256(local.tobytes()).hexdigest()), flush=True)
+    elif cmd == "rails":
+        print(json.dumps(i.rail_stats("target")), flush=True)
+    elif cmd == "contexts":
+        print(json.dumps(gpu.standin_contexts()), flush=True)
     elif cmd == "write":
         local[:] = 0xEE
         try:
@@ -126,15 +136,23 @@ i.close()
 
 class Initiator(Target):
     """An initiator agent in another process that READs `n` bytes of the test's GPU region at
-    `addr` over CUDA IPC at start, then answers "counters" and "write" on stdin."""
+    `addr` over CUDA IPC at start, then answers "counters", "digest", "rails", "contexts" and
+    "write" on stdin. `env` is added to its environment (a process's visible devices are fixed
+    for its life, as CUDA_VISIBLE_DEVICES is); `use_gpu` makes it use that GPU first."""
 
-    def __init__(self, port: int, addr: int, n: int):  # noqa: super().__init__ starts a target
+    def __init__(self, port: int, addr: int, n: int, env: dict | None = None,
+                 use_gpu: int | None = None):  # noqa: super().__init__ starts a target
+        import os
         import subprocess
         import sys
 
         self.n = n
+        penv = {**os.environ, **(env or {})}
+        penv.pop("MULTIRAIL_TEST_USE_GPU", None)
+        if use_gpu is not None:
+            penv["MULTIRAIL_TEST_USE_GPU"] = str(use_gpu)
         self.p = subprocess.Popen([sys.executable, "-c", INITIATOR_SCRIPT, str(port), str(addr), str(n)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=penv)
         try:
             self.first = self._line()
         except BaseException:

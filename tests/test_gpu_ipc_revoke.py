@@ -140,36 +140,39 @@ def test_a_peer_that_does_not_confirm_bounds_deregistration() -> None:
         block.free()
 
 
-@pytest.mark.parametrize("here,expect", [("0,1", [1]), ("1", [0])])
-def test_ipc_maps_the_exporters_gpu_by_uuid(monkeypatch: pytest.MonkeyPatch, here: str, expect: list[int]) -> None:
-    """The target sees physical GPUs "1,0" and exports from its GPU 0 (physical 1): this
-    process opens the handle on its GPU with that UUID, whatever its number here."""
-    pc, _ = _read_from_gpu_1_of_2(monkeypatch, here, MiB + 3)
+@pytest.mark.parametrize("here,use,expect", [("0,1", None, [1]), ("1", None, [0]), ("0,1", 0, [0])])
+def test_ipc_maps_the_exporters_gpu_by_uuid(here: str, use: int | None, expect: list[int]) -> None:
+    """The target sees physical GPUs "1,0" and exports from its GPU 0 (physical 1). An
+    initiator with host memory that uses no GPU yet opens the handle on its GPU with that UUID,
+    whatever its number there; one that already uses another GPU (a vLLM worker's own) opens it
+    there, by peer access, and makes no context on the exporter's GPU (docs/gpu.md). Each case
+    is a fresh process: visible devices are fixed for a process's life, and which GPUs it uses
+    depends on what ran before in it."""
+    pc, _, contexts = _read_from_gpu_1_of_2(here, MiB + 3, use)
     assert pc["ipc_transfers"] == 1 and pc["ipc_devices"] == expect, pc
+    assert contexts == expect, contexts
 
 
-def _read_from_gpu_1_of_2(monkeypatch: pytest.MonkeyPatch, here: str, n: int) -> tuple[dict, list]:
+def _read_from_gpu_1_of_2(here: str, n: int, use: int | None = None) -> tuple[dict, list, list]:
     """READ `n` bytes, byte-checked, from a target process that sees the stand-in's GPUs as
-    "1,0" and exports from its GPU 0, with this process seeing `here`; returns the initiator's
-    peer counters and rail stats."""
-    monkeypatch.setenv("MULTIRAIL_STANDIN_VISIBLE_DEVICES", here)
+    "1,0" and exports from its GPU 0, by an initiator process that sees `here` (and first uses
+    its GPU `use`); returns the initiator's peer counters, rail stats and GPU contexts."""
     tgt = Target(n, env={"MULTIRAIL_STANDIN_VISIBLE_DEVICES": "1,0"})
-    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
     try:
-        local = np.zeros(n, np.uint8)
-        i.register_memory(local)
-        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
-        _xfer(i, "READ", [local], i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM"))
-        assert _sha(local) == tgt.ask("digest")
-        return i.peer_counters("target"), i.rail_stats("target")
+        ini = Initiator(tgt.port, tgt.addr, n, env={"MULTIRAIL_STANDIN_VISIBLE_DEVICES": here}, use_gpu=use)
+        try:
+            assert json.loads(ini.ask("digest")) == tgt.ask("digest")
+            return (json.loads(ini.ask("counters")), json.loads(ini.ask("rails")),
+                    json.loads(ini.ask("contexts")))
+        finally:
+            ini.close()
     finally:
-        i.close()
         tgt.close()
 
 
-def test_no_local_gpu_with_the_exporters_uuid_stages_and_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_local_gpu_with_the_exporters_uuid_stages_and_names_it() -> None:
     n = MiB + 5
-    pc, rails = _read_from_gpu_1_of_2(monkeypatch, "0", n)
+    pc, rails, _ = _read_from_gpu_1_of_2("0", n)
     assert pc["ipc_transfers"] == 0 and pc["ipc_regions_mapped"] == 0, pc
     # The stand-in's physical GPU 1.
     assert "GPU-6d722d73-7461-6e64-696e-2d2d00000001" in pc["ipc_fallback_reason"], pc
