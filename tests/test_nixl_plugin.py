@@ -503,3 +503,47 @@ def test_testbed_rail_down_mid_transfer_still_done(testbed_pair: tuple[Any, Pair
     tb.set_link(1, False, side="a")
     out = pair.result("raildown", proc)
     assert out["read_s"] > 0.3, out  # it was in flight when the rail went down
+
+
+def test_vram_of_gpu0_leaves_over_its_near_rails_only(tmp_path: Path, plugin_dir: Path) -> None:
+    """Issue 34 in the plugin: on a 3-rail testbed whose tree (`--gpu-near 0,1`) puts rails 0 and
+    1 on the stand-in GPU 0's switch and rail 2 on GPU 1's, the initiator (rails=auto, the
+    default affinity, MULTIRAIL_SYSFS_ROOT at that tree) moves GPU 0's memory (VRAM on devId 0:
+    the engine's location gpu:0) over rails 0 and 1 only, striped over both (NIC counters).
+    With MULTIRAIL_AFFINITY=none the same transfers use rail 2 too (what the plugin did before)."""
+    import uuid
+
+    from conftest import netns_unavailable
+
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    from multirail.testbed import Testbed
+
+    tb = Testbed(f"nt{uuid.uuid4().hex[:6]}", rails=3, gpu_near=[0, 1])
+    size = 8 * MiB
+    with tb:
+        target_rails = ",".join(tb.addrs("a"))
+        sysfs = str(tb.sysfs_root("b"))
+
+        def wrap(side: str, argv: list[str]) -> list[str]:
+            env = f"MULTIRAIL_RAILS={target_rails}" if side == "a" else f"MULTIRAIL_SYSFS_ROOT={sysfs}"
+            return tb.exec_argv(side, ["env", env, *argv])
+
+        moved = {}
+        for affinity in ("auto", "none"):  # each against a fresh target (basic WRITEs into it)
+            (tmp_path / affinity).mkdir()
+            p = Pair(tmp_path / affinity, plugin_dir, {"size": size, "vram": True, "params": {"gpu": "standin", "gpu_ipc": "0"}},
+                     wrap=wrap)
+            try:
+                before = _nic_bytes(tb)
+                p.run("basic", env={"MULTIRAIL_AFFINITY": affinity})
+                moved[affinity] = [b - a for a, b in zip(before, _nic_bytes(tb))]
+            finally:
+                p.close()
+    print(f"NIC bytes per rail (rx+tx, initiator): {moved}")
+    near, far = moved["auto"][:2], moved["auto"][2]
+    # basic: two READs and one WRITE of `size` from GPU 0 (plus handshakes and notifications)
+    assert sum(near) >= 3 * size and min(near) > size // 8, moved
+    assert far < 256 << 10, f"the far rail carried GPU 0's bytes: {moved}"
+    assert moved["none"][2] > size // 2, f"affinity=none should stripe over every rail: {moved}"

@@ -157,6 +157,36 @@ impl Engine {
         })
     }
 
+    /// Tiers the agent's rails per memory location (the `affinity` setting, crate::affinity):
+    /// a VRAM descriptor on devId K is the engine's location `gpu:K`, host memory `numa:N`.
+    /// Nothing is set where nothing is tiered (every rail serves all memory, as before).
+    pub fn apply_affinity(
+        &self,
+        setting: &crate::affinity::Setting,
+        rails_auto: bool,
+        env: crate::affinity::Env<'_>,
+    ) -> Result<(), String> {
+        let rails = self.agent.metadata().rails;
+        let kind = self.gpu;
+        let cuda_uuids = move || -> Option<Vec<String>> {
+            // Only the real runtime knows which GPU a CUDA ordinal is (CUDA_DEVICE_ORDER,
+            // CUDA_VISIBLE_DEVICES); the stand-in's ordinals are the view's.
+            if kind != GpuKind::Cuda {
+                return None;
+            }
+            kind.device_uuids().ok().map(|u| u.iter().map(crate::topo::uuid_text).collect())
+        };
+        let mut notes = Vec::new();
+        let chosen = crate::affinity::resolve(setting, rails_auto, &rails, env, &cuda_uuids, &mut notes)?;
+        for n in notes {
+            log(&n);
+        }
+        let Some(c) = chosen else { return Ok(()) };
+        let names: Vec<String> = rails.iter().map(|r| r.name.clone()).collect();
+        log(&format!("rail choice ({}): {}", c.source, c.describe(&names)));
+        self.agent.set_topology(c.tiers, c.cpus).map_err(|e| format!("affinity: {e}"))
+    }
+
     pub fn register(&self, addr: u64, len: u64, dev: u64, mem: i32) -> Result<u64, Error> {
         let mem = mem_of(mem)?;
         let dev = u32::try_from(dev).map_err(|_| Error::InvalidArgument(format!("device id {dev} out of range")))?;

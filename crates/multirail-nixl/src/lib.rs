@@ -16,9 +16,11 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+pub mod affinity;
 pub mod engine;
 pub mod host;
 pub mod params;
+pub mod topo;
 
 use engine::{log, status_of, Engine, MetaRow, Xfer};
 
@@ -216,6 +218,9 @@ pub unsafe extern "C" fn mr_nixl_engine_new(
         };
         match Engine::new(name, s.cfg) {
             Ok(e) => {
+                if let Err(m) = e.apply_affinity(&s.affinity, s.rails_auto, &|k| std::env::var(k).ok()) {
+                    return fail(m);
+                }
                 for (k, v) in &s.effective {
                     give(effective, ctx, k.as_bytes(), v.as_bytes());
                 }
@@ -550,5 +555,40 @@ pub unsafe extern "C" fn mr_nixl_gpu_free(kind: *const u8, kind_len: usize, dev:
             Ok(()) => SUCCESS,
             Err(_) => ERR_BACKEND,
         }
+    })
+}
+
+/// The rail plan the plugin reads from a sysfs tree (crate::topo), as JSON
+/// (`Topology::plan_json`, or `{"error": "..."}`): what tests/test_nixl_topology.py compares
+/// with python/multirail/topology.py on every fixture tree. `gpus`: a `--gpus`-style file, or
+/// empty. Writes at most `cap` bytes to `out` and returns the JSON's full length (call again
+/// with a larger buffer when it is above `cap`); -1 on a panic.
+///
+/// # Safety
+/// `root` and `gpus` are readable for their lengths; `out` is writable for `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn mr_nixl_topology_json(
+    root: *const u8,
+    root_len: usize,
+    gpus: *const u8,
+    gpus_len: usize,
+    out: *mut u8,
+    cap: usize,
+) -> isize {
+    guard(-1, "topology_json", || {
+        let json = match (text(root, root_len), if gpus_len == 0 { Ok("") } else { text(gpus, gpus_len) }) {
+            (Ok(r), Ok(g)) => {
+                let gpus = (!g.is_empty()).then(|| std::path::Path::new(g));
+                match topo::Topology::load(std::path::Path::new(r), gpus) {
+                    Ok(t) => t.plan_json(&t.rail_plan()),
+                    Err(e) => format!("{{\"error\":{}}}", serde_json::Value::String(e)),
+                }
+            }
+            _ => "{\"error\":\"a path is not UTF-8\"}".to_string(),
+        };
+        if !out.is_null() {
+            std::ptr::copy_nonoverlapping(json.as_ptr(), out, json.len().min(cap));
+        }
+        json.len() as isize
     })
 }

@@ -53,6 +53,14 @@ pub const PARAMS: &[(&str, &str, &str, &str)] = &[
         "auto",
         "receive window per rail shared among the connections served: auto (from 16 connections on a rail, max(2 MiB, speed x 200 us)), off, or bytes up to 1 GiB (K/M/KiB/MiB suffixes)",
     ),
+    (
+        "affinity",
+        "MULTIRAIL_AFFINITY",
+        "auto",
+        "rails per memory location: auto (with rails=auto: a GPU's memory over the NICs nearest it, host memory over its NUMA \
+         node's, from the topology of $MULTIRAIL_SYSFS_ROOT, default /sys), topology (the same for any rail list), none (every \
+         rail for all memory), or JSON {\"gpu:0\": [[\"eth0\"], [\"eth1\"]], \"numa:0\": [\"eth1\"]}",
+    ),
 ];
 
 fn env_of(key: &str) -> Option<&'static str> {
@@ -63,6 +71,10 @@ fn env_of(key: &str) -> Option<&'static str> {
 pub struct Settings {
     pub cfg: Config,
     pub effective: Vec<(String, String)>,
+    /// The `affinity` setting (crate::affinity).
+    pub affinity: crate::affinity::Setting,
+    /// The rails are `rails=auto`'s (not an explicit list): `affinity=auto` applies.
+    pub rails_auto: bool,
 }
 
 fn parse_size(key: &str, s: &str) -> Result<u64, String> {
@@ -110,7 +122,7 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
     let (rails_given, host_given) = (given("rails"), given("host"));
     let host = get("host");
     let rails = get("rails");
-    let (host, rails) = where_to_serve(host.trim(), rails.trim(), host_given, rails_given)?;
+    let (host, rails, rails_auto) = where_to_serve(host.trim(), rails.trim(), host_given, rails_given)?;
     let mut cfg = Config { host, ..Config::default() };
     cfg.port = get("port").trim().parse().map_err(|_| "port: not a port number".to_string())?;
     cfg.rails = rails;
@@ -184,7 +196,8 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
         Some(w) => w,
         None => return Err(format!("fan_in_window: {window:?} is not auto, off, or a size like 2MiB")),
     };
-    Ok(Settings { cfg, effective })
+    let affinity = crate::affinity::Setting::parse(&get("affinity"))?;
+    Ok(Settings { cfg, effective, affinity, rails_auto })
 }
 
 /// The listen host and the rails, from the `host` and `rails` settings (`*_given`: set by a
@@ -198,7 +211,9 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
 /// * else, `rails` given empty: one rail on 127.0.0.1 (as asked);
 /// * else `rails=auto`; on a host with no up, addressed, non-loopback interface (a container
 ///   with only `lo`), one rail on 127.0.0.1: no other host can reach this one anyway.
-fn where_to_serve(host: &str, rails: &str, host_given: bool, rails_given: bool) -> Result<(String, Vec<RailSpec>), String> {
+///
+/// The third value: the rails are `auto`'s.
+fn where_to_serve(host: &str, rails: &str, host_given: bool, rails_given: bool) -> Result<(String, Vec<RailSpec>, bool), String> {
     const LOOPBACK: &str = "127.0.0.1";
     if rails_given && !rails.is_empty() {
         let r = resolve_rails(rails)?;
@@ -209,21 +224,21 @@ fn where_to_serve(host: &str, rails: &str, host_given: bool, rails_given: bool) 
             ));
         }
         let host = if host.is_empty() { LOOPBACK } else { host };
-        return Ok((host.to_string(), r));
+        return Ok((host.to_string(), r, rails == "auto"));
     }
     if host_given && !host.is_empty() {
         let unspecified = host.parse::<IpAddr>().map(|a| a.is_unspecified()).unwrap_or(false);
         if !unspecified {
-            return Ok((host.to_string(), Vec::new()));
+            return Ok((host.to_string(), Vec::new(), false));
         }
-        return resolve_rails("auto").map(|r| (LOOPBACK.to_string(), r)).map_err(|e| {
+        return resolve_rails("auto").map(|r| (LOOPBACK.to_string(), r, true)).map_err(|e| {
             format!("host (MULTIRAIL_HOST) {host}: serves every interface, but {e}; set MULTIRAIL_HOST to an address a peer can dial")
         });
     }
     if !rails_given && if_addrs()?.iter().any(|a| a.up && !a.loopback) {
-        return Ok((LOOPBACK.to_string(), resolve_rails("auto")?));
+        return Ok((LOOPBACK.to_string(), resolve_rails("auto")?, true));
     }
-    Ok((LOOPBACK.to_string(), Vec::new()))
+    Ok((LOOPBACK.to_string(), Vec::new(), false))
 }
 
 /// One IPv4 address of a local interface.

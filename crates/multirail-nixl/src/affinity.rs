@@ -1,0 +1,352 @@
+//! Which rails carry which memory (issue 34): the `affinity` setting (`MULTIRAIL_AFFINITY`)
+//! turned into the engine's tiers per location (`Agent::set_topology`). The same setting as
+//! the Python API's `AgentConfig.affinity` (python/multirail/affinity.py):
+//!
+//! * `auto` (default): with `rails=auto` and at least two rails, the topology of
+//!   `$MULTIRAIL_SYSFS_ROOT` (default /sys) and the CUDA view of `$MULTIRAIL_TOPOLOGY_GPUS`
+//!   (crate::topo): per GPU (`gpu:K`, K the CUDA ordinal this process sees: a VRAM descriptor's
+//!   devId) and per NUMA node (`numa:N`, host memory) the plan's tiers restricted to this
+//!   agent's rails (a NIC is a rail by netdev name or RDMA device name).
+//! * `topology`: the same for any rail list.
+//! * `none`: every transfer over every rail (the plugin's behaviour before).
+//! * JSON, the Python dict's format: `{"gpu:0": [["eth0", "eth1"], ["eth2"]], "numa:0":
+//!   ["eth2"], "cpus": {"eth0": "0-15"}}`, for any rail list.
+//!
+//! A topology that cannot be read, or that names none of the agent's rails, tiers nothing
+//! (every rail serves all memory, as before); a bad JSON mapping fails the backend's creation.
+
+use std::path::Path;
+
+use multirail_proto::RailInfo;
+
+use crate::topo::{Plan, Tier, Topology};
+
+/// The parsed setting.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Setting {
+    Auto,
+    Topology,
+    None,
+    Explicit(serde_json::Map<String, serde_json::Value>),
+}
+
+impl Setting {
+    pub fn parse(text: &str) -> Result<Setting, String> {
+        match text.trim() {
+            "" | "auto" => Ok(Setting::Auto),
+            "topology" => Ok(Setting::Topology),
+            "none" => Ok(Setting::None),
+            t if t.starts_with('{') => match serde_json::from_str::<serde_json::Value>(t) {
+                Ok(serde_json::Value::Object(m)) => Ok(Setting::Explicit(m)),
+                Ok(_) => Err("affinity: expected a JSON object of location -> tiers".into()),
+                Err(e) => Err(format!("affinity: bad JSON: {e}")),
+            },
+            other => Err(format!("affinity: {other:?} is not auto, topology, none or a JSON object of location -> tiers")),
+        }
+    }
+}
+
+/// What `Agent::set_topology` takes, with each tier's class for the log line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Chosen {
+    pub tiers: Vec<(String, Vec<Vec<usize>>)>,
+    pub classes: Vec<Vec<String>>,
+    pub cpus: Vec<Vec<usize>>,
+    pub source: String,
+}
+
+impl Chosen {
+    /// `gpu:0: tier 0 PIX [a, b], tier 1 NODE [c]; numa:0: ...` (as `multirail bench` prints it).
+    pub fn describe(&self, names: &[String]) -> String {
+        let locs: Vec<String> = self
+            .tiers
+            .iter()
+            .zip(&self.classes)
+            .map(|((loc, ts), cls)| {
+                let t: Vec<String> = ts
+                    .iter()
+                    .zip(cls)
+                    .enumerate()
+                    .map(|(i, (rails, c))| {
+                        let n: Vec<&str> = rails.iter().map(|&r| names[r].as_str()).collect();
+                        format!("tier {i} {c} [{}]", n.join(", "))
+                    })
+                    .collect();
+                format!("{loc}: {}", t.join(", "))
+            })
+            .collect();
+        locs.join("; ")
+    }
+}
+
+/// `gpu:K` / `numa:N`, checked.
+fn parse_loc(key: &str) -> Result<String, String> {
+    match multirail::numa::Loc::parse(key) {
+        Some(l) => Ok(l.label()),
+        None => Err(format!("affinity: location {key:?} is not \"gpu:K\" or \"numa:N\"")),
+    }
+}
+
+fn rail_index(item: &serde_json::Value, rails: &[RailInfo]) -> Result<usize, String> {
+    let hit = match item {
+        serde_json::Value::Number(n) => n.as_u64().map(|i| i as usize).filter(|&i| i < rails.len()),
+        serde_json::Value::String(s) => rails.iter().position(|r| &r.name == s || &r.addr == s),
+        _ => None,
+    };
+    let names: Vec<&str> = rails.iter().map(|r| r.name.as_str()).collect();
+    hit.ok_or_else(|| format!("affinity names rail {item}, which is not one of this agent's rails {names:?}"))
+}
+
+/// The JSON mapping (python/multirail/affinity.py `_explicit`).
+fn explicit(spec: &serde_json::Map<String, serde_json::Value>, rails: &[RailInfo], root: &Path) -> Result<Chosen, String> {
+    if rails.is_empty() {
+        return Err("affinity maps rails, but the agent has one default rail (set rails)".into());
+    }
+    let mut out = Chosen { source: "explicit".into(), ..Chosen::default() };
+    for (key, val) in spec.iter().filter(|(k, _)| *k != "cpus") {
+        let loc = parse_loc(key)?;
+        let list = val.as_array().ok_or_else(|| format!("affinity {loc}: expected a list of tiers"))?;
+        let flat = list.iter().all(|v| v.is_string() || v.is_number());
+        let groups: Vec<serde_json::Value> = if flat { vec![val.clone()] } else { list.clone() };
+        let (mut tiers, mut classes) = (Vec::new(), Vec::new());
+        for (i, t) in groups.iter().enumerate() {
+            let (items, cls) = match t {
+                serde_json::Value::Object(o) => {
+                    let cls = o.get("class").and_then(|c| c.as_str()).map_or(format!("tier{i}"), str::to_string);
+                    (o.get("rails").cloned().unwrap_or_default(), cls)
+                }
+                other => (other.clone(), format!("tier{i}")),
+            };
+            let items = match items {
+                serde_json::Value::Array(a) => a,
+                serde_json::Value::Null => Vec::new(),
+                one => vec![one],
+            };
+            let mut idx: Vec<usize> = Vec::new();
+            for r in &items {
+                let k = rail_index(r, rails)?;
+                if !idx.contains(&k) {
+                    idx.push(k);
+                }
+            }
+            if !idx.is_empty() {
+                tiers.push(idx);
+                classes.push(cls);
+            }
+        }
+        if !tiers.is_empty() {
+            out.tiers.push((loc, tiers));
+            out.classes.push(classes);
+        }
+    }
+    out.cpus = match spec.get("cpus") {
+        None | Some(serde_json::Value::Null) => sysfs_cpus(rails, root),
+        Some(serde_json::Value::Object(m)) if m.is_empty() => sysfs_cpus(rails, root),
+        Some(serde_json::Value::Object(m)) => {
+            let mut cpus = vec![Vec::new(); rails.len()];
+            for (k, v) in m {
+                let i = rail_index(&serde_json::Value::String(k.clone()), rails)
+                    .or_else(|_| k.parse::<u64>().map_err(|e| e.to_string()).and_then(|n| rail_index(&n.into(), rails)))?;
+                cpus[i] = cpu_list(v).ok_or_else(|| format!("affinity cpus: {v} is not a CPU list"))?;
+            }
+            cpus
+        }
+        Some(_) => return Err("affinity cpus: expected {rail: cpu list}".into()),
+    };
+    Ok(out)
+}
+
+fn cpu_list(v: &serde_json::Value) -> Option<Vec<usize>> {
+    match v {
+        serde_json::Value::Array(a) => a.iter().map(|c| c.as_u64().map(|c| c as usize)).collect(),
+        serde_json::Value::String(s) => {
+            let l = crate::topo::parse_cpulist(s);
+            (!l.is_empty() || s.trim().is_empty()).then_some(l)
+        }
+        _ => None,
+    }
+}
+
+/// Each rail's NIC-local CPUs (`ROOT/class/{net,infiniband}/NAME/device/local_cpulist`; empty
+/// when unknown: a veth, an address-only rail).
+fn sysfs_cpus(rails: &[RailInfo], root: &Path) -> Vec<Vec<usize>> {
+    rails
+        .iter()
+        .map(|r| {
+            ["net", "infiniband"]
+                .iter()
+                .find_map(|c| std::fs::read_to_string(root.join("class").join(c).join(&r.name).join("device/local_cpulist")).ok())
+                .map(|t| crate::topo::parse_cpulist(&t))
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The plan's tiers as rail indices (a NIC is a rail by netdev name, or by RDMA device name).
+fn rail_tiers(topo: &Topology, tiers: &[Tier], rails: &[RailInfo]) -> (Vec<Vec<usize>>, Vec<String>) {
+    let (mut out, mut classes) = (Vec::new(), Vec::new());
+    for t in tiers {
+        let mut idx = Vec::new();
+        for c in &t.nics {
+            let n = &topo.nics[c.nic];
+            for (i, r) in rails.iter().enumerate() {
+                let by_name = n.netdev.as_deref() == Some(r.name.as_str());
+                let by_rdma = !r.rdma_dev.is_empty() && n.rdma.as_deref() == Some(r.rdma_dev.as_str());
+                if (by_name || by_rdma) && !idx.contains(&i) {
+                    idx.push(i);
+                }
+            }
+        }
+        if !idx.is_empty() {
+            out.push(idx);
+            classes.push(t.cls.name().to_string());
+        }
+    }
+    (out, classes)
+}
+
+/// Where this process's CUDA ordinals are: (process ordinal, bus id) for each ordinal the plan
+/// can place. `cuda_uuids`: the CUDA runtime's UUID per ordinal, when it was asked and answered;
+/// else the view's ordinals through `CUDA_VISIBLE_DEVICES`, as topology.py maps them.
+pub fn gpu_locations(topo: &Topology, plan: &Plan, cuda_uuids: Option<&[String]>, visible: Option<&str>) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    if let Some(u) = cuda_uuids {
+        for (k, uuid) in u.iter().enumerate() {
+            if let Some(bus) = topo.bus_of_uuid(uuid).filter(|b| plan.gpus.contains_key(b)) {
+                out.push((k, bus));
+            }
+        }
+        if !out.is_empty() {
+            return out;
+        }
+    }
+    let mut ords: Vec<i64> = topo.gpus.iter().map(|g| g.ordinal).filter(|o| *o >= 0).collect();
+    ords.sort_unstable();
+    ords.dedup();
+    for k in ords {
+        if let Some(bus) = topo.gpu_bus_id(k as usize, visible).filter(|b| plan.gpus.contains_key(b)) {
+            out.push((k as usize, bus));
+        }
+    }
+    out
+}
+
+/// The environment a resolution reads (a closure, so tests give their own).
+pub type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The tiers for this agent, or None where nothing is tiered (every rail serves all memory).
+/// `notes` gets what a user should know (an unreadable topology, no rail in the plan).
+pub fn resolve(
+    setting: &Setting,
+    rails_auto: bool,
+    rails: &[RailInfo],
+    env: Env<'_>,
+    cuda_uuids: &dyn Fn() -> Option<Vec<String>>,
+    notes: &mut Vec<String>,
+) -> Result<Option<Chosen>, String> {
+    let root = env("MULTIRAIL_SYSFS_ROOT").filter(|r| !r.is_empty()).unwrap_or_else(|| "/sys".into());
+    let root = Path::new(&root);
+    match setting {
+        Setting::None => return Ok(None),
+        Setting::Explicit(m) => return explicit(m, rails, root).map(Some),
+        Setting::Auto if !rails_auto => return Ok(None),
+        _ if rails.len() < 2 => return Ok(None),
+        _ => {}
+    }
+    let gpus = env("MULTIRAIL_TOPOLOGY_GPUS").filter(|g| !g.is_empty());
+    let topo = match Topology::load(root, gpus.as_deref().map(Path::new)) {
+        Ok(t) => t,
+        Err(e) => {
+            notes.push(format!("affinity: topology of {} unreadable ({e}); every rail serves all memory", root.display()));
+            return Ok(None);
+        }
+    };
+    let plan = topo.rail_plan();
+    let uuids = if topo.gpus.iter().any(|g| g.uuid.is_some()) { cuda_uuids() } else { None };
+    let visible = env("CUDA_VISIBLE_DEVICES");
+    let mut out = Chosen { source: format!("topology of {} (CUDA view: {})", root.display(), topo.cuda_source), ..Chosen::default() };
+    let gpu_locs = gpu_locations(&topo, &plan, uuids.as_deref(), visible.as_deref());
+    let locs = gpu_locs
+        .iter()
+        .map(|(k, bus)| (format!("gpu:{k}"), &plan.gpus[bus]))
+        .chain(plan.numa.iter().map(|(n, t)| (format!("numa:{n}"), t)));
+    for (loc, tiers) in locs {
+        let (t, c) = rail_tiers(&topo, tiers, rails);
+        if !t.is_empty() {
+            out.tiers.push((loc, t));
+            out.classes.push(c);
+        }
+    }
+    if out.tiers.is_empty() {
+        notes.push(format!("affinity: no rail of this agent is in the plan of {}: every rail serves all memory", root.display()));
+        return Ok(None);
+    }
+    out.cpus = sysfs_cpus(rails, root);
+    Ok(Some(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rail(name: &str, addr: &str) -> RailInfo {
+        RailInfo {
+            name: name.into(),
+            addr: addr.into(),
+            prefix_len: 24,
+            port: 0,
+            speed_mbps: 0,
+            mtu: 1500,
+            numa: -1,
+            rdma_dev: String::new(),
+        }
+    }
+
+    #[test]
+    fn setting_parses_and_refuses_junk() {
+        assert_eq!(Setting::parse("auto").unwrap(), Setting::Auto);
+        assert_eq!(Setting::parse(" none ").unwrap(), Setting::None);
+        assert_eq!(Setting::parse("topology").unwrap(), Setting::Topology);
+        assert!(Setting::parse("nearest").unwrap_err().contains("affinity"));
+        assert!(Setting::parse("{\"gpu:0\": [").unwrap_err().contains("bad JSON"));
+        assert!(Setting::parse("[1]").is_err());
+    }
+
+    #[test]
+    fn explicit_mapping_by_name_address_and_index() {
+        let rails = [rail("eth0", "10.0.0.1"), rail("eth1", "10.0.1.1"), rail("eth2", "10.0.2.1")];
+        let Setting::Explicit(m) = Setting::parse(
+            r#"{"gpu:0": [["eth0", "10.0.1.1"], {"class": "NODE", "rails": [2]}], "numa:1": ["eth2"], "cpus": {"eth0": "0-3"}}"#,
+        )
+        .unwrap() else {
+            panic!("not explicit")
+        };
+        let mut notes = Vec::new();
+        let c = resolve(&Setting::Explicit(m), false, &rails, &|_| None, &|| None, &mut notes).unwrap().unwrap();
+        assert_eq!(c.tiers, vec![("gpu:0".to_string(), vec![vec![0, 1], vec![2]]), ("numa:1".to_string(), vec![vec![2]])]);
+        assert_eq!(c.classes, vec![vec!["tier0".to_string(), "NODE".to_string()], vec!["tier0".to_string()]]);
+        assert_eq!(c.cpus, vec![vec![0, 1, 2, 3], vec![], vec![]]);
+        let names: Vec<String> = rails.iter().map(|r| r.name.clone()).collect();
+        assert_eq!(c.describe(&names), "gpu:0: tier 0 tier0 [eth0, eth1], tier 1 NODE [eth2]; numa:1: tier 0 tier0 [eth2]");
+        let Setting::Explicit(bad) = Setting::parse(r#"{"gpu:0": ["eth9"]}"#).unwrap() else { panic!() };
+        assert!(resolve(&Setting::Explicit(bad), false, &rails, &|_| None, &|| None, &mut notes).unwrap_err().contains("eth9"));
+        let Setting::Explicit(bad) = Setting::parse(r#"{"cpu:0": ["eth0"]}"#).unwrap() else { panic!() };
+        assert!(resolve(&Setting::Explicit(bad), false, &rails, &|_| None, &|| None, &mut notes).unwrap_err().contains("cpu:0"));
+    }
+
+    #[test]
+    fn auto_needs_auto_rails_and_a_readable_topology() {
+        let rails = [rail("eth0", "10.0.0.1"), rail("eth1", "10.0.1.1")];
+        let mut notes = Vec::new();
+        let env = |k: &str| (k == "MULTIRAIL_SYSFS_ROOT").then(|| "/nonexistent-mr-sysfs".to_string());
+        // an explicit rail list wins over auto; none is none
+        assert_eq!(resolve(&Setting::Auto, false, &rails, &env, &|| None, &mut notes), Ok(None));
+        assert_eq!(resolve(&Setting::None, true, &rails, &env, &|| None, &mut notes), Ok(None));
+        assert!(notes.is_empty());
+        // an unreadable topology tiers nothing, and says so
+        assert_eq!(resolve(&Setting::Auto, true, &rails, &env, &|| None, &mut notes), Ok(None));
+        assert!(notes[0].contains("unreadable"), "{notes:?}");
+        // one rail: nothing to choose
+        assert_eq!(resolve(&Setting::Topology, false, &rails[..1], &env, &|| None, &mut notes), Ok(None));
+    }
+}
