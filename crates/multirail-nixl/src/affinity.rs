@@ -334,6 +334,86 @@ mod tests {
         assert!(resolve(&Setting::Explicit(bad), false, &rails, &|_| None, &|| None, &mut notes).unwrap_err().contains("cpu:0"));
     }
 
+    /// A tree as the testbed writes it: GPU i (0000:i2:00.0) behind a switch on root bus i0
+    /// with NIC i (netdev `nic{i}`, 0000:i3:00.0) on the same switch; one NUMA node.
+    fn two_gpu_tree(root: &Path) {
+        let dev = |p: &Path, vendor: &str, class: &str| {
+            std::fs::create_dir_all(p).unwrap();
+            for (k, v) in [("vendor", vendor), ("device", "0x1"), ("class", class), ("numa_node", "0"), ("local_cpulist", "0-3")] {
+                std::fs::write(p.join(k), format!("{v}\n")).unwrap();
+            }
+            let link = root.join("bus/pci/devices").join(p.file_name().unwrap());
+            std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+            let rel = Path::new("../../..").join(p.strip_prefix(root).unwrap());
+            std::os::unix::fs::symlink(rel, link).unwrap();
+        };
+        for i in 1..=2 {
+            let sw = root.join(format!("devices/pci0000:{i}0/0000:{i}0:00.0"));
+            dev(&sw, "0x1000", "0x060400");
+            dev(&sw.join(format!("0000:{i}1:00.0")), "0x1000", "0x060400");
+            dev(&sw.join(format!("0000:{i}1:00.0/0000:{i}2:00.0")), "0x10de", "0x030200");
+            dev(&sw.join(format!("0000:{i}1:01.0")), "0x1000", "0x060400");
+            let nic = sw.join(format!("0000:{i}1:01.0/0000:{i}3:00.0"));
+            dev(&nic, "0x8086", "0x020000");
+            let net = root.join(format!("class/net/nic{i}"));
+            std::fs::create_dir_all(&net).unwrap();
+            std::os::unix::fs::symlink(Path::new("../../..").join(nic.strip_prefix(root).unwrap()), net.join("device")).unwrap();
+        }
+        std::fs::create_dir_all(root.join("devices/system/node/node0")).unwrap();
+        std::fs::write(root.join("devices/system/node/node0/cpulist"), "0-3\n").unwrap();
+    }
+
+    #[test]
+    fn auto_tiers_each_gpus_memory_over_its_own_nic() {
+        let dir = std::env::temp_dir().join(format!("mr-nixl-affinity-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        two_gpu_tree(&dir);
+        let rails = [rail("nic2", "10.0.2.1"), rail("nic1", "10.0.1.1"), rail("veth0", "10.0.9.1")];
+        let root = dir.to_string_lossy().to_string();
+        let env = |k: &str| match k {
+            "MULTIRAIL_SYSFS_ROOT" => Some(root.clone()),
+            _ => None,
+        };
+        let mut notes = Vec::new();
+        let c = resolve(&Setting::Auto, true, &rails, &env, &|| None, &mut notes).unwrap().expect("tiers");
+        // GPU 0 (PCI order) is 0000:12:00.0, next to nic1 (rail 1); GPU 1 next to nic2 (rail 0)
+        let want = vec![
+            ("gpu:0".to_string(), vec![vec![1], vec![0]]),
+            ("gpu:1".to_string(), vec![vec![0], vec![1]]),
+            ("numa:0".to_string(), vec![vec![1, 0]]),
+        ];
+        assert_eq!(c.tiers, want, "{notes:?}");
+        assert_eq!(c.classes[0], vec!["PIX".to_string(), "NODE".to_string()]);
+        assert_eq!(c.cpus, vec![vec![0, 1, 2, 3], vec![0, 1, 2, 3], vec![]]);
+        // CUDA_VISIBLE_DEVICES=1: this process's GPU 0 is the second GPU
+        let env_cvd = |k: &str| match k {
+            "MULTIRAIL_SYSFS_ROOT" => Some(root.clone()),
+            "CUDA_VISIBLE_DEVICES" => Some("1".to_string()),
+            _ => None,
+        };
+        let c = resolve(&Setting::Auto, true, &rails, &env_cvd, &|| None, &mut notes).unwrap().expect("tiers");
+        assert_eq!(c.tiers[0], ("gpu:0".to_string(), vec![vec![0], vec![1]]));
+        assert!(!c.tiers.iter().any(|(l, _)| l == "gpu:1"));
+        // with UUIDs in the view, the CUDA runtime's order wins (here: reversed)
+        let gpus = dir.join("gpus.json");
+        std::fs::write(&gpus, r#"[{"ordinal": 0, "uuid": "GPU-a", "pci_bus_id": "0000:12:00.0"}, {"ordinal": 1, "uuid": "GPU-b", "pci_bus_id": "0000:22:00.0"}]"#).unwrap();
+        let g = gpus.to_string_lossy().to_string();
+        let env_uuid = |k: &str| match k {
+            "MULTIRAIL_SYSFS_ROOT" => Some(root.clone()),
+            "MULTIRAIL_TOPOLOGY_GPUS" => Some(g.clone()),
+            _ => None,
+        };
+        let uuids = || Some(vec!["GPU-b".to_string(), "GPU-a".to_string()]);
+        let c = resolve(&Setting::Auto, true, &rails, &env_uuid, &uuids, &mut notes).unwrap().expect("tiers");
+        assert_eq!(c.tiers[0], ("gpu:0".to_string(), vec![vec![0], vec![1]]));
+        assert_eq!(c.tiers[1], ("gpu:1".to_string(), vec![vec![1], vec![0]]));
+        // no rail of the agent in the plan: nothing tiered
+        let none = [rail("veth0", "10.0.9.1"), rail("veth1", "10.0.8.1")];
+        assert_eq!(resolve(&Setting::Topology, false, &none, &env, &|| None, &mut notes), Ok(None));
+        assert!(notes.last().is_some_and(|n| n.contains("no rail")), "{notes:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn auto_needs_auto_rails_and_a_readable_topology() {
         let rails = [rail("eth0", "10.0.0.1"), rail("eth1", "10.0.1.1")];
