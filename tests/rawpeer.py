@@ -51,11 +51,13 @@ def parse_status(body: bytes) -> tuple[str, int, str]:
 
 
 def connect(port: int, name: str = "raw", role: int = 2, host: str = "127.0.0.1",
-            nonce: bytes | None = None, hello_version: int = VERSION, welcome: bool = True) -> socket.socket:
+            nonce: bytes | None = None, hello_version: int = VERSION, welcome: bool = True,
+            source: str | None = None) -> socket.socket:
     """Open a connection and complete an unauthenticated handshake. `nonce` (16 bytes, random
     by default) is the connection's id for FENCE. `welcome=False`: stop after Auth, leaving the
-    server's answer (Welcome, or an Error in its place) unread."""
-    s = socket.create_connection((host, port), timeout=5)
+    server's answer (Welcome, or an Error in its place) unread. `source`: the local address to
+    connect from (another loopback address is another peer to a target without a secret)."""
+    s = socket.create_connection((host, port), timeout=5, source_address=(source, 0) if source else None)
     nb = name.encode()
     body = struct.pack("<HBQH", hello_version, role, 1234, len(nb)) + nb + (nonce if nonce is not None else os.urandom(16))
     s.sendall(frame(HELLO, body))

@@ -1,5 +1,6 @@
-"""`AgentConfig.fan_in_window`: a target splits a rail's receive window among the data
-connections it accepted on that rail, and regrows the others' shares when one leaves
+"""`AgentConfig.fan_in_window`: a target splits a rail's receive window among the peers with data
+connections on that rail (each peer's part among its connections), and regrows the others' shares
+when one leaves
 (crates/multirail/src/fanin.rs). Observed from outside, with `ss` (the kernel's receive buffer of
 each accepted socket: twice the share), on loopback."""
 
@@ -27,9 +28,11 @@ KiB = 1 << 10
 BUDGET = 150 * KiB
 
 
-def served_rcvbufs(port: int) -> list[int]:
-    """The receive buffer (skmem rb) of every established socket whose local port is `port`."""
-    out = subprocess.run(["ss", "-tmnH", "state", "established", f"( sport = :{port} )"],
+def served_rcvbufs(port: int, peer: str | None = None) -> list[int]:
+    """The receive buffer (skmem rb) of every established socket whose local port is `port`
+    (and whose remote address is `peer`, when given)."""
+    flt = f"( sport = :{port} )" if peer is None else f"( sport = :{port} and dst {peer} )"
+    out = subprocess.run(["ss", "-tmnH", "state", "established", flt],
                          capture_output=True, text=True, timeout=10, check=True).stdout
     return [int(x) for x in re.findall(r"\brb(\d+)", out)]
 
@@ -75,6 +78,41 @@ def test_shares_split_the_rail_and_regrow_when_a_peer_leaves(agents):
     ins[2].close()
     share2 = 2 * (BUDGET // 2)
     assert wait_for(lambda: served_rcvbufs(t.port) == [share2] * 2), served_rcvbufs(t.port)
+
+
+def test_one_peers_idle_connections_do_not_shrink_another_peers_share(agents):
+    """Issue 33: the shares were per connection, so a peer that opened many idle data
+    connections shrank every other peer's window. Without a secret a peer is its address: here
+    an initiator agent on 127.0.0.1, and a raw client (tests/rawpeer.py) on 127.0.0.2 that
+    opens one data connection, then seven more it never uses."""
+    import rawpeer
+
+    t = agents("fanin-th", {"fan_in_window": BUDGET})
+    t.register_memory(np.zeros(1 << 20, dtype=np.uint8))
+    (i,) = connected(agents, t, 1)
+    assert wait_for(lambda: served_rcvbufs(t.port, "127.0.0.1") == [2 * BUDGET]), served_rcvbufs(t.port)
+    half = 2 * (BUDGET // 2)
+    raw = [rawpeer.connect(t.port, name="idle", source="127.0.0.2")]
+    try:
+        assert wait_for(lambda: served_rcvbufs(t.port) == [half, half]), served_rcvbufs(t.port)
+        raw += [rawpeer.connect(t.port, name=f"idle{k}", source="127.0.0.2") for k in range(7)]
+        # The eight split the raw peer's half (down to the 16 KiB floor); the agent keeps its half.
+        floor = 2 * max(16 * KiB, BUDGET // 2 // 8)
+        assert wait_for(lambda: served_rcvbufs(t.port, "127.0.0.2") == [floor] * 8), served_rcvbufs(t.port)
+        assert served_rcvbufs(t.port, "127.0.0.1") == [half], served_rcvbufs(t.port)
+        # And the agent's traffic runs through that window, byte-exact.
+        src = np.arange(1 << 20, dtype=np.uint8)
+        t_src = np.zeros(1 << 20, dtype=np.uint8)
+        t.register_memory(t_src)
+        i.register_memory(src)
+        i.fetch_remote_metadata(t.name, "127.0.0.1", t.port)
+        h = i.initialize_xfer("WRITE", i.get_xfer_descs(src), t_descs(i, t_src), t.name)
+        i.transfer_sync(h, timeout=30)
+        assert np.array_equal(t_src, src)
+    finally:
+        for s in raw:
+            s.close()
+    assert wait_for(lambda: served_rcvbufs(t.port, "127.0.0.1") == [2 * BUDGET]), served_rcvbufs(t.port)
 
 
 def t_descs(i, src: np.ndarray):

@@ -147,8 +147,11 @@ class AgentConfig:
         bottleneck fairly. "auto" (default): once a rail has 16 data connections, a budget of
         max(2 MiB, the rail's speed x 200 us) for that rail; fewer are left to the kernel's
         autotuning. An int: that budget in bytes, from the first connection (0 or "off": never).
-        Each of n connections gets about max(16 KiB, budget / n) (a receive buffer of that size:
-        the window ends between one and two shares), resized as peers come and go; a budget
+        The budget is split evenly among the peers with data connections on the rail and each
+        peer's part among its own k connections: about max(16 KiB, budget / peers / k) each (a
+        receive buffer of that size: the window ends between one and two shares), so a peer's
+        extra connections shrink only its own part; a peer is its name when auth_secret is set,
+        its IP address otherwise. Resized as peers come and go; a budget
         bounds the rail to budget / RTT, so it must be at or above the rail's bandwidth-delay
         product; 2 MiB measured best on the 2 x 2 Gbit/s testbed (docs/ARCHITECTURE.md,
         "Fan-in shares"; docs/benchmarks.md, issue 22).

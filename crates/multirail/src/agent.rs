@@ -290,14 +290,14 @@ impl Agent {
         self.shared.add_remote(meta, None)
     }
 
+    /// Forget peer `name` and close it (its transfers fail). It is closed after the peer
+    /// table's lock is released: closing may wait (for a dial in progress, up to `timeout`),
+    /// and other threads keep using the table meanwhile.
     pub fn remove_remote(&self, name: &str) -> Result<()> {
-        match self.shared.peers.write().expect("peers lock").remove(name) {
-            Some(p) => {
-                p.close();
-                Ok(())
-            }
-            None => Err(Error::UnknownPeer(name.to_string())),
-        }
+        let removed = self.shared.peers.write().expect("peers lock").remove(name);
+        let p = removed.ok_or_else(|| Error::UnknownPeer(name.to_string()))?;
+        p.close();
+        Ok(())
     }
 
     pub fn has_remote(&self, name: &str) -> bool {
@@ -467,8 +467,10 @@ impl Agent {
             return;
         }
         self.shared.notifs.close();
-        for p in self.shared.peers.write().expect("peers lock").drain() {
-            p.1.close();
+        // Closed after the table's lock is released (as `remove_remote`).
+        let peers: Vec<Arc<Peer>> = self.shared.peers.write().expect("peers lock").drain().map(|(_, p)| p).collect();
+        for p in peers {
+            p.close();
         }
         let listeners: Vec<_> = self.listeners.lock().expect("listeners lock").drain(..).collect();
         for (_addr, l, h) in listeners {
@@ -565,5 +567,63 @@ fn choose_transports(
 impl Drop for Agent {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Metadata of a peer `name` whose one rail is `port` on loopback.
+    fn peer_at(name: &str, port: u16) -> Vec<u8> {
+        let rail = RailInfo {
+            name: "lo".into(),
+            addr: "127.0.0.1".into(),
+            prefix_len: 8,
+            port,
+            speed_mbps: 0,
+            mtu: 65536,
+            numa: -1,
+            rdma_dev: String::new(),
+        };
+        AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail], regions: Vec::new() }.encode()
+    }
+
+    /// Closing a peer can wait: here for a dial to a listener that never answers its handshake,
+    /// which holds the peer's link until `timeout`. `close` (removing that peer, or closing the
+    /// agent) must not hold the peer table's lock meanwhile: another thread's look-up of another
+    /// peer answers at once.
+    fn the_table_stays_usable_while_a_peer_closes(close: fn(&Agent, &str)) {
+        let timeout = Duration::from_secs(4);
+        let a = Agent::new("lock-a", Config { timeout, ..Config::default() }).expect("agent");
+        let silent = TcpListener::bind("127.0.0.1:0").expect("listener");
+        let port = silent.local_addr().expect("address").port();
+        let name = a.add_remote(&peer_at("silent", port)).expect("silent peer");
+        a.add_remote(&peer_at("other", 1)).expect("other peer");
+        std::thread::scope(|sc| {
+            let dialing = sc.spawn(|| a.peer(&name).expect("peer").link().map(|_| ()));
+            let _dialed = silent.accept().expect("the dial"); // the link is being opened now
+            let closing = sc.spawn(|| close(&a, &name));
+            // Give the close time to reach the peer (it then waits for the dial).
+            std::thread::sleep(Duration::from_millis(300));
+            let t0 = Instant::now();
+            let _ = a.has_remote("other");
+            let waited = t0.elapsed();
+            closing.join().expect("close");
+            assert!(dialing.join().expect("dial").is_err(), "the silent peer was connected");
+            assert!(waited < timeout / 2, "a look-up waited {waited:?} for a peer to close: the table's lock was held");
+        });
+        assert!(!a.has_remote(&name));
+        a.close();
+    }
+
+    #[test]
+    fn removing_a_peer_closes_it_outside_the_tables_lock() {
+        the_table_stays_usable_while_a_peer_closes(|a, name| a.remove_remote(name).expect("remove"));
+    }
+
+    #[test]
+    fn closing_the_agent_closes_its_peers_outside_the_tables_lock() {
+        the_table_stays_usable_while_a_peer_closes(|a, _| a.close());
     }
 }

@@ -7,15 +7,22 @@
 //! apart (docs/benchmarks.md, "Issue 22: many peers (session 9)").
 //!
 //! The target is the one place that sees every peer of a rail. With a per-rail budget `B`,
-//! each of the `n` data connections accepted on that rail's listener gets a receive window of
-//! about `max(MIN_SHARE, B / n)`: its receive buffer set to the share (which stops the kernel's
-//! receive-buffer autotuning) and `TCP_WINDOW_CLAMP`; the window the kernel then offers is
-//! between one and two shares (see [`set_window`]). Window-limited flows through one FIFO with
-//! the same round-trip time move at the same rate, and while what they have in flight fits in
-//! the bottleneck's queue nothing is dropped. Every share on the rail is recomputed when a
-//! connection joins or leaves, so the budget follows the number of peers. This is the
-//! receiver-side cure for incast that ICTCP (Wu et al., CoNEXT 2010) proposed, with a fixed
-//! budget instead of a measured one.
+//! shared by the `p` peers that have data connections on that rail's listener, each peer's
+//! share is `B / p`, split evenly among its own `k` connections there: each gets a receive
+//! window of about `max(MIN_SHARE, B / p / k)`: its receive buffer set to the share (which
+//! stops the kernel's receive-buffer autotuning) and `TCP_WINDOW_CLAMP`; the window the kernel
+//! then offers is between one and two shares (see [`set_window`]). Window-limited flows through
+//! one FIFO with the same round-trip time move at the same rate, and while what they have in
+//! flight fits in the bottleneck's queue nothing is dropped. Every share on the rail is
+//! recomputed when a connection joins or leaves, so the budget follows the number of peers.
+//! This is the receiver-side cure for incast that ICTCP (Wu et al., CoNEXT 2010) proposed, with
+//! a fixed budget instead of a measured one.
+//!
+//! Shares are per peer, not per connection (issue 33): a peer that opens many (idle) data
+//! connections divides only its own share among them, so it takes no more of the rail's window
+//! from the others than a peer with one connection does. A peer is what [`peer_key`] says: the
+//! authenticated name when the agent has a shared secret, else the remote IP address (names
+//! are the peer's own claim then, and a hostile one could take a new one per connection).
 //!
 //! `Config::fan_in_window` ([`FanInWindow`]):
 //! - `Auto` (the default): a rail's shares start once it has [`AUTO_MIN_CONNS`] data
@@ -35,6 +42,7 @@
 //! shares are on (O(n) per accept, O(n^2) while n peers connect), nothing on the data path.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 
@@ -66,10 +74,29 @@ pub fn auto_budget(speed_mbps: u64) -> usize {
 pub trait Resizable: AsRawFd + Send + Sync {}
 impl<T: AsRawFd + Send + Sync> Resizable for T {}
 
-/// One rail's live data connections, by membership id, and whether its shares are on.
+/// Who a data connection counts as in its rail's shares: with a shared secret (`authenticated`),
+/// the name it proved; without one, its remote IP address whatever the port (a name would be
+/// the peer's own claim, new for every connection if it likes). `None` (the address is gone:
+/// the connection is closing) counts as one peer of its own.
+pub fn peer_key(authenticated: bool, name: &str, remote: Option<SocketAddr>) -> String {
+    match (authenticated, remote) {
+        (true, _) => format!("name {name}"),
+        (false, Some(a)) => format!("addr {}", a.ip()),
+        (false, None) => "addr ?".into(),
+    }
+}
+
+/// A live data connection: its membership id, its peer ([`peer_key`]) and its socket.
+struct Conn {
+    id: u64,
+    peer: String,
+    sock: Arc<dyn Resizable>,
+}
+
+/// One rail's live data connections, and whether its shares are on.
 #[derive(Default)]
 struct RailConns {
-    conns: Vec<(u64, Arc<dyn Resizable>)>,
+    conns: Vec<Conn>,
     on: bool,
 }
 
@@ -122,15 +149,17 @@ impl WindowShares {
         }
     }
 
-    /// The window each of `n` connections of listener `listener`'s rail gets once on.
-    pub fn share(&self, listener: usize, n: usize) -> usize {
-        (self.budget(listener) / n.max(1)).max(MIN_SHARE)
+    /// The window of each of a peer's `conns` connections on listener `listener`'s rail, once
+    /// on, while `peers` peers have connections there: the budget split evenly among the peers,
+    /// each peer's part evenly among its connections.
+    pub fn share(&self, listener: usize, peers: usize, conns: usize) -> usize {
+        (self.budget(listener) / peers.max(1) / conns.max(1)).max(MIN_SHARE)
     }
 
-    /// Add `sock` (accepted on `listener`) to its rail's connections; once the rail's shares
-    /// are on (or this connection turns them on), resize every connection of that rail. `None`
-    /// when shares are off.
-    pub fn join(&self, listener: usize, sock: Arc<dyn Resizable>) -> Option<Member<'_>> {
+    /// Add `sock` (accepted on `listener`, from `peer`: [`peer_key`]) to its rail's
+    /// connections; once the rail's shares are on (or this connection turns them on), resize
+    /// every connection of that rail. `None` when shares are off.
+    pub fn join(&self, listener: usize, peer: String, sock: Arc<dyn Resizable>) -> Option<Member<'_>> {
         if !self.enabled() {
             return None;
         }
@@ -141,7 +170,7 @@ impl WindowShares {
         };
         let mut g = self.rails.lock().expect("shares lock");
         let rail = g.entry(listener).or_default();
-        rail.conns.push((id, sock));
+        rail.conns.push(Conn { id, peer, sock });
         if rail.on || rail.conns.len() >= self.min_conns() {
             rail.on = true;
             self.apply(listener, &rail.conns);
@@ -152,7 +181,7 @@ impl WindowShares {
     fn leave(&self, listener: usize, id: u64) {
         let mut g = self.rails.lock().expect("shares lock");
         if let Some(rail) = g.get_mut(&listener) {
-            rail.conns.retain(|(i, _)| *i != id);
+            rail.conns.retain(|c| c.id != id);
             if rail.conns.is_empty() {
                 g.remove(&listener);
             } else if rail.on {
@@ -169,11 +198,15 @@ impl WindowShares {
         v
     }
 
-    fn apply(&self, listener: usize, conns: &[(u64, Arc<dyn Resizable>)]) {
-        let w = self.share(listener, conns.len());
-        for (_, s) in conns {
+    fn apply(&self, listener: usize, conns: &[Conn]) {
+        let mut per_peer: HashMap<&str, usize> = HashMap::new();
+        for c in conns {
+            *per_peer.entry(c.peer.as_str()).or_default() += 1;
+        }
+        for c in conns {
+            let w = self.share(listener, per_peer.len(), per_peer[c.peer.as_str()]);
             // Best effort: a connection closing meanwhile fails here and leaves on its own.
-            let _ = set_window(s.as_raw_fd(), w);
+            let _ = set_window(c.sock.as_raw_fd(), w);
         }
     }
 }
@@ -246,11 +279,11 @@ mod tests {
         let (_c1, s1) = pair(&l);
         let (_c2, s2) = pair(&l);
         let (_c3, s3) = pair(&l);
-        let m1 = sh.join(1, s1.clone()).unwrap();
+        let m1 = sh.join(1, "a".into(), s1.clone()).unwrap();
         assert_eq!(window_clamp(s1.as_raw_fd()).unwrap(), 1 << 20);
-        let m2 = sh.join(1, s2.clone()).unwrap();
+        let m2 = sh.join(1, "b".into(), s2.clone()).unwrap();
         // Another rail's connection does not count against rail 1.
-        let m3 = sh.join(2, s3.clone()).unwrap();
+        let m3 = sh.join(2, "c".into(), s3.clone()).unwrap();
         assert_eq!(sh.counts(), vec![(1, 2, true), (2, 1, true)]);
         assert_eq!(window_clamp(s1.as_raw_fd()).unwrap(), 512 << 10);
         assert_eq!(window_clamp(s2.as_raw_fd()).unwrap(), 512 << 10);
@@ -265,13 +298,14 @@ mod tests {
     #[test]
     fn shares_never_go_below_the_floor_and_off_touches_nothing() {
         let sh = WindowShares::new(FanInWindow::Bytes(64 << 10), vec![]);
-        assert_eq!(sh.share(0, 1), 64 << 10);
-        assert_eq!(sh.share(0, 1000), MIN_SHARE);
+        assert_eq!(sh.share(0, 1, 1), 64 << 10);
+        assert_eq!(sh.share(0, 1000, 1), MIN_SHARE);
+        assert_eq!(sh.share(0, 1, 1000), MIN_SHARE);
         let off = WindowShares::new(FanInWindow::Off, vec![]);
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let (_c, s) = pair(&l);
         let before = window_clamp(s.as_raw_fd()).unwrap();
-        assert!(off.join(1, s.clone()).is_none());
+        assert!(off.join(1, "a".into(), s.clone()).is_none());
         assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), before);
     }
 
@@ -289,14 +323,14 @@ mod tests {
         for _ in 0..AUTO_MIN_CONNS - 1 {
             let (c, s) = pair(&l);
             let before = window_clamp(s.as_raw_fd()).unwrap();
-            members.push(sh.join(0, s.clone()).unwrap());
+            members.push(sh.join(0, "one".into(), s.clone()).unwrap());
             // below the threshold: the kernel's socket, untouched
             assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), before);
             socks.push((c, s));
         }
         assert_eq!(sh.counts(), vec![(0, AUTO_MIN_CONNS - 1, false)]);
         let (c, s) = pair(&l);
-        members.push(sh.join(0, s.clone()).unwrap());
+        members.push(sh.join(0, "one".into(), s.clone()).unwrap());
         socks.push((c, s));
         // the 16th connection turns the rail's shares on, for every connection of the rail
         let share = AUTO_MIN_BUDGET / AUTO_MIN_CONNS;
@@ -310,6 +344,58 @@ mod tests {
         assert_eq!(window_clamp(socks[0].1.as_raw_fd()).unwrap(), AUTO_MIN_BUDGET / 4);
         members.clear();
         assert!(sh.counts().is_empty());
+    }
+
+    #[test]
+    fn a_peers_many_connections_take_no_more_than_one_connection_would() {
+        // Issue 33: shares were per connection, so one peer's idle connections shrank every
+        // other peer's window. Peer "a" has one connection; next to it, peer "b" with one
+        // connection and then with eight must leave "a" the same window.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let sh = WindowShares::new(FanInWindow::Bytes(1 << 20), vec![]);
+        let (_ca, a) = pair(&l);
+        let _ma = sh.join(1, "a".into(), a.clone()).unwrap();
+        let mut b = Vec::new();
+        let (c, s) = pair(&l);
+        b.push((sh.join(1, "b".into(), s.clone()).unwrap(), c, s));
+        assert_eq!(window_clamp(a.as_raw_fd()).unwrap(), 512 << 10);
+        for _ in 0..7 {
+            let (c, s) = pair(&l);
+            b.push((sh.join(1, "b".into(), s.clone()).unwrap(), c, s));
+        }
+        assert_eq!(sh.counts(), vec![(1, 9, true)]);
+        assert_eq!(window_clamp(a.as_raw_fd()).unwrap(), 512 << 10, "b's extra connections shrank a's window");
+        // b's eight split b's half.
+        for (_, _, s) in &b {
+            assert_eq!(window_clamp(s.as_raw_fd()).unwrap(), 64 << 10);
+        }
+        // A third peer: a third each, whatever b holds.
+        let (_cc, cs) = pair(&l);
+        let mc = sh.join(1, "c".into(), cs.clone()).unwrap();
+        assert_eq!(window_clamp(a.as_raw_fd()).unwrap(), (1 << 20) / 3);
+        assert_eq!(window_clamp(cs.as_raw_fd()).unwrap(), (1 << 20) / 3);
+        drop(mc);
+        // b's connections leaving one by one: a keeps half until b's last one goes.
+        while b.len() > 1 {
+            b.pop();
+            assert_eq!(window_clamp(a.as_raw_fd()).unwrap(), 512 << 10);
+        }
+        b.clear();
+        assert_eq!(window_clamp(a.as_raw_fd()).unwrap(), 1 << 20);
+    }
+
+    #[test]
+    fn a_peer_is_its_proven_name_with_a_secret_else_its_address() {
+        let at = |s: &str| Some(s.parse::<SocketAddr>().unwrap());
+        // Without a secret, names are claims: two connections from one address are one peer
+        // whatever names they give, and one name from two addresses is two peers.
+        assert_eq!(peer_key(false, "x", at("10.0.0.1:1000")), peer_key(false, "y", at("10.0.0.1:2000")));
+        assert_ne!(peer_key(false, "x", at("10.0.0.1:1000")), peer_key(false, "x", at("10.0.0.2:1000")));
+        // With one, the proven name.
+        assert_eq!(peer_key(true, "x", at("10.0.0.1:1000")), peer_key(true, "x", at("10.0.0.2:1000")));
+        assert_ne!(peer_key(true, "x", at("10.0.0.1:1000")), peer_key(true, "y", at("10.0.0.1:1000")));
+        // A name can never pass for an address.
+        assert_ne!(peer_key(true, "addr 10.0.0.1", None), peer_key(false, "", at("10.0.0.1:1")));
     }
 
     #[test]

@@ -520,9 +520,15 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
         g.insert(conn_id, me.clone());
     }
     let _registered = Registered { sh, id: conn_id };
-    // A data connection takes its share of its rail's receive window (off by default); the
-    // others on the rail shrink now and grow back when it leaves.
-    let _share = if role == Role::Data { sh.shares.join(listener, me.clone()) } else { None };
+    // A data connection takes its share of its peer's part of its rail's receive window; the
+    // others on the rail shrink now and grow back when it leaves. A peer is its proven name, or
+    // without a secret its address: its many connections never take the others' parts.
+    let _share = if role == Role::Data {
+        let peer = crate::fanin::peer_key(sh.ctx.cfg.secret.is_some(), &peer_name, s.peer_addr().ok());
+        sh.shares.join(listener, peer, me.clone())
+    } else {
+        None
+    };
     // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
     // registered after that sees the flag here.
     if sh.shutdown.load(Ordering::SeqCst) {
