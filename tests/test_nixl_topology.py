@@ -30,17 +30,17 @@ def _lib() -> Any:
     lib = ctypes.CDLL(str(path))
     fn = lib.mr_nixl_topology_json
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_size_t] * 3 + [ctypes.c_void_p, ctypes.c_size_t]
     return fn
 
 
-def plugin_plan(root: Path, gpus: Path | None = None) -> dict[str, Any]:
+def plugin_plan(root: Path, gpus: Path | None = None, hints: Path | None = None) -> dict[str, Any]:
     fn = _lib()
-    r, g = str(root).encode(), str(gpus or "").encode()
+    r, g, h = str(root).encode(), str(gpus or "").encode(), str(hints or "").encode()
     cap = 1 << 16
     while True:
         buf = ctypes.create_string_buffer(cap)
-        n = fn(r, len(r), g, len(g), buf, cap)
+        n = fn(r, len(r), g, len(g), h, len(h), buf, cap)
         assert n >= 0, "mr_nixl_topology_json panicked"
         if n <= cap:
             return json.loads(buf.raw[:n])
@@ -51,18 +51,18 @@ def tiers_of(tiers: list[Any]) -> list[tuple[str, list[tuple[str, str | None, st
     return [(t.cls, [(n.pci, n.netdev, n.rdma) for n in t.nics]) for t in tiers]
 
 
-def python_plan(root: Path, gpus: Path | None = None) -> dict[str, Any]:
+def python_plan(root: Path, gpus: Path | None = None, hints: Path | None = None) -> dict[str, Any]:
     from multirail.topology import Topology
 
-    topo = Topology.load(root, gpus=str(gpus) if gpus else None)
+    topo = Topology.load(root, gpus=str(gpus) if gpus else None, hints=str(hints) if hints else None)
     plan = topo.rail_plan()
     return {"gpus": {b: tiers_of(t) for b, t in plan.gpus.items()},
             "numa": {str(n): tiers_of(t) for n, t in plan.numa.items()},
             "ordinals": {str(g.ordinal): g.bus_id for g in topo.gpus}}
 
 
-def rust_plan(root: Path, gpus: Path | None = None) -> dict[str, Any]:
-    got = plugin_plan(root, gpus)
+def rust_plan(root: Path, gpus: Path | None = None, hints: Path | None = None) -> dict[str, Any]:
+    got = plugin_plan(root, gpus, hints)
     assert "error" not in got, got
 
     def conv(tiers: list[dict[str, Any]]) -> list[tuple[str, list[tuple[str, str | None, str | None]]]]:
@@ -185,3 +185,28 @@ def test_cuda_view_from_a_gpus_file(form: str, tmp_path: Path) -> None:
     bad.write_text('[{"ordinal": 0}]')
     assert "pci_bus_id" in plugin_plan(root, bad)["error"]
     assert "bus/pci/devices" in plugin_plan(tmp_path / "nothing")["error"]
+
+
+def test_hint_file_pairs_gpus_and_nics(tmp_path: Path) -> None:
+    """Azure ND v5's flat tree with its hint file (GPU -> its NIC): a first tier HINT, the rest
+    by class; keys by bus id (any case, 8 domain digits) or UUID, NICs by RDMA name, netdev or
+    PCI address, a key for no GPU and a NIC that is no candidate ignored, as topology.py does."""
+    root = F.build(tmp_path, F.azure_ndv5())
+    hints = dict(F.AZ_HINTS)
+    hints["00000002:00:00.0".upper()] = ["ib1", "0105:00:00.0"]  # netdev and PCI address, 8-digit domain
+    hints.pop("0002:00:00.0")
+    hints["GPU-00000003"] = ["mlx5_an0"]  # the accelerated-networking VF: excluded (narrow), so no hint tier
+    hints["0dead:00:00.0"] = ["mlx5_ib0"]  # no such GPU
+    gpus = tmp_path / "gpus.json"
+    gpus.write_text(json.dumps([{"ordinal": i, "uuid": f"GPU-{d:08x}-0000", "pci_bus_id": f"{d:04x}:00:00.0"}
+                                for i, d in enumerate(F.AZ_GPU_DOMS)]))
+    f = tmp_path / "hints.json"
+    f.write_text(json.dumps(hints))
+    got = rust_plan(root, gpus, f)
+    assert got == python_plan(root, gpus, f)
+    g1 = got["gpus"]["0001:00:00.0"]
+    assert [(c, [n[2] for n in nics]) for c, nics in g1[:1]] == [("HINT", ["mlx5_ib0"])] and g1[1][0] == "NODE"
+    assert [n[2] for n in got["gpus"]["0002:00:00.0"][0][1]] == ["mlx5_ib1", "mlx5_ib4"]
+    assert got["gpus"]["0003:00:00.0"][0][0] == "NODE"
+    f.write_text('{"0001:00:00.0": "mlx5_ib0"}')
+    assert "expected a JSON object" in plugin_plan(root, None, f)["error"]

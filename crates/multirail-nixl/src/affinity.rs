@@ -254,7 +254,8 @@ pub fn resolve(
         _ => {}
     }
     let gpus = env("MULTIRAIL_TOPOLOGY_GPUS").filter(|g| !g.is_empty());
-    let topo = match Topology::load(root, gpus.as_deref().map(Path::new)) {
+    let hints = env("MULTIRAIL_TOPOLOGY_HINTS").filter(|h| !h.is_empty());
+    let topo = match Topology::load(root, gpus.as_deref().map(Path::new), hints.as_deref().map(Path::new)) {
         Ok(t) => t,
         Err(e) => {
             notes.push(format!("affinity: topology of {} unreadable ({e}); every rail serves all memory", root.display()));

@@ -560,31 +560,38 @@ pub unsafe extern "C" fn mr_nixl_gpu_free(kind: *const u8, kind_len: usize, dev:
 
 /// The rail plan the plugin reads from a sysfs tree (crate::topo), as JSON
 /// (`Topology::plan_json`, or `{"error": "..."}`): what tests/test_nixl_topology.py compares
-/// with python/multirail/topology.py on every fixture tree. `gpus`: a `--gpus`-style file, or
-/// empty. Writes at most `cap` bytes to `out` and returns the JSON's full length (call again
-/// with a larger buffer when it is above `cap`); -1 on a panic.
+/// with python/multirail/topology.py on every fixture tree. `gpus`: a `--gpus`-style file,
+/// `hints`: a `--hints` file, each empty for none. Writes at most `cap` bytes to `out` and
+/// returns the JSON's full length (call again with a larger buffer when it is above `cap`); -1
+/// on a panic.
 ///
 /// # Safety
-/// `root` and `gpus` are readable for their lengths; `out` is writable for `cap` bytes.
+/// `root`, `gpus` and `hints` are readable for their lengths; `out` is writable for `cap` bytes.
 #[no_mangle]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "C" fn mr_nixl_topology_json(
     root: *const u8,
     root_len: usize,
     gpus: *const u8,
     gpus_len: usize,
+    hints: *const u8,
+    hints_len: usize,
     out: *mut u8,
     cap: usize,
 ) -> isize {
     guard(-1, "topology_json", || {
-        let json = match (text(root, root_len), if gpus_len == 0 { Ok("") } else { text(gpus, gpus_len) }) {
-            (Ok(r), Ok(g)) => {
-                let gpus = (!g.is_empty()).then(|| std::path::Path::new(g));
-                match topo::Topology::load(std::path::Path::new(r), gpus) {
-                    Ok(t) => t.plan_json(&t.rail_plan()),
-                    Err(e) => format!("{{\"error\":{}}}", serde_json::Value::String(e)),
-                }
+        let path = |p: *const u8, n: usize| -> Result<Option<&std::path::Path>, i32> {
+            if n == 0 {
+                return Ok(None);
             }
-            _ => "{\"error\":\"a path is not UTF-8\"}".to_string(),
+            text(p, n).map(|t| Some(std::path::Path::new(t)))
+        };
+        let json = match (path(root, root_len), path(gpus, gpus_len), path(hints, hints_len)) {
+            (Ok(Some(r)), Ok(g), Ok(h)) => match topo::Topology::load(r, g, h) {
+                Ok(t) => t.plan_json(&t.rail_plan()),
+                Err(e) => format!("{{\"error\":{}}}", serde_json::Value::String(e)),
+            },
+            _ => "{\"error\":\"no root, or a path that is not UTF-8\"}".to_string(),
         };
         if !out.is_null() {
             std::ptr::copy_nonoverlapping(json.as_ptr(), out, json.len().min(cap));

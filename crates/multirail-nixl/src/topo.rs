@@ -23,6 +23,8 @@ pub enum Class {
     Phb,
     Node,
     Sys,
+    /// Named for a GPU by the hint file (only ever a GPU's first tier).
+    Hint,
 }
 
 impl Class {
@@ -35,6 +37,7 @@ impl Class {
             Class::Phb => "PHB",
             Class::Node => "NODE",
             Class::Sys => "SYS",
+            Class::Hint => "HINT",
         }
     }
 
@@ -45,6 +48,7 @@ impl Class {
             Class::Phb => "through the PCIe host bridge (same root bus)",
             Class::Node => "across host bridges within one NUMA node",
             Class::Sys => "across the socket link (other NUMA node)",
+            Class::Hint => "named for this GPU by the hint file",
         }
     }
 }
@@ -298,12 +302,15 @@ pub struct Topology {
     pub nodes: BTreeMap<i32, Vec<usize>>,
     /// Where the CUDA view came from.
     pub cuda_source: String,
+    /// The hint file's pairs: GPU (bus id or UUID) -> NICs (netdev, RDMA name or PCI address).
+    pub hints: Vec<(String, Vec<String>)>,
 }
 
 impl Topology {
     /// Reads `root` (a sysfs tree); `gpus`: a `--gpus`-style file (JSON list of {ordinal, uuid,
-    /// pci_bus_id} or nvidia-smi's CSV), else nvidia-smi on the live /sys, else PCI order.
-    pub fn load(root: &Path, gpus: Option<&Path>) -> Result<Topology, String> {
+    /// pci_bus_id} or nvidia-smi's CSV), else nvidia-smi on the live /sys, else PCI order;
+    /// `hints`: a `--hints` file (JSON {"<gpu bus id or UUID>": ["<nic>", ...]}).
+    pub fn load(root: &Path, gpus: Option<&Path>, hints: Option<&Path>) -> Result<Topology, String> {
         let bus = root.join("bus/pci/devices");
         if !bus.is_dir() {
             return Err(format!("{}: no bus/pci/devices under it (expected a sysfs tree like /sys)", root.display()));
@@ -328,7 +335,11 @@ impl Topology {
                 .collect(),
         };
         out.sort_by_key(|g| g.ordinal);
-        Ok(Topology { gpus: out, nics, nodes, cuda_source })
+        let hints = match hints {
+            Some(h) => load_hints(h)?,
+            None => Vec::new(),
+        };
+        Ok(Topology { gpus: out, nics, nodes, cuda_source, hints })
     }
 
     /// The PCI bus id of this process's CUDA ordinal `k`: through `visible`
@@ -341,6 +352,12 @@ impl Topology {
         if e.bytes().all(|b| b.is_ascii_digit()) {
             return by_ordinal(e.parse().ok()?);
         }
+        self.bus_of_key(e)
+    }
+
+    /// The bus id a GPU UUID (prefix) or PCI bus id names.
+    fn bus_of_key(&self, e: &str) -> Option<String> {
+        let e = e.trim();
         if e.to_ascii_uppercase().starts_with("GPU-") {
             let want = e.to_ascii_lowercase();
             let hits: Vec<&Gpu> =
@@ -434,6 +451,21 @@ fn load_nodes(r: &Path) -> BTreeMap<i32, Vec<usize>> {
         }
     }
     nodes
+}
+
+fn load_hints(file: &Path) -> Result<Vec<(String, Vec<String>)>, String> {
+    let what = format!("hints file {}", file.display());
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{what}: {e}"))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{what}: bad JSON: {e}"))?;
+    let bad = || format!("{what}: expected a JSON object {{\"<gpu pci bus id>\": [\"<nic name or pci address>\", ...]}}");
+    let obj = v.as_object().ok_or_else(bad)?;
+    obj.iter()
+        .map(|(k, v)| {
+            let names =
+                v.as_array().ok_or_else(bad)?.iter().map(|x| x.as_str().map(str::to_string).ok_or_else(bad)).collect::<Result<_, _>>()?;
+            Ok((k.clone(), names))
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -594,10 +626,39 @@ impl Topology {
             plan.gpus.insert(g.pci.bdf.clone(), tiers);
         }
         self.split_shared(&mut plan.gpus);
+        for g in &self.gpus {
+            let (Some(h), Some(t)) = (self.hint_tier(g, &cands), plan.gpus.get_mut(&g.pci.bdf)) else { continue };
+            let keep: Vec<usize> = h.nics.iter().map(|c| c.nic).collect();
+            let rest: Vec<Tier> = t
+                .drain(..)
+                .map(|mut t| {
+                    t.nics.retain(|c| !keep.contains(&c.nic));
+                    t
+                })
+                .filter(|t| !t.nics.is_empty())
+                .collect();
+            *t = std::iter::once(h).chain(rest).collect();
+        }
         for &node in self.nodes.keys() {
             plan.numa.insert(node, tiers(&self.nics, &cands, |n| self.numa_class(node, n)));
         }
         plan
+    }
+
+    /// The hint file's tier for `g` (the last key naming it), its NICs among the candidates.
+    fn hint_tier(&self, g: &Gpu, cands: &[usize]) -> Option<Tier> {
+        let names = self.hints.iter().rev().find(|(k, _)| self.bus_of_key(k).as_deref() == Some(g.pci.bdf.as_str()))?;
+        let mut chosen = Vec::new();
+        for want in &names.1 {
+            for &i in cands {
+                let n = &self.nics[i];
+                let same_bdf = normalize_bus_id(want).as_deref() == Some(n.pci.bdf.as_str());
+                if n.netdev.as_deref() == Some(want.as_str()) || n.rdma.as_deref() == Some(want.as_str()) || same_bdf {
+                    chosen.push(Choice { nic: i, reason: Class::Hint.why().to_string() });
+                }
+            }
+        }
+        (!chosen.is_empty()).then_some(Tier { cls: Class::Hint, nics: chosen })
     }
 
     /// Why NIC `n` is out by kind (None: it is not); `down_ok` lets a port that is not ACTIVE in.
