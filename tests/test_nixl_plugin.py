@@ -546,4 +546,4 @@ def test_vram_of_gpu0_leaves_over_its_near_rails_only(tmp_path: Path, plugin_dir
     # basic: two READs and one WRITE of `size` from GPU 0 (plus handshakes and notifications)
     assert sum(near) >= 3 * size and min(near) > size // 8, moved
     assert far < 256 << 10, f"the far rail carried GPU 0's bytes: {moved}"
-    assert moved["none"][2] > size // 2, f"affinity=none should stripe over every rail: {moved}"
+    assert moved["none"][2] > size // 4, f"affinity=none should stripe over every rail: {moved}"
