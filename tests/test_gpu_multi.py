@@ -312,24 +312,26 @@ def test_no_context_is_made_on_gpu0_from_a_thread_without_one() -> None:
     assert got["current"] is None, got
 
 
-def test_a_persistent_staging_error_fails_the_transfer_not_the_rails(standin_pair: Any) -> None:
-    """Every staging copy on the GPU fails (a broken device, a sticky error): the GPU WRITE fails
-    promptly with the CUDA error, the rails stay up (a device error is not a network error: no
-    rail goes down, is probed and readmitted, no chunk is reissued), and a host-memory WRITE to
-    the same peer posted at the same time completes with its bytes (docs/gpu.md, "Device
-    errors")."""
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_persistent_staging_error_fails_the_transfer_not_the_rails(standin_pair: Any, op: str) -> None:
+    """Every staging copy on the GPU fails (a broken device, a sticky error): the GPU WRITE from
+    it, or the READ into it, fails promptly with the CUDA error, the rails stay up (a device
+    error is not a network error: no rail goes down, is probed and readmitted, no chunk is
+    reissued), and a host-memory transfer to the same peer posted at the same time completes
+    with its bytes (docs/gpu.md, "Device errors"). A READ's payload that the error cut short is
+    read and dropped, so its connection stays in step."""
     t, i = standin_pair
     dev, n = 25, 4 * MiB
-    remote, host_remote = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    remote, host_remote = pattern(n, 5), np.zeros(n, np.uint8)
     t.register_memory(remote)
     t.register_memory(host_remote)
-    src = DeviceBuffer(n, device=dev, kind=SI)
-    src.copy_from_host(pattern(n, 9))
+    buf = DeviceBuffer(n, device=dev, kind=SI)
+    buf.copy_from_host(pattern(n, 9))
     hsrc = pattern(n, 11)
-    i.register_memory(src)
+    i.register_memory(buf)
     i.register_memory(hsrc)
     i.fetch_remote_metadata("target", "127.0.0.1", t.port)
-    hg = i.initialize_xfer("WRITE", [src], [remote], "target")
+    hg = i.initialize_xfer(op, [buf], [remote], "target")
     hh = i.initialize_xfer("WRITE", [hsrc], [host_remote], "target")
     gpu.standin_fail("copy", device=dev, persistent=True)
     raised = None
@@ -352,11 +354,59 @@ def test_a_persistent_staging_error_fails_the_transfer_not_the_rails(standin_pai
     assert np.array_equal(host_remote, hsrc)
     rails = i.rail_stats("target")
     assert all(r["up"] and r["times_down"] == 0 and r["reissued"] == 0 for r in rails), rails
-    # The connection that carried the broken stream is still in step: the next GPU WRITE works.
-    h2 = i.initialize_xfer("WRITE", [src], [remote], "target")
+    # The connection that carried the broken stream is still in step: the same transfer works.
+    h2 = i.initialize_xfer(op, [buf], [remote], "target")
     i.transfer_sync(h2, 30)
     i.release_xfer_handle(h2)
-    assert np.array_equal(remote, src.to_host())
+    assert np.array_equal(remote, buf.to_host())
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_persistent_staging_error_on_the_target_fails_the_transfer_not_the_rails(standin_pair: Any, op: str) -> None:
+    """Every staging copy on the target's GPU fails: a WRITE into its GPU region (H2D there) or a
+    READ of it (D2H there) fails promptly with the target's error, the rails stay up, a
+    host-memory transfer to the same peer completes, and once the device works again the same
+    connection serves the same transfer (the target read and dropped the rest of the WRITE's
+    payload, and answered a READ that had not begun with the error: the stream stayed in step)."""
+    t, i = standin_pair
+    dev, n = 26, 4 * MiB
+    region = DeviceBuffer(n, device=dev, kind=SI)
+    region.copy_from_host(pattern(n, 3))
+    host_remote = np.zeros(n, np.uint8)
+    t.register_memory(region)
+    t.register_memory(host_remote)
+    local, hsrc = pattern(n, 7), pattern(n, 11)
+    i.register_memory(local)
+    i.register_memory(hsrc)
+    i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+    hg = i.initialize_xfer(op, [local], [region], "target")
+    hh = i.initialize_xfer("WRITE", [hsrc], [host_remote], "target")
+    gpu.standin_fail("copy", device=dev, persistent=True)
+    raised = None
+    try:
+        t0 = time.monotonic()
+        i.transfer(hg)
+        i.transfer(hh)
+        try:
+            i.wait(hg, 30)
+        except Exception as e:  # noqa: BLE001 - checked below
+            raised = e
+        took = time.monotonic() - t0
+        i.wait(hh, 30)
+    finally:
+        gpu.standin_fail("copy", 0, dev)
+        i.release_xfer_handle(hg)
+        i.release_xfer_handle(hh)
+    assert isinstance(raised, errors.MultirailError), raised
+    assert "GPU staging failed on the target" in str(raised) and "cudaMemcpyAsync" in str(raised), raised
+    assert took < 10, took
+    assert np.array_equal(host_remote, hsrc)
+    rails = i.rail_stats("target")
+    assert all(r["up"] and r["times_down"] == 0 and r["reissued"] == 0 for r in rails), rails
+    h2 = i.initialize_xfer(op, [local], [region], "target")
+    i.transfer_sync(h2, 30)
+    i.release_xfer_handle(h2)
+    assert np.array_equal(local, region.to_host())
 
 
 DESTROY = r"""

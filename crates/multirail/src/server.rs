@@ -50,6 +50,38 @@ fn staging_failed(e: StageError) -> WireError {
     }
 }
 
+/// A device error stopped a stream of staged READ answers after `sent` bytes (issue 35 defect
+/// 5). When it stopped between answers, those not begun are answered with the error and the
+/// connection serves on: the READs fail, not the rail. An answer cut short leaves the stream out
+/// of step: the connection ends then (a header already said Ok).
+fn unsent_reads_fail(
+    s: &mut TcpStream,
+    ctr: &ServedCounters,
+    segs: &[(u64, u64, u64)],
+    sent: u64,
+    m: &str,
+    tick: &mut dyn FnMut(bool) -> Result<(), String>,
+) -> Result<(), WireError> {
+    let mut at = 0u64;
+    let mut unsent = Vec::new();
+    for &(id, wire_len, payload) in segs {
+        if sent > at && sent < at + wire_len {
+            return Err(staging_failed(StageError::Device(m.to_string())));
+        }
+        if sent <= at {
+            unsent.push((id, payload));
+        }
+        at += wire_len;
+    }
+    let msg = format!("GPU staging failed on the target: {m}");
+    for (id, payload) in unsent {
+        ctr.bytes_read.fetch_sub(payload.min(ctr.bytes_read.load(Ordering::Relaxed)), Ordering::Relaxed);
+        ctr.refuse(Status::Internal);
+        wire::send(s, &Body::Resp { status: Status::Internal, bulk_len: 0, msg: msg.clone() }, id, tick)?;
+    }
+    Ok(())
+}
+
 /// State shared between the agent handle, its listeners and its connection threads.
 pub struct Shared {
     pub ctx: Arc<Ctx>,
@@ -893,8 +925,24 @@ impl<'a> Conn<'a> {
         // `region.dev`, registered read-write; `pending` holds the region until the segment has
         // landed, and the fence lock stays held until then.
         let r = unsafe { stage.recv_segment_notify(region.dev, dst, req, &mut inp, Some(&mut landed)) };
-        if r.is_err() || answer_err.is_some() {
-            return Err(hang_up()); // the stream is out of step; the initiator reissues on another path
+        let got = inp.received();
+        match r {
+            _ if answer_err.is_some() => return Err(hang_up()),
+            Ok(()) => {}
+            // A device error (issue 35 defect 5): the rest of the payload is read and dropped, so
+            // the stream stays in step; this WRITE and those still landing (their copies were
+            // dropped) are answered with the error, and the connection serves on.
+            Err(StageError::Device(m)) => {
+                inb.discard(s, len - got.min(len), tick)?;
+                let mut t = request_tick(sh, me, timeout);
+                lock.pending.fail_all(&m, w, ctr, &mut t)?;
+                lock.settle();
+                ctr.refuse(Status::Internal);
+                let msg = format!("GPU staging failed on the target: {m}");
+                return wire::send(w, &Body::Resp { status: Status::Internal, bulk_len: 0, msg }, req, &mut t);
+            }
+            // The stream is out of step; the initiator reissues on another path.
+            Err(StageError::Wire(_)) => return Err(hang_up()),
         }
         self.lock.push(req, len, region);
         self.flush_writes(false, tick)
@@ -966,6 +1014,8 @@ impl<'a> Conn<'a> {
         let (sh, me, fd): (&Shared, &Served, _) = (sh, me, *fd);
         let dev = region.dev;
         let mut held_regions = vec![region];
+        // Each answer's (request id, bytes on the wire, payload bytes), in stream order.
+        let mut segs: Vec<(u64, u64, u64)> = vec![(first.1, first.2.len() as u64 + first.0.len(), first.0.len())];
         let mut more = || {
             if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
                 return None;
@@ -993,12 +1043,20 @@ impl<'a> Conn<'a> {
             ctr.requests_read.fetch_add(1, Ordering::Relaxed);
             let hdr2 = Body::Resp { status: Status::Ok, bulk_len: src.len(), msg: String::new() }.encode(h2.req_id);
             held_regions.push(r2);
+            segs.push((h2.req_id, hdr2.len() as u64 + src.len(), src.len()));
             Some((src, h2.req_id, hdr2))
         };
         let mut out = SockOut::new(s, tick);
         // SAFETY: check_remote / check_vec proved each range lies in its region (GPU memory of
         // `dev`), held registered in `held_regions` until this returns.
-        unsafe { stage.send_stream(dev, first, &mut out, &mut more) }.map_err(staging_failed)
+        let r = unsafe { stage.send_stream(dev, first, &mut out, &mut more) };
+        let sent = out.sent;
+        drop(out);
+        match r {
+            Ok(()) => Ok(()),
+            Err(StageError::Device(m)) => unsent_reads_fail(s, ctr, &segs, sent, &m, tick),
+            Err(e) => Err(staging_failed(e)),
+        }
     }
 
     /// WriteReq into host memory (GPU ones were staged by `write_gpu`), or of no bytes.
@@ -1158,12 +1216,40 @@ impl PendingWrites {
         } else {
             stage.recv_done(dev, &mut self.tags)
         };
+        if let Err(StageError::Device(m)) = r {
+            // Their bytes are off the wire (the stream is in step): a device error fails these
+            // WRITEs, not the connection (issue 35 defect 5); the landed ones are answered first.
+            stage.abandon();
+            let tags = std::mem::take(&mut self.tags);
+            for &tag in &tags {
+                self.answer(tag, s, ctr, tick)?;
+            }
+            return self.fail_all(&m, s, ctr, tick);
+        }
         r.map_err(staging_failed)?;
         let tags = std::mem::take(&mut self.tags);
         for &tag in &tags {
             self.answer(tag, s, ctr, tick)?;
         }
         self.tags = tags;
+        Ok(())
+    }
+
+    /// Answers every pending WRITE with the device error `m` that dropped its copies (in order;
+    /// none is left pending after).
+    fn fail_all(
+        &mut self,
+        m: &str,
+        s: &mut TcpStream,
+        ctr: &ServedCounters,
+        tick: &mut dyn FnMut(bool) -> Result<(), String>,
+    ) -> Result<(), WireError> {
+        self.dev = None;
+        let msg = format!("GPU staging failed on the target: {m}");
+        while let Some((req_id, _, _region)) = self.q.pop_front() {
+            ctr.refuse(Status::Internal);
+            wire::send(s, &Body::Resp { status: Status::Internal, bulk_len: 0, msg: msg.clone() }, req_id, tick)?;
+        }
         Ok(())
     }
 

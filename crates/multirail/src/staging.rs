@@ -244,11 +244,18 @@ pub struct SockIn<'a> {
     pub inb: &'a mut Inbound,
     pub tick: Tick<'a>,
     err: Option<WireError>,
+    /// Bytes received so far (what is left of a payload a device error cut short is known).
+    got: u64,
 }
 
 impl<'a> SockIn<'a> {
     pub fn new(s: &'a mut TcpStream, inb: &'a mut Inbound, tick: Tick<'a>) -> Self {
-        SockIn { s, inb, tick, err: None }
+        SockIn { s, inb, tick, err: None, got: 0 }
+    }
+
+    /// Bytes received through this wire so far.
+    pub fn received(&self) -> u64 {
+        self.got
     }
 }
 
@@ -261,7 +268,9 @@ impl Wire for SockIn<'_> {
             let m = e.to_string();
             self.err = Some(e);
             std::io::Error::other(m)
-        })
+        })?;
+        self.got += buf.len() as u64;
+        Ok(())
     }
 }
 

@@ -1220,6 +1220,19 @@ fn read_one(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Option<I
     landed.and(r)
 }
 
+/// Fails the READs of `landing` into GPU `dev` (None: every GPU) whose staging copies a device
+/// error dropped (their bytes were off the wire, so the connection stays in step): their
+/// transfers fail with the error; the rails stay up.
+fn fail_landing(link: &dyn Host, c: &Conn, landing: &mut std::collections::VecDeque<(Sent, u32)>, dev: Option<u32>, m: &str) {
+    let (gone, keep): (Vec<_>, Vec<_>) = landing.drain(..).partition(|l| dev.is_none_or(|d| d == l.1));
+    landing.extend(keep);
+    for (sent, d) in gone {
+        sent.xfer.set_cause(Error::Gpu(format!("staging on GPU {d}: {m}")));
+        let msg = format!("GPU staging failed on GPU {d}: {m}");
+        link.chunk_done(c.rail, sent.chunk.id, &sent.xfer, sent.chunk.piece.len, Err((Status::Internal, msg)));
+    }
+}
+
 /// Completes the landed READs of `rx.landing`, in order (`wait`: all of them).
 fn land(link: &dyn Host, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> {
     if rx.landing.is_empty() {
@@ -1236,11 +1249,22 @@ fn land(link: &dyn Host, c: &Conn, rx: &mut Rx, wait: bool) -> Result<(), Stop> 
         } else {
             rx.stage.recv_done(dev, &mut done)
         };
-        if let Err(e) = r {
-            rx.stage.abandon();
-            rx.landing.clear();
-            rx.landed_early.clear();
-            return Err(Stop::Failed(e.to_string()));
+        match r {
+            Ok(()) => {}
+            // Every byte of these READs is off the wire: the stream is in step, so a device
+            // error is their transfers' failure, not the rail's (issue 35 defect 5).
+            Err(StageError::Device(m)) => {
+                rx.stage.abandon();
+                rx.landed_early.clear();
+                fail_landing(link, c, &mut rx.landing, None, &m);
+                return Ok(());
+            }
+            Err(e) => {
+                rx.stage.abandon();
+                rx.landing.clear();
+                rx.landed_early.clear();
+                return Err(Stop::Failed(e.to_string()));
+            }
         }
     }
     while let Some((sent, _)) = rx.landing.front() {
@@ -1304,6 +1328,9 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
     // A READ into GPU memory that is off the wire, its copies maybe still running: completed
     // by `land` once they are done.
     let mut deferred: Option<u32> = None;
+    // Payload bytes a failed staged READ had taken off the wire, and its device error.
+    let mut got = 0u64;
+    let mut device_err: Option<String> = None;
     if let (Some((p, vec, Op::Read, dev)), Body::Resp { status: Status::Ok, bulk_len, .. }) = (next, &body) {
         if *bulk_len == p.len {
             let r = match dev {
@@ -1333,12 +1360,23 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
                         }
                     };
                     let dst = local_src(&p, vec.as_deref());
-                    unsafe { stage.recv_segment_notify(dev, dst, h.req_id, &mut SockIn::new(s, inb, &mut tick), Some(&mut landed)) }
+                    let mut inp = SockIn::new(s, inb, &mut tick);
+                    let r = unsafe { stage.recv_segment_notify(dev, dst, h.req_id, &mut inp, Some(&mut landed)) };
+                    got = inp.received();
+                    r
                 }
             };
             match r {
                 Ok(()) => landed = true,
                 Err(StageError::Wire(e)) => return Err(failed(e, &mut stop)),
+                // A device error cut the payload short: the rest is read and dropped, so the
+                // stream stays in step, and the READ fails with the error (issue 35 defect 5).
+                Err(StageError::Device(m)) if deferred.is_some() => {
+                    if let Err(e) = inb.discard(s, p.len - got.min(p.len), &mut tick) {
+                        return Err(failed(e, &mut stop));
+                    }
+                    device_err = Some(m);
+                }
                 Err(e) => return Err(Stop::Failed(e.to_string())),
             }
         }
@@ -1357,6 +1395,14 @@ fn read_response(link: &dyn Host, c: &Arc<Conn>, rx: &mut Rx, caller: Option<Opt
         return proto(format!("protocol error: response to request {} while {} was next", h.req_id, sent.req_id));
     }
     let ok = status == Status::Ok;
+    if let (Some(m), Some(dev)) = (device_err, deferred) {
+        // The pipeline dropped every segment of this GPU (the READs still landing on it too).
+        c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+        landed_early.clear();
+        landing.push_back((sent, dev));
+        fail_landing(link, c, landing, Some(dev), &m);
+        return Ok(());
+    }
     if ok && sent.xfer.op == Op::Read && !landed {
         return proto(format!("protocol error: READ of {} bytes answered with {bulk_len}", sent.chunk.piece.len));
     } else if (!ok || sent.xfer.op == Op::Write) && bulk_len != 0 {
