@@ -172,6 +172,9 @@ pub fn settings(params: &HashMap<String, String>, env: &dyn Fn(&str) -> Option<S
     // A blip is not a disconnect: NIXL answers NIXL_ERR_REMOTE_DISCONNECT by dropping the
     // peer's metadata, so transfers wait up to `timeout` for a rail to come back.
     cfg.hold_when_down = true;
+    // No network I/O on the caller's thread (vLLM calls prepXfer, postXfer and genNotif on its
+    // engine step loop): peers are dialled by their own threads (docs/nixl-plugin.md).
+    cfg.background_connect = true;
     cfg.planner.stall_timeout = Duration::from_secs_f64(parse_f64("stall_timeout", &get("stall_timeout"))?);
     cfg.staging.gpu = {
         let g = get("gpu");

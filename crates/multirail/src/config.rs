@@ -184,6 +184,14 @@ pub struct Config {
     /// at once (`PeerLost`, "no rail left"). The NIXL backend sets it (a blip is not a
     /// disconnect: docs/nixl-plugin.md).
     pub hold_when_down: bool,
+    /// No network I/O on the threads that prepare, post and send notifications (the NIXL
+    /// backend sets it: vLLM calls those on its engine step loop). A peer is dialled by a
+    /// thread of its own (`peer::connect`), started by the first prepare; a post to a peer not
+    /// connected yet is queued there and fails (`Error::Timeout`) if no connection comes within
+    /// `timeout`; `send_notif` queues the notification and returns. False: those calls dial the
+    /// peer themselves when it is not connected (`prepare` fails at once for an unreachable
+    /// peer), and a post to a link whose every rail is down probes them first.
+    pub background_connect: bool,
 }
 
 /// How a target bounds what the peers of a rail have in flight towards it (`crate::fanin`).
@@ -259,6 +267,7 @@ impl Default for Config {
             vectored: true,
             fan_in_window: FanInWindow::Auto,
             hold_when_down: false,
+            background_connect: false,
         }
     }
 }

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::Status;
@@ -18,6 +19,9 @@ use crate::error::{Error, Result};
 use crate::link::{Link, PeerInfo};
 use crate::registry::Region;
 use crate::xfer::{Desc, Op, Poster, XferHandle, XferShared};
+
+mod connect;
+use connect::{Connector, Job};
 
 /// The link's per-rail and per-peer counters and reports, by their old paths.
 pub use crate::link::{PeerCounters, RailIo, RailIoSnapshot, RailReport};
@@ -61,6 +65,14 @@ pub struct Peer {
     pub(crate) ipc: crate::ipc::IpcPeer,
     /// Posts to this peer held by the GPU-order waiter, not yet submitted (`Poster::order_waiting`).
     order_waiting: std::sync::atomic::AtomicUsize,
+    /// This peer, for the threads it starts (set by `into_arc`).
+    me: Weak<Peer>,
+    /// What waits for a connection made in the background (`Config::background_connect`).
+    connector: Connector,
+    /// Held while dialing a link (one dial at a time; the link slots stay free meanwhile).
+    dial: Mutex<()>,
+    /// Set by `close`: no link is opened any more.
+    closed: AtomicBool,
 }
 
 impl Peer {
@@ -83,6 +95,28 @@ impl Peer {
             counters: Arc::new(PeerCounters::default()),
             ipc: crate::ipc::IpcPeer::default(),
             order_waiting: std::sync::atomic::AtomicUsize::new(0),
+            me: Weak::new(),
+            connector: Connector::default(),
+            dial: Mutex::new(()),
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// The peer as the agent's table holds it (it knows itself, for the threads it starts).
+    pub fn into_arc(self) -> Arc<Peer> {
+        Arc::new_cyclic(|me| Peer { me: me.clone(), ..self })
+    }
+
+    /// `Config::background_connect`: the calling threads never dial (`connect`).
+    fn background(&self) -> bool {
+        self.ctx.cfg.background_connect
+    }
+
+    /// Start connecting in the background, if not connected (`Config::background_connect`).
+    pub fn connect_soon(&self) -> Result<()> {
+        match self.live(false)? {
+            Some(_) => Ok(()),
+            None => self.connector.defer(self, Job::Connect),
         }
     }
 
@@ -126,24 +160,52 @@ impl Peer {
         }
     }
 
-    fn open_link(&self, slot: &Mutex<Option<Arc<Link>>>, all_tcp: bool) -> Result<Arc<Link>> {
-        let mut g = slot.lock().expect("peer lock");
-        // Checked under the lock that `close` takes: a link is never opened after the agent's
-        // close has passed this peer.
-        if self.ctx.closed.load(Ordering::SeqCst) {
+    /// The live link of `slot`, without dialing: None when there is none; the link's fatal
+    /// error (the peer restarted) when it has one.
+    fn live_in(&self, slot: &Mutex<Option<Arc<Link>>>) -> Result<Option<Arc<Link>>> {
+        let g = slot.lock().expect("peer lock");
+        if self.ctx.closed.load(Ordering::SeqCst) || self.closed.load(Ordering::SeqCst) {
             return Err(Error::PeerLost { peer: self.name.clone(), reason: "agent closed".into() });
         }
-        if let Some(l) = g.as_ref() {
-            if l.usable() {
-                let l = l.clone();
-                drop(g);
+        match g.as_ref() {
+            Some(l) if l.usable() => Ok(Some(l.clone())),
+            Some(l) => match l.fatal.lock().expect("link lock").clone() {
+                Some(e) => Err(e),
+                None => Ok(None),
+            },
+            None => Ok(None),
+        }
+    }
+
+    /// `live_in` of the main link, or with `gpu` of the tcp link for GPU memory.
+    fn live(&self, gpu: bool) -> Result<Option<Arc<Link>>> {
+        self.live_in(if gpu { &self.gpu_link } else { &self.link })
+    }
+
+    /// Dial the main link (or with `gpu` the GPU one) if it is not live: the background
+    /// connector's dial (`connect`).
+    fn connect_slot(&self, gpu: bool) -> Result<Arc<Link>> {
+        if gpu {
+            self.gpu_link()
+        } else {
+            self.link()
+        }
+    }
+
+    fn open_link(&self, slot: &Mutex<Option<Arc<Link>>>, all_tcp: bool) -> Result<Arc<Link>> {
+        if let Some(l) = self.live_in(slot)? {
+            // A link whose every rail is down is probed from here, unless no caller's thread
+            // may do network I/O (background probes readmit its rails: `Link::revive`).
+            if !self.background() {
                 l.revive()?;
-                return Ok(l);
             }
-            if let Some(e) = l.fatal.lock().expect("link lock").clone() {
-                return Err(e);
-            }
-            l.close();
+            return Ok(l);
+        }
+        // One dial at a time; the slot's lock is not held meanwhile, so that polls (`drive`),
+        // cancels and `close` never wait for a dial (up to `timeout` per rail).
+        let _one = self.dial.lock().expect("peer lock");
+        if let Some(l) = self.live_in(slot)? {
+            return Ok(l);
         }
         let info = PeerInfo {
             name: &self.name,
@@ -156,7 +218,19 @@ impl Peer {
             counters: &self.counters,
         };
         let l = Link::connect_with(&info, all_tcp)?;
-        *g = Some(l.clone());
+        let mut g = slot.lock().expect("peer lock");
+        // Checked under the lock that `close` takes: a link is never kept after the agent's (or
+        // this peer's) close has passed this peer.
+        if self.ctx.closed.load(Ordering::SeqCst) || self.closed.load(Ordering::SeqCst) {
+            drop(g);
+            l.close();
+            return Err(Error::PeerLost { peer: self.name.clone(), reason: "agent closed".into() });
+        }
+        let old = g.replace(l.clone());
+        drop(g);
+        if let Some(old) = old {
+            old.close();
+        }
         Ok(l)
     }
 
@@ -179,6 +253,13 @@ impl Peer {
         if x.ipc.is_some() {
             return self.ipc.submit(x);
         }
+        if self.background() {
+            // Not connected (yet, or any more): the connector posts it once a dial succeeds.
+            return match self.live(x.via_gpu_link)? {
+                Some(link) => link.submit(x, will_drive),
+                None => self.connector.defer(self, Job::Submit(x)),
+            };
+        }
         let link = if x.via_gpu_link { self.gpu_link()? } else { self.link()? };
         link.submit(x, will_drive)
     }
@@ -198,7 +279,14 @@ impl Peer {
         }
     }
 
+    /// Send a notification and wait for the peer's answer; with `Config::background_connect`
+    /// queue it for the connector and return at once (a failure is then reported on stderr).
     pub fn send_notif(&self, msg: &[u8]) -> Result<()> {
+        if self.background() {
+            // A peer the link already knows is gone (it restarted) is said at once.
+            self.live(false)?;
+            return self.connector.defer(self, Job::Notif(msg.to_vec()));
+        }
         let l = self.link()?;
         l.control_request(l.notif_body(msg.to_vec()))
     }
@@ -216,6 +304,8 @@ impl Peer {
     }
 
     pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.connector.close(Error::PeerLost { peer: self.name.clone(), reason: "peer closed (removed, replaced or agent closed)".into() });
         self.ipc.close();
         for slot in [&self.link, &self.gpu_link] {
             if let Some(l) = slot.lock().expect("peer lock").take() {
@@ -283,8 +373,7 @@ impl Peer {
         let Some(pairs) = pairs else {
             return self.prepare_checked(op, local, local_regions, remote, notif);
         };
-        // Connect now, so unreachable peers fail here rather than on the first post.
-        self.link()?;
+        self.connect_at_prepare()?;
         Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false)))
     }
 
@@ -354,8 +443,17 @@ impl Peer {
             return self.prepare(op, &expand(local), local_regions, &expand(remote), notif);
         }
         runs.retain(|r| r.bytes() > 0);
-        self.link()?;
+        self.connect_at_prepare()?;
         Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false)))
+    }
+
+    /// Connect now, so unreachable peers fail at prepare rather than on the first post; in the
+    /// background mode only start connecting.
+    fn connect_at_prepare(&self) -> Result<()> {
+        if self.background() {
+            return self.connect_soon();
+        }
+        self.link().map(|_| ())
     }
 
     /// `prepare` one check at a time, each over all rows, pairing without merging: the
@@ -399,6 +497,14 @@ impl Peer {
             l.has_ucx_rails() && l.caps().gpu != crate::transport::GpuPath::Direct
         };
         let pairs = self.pair(&local, &remote)?;
+        // Host memory needs no link to be prepared (`connect_at_prepare`); GPU memory needs
+        // its capabilities, so it is prepared on a link even in the background mode (dialed
+        // here if it is not up: prepare GPU transfers after a first connection).
+        if !gpu && self.background() {
+            self.connect_soon()?;
+            let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
+            return Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false)));
+        }
         let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.
         let all_remote_vram = !remote.is_empty()

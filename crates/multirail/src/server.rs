@@ -176,7 +176,7 @@ impl Shared {
                 }
                 _ => {}
             }
-            (g.insert(name.clone(), Arc::new(peer)), evicted)
+            (g.insert(name.clone(), peer.into_arc()), evicted)
         };
         for p in [old, evicted].into_iter().flatten() {
             p.close();

@@ -226,8 +226,9 @@ pub(crate) struct XferShared {
     /// one per local GPU device, that every engine access to local GPU memory waits for.
     gpu_order: Mutex<GpuOrder>,
     /// Held by the GPU-order waiter while it hands a post to the link, and by `release`:
-    /// a transfer released while its post waits for the application's stream never starts.
-    post_gate: Mutex<()>,
+    /// a transfer released while its post waits for the application's stream (or for a
+    /// connection: `peer::connect`) never starts.
+    pub(crate) post_gate: Mutex<()>,
     /// Posted by [`XferHandle::post_polled`]: its caller polls it to completion with
     /// [`XferHandle::progress`], so a poll that leaves its connection with responses still due
     /// does not wake the receiver for them (the next poll reads them; a receiver parked for
