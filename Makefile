@@ -7,7 +7,7 @@ CARGO_PROFILE ?= release
 # System tools the tests and tools use (Debian names). Installed by `make deps` when root.
 APT_PKGS := iproute2 iputils-ping procps iperf3 frr mptcpd netplan.io etcd-server g++
 
-.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check gpu-bundle vllm-check lint fuzz clean
+.PHONY: deps setup build demo test test-rust test-py test-gpu gpu-check gpu-bundle kernels kernels-check vllm-check lint fuzz clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -80,6 +80,15 @@ gpu-bundle: build
 	  | $(VPY) -c 'import json,sys; [print(m["executable"]) for m in map(json.loads, sys.stdin) if m.get("executable")]' \
 	  | xargs -I{} install -m 0755 {} .dev/gpu-tests/gpu
 	strip .dev/gpu-tests/gpu
+
+## kernels: rebuild crates/multirail-gpu/kernels/gather.fatbin (SASS sm_80/90/100/120 + the PTX of
+## gather.rs) with ptxas/fatbinary from pinned nvidia wheels (downloaded by pip; docs/gpu.md)
+kernels:
+	$(PY) crates/multirail-gpu/kernels/build.py
+
+## kernels-check: the checked-in fatbin is byte for byte what `make kernels` makes
+kernels-check:
+	$(PY) crates/multirail-gpu/kernels/build.py --check
 
 ## vllm-check: (root) vLLM's CPU build, prefill and decode in two testbed namespaces over 2 x 2 Gbit/s
 ## rails through NixlConnector with backends ["MULTIRAIL"] and only NIXL_PLUGIN_DIR set: outputs

@@ -6,8 +6,10 @@ Run on a GPU machine the moment one is lent: ``.venv/bin/python benchmarks/gpu_c
 status, time and output (the last ``--tail`` lines; the whole output goes to ``--logs``):
 
 1. ``nvidia-smi -L`` (when present) and a CUDA probe through the engine (``multirail.gpu.info``:
-   the device, its runtime): **no usable GPU ends the check with a failure** (exit 2), after the
-   host sections below, and says so at the top of the report, rather than pretend;
+   the device, its runtime, and which image of the gather kernel it loaded: ``SASS sm_90
+   (fatbin)``, ``PTX JIT ...``, docs/gpu.md "Kernel images"): **no usable GPU ends the check
+   with a failure** (exit 2), after the host sections below, and says so at the top of the
+   report, rather than pretend;
 2. ``make test-gpu``: the CUDA device-layer tests and the ``gpu``-marked Python tests;
 3. ``benchmarks/gpu_staging.py --gpu cuda --ipc``: VRAM vs DRAM, IPC vs the device's D2D copy,
    over loopback, and over a 2-rail testbed (2 rails vs 1; needs root);
@@ -111,7 +113,8 @@ def probe_gpu(c: Check) -> None:
     code = ("import json, multirail.gpu as g\n"
             "i = g.info(0, 'cuda')\n"
             "b = g.DeviceBuffer(1 << 20, kind='cuda'); b.free()\n"
-            "print(json.dumps(i))\n")
+            "print(json.dumps(i))\n"
+            "print('gather kernel image on cuda:0:', i.get('gather_kernel', 'not reported'))\n")
     s = c.run("CUDA probe (multirail.gpu.info, a 1 MiB cudaMalloc)", [str(VPY), "-c", code], 120)
     if s.rc != 0:
         last = [ln for ln in s.output.strip().splitlines() if ln.strip()]

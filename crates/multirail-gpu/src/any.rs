@@ -122,6 +122,15 @@ impl Gpu {
         map.keys().filter(|k| k.0 == kind).map(|k| k.1).collect()
     }
 
+    /// Which image of the gather kernel the device runs, or why none (CUDA only: None on the
+    /// stand-in, which copies without a kernel). Loads it on first call.
+    pub fn gather_kernel(&self) -> Option<std::result::Result<String, String>> {
+        match self {
+            Gpu::Cuda(c) => Some(c.gather_kernel()),
+            Gpu::StandIn(_) => None,
+        }
+    }
+
     /// The stand-in, when this is one (tests read its counters).
     pub fn as_standin(&self) -> Option<&StandIn> {
         match self {

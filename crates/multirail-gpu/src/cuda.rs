@@ -793,7 +793,7 @@ impl Cuda {
             return Err(why);
         }
         let ctx = self.ctx.ok_or("the gather kernel needs the driver API (libcuda.so.1 symbols missing)")?;
-        let f = crate::gather::function(ctx.0 as usize).inspect_err(|why| self.rt.kernel_failed.set(self.id, why))?;
+        let f = crate::gather::function(ctx.0 as usize).inspect_err(|why| self.rt.kernel_failed.set(self.id, why))?.f;
         let n = u32::try_from(copies.len()).map_err(|_| "more than 2^32 pieces".to_string())?;
         let bytes = copies.len() * 24;
         let mut t = stream.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -1018,6 +1018,18 @@ impl Cuda {
         // SAFETY: plain call with a valid ordinal.
         self.rt.check("cudaSetDevice", unsafe { (self.api().set_device)(self.id) })?;
         Ok(guard)
+    }
+
+    /// Which image of the gather kernel this device runs (`SASS sm_90 (fatbin)`, `PTX JIT ...`),
+    /// loading it now if it was not yet, or why the kernel is not used here (`crate::gather`).
+    pub fn gather_kernel(&self) -> std::result::Result<String, String> {
+        if let Some(why) = self.rt.kernel_failed.get(self.id) {
+            return Err(why);
+        }
+        let ctx = self.ctx.ok_or("the gather kernel needs the driver API (libcuda.so.1 symbols missing)")?;
+        let _on = self.enter().map_err(|e| e.to_string())?;
+        let loaded = crate::gather::function(ctx.0 as usize).inspect_err(|why| self.rt.kernel_failed.set(self.id, why))?;
+        Ok(loaded.image)
     }
 
     fn query_name(&self) -> Option<String> {

@@ -182,7 +182,7 @@ fn cuda_uuid_is_the_one_nvidia_smi_names() {
 
 /// Scattered page copies (KV pages in shuffled order, as CUDA IPC queues them), each way of
 /// queueing them (`MULTIRAIL_CUDA_COPY`): one `cudaMemcpyAsync` per copy, `cudaMemcpyBatchAsync`
-/// (12.8+), and the gather kernel (PTX, JIT-compiled here). Every byte lands where it belongs,
+/// (12.8+), and the gather kernel (from the fatbin: SASS or PTX JIT). Every byte lands where it belongs,
 /// also for pieces that are not 16-byte aligned (the kernel's byte path); the kernel and the
 /// batch take the ways asked for on a real GPU. Prints each way's rate.
 #[test]
@@ -335,4 +335,17 @@ fn cuda_pages_gathered_into_and_scattered_from_pinned_memory() {
             dev.free_pinned(pin).unwrap();
         }
     }
+}
+
+/// The gather kernel loads from the fatbin on a real GPU: SASS when the fatbin has the
+/// device's architecture (sm_80/90/100/120 and their later minors), the fatbin's PTX JIT
+/// otherwise; never the plain-PTX fallback or nothing (docs/gpu.md, "Kernel images").
+#[test]
+#[ignore = "needs a GPU: run with make test-gpu"]
+fn cuda_gather_kernel_loads_from_the_fatbin() {
+    let dev = gpu();
+    let image = dev.gather_kernel().expect("the gather kernel loads");
+    eprintln!("gather kernel on {}: {image}", dev.name());
+    assert!(image.ends_with("(fatbin)"), "{image}");
+    assert_eq!(dev.gather_kernel(), Ok(image), "loaded once, the same answer");
 }

@@ -220,7 +220,8 @@ pub fn gpu_standin(action: &str, device: i32, n: u64, stream: u64) -> PyResult<V
     }
 }
 
-/// {"kind", "device", "name"} and, on the stand-in, its allocation counters.
+/// {"kind", "device", "name"}; on CUDA "gather_kernel" (the image the device runs: `SASS sm_90
+/// (fatbin)`, `PTX JIT ...`, or `unusable: why`); on the stand-in its allocation counters.
 #[pyfunction]
 #[pyo3(signature = (device=0, kind=None))]
 pub fn gpu_info<'py>(py: Python<'py>, device: i32, kind: Option<&str>) -> PyResult<Bound<'py, PyDict>> {
@@ -233,6 +234,9 @@ pub fn gpu_info<'py>(py: Python<'py>, device: i32, kind: Option<&str>) -> PyResu
         d.set_item("device_allocs", s.device_allocs())?;
         d.set_item("pinned_allocs", s.pinned_allocs())?;
         d.set_item("live_allocs", s.live_allocs())?;
+    }
+    if let Some(k) = g.gather_kernel() {
+        d.set_item("gather_kernel", k.unwrap_or_else(|why| format!("unusable: {why}")))?;
     }
     d.set_item("idle_pool_bytes", multirail::staging::idle_pool_bytes())?;
     Ok(d)
