@@ -121,8 +121,13 @@ class AgentConfig:
     gpu: which device registers and stages GPU (VRAM) memory: "cuda" (libcudart loaded at run
     time) or "standin" (host memory posing as a GPU, copies on threads: CI and tests); default
     $MULTIRAIL_GPU, else "cuda". docs/gpu.md.
-    staging_buffers, staging_buffer_size: the pinned bounce pool that stages GPU memory over tcp
-    rails, per connection and direction (default 4 x 1 MiB), pinned once per process and reused.
+    staging_buffers, staging_buffer_size: the shape of a pinned bounce pool that stages GPU
+    memory over tcp rails (default 4 x 1 MiB): a connection borrows one per direction in use.
+    staging_pinned_max: the process-wide cap on pinned staging memory, in bytes (default
+    256 MiB, at least one pool per direction; the agent made last sets it for the process).
+    Registering a GPU region pins a pool per direction for each connection of this agent's
+    rails, within the cap; connections borrow idle pools, wait (within their timeout) when
+    none is free, and give them back without unpinning (docs/gpu.md, "The pinned budget").
     gpu_ipc: CUDA IPC between agents on one host (default True): a transfer whose remote side
     is the peer's GPU memory becomes one device copy into the peer's allocation, mapped with its
     IPC handle (which exposes the whole allocation holding the region to that authenticated
@@ -191,6 +196,7 @@ class AgentConfig:
     gpu: str | None = None
     staging_buffers: int = 4
     staging_buffer_size: int = 1 << 20
+    staging_pinned_max: int = 256 << 20
     gpu_ipc: bool = True
     vectored: bool = True
     fan_in_window: int | str = "auto"
@@ -678,7 +684,7 @@ class Agent:
             # The loader looks here last (after MULTIRAIL_UCX_LIB and a system UCX with
             # InfiniBand); under "auto" UCX is loaded only when a rail has an RDMA device.
             _offer_ucx_wheel()
-        self._core = _core.Agent(*args)
+        self._core = _core.Agent(*args, staging_pinned_max=int(cfg.staging_pinned_max))
         _warn_if_open(name, secret, cfg.host, rails)
         _LIVE.add(self)
         from multirail import affinity as _aff

@@ -32,7 +32,10 @@ from multirail.errors import InvalidArgumentError
 
 
 def info(device: int = 0, kind: str | None = None) -> dict:
-    """{"kind", "device", "name"} of a device (stand-in: plus its allocation counters)."""
+    """{"kind", "device", "name"} of a device (stand-in: plus its allocation counters
+    pinned_allocs, pinned_frees, device_allocs, live_allocs), and the process-wide pinned
+    staging budget: pinned_bytes (pools alive, never above pinned_max), pinned_max,
+    idle_pool_bytes, pinned_on_demand (pools pinned on the data path: docs/gpu.md)."""
     _offer_cuda_wheels()
     return dict(_core.gpu_info(device, kind))
 

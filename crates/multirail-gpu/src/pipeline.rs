@@ -510,6 +510,12 @@ impl<D: Device> Staged<D> {
         self.segs.len()
     }
 
+    /// Nothing queued, no copy issued and no wire operation pending: the pool may change hands
+    /// without waiting for anything.
+    pub fn is_idle(&self) -> bool {
+        self.segs.is_empty() && self.copies.is_empty() && self.wire_ops.is_empty()
+    }
+
     /// Waits until nothing runs on this side's stream and drops every queued segment (a stream
     /// cut short: once this returns no copy touches the segments' memory).
     pub fn abandon(&mut self) {

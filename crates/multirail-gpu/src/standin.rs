@@ -83,6 +83,8 @@ struct Inner {
     memfds: Mutex<BTreeMap<u64, i32>>,
     device_allocs: AtomicU64,
     pinned_allocs: AtomicU64,
+    /// Pinned buffers freed (`cudaFreeHost`) so far.
+    pinned_frees: AtomicU64,
     log: Arc<Mutex<Vec<CopyRecord>>>,
     /// Copies queued and not finished, over every stream of this device.
     in_flight: Arc<AtomicU64>,
@@ -305,6 +307,7 @@ impl StandIn {
                 memfds: Mutex::new(BTreeMap::new()),
                 device_allocs: AtomicU64::new(0),
                 pinned_allocs: AtomicU64::new(0),
+                pinned_frees: AtomicU64::new(0),
                 log: Arc::new(Mutex::new(Vec::new())),
                 in_flight: Arc::new(AtomicU64::new(0)),
                 default_stream: Mutex::new(None),
@@ -326,6 +329,12 @@ impl StandIn {
     /// Pinned allocations made so far: the bounce pool should account for all of them.
     pub fn pinned_allocs(&self) -> u64 {
         self.inner.pinned_allocs.load(Ordering::Relaxed)
+    }
+
+    /// Pinned buffers freed so far (`cudaFreeHost`): with [`StandIn::pinned_allocs`], what a
+    /// test checks to show that the data path neither pins nor unpins.
+    pub fn pinned_frees(&self) -> u64 {
+        self.inner.pinned_frees.load(Ordering::Relaxed)
     }
 
     /// Allocations not freed yet.
@@ -506,6 +515,7 @@ impl StandIn {
                     // the table, so unmapped once.
                     unsafe { unmap(addr, len, fd) };
                 } else {
+                    self.inner.pinned_frees.fetch_add(1, Ordering::Relaxed);
                     // SAFETY: allocated by alloc_raw with this size and alignment, removed from
                     // the table, so freed once.
                     unsafe { std::alloc::dealloc(addr as *mut u8, std::alloc::Layout::from_size_align_unchecked(len, ALIGN)) };
@@ -1067,6 +1077,7 @@ mod tests {
             dev.free_pinned(h).unwrap();
         }
         assert_eq!((dev.device_allocs(), dev.pinned_allocs(), dev.live_allocs()), (1, 1, 0));
+        assert_eq!(dev.pinned_frees(), 1);
     }
 
     #[test]

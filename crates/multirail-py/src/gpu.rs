@@ -233,12 +233,17 @@ pub fn gpu_info<'py>(py: Python<'py>, device: i32, kind: Option<&str>) -> PyResu
     if let Some(s) = g.as_standin() {
         d.set_item("device_allocs", s.device_allocs())?;
         d.set_item("pinned_allocs", s.pinned_allocs())?;
+        d.set_item("pinned_frees", s.pinned_frees())?;
         d.set_item("live_allocs", s.live_allocs())?;
     }
     if let Some(k) = g.gather_kernel() {
         d.set_item("gather_kernel", k.unwrap_or_else(|why| format!("unusable: {why}")))?;
     }
     d.set_item("idle_pool_bytes", multirail::staging::idle_pool_bytes())?;
+    // The process-wide pinned budget (docs/gpu.md, "The pinned budget").
+    d.set_item("pinned_bytes", multirail::staging::pinned_bytes())?;
+    d.set_item("pinned_max", multirail::staging::pinned_max())?;
+    d.set_item("pinned_on_demand", multirail::staging::pinned_on_demand())?;
     Ok(d)
 }
 

@@ -141,7 +141,7 @@ struct PyXfer(XferHandle);
 #[pymethods]
 impl PyAgent {
     #[new]
-    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0, accept_metaput=false, max_peers=multirail::config::DEFAULT_MAX_PEERS, max_connections=1024, max_handshakes=256))]
+    #[pyo3(signature = (name, host, port, connections, rails, rail_map, policy, chunk_size, stripe_threshold, timeout_s, stall_timeout_s, secret=None, progress="adaptive", spin_us=200.0, transport="tcp", faults="", gpu=None, staging_buffers=4, staging_buffer_size=1048576, gpu_ipc=true, rail_transports=Vec::new(), fallback_after=3, fallback_cooldown_s=5.0, fallback_max_switches=8, vectored=true, fan_in_window="auto", serve_spin_us=1000.0, accept_metaput=false, max_peers=multirail::config::DEFAULT_MAX_PEERS, max_connections=1024, max_handshakes=256, staging_pinned_max=multirail::staging::DEFAULT_PINNED_MAX))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -176,6 +176,7 @@ impl PyAgent {
         max_peers: usize,
         max_connections: usize,
         max_handshakes: usize,
+        staging_pinned_max: u64,
     ) -> PyResult<Self> {
         let mut cfg = Config { host: host.to_string(), port, connections, rail_map, secret, ..Config::default() };
         for (rname, addr, prefix_len, speed_mbps, mtu, numa, rdma_dev, bind_device) in rails {
@@ -230,6 +231,13 @@ impl PyAgent {
         }
         cfg.staging.pool = multirail_gpu::PoolConfig { buffers: staging_buffers, buffer_size: staging_buffer_size };
         cfg.staging.ipc = gpu_ipc;
+        if staging_pinned_max < 2 * cfg.staging.pool.bytes() {
+            return Err(PyValueError::new_err(format!(
+                "staging_pinned_max ({staging_pinned_max} bytes) must hold a staging pool per direction (2 x staging_buffers x staging_buffer_size = {} bytes)",
+                2 * cfg.staging.pool.bytes()
+            )));
+        }
+        cfg.staging.pinned_max = staging_pinned_max;
         cfg.vectored = vectored;
         cfg.accept_metaput = accept_metaput;
         if max_peers == 0 {

@@ -82,6 +82,8 @@ impl Agent {
             return Err(Error::InvalidArgument("connections must be 1..=64".into()));
         }
         let side = bind(&cfg.host, cfg.port)?;
+        // The process-wide pinned staging budget: the agent made last sets it (docs/gpu.md).
+        crate::staging::set_pinned_max(cfg.staging.pinned_max);
         let side_addr = side.local_addr().map_err(|e| Error::io("local_addr", e))?;
         let mut listeners = vec![side];
         let mut rails_meta = Vec::new();
@@ -223,7 +225,7 @@ impl Agent {
                     *per_node.entry(node).or_default() += cfg.connections.max(1);
                 }
                 for (node, n) in per_node {
-                    let _ = crate::staging::prewarm(cfg.staging, dev, n, node);
+                    let _ = crate::staging::prewarm(cfg.staging, dev, n, node, self.shared.ctx.incarnation);
                 }
             }
         }
@@ -467,6 +469,7 @@ impl Agent {
             return;
         }
         self.shared.notifs.close();
+        crate::staging::release(self.shared.ctx.incarnation);
         // Closed after the table's lock is released (as `remove_remote`).
         let peers: Vec<Arc<Peer>> = self.shared.peers.write().expect("peers lock").drain().map(|(_, p)| p).collect();
         for p in peers {

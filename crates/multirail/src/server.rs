@@ -354,6 +354,13 @@ impl ServedTable {
         g.by_key.entry((label.to_string(), listener)).or_default().clone()
     }
 
+    /// The CPUs local to the NIC of listener `listener`'s rail, from `topo` (empty: the side
+    /// channel, no topology set, or unknown).
+    pub fn rail_cpus(&self, listener: usize, topo: Option<&crate::ctx::RailTopo>) -> Vec<usize> {
+        let index = self.rails.get(listener).and_then(|r| r.index);
+        index.and_then(|i| topo?.cpus.get(i).cloned()).unwrap_or_default()
+    }
+
     /// Every (peer, rail) row, sorted by peer then listener.
     pub fn report(&self) -> Vec<ServedReport> {
         let rows: Vec<((String, usize), Arc<ServedCounters>)> =
@@ -591,7 +598,12 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // microsecond, and its spin after each of a request's per-layer notifications took ~100 us
     // of CPU apiece (~10% of a core in loopback kv at 8 KiB pages) from the data path's threads.
     let spins = role == Role::Data && sh.ctx.cfg.progress != Progress::Block;
-    Conn::new(sh, &me, ctr, &peer_name, &who, role, s).run(spins);
+    // Issue 34 item 3: a connection on a rail runs on that rail's NIC-local CPUs and stages
+    // through pools on the NIC's NUMA node, as the initiator's rail threads do (none known: as
+    // before).
+    let cpus = sh.served_stats.rail_cpus(listener, sh.ctx.topo.get());
+    crate::numa::pin_current_thread(&cpus);
+    Conn::new(sh, &me, ctr, &peer_name, &who, role, s, crate::numa::node_of_cpus(&cpus)).run(spins);
 }
 
 /// What a request handler returns; an error ends the connection (the stream is out of step, the
@@ -699,9 +711,20 @@ struct Conn<'a> {
 }
 
 impl<'a> Conn<'a> {
-    fn new(sh: &'a Shared, me: &'a Served, ctr: Arc<ServedCounters>, peer: &'a str, who: &'a str, role: Role, s: TcpStream) -> Self {
+    /// `node`: the NUMA node of the rail's NIC, where its staging pools should be (None: unknown).
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        sh: &'a Shared,
+        me: &'a Served,
+        ctr: Arc<ServedCounters>,
+        peer: &'a str,
+        who: &'a str,
+        role: Role,
+        s: TcpStream,
+        node: Option<i32>,
+    ) -> Self {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone(), None);
+        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone(), node);
         Conn {
             sh,
             me,
@@ -1405,6 +1428,22 @@ mod tests {
             ServedRail { name: "eth1".into(), index: Some(1) },
         ];
         ServedTable::new(rails, max_peers)
+    }
+
+    /// Issue 34 item 3, target side: a served connection's CPUs are those of its listener's
+    /// rail; the side channel, and an agent with no topology (no NUMA information), get none
+    /// (not pinned, pools placed as before).
+    #[test]
+    fn served_connections_take_their_rails_cpus() {
+        let t = table(3);
+        let topo = crate::ctx::RailTopo { tiers: Default::default(), cpus: vec![vec![0, 1], vec![2]] };
+        assert_eq!(t.rail_cpus(0, Some(&topo)), Vec::<usize>::new(), "side channel");
+        assert_eq!(t.rail_cpus(1, Some(&topo)), vec![0, 1]);
+        assert_eq!(t.rail_cpus(2, Some(&topo)), vec![2]);
+        assert_eq!(t.rail_cpus(3, Some(&topo)), Vec::<usize>::new(), "unknown listener");
+        assert_eq!(t.rail_cpus(1, None), Vec::<usize>::new(), "no topology");
+        let short = crate::ctx::RailTopo { tiers: Default::default(), cpus: vec![vec![0]] };
+        assert_eq!(t.rail_cpus(2, Some(&short)), Vec::<usize>::new(), "a rail with no CPUs listed");
     }
 
     #[test]

@@ -1,20 +1,34 @@
 //! GPU memory on byte-stream rails (issue 10): every connection that carries VRAM stages it
-//! through its own bounded pool of pinned bounce buffers, with `multirail-gpu`'s pipelined
-//! executor (D2H of piece k+1, the wire for piece k and the H2D of piece k-1 at once).
+//! through a bounded pool of pinned bounce buffers, with `multirail-gpu`'s pipelined executor
+//! (D2H of piece k+1, the wire for piece k and the H2D of piece k-1 at once).
 //!
-//! Pools are pinned once per process and reused ([`take_pool`] / [`prewarm`]): an agent pins the
-//! pools its rails will need when the first GPU region of a device is registered, a connection
-//! takes one per (device, direction) on its first VRAM chunk and gives it back when it closes,
-//! and the next connection takes the same buffers. So nothing is pinned mid-transfer, and
-//! nothing is unpinned when a connection drops (`cudaFreeHost` can wait for the whole device,
-//! the application's kernels included). Idle pools are kept up to [`MAX_IDLE_BYTES`] of pinned
-//! memory; beyond that a returned pool is freed. The totals of every connection on a rail
-//! (initiator side) or served connection (target side) add up in one [`StageStats`], which
-//! `rail_stats()` / `served_stats()` and the bench report.
+//! # The pinned budget (issue 35 defect 6, issue 33 item 5)
+//! Pinned memory is one process-wide budget of at most [`pinned_max`] bytes
+//! (`StagingConfig::pinned_max`, the agent's `staging_pinned_max`; the agent made last sets it
+//! for the process). Pools (`buffers x buffer_size`, of one device, with their stream and
+//! events) are pinned by [`prewarm`], which an agent calls when a GPU region is registered:
+//! per NUMA node of its rails' NICs, a pool per direction for each connection its rails open,
+//! as far as the budget allows. Connections *borrow* pools ([`Stagers`]): an idle pool of
+//! their device and direction, preferably of their NIC's node and their shape (so a connection
+//! may get fewer or smaller buffers than it is configured for). A connection keeps its pool between requests, but a pool it holds
+//! idle (no copy running, nothing queued) is taken back by a connection that waits for one, so
+//! an idle connection never starves a busy one. With no pool free, a connection waits, for as
+//! long as its request's tick allows (the transfer's timeout); if none comes back within
+//! [`GROW_AFTER`] and the budget has room, one more pool is pinned ([`pinned_on_demand`]
+//! counts these: a warm-up that covers the load makes none). Nothing is ever pinned beyond the
+//! budget, and nothing is unpinned on the data path: a connection that closes gives its pools
+//! back idle (`cudaFreeHost` can wait for the whole device, the application's kernels
+//! included); only a budget lowered below what is pinned frees pools, idle ones at once and
+//! lent ones when they come back.
+//!
+//! The totals of every connection on a rail (initiator side) or served connection (target
+//! side) add up in one [`StageStats`], which `rail_stats()` / `served_stats()` and the bench
+//! report.
 
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use multirail_gpu::{DevicePtr, Gpu, GpuKind, PipelineError, PoolConfig, Role, Src, StageTotal, Staged, Wire};
 
@@ -28,7 +42,13 @@ pub struct StagingConfig {
     /// Hand out (as a target) and use (as an initiator) CUDA IPC handles between agents on one
     /// host (crate::ipc).
     pub ipc: bool,
+    /// The process-wide cap on pinned staging memory, in bytes (module docs; at least a pool per
+    /// direction).
+    pub pinned_max: u64,
 }
+
+/// Default process-wide cap on pinned staging memory: 64 pools of the default shape.
+pub const DEFAULT_PINNED_MAX: u64 = 256 << 20;
 
 impl Default for StagingConfig {
     fn default() -> Self {
@@ -36,94 +56,315 @@ impl Default for StagingConfig {
         // never spans chunks, so larger buffers would only pin more), few enough copy launches
         // that their ~10 us each cost under 20 % of a 25 GB/s copy engine, and the pipeline runs
         // across chunks (no fill or drain at each). 4 MiB of pinned memory per pool.
-        StagingConfig { gpu: GpuKind::Cuda, pool: PoolConfig { buffers: 4, buffer_size: 1 << 20 }, ipc: true }
+        StagingConfig {
+            gpu: GpuKind::Cuda,
+            pool: PoolConfig { buffers: 4, buffer_size: 1 << 20 },
+            ipc: true,
+            pinned_max: DEFAULT_PINNED_MAX,
+        }
     }
 }
 
-/// Pinned bytes of idle pools kept for reuse, process-wide; a pool returned beyond it is freed.
-pub const MAX_IDLE_BYTES: u64 = 256 << 20;
+/// How long a connection waits for a pool to come back before the budget pins another (when
+/// it has room).
+pub const GROW_AFTER: Duration = Duration::from_millis(50);
 
-/// A pool waiting for its next connection: (device kind, device, direction, shape, the pool,
-/// the NUMA node its buffers were placed on).
-type IdlePool = (GpuKind, u32, Role, PoolConfig, Staged<Gpu>, Option<i32>);
+/// What tells pools apart: (device kind, device, direction, NUMA node of its buffers, shape).
+type Key = (GpuKind, u32, Role, Option<i32>, PoolConfig);
 
-fn idle() -> &'static Mutex<Vec<IdlePool>> {
-    static IDLE: OnceLock<Mutex<Vec<IdlePool>>> = OnceLock::new();
-    IDLE.get_or_init(|| Mutex::new(Vec::new()))
+/// A pinned pool and what it is.
+struct Pool {
+    key: Key,
+    st: Staged<Gpu>,
 }
 
-fn lock_idle() -> std::sync::MutexGuard<'static, Vec<IdlePool>> {
-    idle().lock().unwrap_or_else(PoisonError::into_inner)
+/// A connection's hold on a pool: the budget reaches it through a `Weak` to take it back while
+/// idle (the connection's stats lose its bytes then).
+struct Held {
+    pool: Pool,
+    stats: Arc<StageStats>,
+}
+
+type Slot = Mutex<Option<Held>>;
+
+/// The process-wide budget (module docs).
+struct Budget {
+    cap: u64,
+    /// Bytes of every pool alive: idle and lent.
+    pinned: u64,
+    /// The key of every pool alive (and of those being pinned).
+    alive: Vec<Key>,
+    idle: Vec<Pool>,
+    lent: Vec<Weak<Slot>>,
+    /// What each live agent's registrations asked the warm-up for: (agent, key, pools). The
+    /// warm-up of a key pins until the pools alive reach the sum over agents (within the cap).
+    claims: Vec<(u64, Key, usize)>,
+}
+
+struct Shared {
+    budget: Mutex<Budget>,
+    /// Signalled when a pool comes back or a holder's pool may have become idle.
+    returned: Condvar,
+    /// Connections waiting for a pool (read without the lock after every staged request).
+    waiting: AtomicUsize,
+    on_demand: AtomicU64,
+}
+
+fn shared() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| Shared {
+        budget: Mutex::new(Budget {
+            cap: DEFAULT_PINNED_MAX,
+            pinned: 0,
+            alive: Vec::new(),
+            idle: Vec::new(),
+            lent: Vec::new(),
+            claims: Vec::new(),
+        }),
+        returned: Condvar::new(),
+        waiting: AtomicUsize::new(0),
+        on_demand: AtomicU64::new(0),
+    })
+}
+
+fn lock_budget() -> MutexGuard<'static, Budget> {
+    shared().budget.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn lock_slot(s: &Slot) -> MutexGuard<'_, Option<Held>> {
+    s.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Budget {
+    /// Removes one pool of `key` from the live count (it is being freed or was never made).
+    fn forget(&mut self, key: &Key, bytes: u64) {
+        if let Some(i) = self.alive.iter().position(|k| k == key) {
+            self.alive.swap_remove(i);
+        }
+        self.pinned -= bytes;
+    }
+
+    /// Reserves room for one pool of `key` when the budget has it.
+    fn reserve(&mut self, key: Key) -> bool {
+        let bytes = key.4.bytes();
+        if self.pinned + bytes > self.cap {
+            return false;
+        }
+        self.pinned += bytes;
+        self.alive.push(key);
+        true
+    }
+
+    /// Idle pools beyond the cap, taken out to be freed (outside the lock).
+    fn over_cap(&mut self) -> Vec<Pool> {
+        let mut out = Vec::new();
+        while self.pinned > self.cap {
+            let Some(p) = self.idle.pop() else { break };
+            self.forget(&p.key, p.key.4.bytes());
+            out.push(p);
+        }
+        out
+    }
+}
+
+/// Sets the process-wide cap on pinned staging memory (module docs). Idle pools beyond it are
+/// freed now; lent ones when they come back.
+pub fn set_pinned_max(cap: u64) {
+    let freed = {
+        let mut b = lock_budget();
+        b.cap = cap;
+        b.over_cap()
+    };
+    drop(freed); // each waits for its stream, then frees its pinned buffers
+    shared().returned.notify_all();
+}
+
+/// The process-wide cap on pinned staging memory.
+pub fn pinned_max() -> u64 {
+    lock_budget().cap
+}
+
+/// Pinned bytes of every staging pool alive in this process (idle and lent): never above
+/// [`pinned_max`].
+pub fn pinned_bytes() -> u64 {
+    lock_budget().pinned
+}
+
+/// Pinned bytes held by idle pools (reported by `gpu.info` as `idle_pool_bytes`).
+pub fn idle_pool_bytes() -> u64 {
+    lock_budget().idle.iter().map(|p| p.st.pool_bytes()).sum()
+}
+
+/// Pools pinned on the data path (a connection found none free within [`GROW_AFTER`] and the
+/// budget had room): zero when the warm-up covers the load.
+pub fn pinned_on_demand() -> u64 {
+    shared().on_demand.load(Ordering::Relaxed)
 }
 
 /// A new pool whose pinned buffers come from `node` (the NUMA node of the rail's NIC, issue
 /// 34 item 3), not from whichever thread first needed them: the allocation runs under a
 /// thread policy preferring `node` (`cudaHostAlloc` touches and pins its pages at once), and
 /// each buffer's range then carries that policy itself (`numa::prefer_node`, for pages not
-/// yet touched). `None`: placed as before (first touch).
-fn new_pool(cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> Result<Staged<Gpu>, StageError> {
-    let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
-    let gpu = Gpu::open(cfg.gpu, id).map_err(|e| StageError::Device(e.to_string()))?;
-    let mut st =
-        crate::numa::with_preferred_node(node, || Staged::new(gpu, role, cfg.pool)).map_err(|e| StageError::Device(e.to_string()))?;
-    if let Some(n) = node {
-        for (p, len) in st.pinned_ranges() {
-            // Best effort: a mapping the kernel will not take a policy for (a driver's) keeps
-            // the placement the thread policy gave it.
-            crate::numa::prefer_node(p, len, n);
+/// yet touched). `None`: placed as before (first touch). Its room in the budget is reserved
+/// already; on failure it is given back.
+fn new_pool(key: Key) -> Result<Pool, StageError> {
+    let made = (|| {
+        let (kind, dev, role, node, shape) = key;
+        let id = i32::try_from(dev).map_err(|_| StageError::Device(format!("device id {dev} out of range")))?;
+        let gpu = Gpu::open(kind, id).map_err(|e| StageError::Device(e.to_string()))?;
+        let mut st =
+            crate::numa::with_preferred_node(node, || Staged::new(gpu, role, shape)).map_err(|e| StageError::Device(e.to_string()))?;
+        if let Some(n) = node {
+            for (p, len) in st.pinned_ranges() {
+                // Best effort: a mapping the kernel will not take a policy for (a driver's) keeps
+                // the placement the thread policy gave it.
+                crate::numa::prefer_node(p, len, n);
+            }
         }
+        st.keep_ops(false);
+        Ok(Pool { key, st })
+    })();
+    if made.is_err() {
+        lock_budget().forget(&key, key.4.bytes());
+        shared().returned.notify_all();
     }
-    st.keep_ops(false);
-    Ok(st)
+    made
 }
 
-fn fits(p: &IdlePool, cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> bool {
-    p.0 == cfg.gpu && p.1 == dev && p.2 == role && p.3 == cfg.pool && p.5 == node
+/// How well a pool of `have` suits a connection that wants `want`: None when it cannot serve
+/// it (another device or direction); more is better (the NIC's node first, then the shape).
+///
+/// Directions do not share pools: a sender holds its pool until the peer's receiver has taken
+/// its bytes, so senders holding every pool of a budget that receivers also draw from could
+/// each wait on a receiver that waits for a pool (two agents in one process, or two processes
+/// sending to each other). Receivers only ever wait for senders that hold a pool already.
+fn suits(have: &Key, want: &Key) -> Option<u8> {
+    (have.0 == want.0 && have.1 == want.1 && have.2 == want.2).then_some(2 * u8::from(have.3 == want.3) + u8::from(have.4 == want.4))
 }
 
-/// A pool for (`dev`, `role`) of `cfg`'s shape with its buffers on `node`: an idle one if
-/// there is one, else a new one.
-pub fn take_pool(cfg: StagingConfig, dev: u32, role: Role, node: Option<i32>) -> Result<Staged<Gpu>, StageError> {
-    {
-        let mut idle = lock_idle();
-        if let Some(i) = idle.iter().position(|p| fits(p, cfg, dev, role, node)) {
-            return Ok(idle.swap_remove(i).4);
-        }
-    }
-    new_pool(cfg, dev, role, node)
-}
-
-/// Gives a pool back for the next connection (idle: its last transfer has returned, so no
-/// copy runs on it), or frees it when [`MAX_IDLE_BYTES`] are idle already.
-fn give_pool(cfg: StagingConfig, dev: u32, role: Role, st: Staged<Gpu>, node: Option<i32>) {
-    let mut idle = lock_idle();
-    let held: u64 = idle.iter().map(|p| p.4.pool_bytes()).sum();
-    if held + st.pool_bytes() <= MAX_IDLE_BYTES {
-        idle.push((cfg.gpu, dev, role, cfg.pool, st, node));
+/// Gives a pool back to the budget (idle: no copy runs on it), or frees it when the budget is
+/// over its cap (it was lowered meanwhile).
+fn give_back(pool: Pool) {
+    let mut b = lock_budget();
+    if b.pinned > b.cap {
+        b.forget(&pool.key, pool.key.4.bytes());
+        drop(b);
+        drop(pool);
     } else {
-        drop(idle);
-        drop(st); // waits for its stream, then frees the pinned buffers
+        b.idle.push(pool);
+        drop(b);
+    }
+    shared().returned.notify_all();
+}
+
+/// The best pool for `want` that can be had without waiting: an idle one, or one a connection
+/// holds idle (taken back from it).
+fn take_ready(b: &mut Budget, want: &Key) -> Option<Pool> {
+    let best = b.idle.iter().enumerate().filter_map(|(i, p)| Some((suits(&p.key, want)?, i))).max();
+    if let Some((_, i)) = best {
+        return Some(b.idle.swap_remove(i));
+    }
+    b.lent.retain(|w| w.strong_count() > 0);
+    for w in &b.lent {
+        let Some(slot) = w.upgrade() else { continue };
+        // Busy (its connection is using it right now): not this one.
+        let Ok(mut g) = slot.try_lock() else { continue };
+        if g.as_ref().is_some_and(|h| suits(&h.pool.key, want).is_some() && h.pool.st.is_idle()) {
+            let h = g.take().expect("checked");
+            h.stats.pool_bytes.fetch_sub(h.pool.st.pool_bytes(), Ordering::Relaxed);
+            return Some(h.pool);
+        }
+    }
+    None
+}
+
+/// A pool for a connection that wants `want` in `role` (module docs): waits, calling `tick`
+/// between waits (its error ends the wait), while none is free.
+fn borrow(want: Key, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<Pool, StageError> {
+    let sh = shared();
+    let since = Instant::now();
+    let mut b = lock_budget();
+    loop {
+        if let Some(p) = take_ready(&mut b, &want) {
+            return Ok(p);
+        }
+        let of_device = b.alive.iter().any(|k| suits(k, &want).is_some());
+        // Pin one more when none of this device exists (no warm-up could pin one) or none came
+        // back in time, within the budget.
+        if (!of_device || since.elapsed() >= GROW_AFTER) && b.reserve(want) {
+            drop(b);
+            if of_device {
+                sh.on_demand.fetch_add(1, Ordering::Relaxed);
+            }
+            return new_pool(want);
+        }
+        if !of_device && b.cap < want.4.bytes() {
+            return Err(StageError::Device(format!(
+                "the pinned staging budget ({} bytes, staging_pinned_max) is smaller than one pool ({} bytes)",
+                b.cap,
+                want.4.bytes()
+            )));
+        }
+        if !of_device {
+            // The budget is full of other devices' (or the other direction's) pools: free an
+            // idle one to make room (a budget too small for every device in use).
+            if let Some(i) = b.idle.iter().position(|p| suits(&p.key, &want).is_none()) {
+                let p = b.idle.swap_remove(i);
+                b.forget(&p.key, p.key.4.bytes());
+                drop(b);
+                drop(p);
+                b = lock_budget();
+                continue;
+            }
+        }
+        sh.waiting.fetch_add(1, Ordering::AcqRel);
+        let (g, _) = sh.returned.wait_timeout(b, Duration::from_millis(10)).unwrap_or_else(PoisonError::into_inner);
+        sh.waiting.fetch_sub(1, Ordering::AcqRel);
+        drop(g);
+        tick(true).map_err(|r| StageError::Wire(WireError::GaveUp(r)))?;
+        b = lock_budget();
     }
 }
 
-/// Pins, ahead of the first transfer, `per_role` pools of each direction for device `dev`
-/// (those already idle count), so no transfer pins memory. Registration of the first GPU
-/// region of a device calls it per NUMA node of its rails' NICs (`node`) with the number of
-/// connections those rails open.
-pub fn prewarm(cfg: StagingConfig, dev: u32, per_role: usize, node: Option<i32>) -> Result<(), StageError> {
-    for role in [Role::Sender, Role::Receiver] {
-        let have = lock_idle().iter().filter(|p| fits(p, cfg, dev, role, node)).count();
-        for _ in have..per_role {
-            let st = new_pool(cfg, dev, role, node)?;
-            give_pool(cfg, dev, role, st, node);
+/// Pins, ahead of the first transfer, `per_role` pools of each direction for agent `owner`'s
+/// connections on device `dev`, with their buffers on `node`, the directions in turn, as far as
+/// the budget allows, so that no transfer pins memory. Agents add up: a key is warmed until
+/// the pools alive reach the sum of every live agent's claim on it ([`release`] drops an
+/// agent's claims); asking again is a no-op. Registration of a GPU region calls it per NUMA
+/// node of its rails' NICs (`node`) with the number of connections those rails open.
+pub fn prewarm(cfg: StagingConfig, dev: u32, per_role: usize, node: Option<i32>, owner: u64) -> Result<(), StageError> {
+    let keys = [Role::Sender, Role::Receiver].map(|role| (cfg.gpu, dev, role, node, cfg.pool));
+    let mut wanted = [0; 2];
+    {
+        let mut b = lock_budget();
+        for (w, key) in wanted.iter_mut().zip(keys) {
+            match b.claims.iter_mut().find(|c| c.0 == owner && c.1 == key) {
+                Some(c) => c.2 = per_role,
+                None => b.claims.push((owner, key, per_role)),
+            }
+            *w = b.claims.iter().filter(|c| c.1 == key).map(|c| c.2).sum();
+        }
+    }
+    for _ in 0..wanted.iter().copied().max().unwrap_or(0) {
+        for (key, want) in keys.iter().zip(wanted) {
+            {
+                let mut b = lock_budget();
+                if b.alive.iter().filter(|k| *k == key).count() >= want {
+                    continue;
+                }
+                if !b.reserve(*key) {
+                    return Ok(()); // the budget is spent
+                }
+            }
+            give_back(new_pool(*key)?);
         }
     }
     Ok(())
 }
 
-/// Pinned bytes held by idle pools (reported by `gpu.info` as `idle_pool_bytes`).
-pub fn idle_pool_bytes() -> u64 {
-    lock_idle().iter().map(|p| p.4.pool_bytes()).sum()
+/// Drops agent `owner`'s warm-up claims (it closed): its pools stay pinned, idle, for the next.
+pub fn release(owner: u64) {
+    lock_budget().claims.retain(|c| c.0 != owner);
 }
 
 /// Stage totals of a rail (or of a served peer and rail), all connections together.
@@ -140,8 +381,9 @@ pub struct StageStats {
     /// Segments (chunks, requests) that entered a pipeline still busy with the ones before
     /// them: no fill or drain at their boundary.
     pub overlapped: AtomicU64,
-    /// Pools taken by connections (each is `buffers x buffer_size` of pinned memory, taken
-    /// from the process's idle pools when one fits: [`take_pool`]).
+    /// Pools borrowed by connections (each is `buffers x buffer_size` of pinned memory, from the
+    /// process's budget: module docs). A connection borrows again after another connection
+    /// took back the pool it held idle.
     pub pools: AtomicU64,
 }
 
@@ -274,52 +516,91 @@ impl Wire for SockIn<'_> {
     }
 }
 
-/// The staging pools of one connection (module docs).
+/// The staging pools one connection has borrowed (module docs).
 pub struct Stagers {
     cfg: StagingConfig,
     stats: Arc<StageStats>,
-    /// The NUMA node of the rail's NIC, where this connection's pools are (None: unknown).
+    /// The NUMA node of the rail's NIC, where this connection's pools should be (None: unknown).
     node: Option<i32>,
-    /// (device, role) → that direction's pool on that device.
-    sides: Vec<(u32, Role, Staged<Gpu>)>,
+    /// (device, role) → that direction's pool on that device, while the budget has not taken it
+    /// back (an empty slot borrows again on next use).
+    sides: Vec<(u32, Role, Arc<Slot>)>,
 }
 
 impl std::fmt::Debug for Stagers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stagers").field("cfg", &self.cfg).field("pools", &self.sides.len()).finish()
+        f.debug_struct("Stagers").field("cfg", &self.cfg).field("sides", &self.sides.len()).finish()
+    }
+}
+
+/// Tells connections waiting for a pool that one held may have become idle.
+fn nudge_waiters() {
+    let sh = shared();
+    if sh.waiting.load(Ordering::Acquire) > 0 {
+        sh.returned.notify_all();
     }
 }
 
 impl Stagers {
-    /// `node`: the NUMA node of the rail's NIC, where the pools' buffers go (None: unknown).
+    /// `node`: the NUMA node of the rail's NIC, where the pools' buffers should be (None: unknown).
     pub fn new(cfg: StagingConfig, stats: Arc<StageStats>, node: Option<i32>) -> Stagers {
         Stagers { cfg, stats, node, sides: Vec::new() }
     }
 
-    /// Runs `f` on this connection's pool for (`dev`, `role`), made on first use, and adds what
-    /// it did to the rail's totals.
-    fn staged<T>(
+    /// This connection's slot for (`dev`, `role`), made on first use.
+    fn slot(&mut self, dev: u32, role: Role) -> Arc<Slot> {
+        if let Some((_, _, s)) = self.sides.iter().find(|(d, r, _)| *d == dev && *r == role) {
+            return s.clone();
+        }
+        let s = Arc::new(Mutex::new(None));
+        self.sides.push((dev, role, s.clone()));
+        s
+    }
+
+    /// Runs `f` on this connection's pool for (`dev`, `role`), borrowed from the budget when
+    /// the connection holds none (waiting, with the wire's tick, while none is free), and adds
+    /// what it did to the rail's totals.
+    fn staged<W: Ticks, T>(
         &mut self,
         dev: u32,
         role: Role,
-        f: impl FnOnce(&mut Staged<Gpu>) -> Result<T, PipelineError>,
+        w: &mut W,
+        f: impl FnOnce(&mut Staged<Gpu>, &mut W) -> Result<T, PipelineError>,
     ) -> Result<Result<T, PipelineError>, StageError> {
-        let Stagers { cfg, stats, node, sides } = self;
-        let i = match sides.iter().position(|(d, r, _)| *d == dev && *r == role) {
-            Some(i) => i,
-            None => {
-                let st = take_pool(*cfg, dev, role, *node)?;
-                stats.pool_bytes.fetch_add(st.pool_bytes(), Ordering::Relaxed);
-                stats.pools.fetch_add(1, Ordering::Relaxed);
-                sides.push((dev, role, st));
-                sides.len() - 1
+        let slot = self.slot(dev, role);
+        let mut g = lock_slot(&slot);
+        if g.is_none() {
+            drop(g);
+            let pool = borrow((self.cfg.gpu, dev, role, self.node, self.cfg.pool), w.tick())?;
+            self.stats.pool_bytes.fetch_add(pool.st.pool_bytes(), Ordering::Relaxed);
+            self.stats.pools.fetch_add(1, Ordering::Relaxed);
+            {
+                // Where a waiting connection can find it (once per slot).
+                let mut b = lock_budget();
+                if !b.lent.iter().any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&slot))) {
+                    b.lent.push(Arc::downgrade(&slot));
+                }
             }
-        };
-        let st = &mut sides[i].2;
+            g = lock_slot(&slot);
+            *g = Some(Held { pool, stats: self.stats.clone() });
+        }
+        let st = &mut g.as_mut().expect("filled above").pool.st;
         let before = st.totals();
-        let r = f(st);
-        stats.add(&before, &st.totals(), true);
+        let r = f(st, w);
+        self.stats.add(&before, &st.totals(), true);
+        drop(g);
+        nudge_waiters();
         Ok(r)
+    }
+
+    /// Runs `f` on the pool this connection holds for (`dev`, `role`), if it holds one.
+    fn with_side<T>(&mut self, dev: u32, role: Role, f: impl FnOnce(&mut Staged<Gpu>) -> T) -> Option<T> {
+        let (_, _, slot) = self.sides.iter().find(|(d, r, _)| *d == dev && *r == role)?;
+        let mut g = lock_slot(slot);
+        let r = g.as_mut().map(|h| f(&mut h.pool.st));
+        drop(g);
+        nudge_waiters();
+        r
     }
 
     /// Sends `len` bytes of device `dev`'s memory at `src` (D2H → wire).
@@ -328,7 +609,7 @@ impl Stagers {
     /// `src..src+len` is device memory of `dev`, registered and held for the call.
     pub unsafe fn send(&mut self, dev: u32, src: u64, len: u64, out: &mut SockOut<'_>) -> Result<(), StageError> {
         // SAFETY: the caller's contract.
-        let r = self.staged(dev, Role::Sender, |st| unsafe { st.send(DevicePtr(src), len, out) })?;
+        let r = self.staged(dev, Role::Sender, out, |st, out| unsafe { st.send(DevicePtr(src), len, out) })?;
         finish(r, &mut out.err)
     }
 
@@ -349,11 +630,17 @@ impl Stagers {
     ) -> Result<(), StageError> {
         // `staged` counts the first segment; each refilled one counts too.
         let segments = self.stats.clone();
-        let r = self.staged(dev, Role::Sender, |st| {
+        let r = self.staged(dev, Role::Sender, out, |st, out| {
             let current = first.1;
             // SAFETY: the caller's contract, for `first` and every refilled segment.
             unsafe { st.submit_src(first.0, first.1, Some(first.2))? };
             let mut more = || {
+                // Another connection waits for a pool: end this stream at a segment boundary, so
+                // this pool becomes idle and can be taken back (what `refill` would have given
+                // stays queued for the caller's next stream).
+                if shared().waiting.load(Ordering::Acquire) > 0 {
+                    return None;
+                }
                 let next = refill()?;
                 segments.chunks.fetch_add(1, Ordering::Relaxed);
                 segments.overlapped.fetch_add(1, Ordering::Relaxed);
@@ -401,7 +688,7 @@ impl Stagers {
         landed: Option<&mut dyn FnMut(u64)>,
     ) -> Result<(), StageError> {
         let stats = self.stats.clone();
-        let r = self.staged(dev, Role::Receiver, |st| {
+        let r = self.staged(dev, Role::Receiver, inp, |st, inp| {
             if st.queued() > 0 {
                 stats.overlapped.fetch_add(1, Ordering::Relaxed); // earlier ones still landing
             }
@@ -415,40 +702,46 @@ impl Stagers {
     /// Tags of received segments on `dev` whose copies have all completed, in order (no wait).
     pub fn recv_done(&mut self, dev: u32, out: &mut Vec<u64>) -> Result<(), StageError> {
         let stats = self.stats.clone();
-        let Some(st) = self.side(dev, Role::Receiver) else { return Ok(()) };
-        let before = st.totals();
-        let r = st.poll();
-        stats.add(&before, &st.totals(), false);
-        r.map_err(|e| StageError::Device(e.to_string()))?;
-        while let Some(t) = st.take_done() {
-            out.push(t);
-        }
-        Ok(())
+        let r = self.with_side(dev, Role::Receiver, |st| {
+            let before = st.totals();
+            let r = st.poll();
+            stats.add(&before, &st.totals(), false);
+            r.map_err(|e| StageError::Device(e.to_string()))?;
+            while let Some(t) = st.take_done() {
+                out.push(t);
+            }
+            Ok(())
+        });
+        r.unwrap_or(Ok(()))
     }
 
     /// Waits until every received segment on `dev` has landed; their tags, in order.
     pub fn recv_finish(&mut self, dev: u32, inp: &mut SockIn<'_>, out: &mut Vec<u64>) -> Result<(), StageError> {
         let stats = self.stats.clone();
-        let Some(st) = self.side(dev, Role::Receiver) else { return Ok(()) };
-        let before = st.totals();
-        let r = st.finish(inp);
-        stats.add(&before, &st.totals(), false);
-        while let Some(t) = st.take_done() {
-            out.push(t);
+        let r = self.with_side(dev, Role::Receiver, |st| {
+            let before = st.totals();
+            let r = st.finish(inp);
+            stats.add(&before, &st.totals(), false);
+            while let Some(t) = st.take_done() {
+                out.push(t);
+            }
+            r
+        });
+        match r {
+            Some(r) => finish(r, &mut inp.err),
+            None => Ok(()),
         }
-        finish(r, &mut inp.err)
     }
 
     /// Waits for every copy of every pool and drops what was queued (a connection that ends
     /// with segments in flight: once this returns, no copy touches the application's memory).
     pub fn abandon(&mut self) {
-        for (_, _, st) in &mut self.sides {
-            st.abandon();
+        for (_, _, slot) in &self.sides {
+            if let Some(h) = lock_slot(slot).as_mut() {
+                h.pool.st.abandon();
+            }
         }
-    }
-
-    fn side(&mut self, dev: u32, role: Role) -> Option<&mut Staged<Gpu>> {
-        self.sides.iter_mut().find(|(d, r, _)| *d == dev && *r == role).map(|(_, _, st)| st)
+        nudge_waiters();
     }
 
     /// Receives `len` bytes into device `dev`'s memory at `dst` (wire → H2D). On return every
@@ -459,8 +752,25 @@ impl Stagers {
     /// for the call.
     pub unsafe fn recv(&mut self, dev: u32, dst: u64, len: u64, inp: &mut SockIn<'_>) -> Result<(), StageError> {
         // SAFETY: the caller's contract.
-        let r = self.staged(dev, Role::Receiver, |st| unsafe { st.recv(DevicePtr(dst), len, inp) })?;
+        let r = self.staged(dev, Role::Receiver, inp, |st, inp| unsafe { st.recv(DevicePtr(dst), len, inp) })?;
         finish(r, &mut inp.err)
+    }
+}
+
+/// A staging wire whose tick also bounds a wait for a pool.
+trait Ticks {
+    fn tick(&mut self) -> &mut dyn FnMut(bool) -> Result<(), String>;
+}
+
+impl Ticks for SockOut<'_> {
+    fn tick(&mut self) -> &mut dyn FnMut(bool) -> Result<(), String> {
+        &mut *self.tick
+    }
+}
+
+impl Ticks for SockIn<'_> {
+    fn tick(&mut self) -> &mut dyn FnMut(bool) -> Result<(), String> {
+        &mut *self.tick
     }
 }
 
@@ -474,13 +784,15 @@ fn finish<T>(r: Result<T, PipelineError>, wire_err: &mut Option<WireError>) -> R
 
 impl Drop for Stagers {
     fn drop(&mut self) {
-        let held: u64 = self.sides.iter().map(|(_, _, s)| s.pool_bytes()).sum();
-        self.stats.pool_bytes.fetch_sub(held, Ordering::Relaxed);
         // No copy may run on a pool that goes back: wait for each stream (a no-op when every
-        // transfer has returned), then back to the process's idle pools.
-        for (dev, role, mut st) in self.sides.drain(..) {
-            st.abandon();
-            give_pool(self.cfg, dev, role, st, self.node);
+        // transfer has returned), then back to the budget, idle.
+        for (_, _, slot) in self.sides.drain(..) {
+            let held = lock_slot(&slot).take();
+            if let Some(mut h) = held {
+                h.stats.pool_bytes.fetch_sub(h.pool.st.pool_bytes(), Ordering::Relaxed);
+                h.pool.st.abandon();
+                give_back(h.pool);
+            }
         }
     }
 }
@@ -506,23 +818,37 @@ mod tests {
     /// node was passed down, the buffers had the default policy.
     #[test]
     fn a_pool_for_a_node_0_rail_has_its_buffers_on_node_0() {
-        let cfg = StagingConfig { gpu: GpuKind::StandIn, pool: PoolConfig { buffers: 2, buffer_size: 1 << 20 }, ipc: false };
-        let st = take_pool(cfg, 0, Role::Sender, Some(0)).expect("stand-in pool");
-        let ranges: Vec<_> = st.pinned_ranges().collect();
+        // A stand-in device of its own: other tests of this binary share the budget.
+        let dev = 41;
+        let cfg = StagingConfig {
+            gpu: GpuKind::StandIn,
+            pool: PoolConfig { buffers: 2, buffer_size: 1 << 20 },
+            ipc: false,
+            pinned_max: DEFAULT_PINNED_MAX,
+        };
+        prewarm(cfg, dev, 1, Some(0), 7).expect("stand-in pools");
+        prewarm(cfg, dev, 1, None, 7).expect("stand-in pools");
+        let mut no_wait = |_: bool| -> Result<(), String> { Err("would wait".into()) };
+        let p = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), &mut no_wait).expect("a warm pool");
+        let ranges: Vec<_> = p.st.pinned_ranges().collect();
         assert_eq!(ranges.len(), 2);
-        for (p, len) in ranges {
-            for addr in [p as u64, p as u64 + len as u64 - 1] {
+        for (ptr, len) in ranges {
+            for addr in [ptr as u64, ptr as u64 + len as u64 - 1] {
                 let line = numa_maps_line(addr).expect("numa_maps has the buffer's mapping");
                 assert!(line.contains(" prefer:0"), "{addr:#x}: {line}");
                 assert_eq!(crate::numa::policy_of_addr(addr), Some((1, vec![0])), "{addr:#x}: {line}");
             }
         }
-        // An idle pool of node 0 is not handed out to a connection of another (or no) node.
-        let mine: Vec<_> = st.pinned_ranges().map(|r| r.0 as u64).collect();
-        give_pool(cfg, 0, Role::Sender, st, Some(0));
-        let other = take_pool(cfg, 0, Role::Sender, None).expect("stand-in pool");
-        assert!(other.pinned_ranges().all(|r| !mine.contains(&(r.0 as u64))));
-        let again = take_pool(cfg, 0, Role::Sender, Some(0)).expect("stand-in pool");
-        assert_eq!(again.pinned_ranges().map(|r| r.0 as u64).collect::<Vec<_>>(), mine, "the idle node-0 pool is reused");
+        // A connection of no known node prefers a pool placed as it asks (first touch), and a
+        // node-0 connection gets the node-0 pool back.
+        let mine: Vec<_> = p.st.pinned_ranges().map(|r| r.0 as u64).collect();
+        give_back(p);
+        let other = borrow((cfg.gpu, dev, Role::Sender, None, cfg.pool), &mut no_wait).expect("a warm pool");
+        assert_eq!(other.key.3, None);
+        assert!(other.st.pinned_ranges().all(|r| !mine.contains(&(r.0 as u64))));
+        let again = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), &mut no_wait).expect("a warm pool");
+        assert_eq!(again.st.pinned_ranges().map(|r| r.0 as u64).collect::<Vec<_>>(), mine, "the idle node-0 pool is reused");
+        give_back(other);
+        give_back(again);
     }
 }
