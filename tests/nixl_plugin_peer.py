@@ -134,7 +134,7 @@ def wait(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
 def target(d: Path, cfg: dict[str, Any]) -> None:
     size = cfg["size"]
     plugin = Plugin(cfg.get("params", {}).get("gpu", "standin")) if cfg.get("vram") else None
-    agent = make_agent("target", cfg)
+    agent = make_agent(cfg.get("name", "target"), cfg)
     a = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 1))
     b = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 2))
     ra, _rb = a.reg(agent), b.reg(agent)
@@ -766,11 +766,29 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         import threading
 
         agent.add_remote_agent((d / "meta.bin").read_bytes())
-        dst, dst2 = Buf(size, vram, plugin), Buf(size, vram, plugin)
+        dst, dst2, dst3 = Buf(size, vram, plugin), Buf(size, vram, plugin), Buf(size, vram, plugin)
         dst.reg(agent)
         dst2.reg(agent)
+        dst3.reg(agent)
         h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
                                   agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target", b"conc")
+        # a peer that does not answer (the test stopped its process), as an unreachable
+        # prefill host among healthy ones: this thread keeps posting to it and notifying it
+        # (each call timed), and its transfers must end in ERR while the others go on
+        stopped: Any = None
+        slow: dict[str, float] = {"prep": 0.0, "post": 0.0, "notif": 0.0}
+        ends: list[str] = []
+        if cfg.get("stopped_dir"):
+            sd = Path(cfg["stopped_dir"])
+            sa = json.loads((sd / "addrs.json").read_text())["A"]
+            agent.add_remote_agent((sd / "meta.bin").read_bytes())
+            t = time.monotonic()
+            try:
+                stopped = agent.initialize_xfer("READ", agent.get_xfer_descs(dst3.rows(1), mem),
+                                                agent.get_xfer_descs([(sa, size, 0)], mem), "stopped")
+            except Exception as e:  # noqa: BLE001
+                ends.append(f"prep: {type(e).__name__}")
+            slow["prep"] = time.monotonic() - t
         init_meta = agent.get_agent_metadata()
         sides = []
         for i in range(2):
@@ -809,7 +827,29 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         got: list[bytes] = []
         t0 = time.monotonic()
         th.start()
+        sstate = "ERR"
         while time.monotonic() - t0 < cfg.get("seconds", 3):
+            if stopped is not None:
+                if sstate != "PROC":
+                    t = time.monotonic()
+                    try:
+                        sstate = agent.transfer(stopped)
+                    except Exception as e:  # noqa: BLE001
+                        sstate = f"ERR ({type(e).__name__})"
+                    slow["post"] = max(slow["post"], time.monotonic() - t)
+                    t = time.monotonic()
+                    try:
+                        agent.send_notif("stopped", b"are you there")
+                    except Exception:  # noqa: BLE001
+                        pass
+                    slow["notif"] = max(slow["notif"], time.monotonic() - t)
+                else:
+                    try:
+                        sstate = agent.check_xfer_state(stopped)
+                    except Exception as e:  # noqa: BLE001
+                        sstate = f"ERR ({type(e).__name__})"
+                    if sstate != "PROC":
+                        ends.append(sstate)
             s = wait(agent, h, timeout=15)
             states[s] = states.get(s, 0) + 1
             check(s == "DONE" or s.startswith("ERR"), f"a transfer to the target ended {s}")
@@ -823,6 +863,8 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
             for m in agent.get_new_notifs().values():
                 got.extend(m)
             time.sleep(0.01)
+        out.update(slowest_ms={k: round(v * 1e3, 3) for k, v in slow.items()}, stopped_ends=sorted(set(ends)),
+                   stopped_errs=len(ends))
         out.update(main_states=states, side_states=sorted(set(hs["states"])), rounds=hs["rounds"],
                    errors=hs["errors"], notifs_sent=hs["sent"], notifs_got=len(got),
                    seconds=round(time.monotonic() - t0, 3))

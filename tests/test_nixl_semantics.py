@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from test_nixl_plugin import _SKIP, MiB, Pair, _env, pair, plugin_dir  # noqa: F401 (fixtures)
+from test_nixl_plugin import PEER, _SKIP, MiB, Pair, _env, pair, plugin_dir  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
 
@@ -150,15 +150,37 @@ def test_a_blackholed_peer_never_blocks_the_caller(pair: Pair) -> None:
     assert "RemoteDisconnect" not in out["state"], out  # the peer lives: NIXL_ERR_BACKEND
 
 
-def test_concurrency_as_vllm_drives_nixl(pair: Pair) -> None:
+@pytest.mark.parametrize("pair", [{"size": 1 * MiB, "params": {"timeout": "1"}}], indirect=True)
+def test_concurrency_as_vllm_drives_nixl(pair: Pair, tmp_path: Path) -> None:
     """Item 9: a handshake thread adds remote agents, reads from them, sends them
     notifications, has them notify the initiator and removes them, while the main thread posts,
     checks and reads notifications, in NIXL's default thread mode (no locking) with the GIL
-    released in NIXL's calls. Bounded in time; no crash, no deadlock; every transfer DONE or a
-    clear ERR, the side agents' notifications each delivered once."""
-    t = time.monotonic()
-    out = pair.run("concurrent", {"size": 1 * MiB, "seconds": 3}, timeout=60)
+    released in NIXL's calls; the main thread also posts to and notifies a peer that does not
+    answer (its process stopped: an unreachable prefill host). Bounded in time; no crash, no
+    deadlock; every transfer DONE or a clear ERR (the stopped peer's: ERR after `timeout`, 1 s
+    here), the side agents' notifications each delivered once, and no call to the stopped peer
+    holds the main thread (before: prep and every post dialed it, `timeout` each)."""
+    sd = tmp_path / "stopped"
+    sd.mkdir()
+    log = open(sd / "log", "w")
+    cfg = json.dumps({"size": 1 * MiB, "name": "stopped", "params": {"timeout": "1"}})
+    proc = subprocess.Popen([sys.executable, PEER, "target", str(sd), cfg], env=pair.env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        t = time.monotonic()
+        while not (sd / "meta.bin").exists():
+            assert proc.poll() is None and time.monotonic() - t < 60, (sd / "log").read_text()
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        out = pair.run("concurrent", {"seconds": 3, "stopped_dir": str(sd)}, timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        log.close()
     print("concurrency:", out)
+    assert all(v < 50 for v in out["slowest_ms"].values()), out
+    assert out["stopped_errs"] >= 1 and all(e.startswith("ERR") for e in out["stopped_ends"]), out
     assert out["main_states"].get("DONE", 0) > 0 and set(out["main_states"]) == {"DONE"}, out
     assert out["rounds"] >= 1 and out["side_states"] == ["DONE"] and not out["errors"], out
     assert time.monotonic() - t < 20, out

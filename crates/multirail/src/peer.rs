@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::Ordering;
 use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
