@@ -217,6 +217,32 @@ def test_broken_variant_flags_exactly_its_check(variant: str, tmp_path: Path, ca
     assert rc == (1 if Status.FAIL in expected.values() else 0)
 
 
+OPEN_MODULE = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16)\n"
+
+
+@pytest.mark.parametrize("osrelease, status", [("6.8.0-45-generic", Status.OK), ("5.4.0-150-generic", Status.WARN)])
+def test_gpudirect_counts_dma_buf(osrelease: str, status: Status, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35, item 7b: no peermem, but the open kernel module on Linux >= 5.12: dma-buf
+    GPUDirect, so no warning (and the evidence says dma-buf); on an older kernel it warns."""
+    tree = make_variant(tmp_path, [write("proc/modules", MODULES_NO_PEERMEM), rm("sys/module/nvidia_peermem"),
+                                   write("proc/driver/nvidia/version", OPEN_MODULE),
+                                   write("proc/sys/kernel/osrelease", osrelease + "\n")])
+    _, rep = run_json(capsys, "--root", str(tree), "--rails", f"{R0},{R1}")
+    (gd,) = [r for r in rep["results"] if r["name"] == "gpudirect"]
+    assert Status(gd["status"]) == status, gd
+    assert ("dma-buf" in gd["evidence"]) if status == Status.OK else ("older than 5.12" in gd["evidence"]), gd
+
+
+def test_gpudirect_counts_the_peer_memory_client(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 35, item 7b: the peer-memory client's sysfs entry counts as peermem (UCX checks it)."""
+    tree = make_variant(tmp_path, [write("proc/modules", MODULES_NO_PEERMEM), rm("sys/module/nvidia_peermem"),
+                                   write("sys/kernel/mm/memory_peers/nv_mem/version", "1.3-0\n")])
+    _, rep = run_json(capsys, "--root", str(tree), "--rails", f"{R0},{R1}")
+    (gd,) = [r for r in rep["results"] if r["name"] == "gpudirect"]
+    assert gd["status"] == "ok" and "nv_mem" in gd["evidence"], gd
+
+
 def test_every_check_has_a_broken_variant() -> None:
     flagged = {name for _, exp, _ in VARIANTS.values() for name, _ in exp}
     # rail-selection fails only without rails; tested separately below.

@@ -659,14 +659,16 @@ def check_gpudirect(ctx: Context) -> list[CheckResult]:
 
     if not has("nvidia"):
         return [_r("gpudirect", Status.SKIP, None, "no NVIDIA driver loaded (/proc/modules, /sys/module/nvidia): no GPU memory to check")]
-    for m in ("nvidia_peermem", "nv_peer_mem"):
-        if has(m):
-            return [_r("gpudirect", Status.OK, None, f"{m} is loaded: the NIC can read and write GPU memory (GPUDirect RDMA)")]
+    from .doctor_topology import gpudirect_support
+    way, evidence = gpudirect_support(ctx.sysfs)
+    if way is not None:
+        return [_r("gpudirect", Status.OK, None, f"{evidence}: the NIC can read and write GPU memory (GPUDirect RDMA, {way})")]
     return [_r("gpudirect", Status.WARN, None,
-               "nvidia is loaded but nvidia_peermem is not (/proc/modules, /sys/module/nvidia_peermem): "
+               f"nvidia is loaded but {evidence}: "
                "GPU memory cannot go NIC-direct: multirail stages it through pinned host buffers (pipelined, "
                "docs/gpu.md); engines that stage naively reach 3.5-4.9 Gbps on 100G rails",
-               "modprobe nvidia_peermem  # fails on unified-memory platforms (DGX Spark): there, use pinned host memory")]
+               "modprobe nvidia_peermem  # or the open NVIDIA kernel module on Linux >= 5.12 (dma-buf); fails on "
+               "unified-memory platforms (DGX Spark): there, use pinned host memory")]
 
 
 def check_ucx(ctx: Context) -> list[CheckResult]:

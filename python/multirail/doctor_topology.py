@@ -213,29 +213,54 @@ def _kernel_at_least(release: str, want: tuple[int, int]) -> bool:
     return bool(m) and (int(m.group(1)), int(m.group(2))) >= want
 
 
+#: Kernel modules that let an RDMA NIC register GPU memory as peer memory (the last: the AWS EFA
+#: installer's). UCX and NCCL also look for /sys/kernel/mm/memory_peers/nv_mem/version.
+PEERMEM_MODULES = ("nvidia_peermem", "nv_peer_mem", "efa_nv_peermem")
+
+
+def gpudirect_support(sysfs) -> tuple[str | None, str]:
+    """How this host's kernel lets an RDMA NIC reach GPU memory: ``("peermem", evidence)``,
+    ``("dma-buf", evidence)`` or ``(None, why not)`` (issue 35, item 7b). ``sysfs`` reads the
+    host (or a fixture tree): ``read(path)`` and ``exists(path)``.
+
+    peermem: one of PEERMEM_MODULES loaded (/proc/modules, /sys/module) or the peer-memory
+    client's /sys/kernel/mm/memory_peers/nv_mem{,_nc}/version. dma-buf: the open NVIDIA kernel
+    module (/proc/driver/nvidia/version says "Open Kernel Module") on Linux >= 5.12; where the
+    CUDA driver can be asked, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED decides per device (the
+    agent asks it; docs/gpu.md)."""
+    mods = sysfs.read("/proc/modules")
+    loaded = {line.split()[0] for line in (mods or "").splitlines() if line.strip()}
+    for m in PEERMEM_MODULES:
+        if m in loaded or sysfs.exists(f"/sys/module/{m}"):
+            return "peermem", f"{m} is loaded"
+    for peer in ("nv_mem", "nv_mem_nc"):
+        if sysfs.exists(f"/sys/kernel/mm/memory_peers/{peer}/version"):
+            return "peermem", f"the {peer} peer-memory client is registered (/sys/kernel/mm/memory_peers/{peer})"
+    version = sysfs.read("/proc/driver/nvidia/version") or ""
+    release = (sysfs.read("/proc/sys/kernel/osrelease") or "").strip()
+    if "Open Kernel Module" in version and _kernel_at_least(release, (5, 12)):
+        return "dma-buf", f"the open NVIDIA kernel module on Linux {release}: GPU memory is registered with the NIC through dma-buf"
+    if "Open Kernel Module" in version:
+        why = f"the open NVIDIA kernel module, but Linux {release or '(unknown release)'} is older than 5.12 (dma-buf RDMA)"
+    elif version:
+        why = "the NVIDIA driver is the proprietary one (/proc/driver/nvidia/version): no dma-buf"
+    else:
+        why = "no /proc/driver/nvidia/version"
+    return None, f"none of {', '.join(PEERMEM_MODULES)} is loaded and dma-buf is not available ({why})"
+
+
 def check_gpudirect_modules(f: TopoFacts) -> list[Result]:
     assert f.topo is not None
     if not any(n.rdma for n in f.topo.nics):
         return []
-    mods = f.sysfs.read("/proc/modules")
-    loaded = {line.split()[0] for line in (mods or "").splitlines() if line.strip()}
-
-    def has(m: str) -> bool:
-        return m in loaded or f.sysfs.exists(f"/sys/module/{m}")
-
-    for m in ("nvidia_peermem", "nv_peer_mem", "efa_nv_peermem"):  # the last: AWS EFA installer's
-        if has(m):
-            return [("gpudirect-modules", "ok", f"{m} is loaded: RDMA NICs can read and write GPU memory", "", None)]
-    version = f.sysfs.read("/proc/driver/nvidia/version") or ""
-    release = f.sysfs.read("/proc/sys/kernel/osrelease") or ""
-    if "Open Kernel Module" in version and _kernel_at_least(release, (5, 12)):
-        return [("gpudirect-modules", "ok", f"the open NVIDIA kernel module on Linux {release}: GPU memory is "
-                 "registered with the NIC through dma-buf", "", None)]
-    why = ("the NVIDIA driver is the proprietary one (/proc/driver/nvidia/version)" if version
-           else "no /proc/driver/nvidia/version") + (f", Linux {release}" if release else "")
+    way, evidence = gpudirect_support(f.sysfs)
+    if way == "peermem":
+        return [("gpudirect-modules", "ok", f"{evidence}: RDMA NICs can read and write GPU memory", "", None)]
+    if way == "dma-buf":
+        return [("gpudirect-modules", "ok", evidence, "", None)]
     return [("gpudirect-modules", "warn",
-             f"{len(f.topo.gpus)} GPUs and {sum(1 for n in f.topo.nics if n.rdma)} RDMA NICs, but nvidia_peermem is not "
-             f"loaded (/proc/modules) and dma-buf is not available ({why}): GPU memory cannot go NIC-direct",
+             f"{len(f.topo.gpus)} GPUs and {sum(1 for n in f.topo.nics if n.rdma)} RDMA NICs, but {evidence}: "
+             "GPU memory cannot go NIC-direct",
              "modprobe nvidia_peermem  # or install the open NVIDIA kernel module on Linux >= 5.12 for dma-buf", None)]
 
 

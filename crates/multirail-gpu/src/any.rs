@@ -341,6 +341,24 @@ impl Device for Gpu {
             Gpu::StandIn(d) => d.stream_is_capturing(stream),
         }
     }
+    fn dma_buf_supported(&self) -> Result<Option<bool>> {
+        match self {
+            Gpu::Cuda(d) => d.dma_buf_supported(),
+            Gpu::StandIn(d) => d.dma_buf_supported(),
+        }
+    }
+    fn rdma_writes_ordering(&self) -> Result<crate::RdmaWritesOrdering> {
+        match self {
+            Gpu::Cuda(d) => d.rdma_writes_ordering(),
+            Gpu::StandIn(d) => d.rdma_writes_ordering(),
+        }
+    }
+    fn flush_rdma_writes(&self) -> Result<()> {
+        match self {
+            Gpu::Cuda(d) => d.flush_rdma_writes(),
+            Gpu::StandIn(d) => d.flush_rdma_writes(),
+        }
+    }
 }
 
 impl GpuKind {

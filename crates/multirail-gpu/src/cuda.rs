@@ -38,7 +38,9 @@ use std::sync::Arc;
 
 use libloading::Library;
 
-use crate::device::{BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued, Result};
+use crate::device::{
+    BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued, RdmaWritesOrdering, Result,
+};
 
 /// Environment variable naming a libcudart explicitly.
 pub const ENV_CUDART: &str = "MULTIRAIL_CUDART";
@@ -89,6 +91,10 @@ struct DriverApi {
     /// `cuPointerGetAttribute(void*, CUpointer_attribute, CUdeviceptr)`: classifies an address
     /// without a current context (the runtime's `cudaPointerGetAttributes` makes one).
     pointer_get_attribute: Option<unsafe extern "C" fn(*mut c_void, c_int, u64) -> c_int>,
+    /// `cuDeviceGetAttribute(int*, CUdevice_attribute, CUdevice)`.
+    device_get_attribute: Option<unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int>,
+    /// `cuFlushGPUDirectRDMAWrites(CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope)`.
+    flush_gpudirect_rdma_writes: Option<unsafe extern "C" fn(c_int, c_int) -> c_int>,
     _lib: Library,
 }
 
@@ -112,6 +118,8 @@ fn driver() -> Option<&'static DriverApi> {
             ctx_get_current: opt!("cuCtxGetCurrent"),
             ctx_set_current: opt!("cuCtxSetCurrent"),
             pointer_get_attribute: opt!("cuPointerGetAttribute"),
+            device_get_attribute: opt!("cuDeviceGetAttribute"),
+            flush_gpudirect_rdma_writes: opt!("cuFlushGPUDirectRDMAWrites"),
             _lib: lib,
         })
     })
@@ -1281,6 +1289,70 @@ impl Device for Cuda {
         // SAFETY: valid out-pointer; the stream handle is the application's (0: legacy).
         self.rt.check("cudaStreamIsCapturing", unsafe { f(stream as Stream, &mut status) })?;
         Ok(status != 0)
+    }
+
+    fn dma_buf_supported(&self) -> Result<Option<bool>> {
+        Ok(self.driver_attribute(ATTR_DMA_BUF_SUPPORTED)?.map(|v| v != 0))
+    }
+
+    fn rdma_writes_ordering(&self) -> Result<RdmaWritesOrdering> {
+        // Without the driver symbol the ordering is unknown: none, so writes are flushed.
+        Ok(RdmaWritesOrdering::from_attr(self.driver_attribute(ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING)?.unwrap_or(0)))
+    }
+
+    fn flush_rdma_writes(&self) -> Result<()> {
+        let f = driver()
+            .and_then(|d| d.flush_gpudirect_rdma_writes)
+            .ok_or(DeviceError::Unsupported { op: "cuFlushGPUDirectRDMAWrites (driver older than CUDA 11.3)", device: "cuda" })?;
+        let _on = self.enter()?;
+        // SAFETY: plain call; the device's context is current (enter).
+        let rc = unsafe { f(FLUSH_TARGET_CURRENT_CTX, FLUSH_TO_OWNER) };
+        if rc != 0 {
+            return Err(DeviceError::Cuda {
+                op: "cuFlushGPUDirectRDMAWrites",
+                code: rc,
+                name: "CUresult".into(),
+                message: "TARGET_CURRENT_CTX, TO_OWNER".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`.
+const ATTR_GPU_DIRECT_RDMA_WRITES_ORDERING: c_int = 118;
+/// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
+/// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX`.
+const FLUSH_TARGET_CURRENT_CTX: c_int = 0;
+/// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER`.
+const FLUSH_TO_OWNER: c_int = 100;
+
+impl Cuda {
+    /// A driver attribute of this device (`cuDeviceGetAttribute`); None without the symbols.
+    fn driver_attribute(&self, attr: c_int) -> Result<Option<i32>> {
+        let Some(d) = driver() else { return Ok(None) };
+        let (Some(init), Some(get), Some(query)) = (d.init, d.device_get, d.device_get_attribute) else { return Ok(None) };
+        let (mut dev, mut v): (c_int, c_int) = (0, 0);
+        // SAFETY: plain calls with valid out-pointers; cuInit is idempotent.
+        let rc = unsafe {
+            match init(0) {
+                0 => match get(&mut dev, self.id) {
+                    0 => query(&mut v, attr, dev),
+                    e => e,
+                },
+                e => e,
+            }
+        };
+        if rc != 0 {
+            return Err(DeviceError::Cuda {
+                op: "cuDeviceGetAttribute",
+                code: rc,
+                name: "CUresult".into(),
+                message: format!("attribute {attr}"),
+            });
+        }
+        Ok(Some(v))
     }
 }
 

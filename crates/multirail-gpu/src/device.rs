@@ -312,6 +312,54 @@ pub trait Device: Send + Sync {
     fn stream_is_capturing(&self, _stream: u64) -> Result<bool> {
         Ok(false)
     }
+    /// Whether the device can export its memory as dma-buf, the GPUDirect RDMA registration of
+    /// the open kernel module (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`); None where the driver
+    /// cannot be asked.
+    fn dma_buf_supported(&self) -> Result<Option<bool>> {
+        Ok(None)
+    }
+    /// How GPUDirect RDMA writes into this device's memory are ordered against its own later
+    /// reads (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING`).
+    fn rdma_writes_ordering(&self) -> Result<RdmaWritesOrdering> {
+        Err(DeviceError::Unsupported { op: "rdma_writes_ordering", device: "this" })
+    }
+    /// Makes the GPUDirect RDMA writes that reached this device so far visible to the work that
+    /// reads them next (`cuFlushGPUDirectRDMAWrites(TARGET_CURRENT_CTX, TO_OWNER)` with the
+    /// device's context current). Needed only where [`Device::rdma_writes_ordering`] says
+    /// [`RdmaWritesOrdering::None`].
+    fn flush_rdma_writes(&self) -> Result<()> {
+        Err(DeviceError::Unsupported { op: "flush_rdma_writes", device: "this" })
+    }
+}
+
+/// `CUGPUDirectRDMAWritesOrdering`: whether the device orders GPUDirect RDMA writes into its
+/// memory before its own later accesses, or a flush must.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RdmaWritesOrdering {
+    /// `CU_GPU_DIRECT_RDMA_WRITES_ORDERING_NONE` (0): no native ordering; flush before the
+    /// device's work reads what a NIC wrote.
+    None,
+    /// `..._OWNER` (100): ordered for the device's own work.
+    Owner,
+    /// `..._ALL_DEVICES` (200): ordered for every device.
+    AllDevices,
+}
+
+impl RdmaWritesOrdering {
+    /// From the attribute's value; an unknown one counts as no ordering (flushing is safe).
+    pub fn from_attr(v: i32) -> Self {
+        match v {
+            200 => RdmaWritesOrdering::AllDevices,
+            100 => RdmaWritesOrdering::Owner,
+            _ => RdmaWritesOrdering::None,
+        }
+    }
+
+    /// Whether a flush must make a NIC's writes visible (the attribute is neither OWNER nor
+    /// ALL_DEVICES).
+    pub fn needs_flush(self) -> bool {
+        self == RdmaWritesOrdering::None
+    }
 }
 
 /// A device UUID as `nvidia-smi -L` prints it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.

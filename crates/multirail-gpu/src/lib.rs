@@ -33,7 +33,9 @@ pub mod wire;
 
 pub use any::{Gpu, GpuEvent, GpuKind, GpuStream, ENV_GPU};
 pub use cuda::{CopyMode, Cuda, CudaRuntime, LoadOptions, ENV_CUDART, ENV_CUDA_COPY, ENV_WHEEL_DIRS, KERNEL_MAX_AVG_PIECE};
-pub use device::{uuid_string, BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued};
+pub use device::{
+    uuid_string, BatchCopy, CopyHow, CopyKind, Device, DeviceError, DevicePtr, IpcHandle, MemKind, PinnedMem, Queued, RdmaWritesOrdering,
+};
 pub use pipeline::{Pages, PipelineError, Src, StageTotal, Staged, TransferReport};
 pub use staging::{split, Action, BufId, ChunkId, Piece, PoolConfig, Role, Stager, StagingError};
 pub use standin::{FailOp, StandIn, StandInConfig};

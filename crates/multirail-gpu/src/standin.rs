@@ -97,6 +97,11 @@ struct Inner {
     fail_query: AtomicU64,
     fail_synchronize: AtomicU64,
     fail_copy: AtomicU64,
+    /// GPUDirect facts a test injects ([`StandIn::set_gdr`]): dma-buf support (None: the
+    /// driver cannot be asked) and the RDMA write ordering.
+    gdr: Mutex<(Option<bool>, crate::RdmaWritesOrdering)>,
+    /// `flush_rdma_writes` calls so far.
+    rdma_flushes: AtomicU64,
 }
 
 /// A stand-in call whose failure a test can inject ([`StandIn::fail_in`]).
@@ -317,6 +322,8 @@ impl StandIn {
                 fail_query: AtomicU64::new(0),
                 fail_synchronize: AtomicU64::new(0),
                 fail_copy: AtomicU64::new(0),
+                gdr: Mutex::new((None, crate::RdmaWritesOrdering::Owner)),
+                rdma_flushes: AtomicU64::new(0),
             }),
         }
     }
@@ -345,6 +352,18 @@ impl StandIn {
     /// Copies queued on any stream of this device that have not finished.
     pub fn copies_in_flight(&self) -> u64 {
         self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// Sets what the stand-in reports as `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (None: cannot
+    /// be asked, the default) and `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` (the
+    /// default: OWNER, no flush needed).
+    pub fn set_gdr(&self, dma_buf: Option<bool>, ordering: crate::RdmaWritesOrdering) {
+        *lock(&self.inner.gdr) = (dma_buf, ordering);
+    }
+
+    /// `flush_rdma_writes` calls so far (`cuFlushGPUDirectRDMAWrites` on a GPU).
+    pub fn rdma_flushes(&self) -> u64 {
+        self.inner.rdma_flushes.load(Ordering::SeqCst)
     }
 
     /// Makes the `n`-th next call of `op` fail (n >= 1; 0 clears it; [`FAIL_ALWAYS`]: every call
@@ -982,6 +1001,20 @@ impl Device for StandIn {
 
     fn stream_is_capturing(&self, stream: u64) -> Result<bool> {
         Ok(is_capturing(stream))
+    }
+
+    fn dma_buf_supported(&self) -> Result<Option<bool>> {
+        Ok(lock(&self.inner.gdr).0)
+    }
+
+    fn rdma_writes_ordering(&self) -> Result<crate::RdmaWritesOrdering> {
+        Ok(lock(&self.inner.gdr).1)
+    }
+
+    /// Counts the call (host memory needs no flush).
+    fn flush_rdma_writes(&self) -> Result<()> {
+        self.inner.rdma_flushes.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
     /// Derived from the physical stand-in GPU behind this ordinal

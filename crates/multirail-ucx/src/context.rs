@@ -203,10 +203,22 @@ impl Context {
     /// As for [`Context::map`] (a `LocalOnly` or `RemoteRead` mapping still lets local GETs and
     /// peers' reads touch it).
     pub unsafe fn map_with(&self, addr: *mut u8, len: usize, prot: Protection) -> Result<MemRegion> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.map_typed(addr, len, prot, MemoryType::Detect) }
+    }
+
+    /// As [`Context::map_with`], declaring what kind of memory it is
+    /// (`UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE`): device memory must be declared
+    /// [`MemoryType::Cuda`], so that UCX registers it with the memory domains that take CUDA
+    /// memory (GPUDirect RDMA by peermem or dma-buf) instead of guessing from the address.
+    ///
+    /// # Safety
+    /// As for [`Context::map`]; `mem` must be what the memory is (UCX trusts it).
+    pub unsafe fn map_typed(&self, addr: *mut u8, len: usize, prot: Protection, mem: MemoryType) -> Result<MemRegion> {
         if len == 0 {
             return Err(Error::Empty { what: "memory region" });
         }
-        let params = map_params(addr, len, prot);
+        let params = map_params(addr, len, prot, mem);
         let mut memh: sys::ucp_mem_h = std::ptr::null_mut();
         // SAFETY: the caller vouches for the memory; no ALLOCATE flag, so UCX registers it as is.
         let st = unsafe { (self.inner.ucx.api().mem_map)(self.inner.handle, &params, &mut memh) };
@@ -251,13 +263,34 @@ impl Protection {
     }
 }
 
-/// The `ucp_mem_map` parameters for existing memory with `prot` (no allocation).
-fn map_params(addr: *mut u8, len: usize, prot: Protection) -> sys::ucp_mem_map_params_t {
+/// The memory a mapping covers, as declared to `ucp_mem_map` (`ucs_memory_type_t`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryType {
+    /// Not declared: UCX detects it (its memory-type cache and hooks).
+    Detect,
+    /// Host memory (`UCS_MEMORY_TYPE_HOST`).
+    Host,
+    /// CUDA device memory (`UCS_MEMORY_TYPE_CUDA`).
+    Cuda,
+}
+
+/// The `ucp_mem_map` parameters for existing memory with `prot` (no allocation), declaring
+/// `mem` unless it is [`MemoryType::Detect`].
+fn map_params(addr: *mut u8, len: usize, prot: Protection, mem: MemoryType) -> sys::ucp_mem_map_params_t {
     let mut params: sys::ucp_mem_map_params_t = sys::zeroed();
     params.field_mask = sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH | sys::UCP_MEM_MAP_PARAM_FIELD_PROT;
     params.address = addr.cast::<c_void>();
     params.length = len;
     params.prot = prot.bits();
+    let declared = match mem {
+        MemoryType::Detect => None,
+        MemoryType::Host => Some(sys::UCS_MEMORY_TYPE_HOST),
+        MemoryType::Cuda => Some(sys::UCS_MEMORY_TYPE_CUDA),
+    };
+    if let Some(t) = declared {
+        params.field_mask |= sys::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        params.memory_type = t;
+    }
     params
 }
 
@@ -487,12 +520,24 @@ mod tests {
     #[test]
     fn mappings_carry_their_protection() {
         let (lr, lw, rr, rw) = (1u32, 2u32, 1u32 << 8, 1u32 << 9);
-        let p = map_params(0x1000 as *mut u8, 64, Protection::RemoteRead);
+        let p = map_params(0x1000 as *mut u8, 64, Protection::RemoteRead, MemoryType::Detect);
         assert_eq!(p.field_mask, 0b1011, "ADDRESS | LENGTH | PROT");
         assert_eq!((p.address as usize, p.length), (0x1000, 64));
         assert_eq!(p.prot, lr | lw | rr);
-        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::LocalOnly).prot, lr | lw);
-        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::RemoteReadWrite).prot, lr | lw | rr | rw);
+        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::LocalOnly, MemoryType::Detect).prot, lr | lw);
+        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::RemoteReadWrite, MemoryType::Detect).prot, lr | lw | rr | rw);
+    }
+
+    /// Issue 35, item 7a: device memory is declared to `ucp_mem_map` as CUDA memory (field mask
+    /// bit 4, `UCS_MEMORY_TYPE_CUDA` = 1), host memory as host (0) when asked, else undeclared.
+    #[test]
+    fn vram_mappings_declare_cuda_memory() {
+        let cuda = map_params(0x7f00_0000 as *mut u8, 1 << 20, Protection::RemoteReadWrite, MemoryType::Cuda);
+        assert_eq!(cuda.field_mask, 0b1_1011, "ADDRESS | LENGTH | PROT | MEMORY_TYPE");
+        assert_eq!(cuda.memory_type, 1);
+        let host = map_params(0x1000 as *mut u8, 64, Protection::RemoteRead, MemoryType::Host);
+        assert_eq!((host.field_mask & (1 << 4), host.memory_type), (1 << 4, 0));
+        assert_eq!(map_params(0x1000 as *mut u8, 64, Protection::RemoteRead, MemoryType::Detect).field_mask & (1 << 4), 0);
     }
 
     #[test]

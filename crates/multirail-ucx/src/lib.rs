@@ -50,7 +50,7 @@ pub mod status;
 pub mod sys;
 pub mod worker;
 
-pub use context::{Context, ContextConfig, MemRegion, PackedRkey, Protection, RemoteRegion, MAX_RKEY_LEN};
+pub use context::{Context, ContextConfig, MemRegion, MemoryType, PackedRkey, Protection, RemoteRegion, MAX_RKEY_LEN};
 pub use endpoint::{CloseMode, Endpoint, Rkey, TransportEntry, TransportSource, Transports, DROP_CLOSE_TIMEOUT};
 pub use error::{Error, Result};
 pub use load::{rdma_devices, LibInfo, LoadOptions, Source, Ucx, Version, ENV_LIB, ENV_SYSTEM, ENV_WHEEL_DIR, MIN_VERSION};

@@ -64,6 +64,10 @@ pub const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
+pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
+/// `ucs_memory_type_t` (`ucp_mem_map_params_t::memory_type`).
+pub const UCS_MEMORY_TYPE_HOST: c_int = 0;
+pub const UCS_MEMORY_TYPE_CUDA: c_int = 1;
 /// `enum ucp_mem_map_prot` (`ucp_mem_map_params_t::prot`).
 pub const UCP_MEM_MAP_PROT_LOCAL_READ: u32 = 1 << 0;
 pub const UCP_MEM_MAP_PROT_LOCAL_WRITE: u32 = 1 << 1;

@@ -234,8 +234,18 @@ impl Agent {
         // memory: VRAM is mapped only when the rails can take it directly (docs/gpu.md).
         // UCX maps GPU memory only with GPUDirect RDMA on every rail (`UcxAgent::gpu_direct`).
         if let Some(u) = self.shared.ucx.as_ref().filter(|u| mem != MemType::Vram || u.gpu_direct().is_ok()) {
+            // The device's dma-buf support and write ordering (issue 35, item 7; crate::gdr).
+            let noted = match mem {
+                MemType::Vram => i32::try_from(dev)
+                    .map_err(|_| Error::Gpu(format!("device id {dev} out of range")))
+                    .and_then(|id| {
+                        multirail_gpu::Gpu::open(self.shared.ctx.cfg.staging.gpu, id).map_err(|e| Error::Gpu(format!("GPU {dev}: {e}")))
+                    })
+                    .and_then(|g| u.note_vram(&g)),
+                MemType::Dram => Ok(()),
+            };
             // Mapped in every rail's UCX context now, so the data path never registers.
-            if let Err(e) = u.map(&r) {
+            if let Err(e) = noted.and_then(|_| u.map(&r)) {
                 let id = r.id;
                 drop(r);
                 let _ = self.shared.registry.deregister(id, Duration::ZERO);

@@ -22,6 +22,7 @@ pub mod config;
 pub mod ctx;
 pub mod error;
 pub mod fanin;
+pub(crate) mod gdr;
 pub mod inbox;
 pub mod ipc;
 pub mod link;

@@ -1148,6 +1148,7 @@ impl<'a> Conn<'a> {
 
     /// Notif: queued for the application, or Busy when the inbox is full.
     fn notif(&mut self, req: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
+        self.flush_gdr_writes();
         match self.sh.notifs.push(self.peer.to_string(), msg) {
             Ok(()) => self.answer(req, &ok_resp(), tick),
             Err(why) => self.refused(req, Status::Busy, why, tick),
@@ -1157,6 +1158,7 @@ impl<'a> Conn<'a> {
     /// A numbered notification: queued once per (peer, incarnation, number); a copy resent
     /// after a lost answer is answered, not queued again (`notif_seen`).
     fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
+        self.flush_gdr_writes();
         let queued =
             if self.sh.notif_seen.first(self.peer, incarnation, seq) { self.sh.notifs.push(self.peer.to_string(), msg) } else { Ok(()) };
         if self.sh.notif_seen.lose_answer() {
@@ -1165,6 +1167,15 @@ impl<'a> Conn<'a> {
         match queued {
             Ok(()) => self.answer(req, &ok_resp(), tick),
             Err(why) => self.refused(req, Status::Busy, why, tick),
+        }
+    }
+
+    /// A notification tells the application that the peer's writes landed: GPUDirect writes
+    /// into devices that do not order them are flushed first (crate::gdr). A failed flush is
+    /// logged; the notification is queued all the same (the writes are complete at the NIC).
+    fn flush_gdr_writes(&self) {
+        if let Some(Err(e)) = self.sh.ucx.as_ref().map(|u| u.flush_gdr_writes()) {
+            self.sh.ctx.log(&format!("GPUDirect write flush before a notification of {} failed: {e}", self.peer));
         }
     }
 

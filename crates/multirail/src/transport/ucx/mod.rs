@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use multirail_proto::codec::{UcxRegion, HEADER_LEN};
 use multirail_proto::{Access, Body, RailInfo, RegionKey};
-use multirail_ucx::{Context, ContextConfig, MemRegion, PackedRkey, Protection, Ucx};
+use multirail_ucx::{Context, ContextConfig, MemRegion, MemoryType, PackedRkey, Protection, Ucx};
 
 use crate::error::{Error, Result};
 use crate::net::LocalRail;
@@ -136,8 +136,11 @@ pub(crate) struct UcxAgent {
     maps: Arc<Maps>,
     /// Target-side session workers alive now.
     sessions: std::sync::atomic::AtomicUsize,
-    /// Whether GPU memory can go over these rails directly (GPUDirect RDMA), or why not.
-    gpu_direct: std::result::Result<(), String>,
+    /// Whether GPU memory can go over these rails directly (GPUDirect RDMA) and by which
+    /// kernel support, or why not.
+    gpu_direct: std::result::Result<String, String>,
+    /// Devices whose GPUDirect writes are flushed before a notification is queued.
+    gdr_flush: crate::gdr::GdrFlush,
 }
 
 impl UcxAgent {
@@ -157,14 +160,35 @@ impl UcxAgent {
         }
         let infos: Vec<(String, &str)> =
             ctxs.iter().flatten().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
-        let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/sys/module"));
-        Ok(UcxAgent { ucx, rails: ctxs, maps: Arc::new(RwLock::new(HashMap::new())), sessions: Default::default(), gpu_direct })
+        let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/"));
+        Ok(UcxAgent {
+            ucx,
+            rails: ctxs,
+            maps: Arc::new(RwLock::new(HashMap::new())),
+            sessions: Default::default(),
+            gpu_direct,
+            gdr_flush: Default::default(),
+        })
     }
 
     /// Ok when every rail can move GPU memory directly (module docs of `gpu_direct_check`),
     /// else why not.
     pub fn gpu_direct(&self) -> std::result::Result<(), &str> {
         self.gpu_direct.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
+    /// A VRAM region of `gpu` is about to be mapped for direct RMA (GPUDirect holds): refuses
+    /// a device that cannot export dma-buf where only dma-buf gives GPUDirect, and remembers a
+    /// device whose RDMA writes need flushing (`crate::gdr`).
+    pub fn note_vram(&self, gpu: &multirail_gpu::Gpu) -> Result<()> {
+        let kernel = self.gpu_direct.as_deref().map_err(|why| Error::Gpu(why.to_string()))?;
+        self.gdr_flush.note_region(gpu, kernel).map(|_| ()).map_err(Error::Gpu)
+    }
+
+    /// Before a notification tells the application that writes landed: flush the GPUDirect
+    /// writes of every device that does not order them (`crate::gdr`). Returns how many.
+    pub fn flush_gdr_writes(&self) -> std::result::Result<usize, String> {
+        self.gdr_flush.flush()
     }
 
     /// Rail `i`'s context, if it runs ucx.
@@ -184,8 +208,9 @@ impl UcxAgent {
             // SAFETY: the caller registered [base, base+len) with the agent and keeps it
             // allocated while registered; it is unmapped at deregistration, after the registry
             // saw no holder (a request still pending keeps its own mapping alive until done).
-            let m = unsafe { r.ctx.map_with(region.base as *mut u8, region.len as usize, protection(region.access)) }
-                .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
+            let m =
+                unsafe { r.ctx.map_typed(region.base as *mut u8, region.len as usize, protection(region.access), memory_type(region.mem)) }
+                    .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
             let packed =
                 if exported {
                     Some(m.pack_rkey().map_err(|e| {
@@ -362,6 +387,16 @@ pub(crate) fn protection(access: Access) -> Protection {
     }
 }
 
+/// What a region is declared as to `ucp_mem_map` (issue 35, item 7a): device memory as CUDA
+/// memory, so UCX registers it with the domains that take it (GPUDirect by peermem or dma-buf)
+/// rather than guessing from the address; host memory is left to UCX's detection.
+pub(crate) fn memory_type(mem: multirail_proto::MemType) -> MemoryType {
+    match mem {
+        multirail_proto::MemType::Vram => MemoryType::Cuda,
+        multirail_proto::MemType::Dram => MemoryType::Detect,
+    }
+}
+
 /// The UCX context configuration of one rail, and a description of its restriction.
 ///
 /// Besides the restriction and UCX's own striping off, three settings for UCX's tcp transport
@@ -414,30 +449,113 @@ fn rail_config(i: usize, r: &LocalRail, rdma_dev: &str) -> (ContextConfig, Strin
 }
 
 /// GPUDirect RDMA over every rail needs three things; the first one missing is the reason:
-/// 1. a UCX with CUDA support that found a GPU driver (its contexts list a `cuda` transport);
-/// 2. rails on RDMA devices (a rail over UCX's tcp copies through host memory);
-/// 3. the kernel's GPUDirect RDMA support: `nvidia_peermem` (or the older `nv_peer_mem`) loaded.
-///    (dma-buf registration, the other way, is not detected by this build.)
+/// 1. a UCX with CUDA support that found a GPU driver: its context lists the `cuda_cpy` memory
+///    domain component (`ucp_context_print_info`), without which UCX cannot tell or reach CUDA
+///    memory;
+/// 2. on each rail, a transport that does RMA from and into registered memory over an RDMA
+///    device (`rc_*`, `dc_*`, EFA's `srd*`), as the context's resources list them: a rail over
+///    UCX's tcp, or whose `UCX_TLS` leaves only `ud` (RMA emulated by active messages), stages
+///    CUDA memory through host bounce buffers inside UCX: "direct" would be false (issue 35,
+///    item 7c);
+/// 3. the kernel's GPUDirect RDMA support, peermem or dma-buf ([`gdr_kernel_support`]).
 ///
-/// When it holds, GPU regions are `ucp_mem_map`ped like host ones (UCX detects the memory type)
+/// When it holds, GPU regions are `ucp_mem_map`ped declared as CUDA memory ([`memory_type`])
 /// and GPU transfers go over the ucx rails as they are ("direct"). Not verified on hardware here.
-/// `rails`: each rail context's `ucp_context_print_info` and its device restriction.
-fn gpu_direct_check(rails: &[(String, &str)], sys_module: &std::path::Path) -> std::result::Result<(), String> {
+/// `rails`: each rail context's `ucp_context_print_info` and its device restriction; `root`:
+/// where /sys and /proc are (`/`, or a test's tree).
+fn gpu_direct_check(rails: &[(String, &str)], root: &std::path::Path) -> std::result::Result<String, String> {
+    if rails.is_empty() {
+        return Err("no rails".into());
+    }
     for (i, (info, devices)) in rails.iter().enumerate() {
-        if !info.contains("cuda") {
+        if !has_cuda_domain(info) {
             return Err(format!("the loaded UCX has no CUDA transport on rail {i} (UCX built without CUDA, or no GPU driver)"));
         }
         if devices.contains("TLS=tcp") {
             return Err(format!("rail {i} runs on UCX's tcp ({devices}): GPUDirect needs an RDMA device"));
         }
+        let tls = rail_transports(info);
+        if !tls.iter().any(|t| rma_capable(t)) {
+            return Err(format!(
+                "rail {i} ({devices}) has no UCX transport that does RMA into GPU memory (its transports: {}; rc, dc or \
+                 srd needed, check UCX_TLS): UCX would stage GPU memory through host buffers",
+                if tls.is_empty() { "none".to_string() } else { tls.join(", ") }
+            ));
+        }
     }
-    if rails.is_empty() {
-        return Err("no rails".into());
+    gdr_kernel_support(root).map_err(|why| format!("GPUDirect RDMA kernel support is missing: {why}"))
+}
+
+/// Whether a context's `ucp_context_print_info` lists the CUDA copy memory domain
+/// (`#  component 5  :  cuda_cpy`).
+fn has_cuda_domain(info: &str) -> bool {
+    info.lines().any(|l| l.contains("component") && (l.contains("cuda_cpy") || l.contains("cuda_copy")))
+}
+
+/// The transports (`rc_mlx5`, `tcp`, ...) a context's `ucp_context_print_info` lists, from its
+/// `#  resource 0  :  md 0  dev 0  flags -- tcp/lo` lines.
+fn rail_transports(info: &str) -> Vec<String> {
+    let mut out: Vec<String> = info
+        .lines()
+        .filter(|l| l.contains("resource") && l.contains(" md "))
+        .filter_map(|l| l.split_whitespace().last()?.split('/').next().map(str::to_string))
+        .collect();
+    out.dedup();
+    out
+}
+
+/// A UCX transport that does one-sided RMA over an RDMA device (what can put into and get from
+/// registered GPU memory without staging).
+fn rma_capable(tl: &str) -> bool {
+    ["rc_", "dc_", "srd"].iter().any(|p| tl.starts_with(p))
+}
+
+/// Kernel modules that let an RDMA NIC register GPU memory as peer memory (the last: the AWS
+/// EFA installer's), and the peer-memory clients UCX and NCCL look for.
+const PEERMEM_MODULES: [&str; 3] = ["nvidia_peermem", "nv_peer_mem", "efa_nv_peermem"];
+const PEER_CLIENTS: [&str; 2] = ["nv_mem", "nv_mem_nc"];
+
+/// How this host's kernel lets an RDMA NIC register GPU memory (issue 35, item 7b), from the
+/// tree at `root` (`/` on a host): `Ok(evidence)` or `Err(why not)`.
+/// - peermem: a [`PEERMEM_MODULES`] module loaded (`/sys/module/<m>`), or a peer-memory client
+///   registered (`/sys/kernel/mm/memory_peers/<c>/version`, as UCX checks);
+/// - dma-buf: the open NVIDIA kernel module (`/proc/driver/nvidia/version` says "Open Kernel
+///   Module") on Linux >= 5.12. Per device the driver has the last word
+///   (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`, asked where a VRAM region is registered).
+///
+/// `multirail doctor` decides the same way (python/multirail/doctor_topology.py,
+/// `gpudirect_support`).
+fn gdr_kernel_support(root: &std::path::Path) -> std::result::Result<String, String> {
+    if let Some(m) = PEERMEM_MODULES.iter().find(|m| root.join("sys/module").join(m).exists()) {
+        return Ok(format!("peermem ({m} loaded)"));
     }
-    if !["nvidia_peermem", "nv_peer_mem"].iter().any(|m| sys_module.join(m).exists()) {
-        return Err("GPUDirect RDMA kernel support is missing: nvidia_peermem is not loaded (`modprobe nvidia_peermem`)".into());
+    if let Some(c) = PEER_CLIENTS.iter().find(|c| root.join("sys/kernel/mm/memory_peers").join(c).join("version").exists()) {
+        return Ok(format!("peermem (the {c} peer-memory client)"));
     }
-    Ok(())
+    let version = std::fs::read_to_string(root.join("proc/driver/nvidia/version")).unwrap_or_default();
+    let release = std::fs::read_to_string(root.join("proc/sys/kernel/osrelease")).unwrap_or_default();
+    let release = release.trim();
+    let open = version.contains("Open Kernel Module");
+    if open && kernel_at_least(release, (5, 12)) {
+        return Ok(format!("dma-buf (the open NVIDIA kernel module on Linux {release})"));
+    }
+    let why = if open {
+        format!("the open NVIDIA kernel module, but Linux {release} is older than 5.12 (dma-buf RDMA)")
+    } else if !version.is_empty() {
+        "the proprietary NVIDIA kernel module has no dma-buf".to_string()
+    } else {
+        "no /proc/driver/nvidia/version".to_string()
+    };
+    Err(format!("none of {} is loaded and dma-buf is not available ({why}); `modprobe nvidia_peermem`", PEERMEM_MODULES.join(", ")))
+}
+
+/// `release` ("6.8.0-45-generic") is at least `want` (major, minor).
+fn kernel_at_least(release: &str, want: (u32, u32)) -> bool {
+    let mut it = release.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty()).map(str::parse::<u32>);
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => (a, b) >= want,
+        _ => false,
+    }
 }
 
 /// The network interface of a tcp rail: its name when that is an interface, else the interface
@@ -546,21 +664,84 @@ mod tests {
         assert_eq!(protection(Access::ReadWrite), Protection::RemoteReadWrite);
     }
 
+    /// Issue 35, item 7a: VRAM regions are mapped declared as CUDA memory.
+    #[test]
+    fn vram_regions_are_mapped_as_cuda_memory() {
+        assert_eq!(memory_type(multirail_proto::MemType::Vram), MemoryType::Cuda);
+        assert_eq!(memory_type(multirail_proto::MemType::Dram), MemoryType::Detect);
+    }
+
+    /// A `ucp_context_print_info` of a rail: the CUDA copy domain or not, and these transports.
+    fn info(cuda: bool, tls: &[&str]) -> String {
+        let mut s = String::from("#     component 0  :  self\n#     component 1  :  ib\n");
+        if cuda {
+            s += "#     component 2  :  cuda_cpy\n#            md 1  :  component 2  cuda_cpy\n";
+        }
+        s += "#            md 0  :  component 1  mlx5_0\n";
+        for (i, t) in tls.iter().enumerate() {
+            s += &format!("#      resource {i}  :  md 0  dev 0  flags -- {t}/mlx5_0:1\n");
+        }
+        s
+    }
+
     #[test]
     fn gpu_direct_needs_cuda_rdma_and_peermem() {
-        let dir = std::env::temp_dir().join(format!("mr-sysmod-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let cuda = "# memory types: host, cuda\n#  md 3 : component cuda_cpy".to_string();
+        let dir = std::env::temp_dir().join(format!("mr-gdr-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sys/module")).unwrap();
+        let cuda = info(true, &["rc_mlx5", "ud_mlx5"]);
         let rdma = "NET_DEVICES=mlx5_0:1";
-        let no_cuda = gpu_direct_check(&[("# md 0 : tcp".into(), rdma)], &dir).unwrap_err();
+        let no_cuda = gpu_direct_check(&[(info(false, &["rc_mlx5"]), rdma)], &dir).unwrap_err();
         assert!(no_cuda.contains("no CUDA transport"), "{no_cuda}");
         let tcp = gpu_direct_check(&[(cuda.clone(), rdma), (cuda.clone(), "NET_DEVICES=eth1 TLS=tcp")], &dir).unwrap_err();
         assert!(tcp.contains("rail 1 runs on UCX's tcp"), "{tcp}");
         let no_peermem = gpu_direct_check(&[(cuda.clone(), rdma)], &dir).unwrap_err();
         assert!(no_peermem.contains("nvidia_peermem"), "{no_peermem}");
-        std::fs::create_dir_all(dir.join("nvidia_peermem")).unwrap();
-        assert_eq!(gpu_direct_check(&[(cuda.clone(), rdma), (cuda, "NET_DEVICES=mlx5_1:1")], &dir), Ok(()));
+        std::fs::create_dir_all(dir.join("sys/module/nvidia_peermem")).unwrap();
+        let ok = gpu_direct_check(&[(cuda.clone(), rdma), (info(true, &["dc_mlx5"]), "NET_DEVICES=mlx5_1:1")], &dir);
+        assert!(ok.as_ref().is_ok_and(|w| w.contains("peermem")), "{ok:?}");
         assert!(gpu_direct_check(&[], &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Issue 35, item 7c: "direct" needs a transport on the rail that does RMA into GPU memory.
+    /// A UCX that lists its CUDA domain (main looked only for the word "cuda" in its info) but runs
+    /// the rail on `ud` only (UCX_TLS=ud,cuda_copy) emulates RMA and stages: not direct.
+    #[test]
+    fn gpu_direct_needs_an_rma_transport_on_the_rail() {
+        let dir = std::env::temp_dir().join(format!("mr-gdr-rma-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sys/module/nvidia_peermem")).unwrap();
+        let ud_only = gpu_direct_check(&[(info(true, &["ud_mlx5", "ud_verbs"]), "NET_DEVICES=mlx5_0:1")], &dir).unwrap_err();
+        assert!(ud_only.contains("no UCX transport that does RMA") && ud_only.contains("ud_mlx5, ud_verbs"), "{ud_only}");
+        assert!(gpu_direct_check(&[(info(true, &["rc_verbs"]), "NET_DEVICES=mlx5_0:1")], &dir).is_ok());
+        assert_eq!(rail_transports("#      resource 0  :  md 0  dev 0  flags -- tcp/lo\n"), vec!["tcp".to_string()]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Issue 35, item 7b: dma-buf counts where there is no peermem: the open kernel module on
+    /// Linux >= 5.12; the proprietary one or an older kernel do not. The peer-memory client's
+    /// sysfs entry and AWS's efa_nv_peermem count as peermem.
+    #[test]
+    fn gpu_direct_kernel_support_counts_dma_buf() {
+        let dir = std::env::temp_dir().join(format!("mr-gdr-kern-{}", std::process::id()));
+        let put = |rel: &str, text: &str| {
+            let p = dir.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(gdr_kernel_support(&dir).unwrap_err().contains("no /proc/driver/nvidia/version"));
+        put("proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n");
+        put("proc/sys/kernel/osrelease", "6.8.0-45-generic\n");
+        assert!(gdr_kernel_support(&dir).unwrap_err().contains("proprietary"));
+        put("proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15\n");
+        assert_eq!(gdr_kernel_support(&dir), Ok("dma-buf (the open NVIDIA kernel module on Linux 6.8.0-45-generic)".into()));
+        put("proc/sys/kernel/osrelease", "5.4.0-150-generic\n");
+        assert!(gdr_kernel_support(&dir).unwrap_err().contains("older than 5.12"));
+        put("sys/kernel/mm/memory_peers/nv_mem/version", "1.3\n");
+        assert!(gdr_kernel_support(&dir).unwrap().contains("nv_mem"));
+        std::fs::create_dir_all(dir.join("sys/module/efa_nv_peermem")).unwrap();
+        assert!(gdr_kernel_support(&dir).unwrap().contains("efa_nv_peermem"));
+        assert!(kernel_at_least("5.12", (5, 12)) && !kernel_at_least("4.19.0", (5, 12)) && !kernel_at_least("", (5, 12)));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
