@@ -602,10 +602,11 @@ mod tests {
         AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail], regions: Vec::new() }.encode()
     }
 
-    /// Closing a peer can wait: here for a dial to a listener that never answers its handshake,
-    /// which holds the peer's link until `timeout`. `close` (removing that peer, or closing the
-    /// agent) must not hold the peer table's lock meanwhile: another thread's look-up of another
-    /// peer answers at once.
+    /// Closing a peer could wait (until 6c912ce it waited for a dial in progress: here one to a
+    /// listener that never answers its handshake, until `timeout`; tests/background_connect.rs
+    /// now checks that it does not). `close` (removing that peer, or closing the agent) must not
+    /// hold the peer table's lock meanwhile: another thread's look-up of another peer answers
+    /// at once.
     fn the_table_stays_usable_while_a_peer_closes(close: fn(&Agent, &str)) {
         let timeout = Duration::from_secs(4);
         let a = Agent::new("lock-a", Config { timeout, ..Config::default() }).expect("agent");
