@@ -153,9 +153,12 @@ def target(d: Path, cfg: dict[str, Any]) -> None:
     while time.monotonic() < DEADLINE:
         if (d / "kill-now").exists():
             os.kill(os.getpid(), 9)  # a peer process that dies mid-transfer
+        if (d / "hold").exists():  # an application that does not take its notifications for a while
+            time.sleep(0.01)
+            continue
         for peer, msgs in agent.get_new_notifs().items():
             for m in msgs:
-                log.write(json.dumps({"from": peer, "msg": m.decode(errors="replace")}) + "\n")
+                log.write(json.dumps({"from": peer, "msg": m[:256].decode(errors="replace")}) + "\n")
                 log.flush()
                 if m == b"quit":
                     return
@@ -697,6 +700,57 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         out["repost"] = s
         check(s.startswith("ERR"), f"a repost into deregistered memory: {s}")
         check(not dst.read().any(), "deregistered memory was written")
+
+    elif name == "inbox_full":
+        # issue 36, item 7: the target's application does not take its notifications (DIR/hold)
+        # until its inbox is full (64 x 1 MiB: inbox::PEER_MAX_QUEUED_BYTES); a READ with a
+        # notification then completes (its data landed), and its notification arrives once the
+        # application takes notifications again
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        (d / "hold").touch()
+        # filled by transfers' notifications, each one DONE (so delivered) before the next
+        filler = b"f" * (1 << 20)
+        small = agent.initialize_xfer("READ", agent.get_xfer_descs([(dst.addr, 4096, 0)], mem),
+                                      agent.get_xfer_descs([(addrs["A"], 4096, 0)], mem), "target", filler)
+        for k in range(64):
+            s = wait(agent, small)
+            check(s == "DONE", f"filling the target's inbox: READ {k}: {s}")
+        agent.release_xfer_handle(small)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                  agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target", b"after-full")
+        out["state"] = wait(agent, h)
+        out["bytes_ok"] = sha(dst.read()) == sha(A)
+        (d / "hold").unlink()
+        wait_notif_at_target(d, "after-full")
+        out["notifs"] = [m for m in notifs_of_target(d) if not m.startswith("fff")]
+        agent.release_xfer_handle(h)
+
+    elif name == "release_in_flight":
+        # issue 36, item 7: releaseReqH of a transfer in flight whose release hits an internal
+        # error (MULTIRAIL_NIXL_FAULT=panic:release) frees the handle and reports success: on an
+        # error NIXL keeps the handle and releases it again later (a double free)
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(16), mem),
+                                  agent.get_xfer_descs(ra_rows, mem), "target")
+        out["posted"] = agent.transfer(h)
+        try:
+            agent.release_xfer_handle(h)
+            out["release"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out["release"] = f"{type(e).__name__}: {e}"
+        dst.write(np.zeros(size, np.uint8))
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(1), mem),
+                                  agent.get_xfer_descs([(addrs["A"], size, 0)], mem), "target")
+        out["after"] = wait(agent, h, timeout=60)
+        out["after_bytes_ok"] = sha(dst.read()) == sha(A)
+        agent.release_xfer_handle(h)
+        del agent
+        gc.collect()
+        agent = None
 
     elif name == "blip":
         # issue 36, item 2: the initiator's one rail is killed for a while (cfg params faults)

@@ -191,8 +191,9 @@ def test_get_new_notifs_sleeps_until_a_notification_comes_and_close_ends_the_wai
 def test_notifications_not_taken_are_bounded_and_the_next_is_refused_clearly(pair):
     """The target queues at most 64 MiB (or 65,536) of notifications the application has not
     taken; beyond that a peer's notification is refused (Busy), never grown without bound.
-    Nothing queued is lost, a WRITE's data still lands (its transfer fails with the refusal),
-    and taking them makes room again."""
+    Nothing queued is lost, and taking them makes room again. A send_notif refused fails; a
+    WRITE's data still lands and its transfer completes (issue 36 item 7: it failed before),
+    its notification held by the initiator and delivered once there is room."""
     t, i = pair
     src, dst = pattern(1 * MiB, 8), np.zeros(1 * MiB, np.uint8)
     loaded(t, i, dst, src)
@@ -202,14 +203,18 @@ def test_notifications_not_taken_are_bounded_and_the_next_is_refused_clearly(pai
         i.send_notif("target", b"one too many")
     w = i.initialize_xfer("WRITE", [src], [dst], "target", b"late")
     i.transfer(w)
-    with pytest.raises(errors.TransferError, match="notification queue full"):
-        i.wait(w, 10)
-    assert np.array_equal(src, dst), "the WRITE's data should have landed before its notification"
+    i.wait(w, 10)
+    assert np.array_equal(src, dst), "the WRITE's data should have landed"
     got = t.get_new_notifs()["initiator"]
     assert [m[:1] * len(m) == m and len(m) == MiB for m in got] == [True] * 64
     assert [m[0] for m in got] == list(range(64)), "lost or reordered"
     i.send_notif("target", b"after")
-    assert t.get_new_notifs() == {"initiator": [b"after"]}
+    later: list[bytes] = []
+    deadline = time.monotonic() + 20
+    while sorted(later) != [b"after", b"late"] and time.monotonic() < deadline:
+        later += t.get_new_notifs().get("initiator", [])
+        time.sleep(0.005)
+    assert sorted(later) == [b"after", b"late"], later
 
 
 @contextlib.contextmanager

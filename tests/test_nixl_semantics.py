@@ -184,3 +184,29 @@ def test_concurrency_as_vllm_drives_nixl(pair: Pair, tmp_path: Path) -> None:
     assert out["main_states"].get("DONE", 0) > 0 and set(out["main_states"]) == {"DONE"}, out
     assert out["rounds"] >= 1 and out["side_states"] == ["DONE"] and not out["errors"], out
     assert time.monotonic() - t < 20, out
+
+
+@pytest.mark.parametrize("pair", [{"size": 1 * MiB}], indirect=True)
+def test_a_full_inbox_does_not_fail_a_transfer_whose_data_landed(pair: Pair) -> None:
+    """Item 7: the target's application does not take its notifications until its inbox is
+    full (64 READs, each with a 1 MiB notification). A READ with a notification then
+    completes (before: it failed, NIXL_ERR_BACKEND, after its data had landed), its
+    notification is held by the initiator and delivered, once, when the application takes
+    notifications again."""
+    out = pair.run("inbox_full", timeout=180)
+    assert out["state"] == "DONE" and out["bytes_ok"], out
+    assert out["notifs"].count("after-full") == 1, out["notifs"]
+
+
+@pytest.mark.parametrize("pair", [{"size": 4 * MiB}], indirect=True)
+def test_releasing_a_handle_never_reports_an_error_after_freeing_it(pair: Pair) -> None:
+    """Item 7: releaseReqH of a transfer in flight hits an internal error (fault point
+    MULTIRAIL_NIXL_FAULT=panic:release, after the transfer was aborted): the handle is freed and
+    release_xfer_handle succeeds (before: the error reached NIXL, which raised
+    NIXL_ERR_REPOST_ACTIVE and kept the freed handle to release it again), and the agent goes
+    on working and closes cleanly."""
+    params = {"faults": "0:slow=20ms@0", "chunk_size": "65536"}
+    out = pair.run("release_in_flight", {"params": params}, env={"MULTIRAIL_NIXL_FAULT": "panic:release"})
+    assert out["posted"] == "PROC" and out["release"] == "ok", out
+    assert out["after"] == "DONE" and out["after_bytes_ok"], out
+

@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use multirail::peer::Peer;
 use multirail::{Agent, Error, Op, XferHandle, XferState};
@@ -34,6 +34,68 @@ const MAX_RETIRED: usize = 8;
 
 pub fn log(msg: &str) {
     eprintln!("[multirail-nixl] {msg}");
+}
+
+/// A lock of the engine, taken even when a panic poisoned it: every `mr_nixl_*` call catches
+/// its panics (lib.rs), and the state under these locks stays consistent at every point a
+/// panic can leave it (a peer left `dirty` is installed again), so one panic must not fail
+/// every later call of the engine.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The environment variable of the plugin's fault points, for tests: comma-separated
+/// `panic:POINT` (a panic at POINT, once) and `sleep:POINT:MS` (a pause at POINT, each time).
+/// Points: `release` (in `releaseReqH`, after the transfer was released), `install` (in
+/// `prepXfer`'s peer installation, under the engine's peer lock), `close` (while a peer's
+/// links close).
+pub const ENV_FAULT: &str = "MULTIRAIL_NIXL_FAULT";
+
+fn faults() -> &'static Mutex<(String, Vec<String>)> {
+    static F: OnceLock<Mutex<(String, Vec<String>)>> = OnceLock::new();
+    F.get_or_init(|| Mutex::new((std::env::var(ENV_FAULT).unwrap_or_default(), Vec::new())))
+}
+
+/// Replace the fault points' settings (tests in one process; the environment is read once).
+pub fn set_faults(spec: &str) {
+    *lock(faults()) = (spec.to_string(), Vec::new());
+}
+
+/// A fault point (see [`ENV_FAULT`]); nothing when none is set for `point`.
+pub fn fault_point(point: &str) {
+    let mut sleep = None;
+    {
+        let mut g = lock(faults());
+        if g.0.is_empty() {
+            return;
+        }
+        let (spec, fired) = &mut *g;
+        for f in spec.split(',').map(str::trim) {
+            let mut it = f.split(':');
+            match (it.next(), it.next(), it.next()) {
+                (Some("panic"), Some(p), None) if p == point && !fired.iter().any(|x| x == p) => {
+                    fired.push(p.to_string());
+                    drop(g);
+                    panic!("fault injection ({ENV_FAULT}): panic at {point}");
+                }
+                (Some("sleep"), Some(p), Some(ms)) if p == point => sleep = ms.parse::<u64>().ok(),
+                _ => {}
+            }
+        }
+    }
+    if let Some(ms) = sleep {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Close peers' links, with no engine lock held: a link's close waits for its threads.
+fn close_all(peers: Vec<Arc<Peer>>) {
+    if !peers.is_empty() {
+        fault_point("close");
+    }
+    for p in peers {
+        p.close();
+    }
 }
 
 /// NIXL status of a runtime error.
@@ -67,10 +129,9 @@ struct Remote {
 }
 
 impl Remote {
-    fn close_retired(&mut self) {
-        for p in self.retired.drain(..) {
-            p.close();
-        }
+    /// The retired peers, to close once the engine's lock is released (`close_all`).
+    fn take_retired(&mut self) -> Vec<Arc<Peer>> {
+        std::mem::take(&mut self.retired)
     }
 }
 
@@ -81,8 +142,12 @@ pub struct Engine {
     remotes: Mutex<HashMap<String, Remote>>,
     /// Notifications from this agent to itself (local transfers, genNotif to self).
     local_notifs: Mutex<Vec<(String, Vec<u8>)>>,
-    /// Regions registered through NIXL: id -> memory kind, for local copies.
-    mems: Mutex<HashMap<u64, MemType>>,
+    /// Regions registered through NIXL: id -> memory kind (for local copies) and the region's
+    /// metadata (`getPublicData` of one region costs O(1), not a copy of the agent's metadata
+    /// of every region: NIXL asks once per region, which made N registrations O(N^2)).
+    mems: Mutex<HashMap<u64, (MemType, multirail_proto::RegionMeta)>>,
+    /// This agent's incarnation (its metadata's).
+    incarnation: u64,
     /// Transfers smaller than this are polled to completion by checkXfer (`is_small`).
     small_below: u64,
 }
@@ -143,6 +208,7 @@ impl Engine {
         let small_below = cfg.planner.stripe_threshold;
         let (host, secret) = (cfg.host.clone(), cfg.secret.is_some());
         let agent = Agent::new(name, cfg)?;
+        let incarnation = agent.metadata().incarnation;
         if let Some(msg) = open_without_secret(name, secret, &host, &agent.metadata().rails) {
             eprintln!("multirail: warning: {msg}");
         }
@@ -153,6 +219,7 @@ impl Engine {
             remotes: Mutex::new(HashMap::new()),
             local_notifs: Mutex::new(Vec::new()),
             mems: Mutex::new(HashMap::new()),
+            incarnation,
             small_below,
         })
     }
@@ -190,13 +257,14 @@ impl Engine {
     pub fn register(&self, addr: u64, len: u64, dev: u64, mem: i32) -> Result<u64, Error> {
         let mem = mem_of(mem)?;
         let dev = u32::try_from(dev).map_err(|_| Error::InvalidArgument(format!("device id {dev} out of range")))?;
-        let id = self.agent.register(addr, len, dev, mem, Access::ReadWrite)?.id;
-        self.mems.lock().expect("mems lock").insert(id, mem);
+        let region = self.agent.register(addr, len, dev, mem, Access::ReadWrite)?.meta();
+        let id = region.id;
+        lock(&self.mems).insert(id, (mem, region));
         Ok(id)
     }
 
     pub fn deregister(&self, id: u64) -> Result<(), Error> {
-        self.mems.lock().expect("mems lock").remove(&id);
+        lock(&self.mems).remove(&id);
         // At once, whatever handle still holds it: NIXL forgets the registration whatever this
         // returns, and the application may free the memory next.
         self.agent.withdraw(id)
@@ -209,13 +277,9 @@ impl Engine {
     }
 
     pub fn public_data(&self, id: u64) -> Result<Vec<u8>, Error> {
-        let mut m = self.agent.metadata();
-        m.regions.retain(|r| r.id == id);
-        if m.regions.is_empty() {
-            return Err(Error::InvalidArgument(format!("region {id} is not registered here")));
-        }
-        m.rails.clear();
-        Ok(m.encode())
+        let region = lock(&self.mems).get(&id).map(|(_, r)| r.clone());
+        let region = region.ok_or_else(|| Error::InvalidArgument(format!("region {id} is not registered here")))?;
+        Ok(AgentMeta { name: self.name.clone(), incarnation: self.incarnation, rails: Vec::new(), regions: vec![region] }.encode())
     }
 
     fn decode(blob: &[u8]) -> Result<AgentMeta, Error> {
@@ -233,20 +297,23 @@ impl Engine {
         if !meta.regions.is_empty() {
             return Err(Error::Metadata("connection info must not carry regions".into()));
         }
-        let mut g = self.remotes.lock().expect("remotes lock");
+        let mut g = lock(&self.remotes);
+        let mut closing = Vec::new();
         if let Some(r) = g.get_mut(agent) {
             if r.meta.incarnation == meta.incarnation && r.meta.rails == meta.rails {
                 return Ok(());
             }
-            r.close_retired();
+            closing = r.take_retired();
         }
         g.insert(agent.to_string(), Remote { meta, regions: BTreeMap::new(), dirty: true, retired: Vec::new() });
+        drop(g);
+        close_all(closing);
         Ok(())
     }
 
     pub fn load_remote_md(&self, agent: &str, blob: &[u8]) -> Result<u64, Error> {
         let m = Self::decode(blob)?;
-        let mut g = self.remotes.lock().expect("remotes lock");
+        let mut g = lock(&self.remotes);
         let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
         if m.name != agent || m.incarnation != r.meta.incarnation {
             return Err(Error::Metadata(format!(
@@ -265,7 +332,7 @@ impl Engine {
     }
 
     pub fn unload_remote_md(&self, agent: &str, id: u64) {
-        if let Some(r) = self.remotes.lock().expect("remotes lock").get_mut(agent) {
+        if let Some(r) = lock(&self.remotes).get_mut(agent) {
             if r.regions.remove(&id).is_some() {
                 r.dirty = true;
             }
@@ -274,35 +341,42 @@ impl Engine {
 
     /// Forget a peer: close its links (transfers in flight on them fail) and drop its metadata.
     pub fn disconnect(&self, agent: &str) {
-        if let Some(mut r) = self.remotes.lock().expect("remotes lock").remove(agent) {
-            r.close_retired();
-        }
-        let _ = self.agent.remove_remote(agent);
+        let removed = lock(&self.remotes).remove(agent);
+        let mut closing = removed.map(|mut r| r.take_retired()).unwrap_or_default();
+        // The runtime's peer too: out of its table, then closed with no lock held.
+        closing.extend(self.agent.shared().peers.write().unwrap_or_else(|p| p.into_inner()).remove(agent));
+        close_all(closing);
     }
 
     /// Install the peer's current regions into the runtime when they changed.
     fn ensure_peer(&self, agent: &str) -> Result<(), Error> {
-        let mut g = self.remotes.lock().expect("remotes lock");
+        let mut g = lock(&self.remotes);
         let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
         if !r.dirty && self.agent.has_remote(agent) {
             return Ok(());
         }
+        // Dirty until installed: a failure (or a panic) on the way leaves it to the next call.
+        r.dirty = true;
+        fault_point("install");
         let mut meta = r.meta.clone();
         meta.regions = r.regions.values().cloned().collect();
         let shared = self.agent.shared();
-        let old = shared.peers.write().expect("peers lock").remove(agent);
+        let old = shared.peers.write().unwrap_or_else(|p| p.into_inner()).remove(agent);
         shared.add_remote(meta, None)?;
+        let mut closing = Vec::new();
         if let Some(old) = old {
             if old.connected() {
                 r.retired.push(old);
                 if r.retired.len() > MAX_RETIRED {
-                    r.retired.remove(0).close();
+                    closing.push(r.retired.remove(0));
                 }
             } else {
-                old.close();
+                closing.push(old);
             }
         }
         r.dirty = false;
+        drop(g);
+        close_all(closing);
         Ok(())
     }
 
@@ -405,13 +479,13 @@ impl Engine {
         match x {
             Xfer::Remote { h, reported } => {
                 reported.store(false, Ordering::Relaxed);
-                // An empty message is "no notification" for the runtime.
-                let msg = Some(notif.unwrap_or_default().to_vec());
+                // NIXL's `hasNotif` decides, whatever the message: an empty one is delivered.
+                h.set_notif(notif.map(<[u8]>::to_vec))?;
                 // A small transfer is polled to completion by NIXL's checkXfer, which reads its
                 // response itself (no thread wake-up on the round trip); a large one is carried
                 // by the rails' threads from the start (`post_handoff`: postXfer sends nothing
                 // itself and returns at once), and checkXfer only looks (see `check`).
-                let posted = if self.is_small(h) { h.post_polled(msg)? } else { h.post_handoff(msg)? };
+                let posted = if self.is_small(h) { h.post_polled(None)? } else { h.post_handoff(None)? };
                 match posted {
                     XferState::Done => Ok(SUCCESS),
                     XferState::Error => Err(h.error().unwrap_or(Error::Closed)),
@@ -426,7 +500,7 @@ impl Engine {
                 self.run_local(copies, *dst_mem, *src_mem, *dev)?;
                 done.store(true, Ordering::SeqCst);
                 if let Some(n) = notif {
-                    self.local_notifs.lock().expect("notif lock").push((self.name.clone(), n.to_vec()));
+                    lock(&self.local_notifs).push((self.name.clone(), n.to_vec()));
                 }
                 Ok(SUCCESS)
             }
@@ -468,11 +542,12 @@ impl Engine {
         if let Xfer::Remote { h, .. } = x {
             h.release();
         }
+        fault_point("release");
     }
 
     pub fn gen_notif(&self, agent: &str, msg: &[u8]) -> Result<(), Error> {
         if agent == self.name {
-            self.local_notifs.lock().expect("notif lock").push((self.name.clone(), msg.to_vec()));
+            lock(&self.local_notifs).push((self.name.clone(), msg.to_vec()));
             return Ok(());
         }
         self.ensure_peer(agent)?;
@@ -480,21 +555,20 @@ impl Engine {
     }
 
     pub fn take_notifs(&self) -> Vec<(String, Vec<u8>)> {
-        let mut v = std::mem::take(&mut *self.local_notifs.lock().expect("notif lock"));
+        let mut v = std::mem::take(&mut *lock(&self.local_notifs));
         v.extend(self.agent.take_notifs());
         v
     }
 
     pub fn mem_of_region(&self, id: u64) -> Option<MemType> {
-        self.mems.lock().expect("mems lock").get(&id).copied()
+        lock(&self.mems).get(&id).map(|(m, _)| *m)
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        for (_, mut r) in self.remotes.lock().expect("remotes lock").drain() {
-            r.close_retired();
-        }
+        let retired: Vec<Arc<Peer>> = lock(&self.remotes).drain().flat_map(|(_, mut r)| r.take_retired()).collect();
+        close_all(retired);
         // Returns only once nothing of the agent touches registered memory any more.
         self.agent.close();
     }

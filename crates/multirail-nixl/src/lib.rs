@@ -118,6 +118,8 @@ pub extern "C" fn nixl_plugin_init() -> *mut c_void {
             Ok(what) => {
                 if what.contains("anyway") {
                     log(&format!("WARNING: {what}"));
+                } else if what.contains("built from source") {
+                    log(&format!("loading for {what}"));
                 }
                 // SAFETY: the shim's init only builds its static plugin struct.
                 unsafe { mr_nixl_shim_init() }
@@ -441,16 +443,18 @@ pub unsafe extern "C" fn mr_nixl_check(e: *const Engine, x: *const Xfer) -> c_in
 }
 
 /// Abort the transfer if in flight (returns once nothing of it touches memory) and free it.
+/// Always SUCCESS: the handle is freed whatever happens, and NIXL keeps a handle whose release
+/// failed and releases it again (a double free); an internal error is logged instead.
 ///
 /// # Safety
 /// `e` is a live engine; `x` came from `mr_nixl_prep` and is not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn mr_nixl_release(e: *const Engine, x: *mut Xfer) -> c_int {
-    guard(ERR_UNKNOWN, "release", || {
-        if x.is_null() {
-            return SUCCESS;
-        }
-        let x = *Box::from_raw(x);
+    if x.is_null() {
+        return SUCCESS;
+    }
+    let x = *Box::from_raw(x);
+    guard(SUCCESS, "release (the handle is freed)", || {
         match engine(e) {
             Some(e) => e.release(x),
             None => drop(x),

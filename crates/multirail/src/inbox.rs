@@ -9,9 +9,10 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Most notifications of one peer queued and not yet taken by the application, and most bytes of
-/// them: a peer's notifications beyond either are refused (`Status::Busy`; the initiator's
-/// transfer fails with that error) rather than grown without bound by the wire, and one peer
-/// cannot fill the queue for the others.
+/// them: a peer's notifications beyond either are refused (`Status::Busy`) rather than grown
+/// without bound by the wire, and one peer cannot fill the queue for the others. The
+/// initiator's transfer, whose data landed, completes anyway; its link holds the notification
+/// and sends it again until it is taken (`Link::notifier`); a `send_notif` refused fails.
 pub const PEER_MAX_QUEUED: usize = 1 << 16;
 pub const PEER_MAX_QUEUED_BYTES: usize = 64 << 20;
 /// Most notifications (and bytes) queued from all peers together.

@@ -834,7 +834,7 @@ fn complete(q: Queued, events: &EventPool, in_flight: &InFlight, counters: &Coun
             counters.transfers.fetch_add(1, Ordering::Relaxed);
             counters.bytes.fetch_add(x.total, Ordering::Relaxed);
             counters.copies.fetch_add(plan.parts.iter().map(|p| p.1.len() as u64).sum(), Ordering::Relaxed);
-            if x.notif.lock().expect("xfer lock").is_empty() {
+            if x.notif.lock().expect("xfer lock").is_none() {
                 x.finish(Ok(()));
             } else {
                 // Sent by the link's notifier, pipelined with the notifications queued before

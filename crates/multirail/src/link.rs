@@ -34,6 +34,10 @@ use crate::xfer::{Op, XferShared};
 
 /// Most notifications the notifier sends in one pipelined batch (`Link::control_batch`).
 const NOTIFY_BATCH: usize = 64;
+/// Pause before a refused notification (the peer's inbox full) is sent again, doubling up to
+/// the max (`Link::notifier`).
+const NOTIFY_RETRY_MIN: Duration = Duration::from_millis(1);
+const NOTIFY_RETRY_MAX: Duration = Duration::from_millis(100);
 /// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pause after a failed control dial, doubling up to the max until the request's `timeout`.
@@ -439,24 +443,7 @@ impl Link {
         let l2 = link.clone();
         std::thread::Builder::new()
             .name(format!("mr-notify-{}", peer.name))
-            .spawn(move || {
-                // Each pass takes every notification queued meanwhile (in order, at most
-                // NOTIFY_BATCH) and sends them pipelined: a request of 32 layer WRITEs pays about
-                // one round trip for its notifications, not 32, and a lone one pays no wait.
-                while let Ok(x) = rx.recv() {
-                    let mut batch = vec![x];
-                    while batch.len() < NOTIFY_BATCH {
-                        match rx.try_recv() {
-                            Ok(x) => batch.push(x),
-                            Err(_) => break,
-                        }
-                    }
-                    let bodies = batch.iter().map(|x| l2.notif_body(x.notif.lock().expect("xfer lock").clone())).collect();
-                    for (x, r) in batch.into_iter().zip(l2.control_batch(bodies)) {
-                        x.finish(r);
-                    }
-                }
-            })
+            .spawn(move || l2.notifier(rx))
             .map_err(|e| Error::io("spawn", e))?;
         let l3 = link.clone();
         std::thread::Builder::new()
@@ -878,7 +865,7 @@ impl Link {
 
     fn complete(&self, done: Vec<(Arc<XferShared>, Result<()>)>) {
         for (x, r) in done {
-            let has_notif = r.is_ok() && !x.notif.lock().expect("xfer lock").is_empty();
+            let has_notif = r.is_ok() && x.notif.lock().expect("xfer lock").is_some();
             if has_notif {
                 self.notify_then_finish(x);
             } else {
@@ -1085,6 +1072,106 @@ impl Link {
             }
             b => std::borrow::Cow::Borrowed(b),
         }
+    }
+
+    /// The notifier thread: each pass takes every notification queued meanwhile (in order, at
+    /// most NOTIFY_BATCH) and sends them pipelined: a request of 32 layer WRITEs pays about one
+    /// round trip for its notifications, not 32, and a lone one pays no wait.
+    ///
+    /// A notification the target refuses because its inbox is full (`Status::Busy`: its
+    /// application has not taken its notifications) does not fail the transfer, whose data
+    /// landed: the transfer completes, and the notification is held here and sent again
+    /// (same number, so the target queues it once) with a growing pause, the later ones of
+    /// this link behind it, until the target takes it. One still refused `timeout` after its
+    /// first refusal is dropped with a log line, as is one beyond `inbox::PEER_MAX_QUEUED`
+    /// held (docs/nixl-plugin.md, "Notifications").
+    fn notifier(&self, rx: mpsc::Receiver<Arc<XferShared>>) {
+        let mut held: std::collections::VecDeque<(Body, Instant)> = std::collections::VecDeque::new();
+        let mut pause = NOTIFY_RETRY_MIN;
+        loop {
+            let first = if held.is_empty() {
+                match rx.recv() {
+                    Ok(x) => Some(x),
+                    Err(_) => break,
+                }
+            } else {
+                match rx.recv_timeout(pause) {
+                    Ok(x) => Some(x),
+                    Err(mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            };
+            let mut batch: Vec<Arc<XferShared>> = first.into_iter().collect();
+            while !batch.is_empty() && batch.len() < NOTIFY_BATCH {
+                match rx.try_recv() {
+                    Ok(x) => batch.push(x),
+                    Err(_) => break,
+                }
+            }
+            let bodies: Vec<Body> =
+                batch.iter().map(|x| self.notif_body(x.notif.lock().expect("xfer lock").clone().unwrap_or_default())).collect();
+            if !held.is_empty() {
+                // Behind the held ones, in order; their data landed.
+                for (x, b) in batch.into_iter().zip(bodies) {
+                    self.hold_notif(&mut held, b);
+                    x.finish(Ok(()));
+                }
+            } else {
+                for ((x, b), r) in batch.into_iter().zip(bodies.clone()).zip(self.control_batch(bodies)) {
+                    match r {
+                        Err(Error::Remote { status: Status::Busy, .. }) => {
+                            self.hold_notif(&mut held, b);
+                            x.finish(Ok(()));
+                        }
+                        r => x.finish(r),
+                    }
+                }
+                pause = NOTIFY_RETRY_MIN;
+                continue;
+            }
+            // Send the held ones again, oldest first, until one is refused again.
+            let n = held.len().min(NOTIFY_BATCH);
+            let again: Vec<Body> = held.iter().take(n).map(|(b, _)| b.clone()).collect();
+            let mut refused = false;
+            for r in self.control_batch(again) {
+                match r {
+                    Ok(()) if !refused => {
+                        held.pop_front();
+                    }
+                    Err(Error::Remote { status: Status::Busy, .. }) => refused = true,
+                    Ok(()) => {}
+                    Err(e) if !refused => {
+                        self.ctx.log(&format!("peer {}: a held notification could not be sent, dropped: {e}", self.peer_name));
+                        held.pop_front();
+                    }
+                    Err(_) => {}
+                }
+            }
+            pause = if refused { (pause * 2).min(NOTIFY_RETRY_MAX) } else { NOTIFY_RETRY_MIN };
+            let timeout = self.ctx.cfg.timeout;
+            while held.front().is_some_and(|(_, t)| t.elapsed() > timeout) {
+                held.pop_front();
+                self.ctx.log(&format!(
+                    "peer {}: notification dropped: the peer's inbox stayed full for {timeout:?} (its application does not take its notifications)",
+                    self.peer_name
+                ));
+            }
+        }
+        if !held.is_empty() {
+            self.ctx.log(&format!(
+                "peer {}: link closed with {} notifications not taken by the peer (inbox full)",
+                self.peer_name,
+                held.len()
+            ));
+        }
+    }
+
+    fn hold_notif(&self, held: &mut std::collections::VecDeque<(Body, Instant)>, b: Body) {
+        if held.len() >= crate::inbox::PEER_MAX_QUEUED {
+            held.pop_front();
+            self.ctx.log(&format!("peer {}: notification dropped: {} held for a peer whose inbox is full", self.peer_name, held.len() + 1));
+        }
+        held.push_back((b, Instant::now()));
     }
 
     /// Hands a transfer that has completed its data to the notifier, which sends its

@@ -86,6 +86,15 @@ impl NotifSeen {
         true
     }
 
+    /// Forget notification `seq` of `peer` in `incarnation` (it was refused, not queued): a
+    /// copy sent again is then queued.
+    pub fn forget(&self, peer: &str, incarnation: u64, seq: u64) {
+        let mut g = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = g.0.get_mut(peer).filter(|s| s.incarnation == incarnation) {
+            s.nums.remove(&seq);
+        }
+    }
+
     /// Fault injection: whether the answer to the notification being served now is to be lost
     /// (the notification is queued, the connection closed unanswered). Once.
     pub fn lose_answer(&self) -> bool {

@@ -1159,8 +1159,12 @@ impl<'a> Conn<'a> {
     /// after a lost answer is answered, not queued again (`notif_seen`).
     fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
         self.flush_gdr_writes();
-        let queued =
-            if self.sh.notif_seen.first(self.peer, incarnation, seq) { self.sh.notifs.push(self.peer.to_string(), msg) } else { Ok(()) };
+        let queued = if self.sh.notif_seen.first(self.peer, incarnation, seq) {
+            // Refused (inbox full): not queued, so a copy sent again later is not a duplicate.
+            self.sh.notifs.push(self.peer.to_string(), msg).inspect_err(|_| self.sh.notif_seen.forget(self.peer, incarnation, seq))
+        } else {
+            Ok(())
+        };
         if self.sh.notif_seen.lose_answer() {
             return Err(hang_up()); // fault injection: queued, never answered
         }

@@ -203,7 +203,9 @@ pub(crate) struct XferShared {
     /// whose transport and peer take them. GPU memory goes one piece per chunk (staged or
     /// IPC paths).
     pub vectored: bool,
-    pub notif: Mutex<Vec<u8>>,
+    /// The notification sent once the data landed: None for none; `Some` of an empty message
+    /// is an empty notification (NIXL delivers those).
+    pub notif: Mutex<Option<Vec<u8>>>,
     /// Local regions this transfer touches; held so they cannot be deregistered under it.
     /// Emptied by `release`, after which the handle can no longer be posted.
     hold: Mutex<Vec<Arc<Region>>>,
@@ -333,7 +335,7 @@ impl XferShared {
             pieces,
             total,
             vectored,
-            notif: Mutex::new(notif),
+            notif: Mutex::new((!notif.is_empty()).then_some(notif)),
             hold: Mutex::new(hold),
             state: AtomicU8::new(XferState::Idle as u8),
             error: Mutex::new(None),
@@ -638,7 +640,19 @@ enum PostMode {
 }
 
 impl XferHandle {
-    /// Start (or restart) the transfer. `notif` replaces the handle's notification when given.
+    /// Set the notification the next posts send: None for none, `Some(empty)` for an empty
+    /// one (NIXL's `hasNotif` with an empty message; the `post*` methods take an empty message
+    /// as "none").
+    pub fn set_notif(&self, notif: Option<Vec<u8>>) -> Result<()> {
+        if let Some(n) = &notif {
+            check_notif(n)?;
+        }
+        *self.0.notif.lock().expect("xfer lock") = notif;
+        Ok(())
+    }
+
+    /// Start (or restart) the transfer. `notif` replaces the handle's notification when given
+    /// (an empty one removes it; see [`XferHandle::set_notif`]).
     pub fn post(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
         self.post_inner(notif, false, None, PostMode::Inline)
     }
@@ -686,7 +700,7 @@ impl XferHandle {
     fn post_inner(&self, notif: Option<Vec<u8>>, will_drive: bool, stream: Option<u64>, mode: PostMode) -> Result<XferState> {
         if let Some(n) = notif {
             check_notif(&n)?;
-            *self.0.notif.lock().expect("xfer lock") = n;
+            *self.0.notif.lock().expect("xfer lock") = (!n.is_empty()).then_some(n);
         }
         if self.0.has_local_vram() {
             if self.0.state() == XferState::InProgress {
