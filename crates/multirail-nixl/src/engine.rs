@@ -348,7 +348,11 @@ impl Engine {
         close_all(closing);
     }
 
-    /// Install the peer's current regions into the runtime when they changed.
+    /// Install the peer's current regions into the runtime when they changed: the new peer
+    /// takes the old one's place in one step (the table never lacks the name), and the old one
+    /// is retired while connected (its transfers finish) or closed. When the install fails,
+    /// nothing changed: the old peer stays installed and open (its transfers go on), and the
+    /// regions stay dirty, so the next call tries again.
     fn ensure_peer(&self, agent: &str) -> Result<(), Error> {
         let mut g = lock(&self.remotes);
         let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
@@ -360,9 +364,7 @@ impl Engine {
         fault_point("install");
         let mut meta = r.meta.clone();
         meta.regions = r.regions.values().cloned().collect();
-        let shared = self.agent.shared();
-        let old = shared.peers.write().unwrap_or_else(|p| p.into_inner()).remove(agent);
-        shared.add_remote(meta, None)?;
+        let (_, old) = self.agent.shared().replace_remote(meta, None)?;
         let mut closing = Vec::new();
         if let Some(old) = old {
             if old.connected() {
@@ -571,5 +573,73 @@ impl Drop for Engine {
         close_all(retired);
         // Returns only once nothing of the agent touches registered memory any more.
         self.agent.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use multirail_proto::{Access, MemType, RailInfo, RegionKey, RegionMeta};
+    use std::sync::atomic::AtomicUsize;
+
+    fn conn_info(name: &str) -> Vec<u8> {
+        let rail = RailInfo {
+            name: "lo".into(),
+            addr: "127.0.0.1".into(),
+            prefix_len: 8,
+            port: 1,
+            speed_mbps: 0,
+            mtu: 65536,
+            numa: -1,
+            rdma_dev: String::new(),
+        };
+        AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail], regions: Vec::new() }.encode()
+    }
+
+    fn region_md(name: &str, id: u64) -> Vec<u8> {
+        let r = RegionMeta {
+            id,
+            base: id << 12,
+            len: 4096,
+            dev: 0,
+            mem: MemType::Dram,
+            access: Access::ReadWrite,
+            key: RegionKey([id as u8; 16]),
+        };
+        AgentMeta { name: name.into(), incarnation: 7, rails: Vec::new(), regions: vec![r] }.encode()
+    }
+
+    /// Reinstalling a peer whose regions changed used to take it out of the table, then add
+    /// the new one: between the two another thread found no such peer (a transfer prepared
+    /// then failed with UnknownPeer), and had the add failed (a full table) the old peer was
+    /// dropped unclosed. The replacement is one step now.
+    #[test]
+    fn a_peer_being_reinstalled_never_leaves_the_table() {
+        let e = Engine::new("nixl-a", multirail::Config::default()).expect("engine");
+        e.load_conn_info("peer", &conn_info("peer")).expect("conn info");
+        e.ensure_peer("peer").expect("install");
+        let first = e.agent.peer("peer").expect("installed");
+        let (stop, looks, missing) = (AtomicBool::new(false), AtomicUsize::new(0), AtomicUsize::new(0));
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    looks.fetch_add(1, Ordering::Relaxed);
+                    if !e.agent.has_remote("peer") {
+                        missing.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+            for id in 1..=3000 {
+                e.load_remote_md("peer", &region_md("peer", id)).expect("region");
+                e.unload_remote_md("peer", id - 1);
+                e.ensure_peer("peer").expect("reinstall");
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+        let (looks, missing) = (looks.into_inner(), missing.into_inner());
+        assert_eq!(missing, 0, "the peer was missing from the table in {missing} of {looks} look-ups");
+        assert!(!Arc::ptr_eq(&first, &e.agent.peer("peer").expect("installed")));
+        let regions: Vec<u64> = e.agent.peer("peer").expect("installed").meta.regions.iter().map(|r| r.id).collect();
+        assert_eq!(regions, vec![3000]);
     }
 }

@@ -173,6 +173,18 @@ impl Registry {
     }
 }
 
+/// Two byte ranges `(offset, len)` of a vectored request (its pieces expanded: `count` ranges
+/// each) that share a byte, the first such pair in offset order; None when they are disjoint.
+/// O(n log n) in the ranges, which the decoder bounds (`MAX_VEC_PIECES`). A WRITE of them into
+/// GPU memory is refused: its copies run in one launch, in no order (`server::Conn::write_vec`).
+pub fn overlapping_ranges(op: &VecOp) -> Option<((u64, u64), (u64, u64))> {
+    let mut spans: Vec<(u64, u64)> =
+        op.pieces.iter().flat_map(|p| (0..p.count).map(move |k| (p.offset.saturating_add(k.saturating_mul(p.stride)), p.len))).collect();
+    spans.sort_unstable();
+    // Sorted by offset and disjoint so far, a range can overlap only the one just before it.
+    spans.windows(2).find(|w| w[1].0 < w[0].0.saturating_add(w[0].1)).map(|w| (w[0], w[1]))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,6 +233,20 @@ mod tests {
         let g = |pieces| VecOp { region: gpu.id, key: gpu.key, pieces };
         assert_eq!(reg.check_vec(&g(vec![p(0, 1, 1, 0), p(8, 8, 511, 8)]), true).unwrap().mem, MemType::Vram);
         assert_eq!(reg.check_vec(&g(vec![p(8, 8, 512, 8)]), false).unwrap_err().0, Status::OutOfBounds);
+    }
+
+    #[test]
+    fn overlapping_ranges_of_a_vectored_request_are_found() {
+        use multirail_proto::codec::VecPiece;
+        let p = |offset, len, count, stride| VecPiece { offset, len, count, stride };
+        let op = |pieces| VecOp { region: 1, key: RegionKey([0; 16]), pieces };
+        assert_eq!(overlapping_ranges(&op(vec![p(4096, 4096, 1, 0), p(0, 4096, 1, 0), p(8192, 8, 4, 8)])), None);
+        // Out of order, and one entry inside a strided one's range.
+        assert_eq!(overlapping_ranges(&op(vec![p(100, 8, 1, 0), p(0, 16, 1, 0), p(8, 8, 1, 0)])), Some(((0, 16), (8, 8))));
+        assert_eq!(overlapping_ranges(&op(vec![p(0, 4, 4, 16), p(35, 2, 1, 0)])), Some(((32, 4), (35, 2))));
+        // The same range twice; a range ending where the next begins is no overlap.
+        assert_eq!(overlapping_ranges(&op(vec![p(64, 8, 1, 0), p(64, 8, 1, 0)])), Some(((64, 8), (64, 8))));
+        assert_eq!(overlapping_ranges(&op(vec![p(0, 8, 1, 0), p(8, 8, 1, 0)])), None);
     }
 
     #[test]

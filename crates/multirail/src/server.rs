@@ -129,20 +129,41 @@ impl Shared {
 
     /// Install metadata for a peer, from the application (replacing an older life of it).
     pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
+        let (name, replaced) = self.replace_remote(meta, addr_hint)?;
+        if let Some(p) = replaced {
+            p.close();
+        }
+        Ok(name)
+    }
+
+    /// As [`Shared::add_remote`], in one step under the table's lock, but the peer it replaced
+    /// (if any) is handed to the caller, open, rather than closed (the NIXL engine lets its
+    /// transfers finish). On an error nothing changed: a peer of that name stays installed.
+    pub fn replace_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<(String, Option<Arc<Peer>>)> {
         self.install(meta, addr_hint, PeerOrigin::App).map_err(|(_, msg)| Error::Metadata(msg))
     }
 
     /// Install metadata a peer pushed itself (`MetaPut`): never over a peer the application
     /// installed. Refusals carry the status to answer.
     pub(crate) fn add_remote_from_wire(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> std::result::Result<String, (Status, String)> {
-        self.install(meta, addr_hint, PeerOrigin::Wire)
+        let (name, replaced) = self.install(meta, addr_hint, PeerOrigin::Wire)?;
+        if let Some(p) = replaced {
+            p.close();
+        }
+        Ok(name)
     }
 
-    /// Insert or replace a peer, within `max_peers`; the replaced one is closed after the
-    /// table's lock is released (its transfers fail; other threads keep using the table).
+    /// Insert or replace a peer, within `max_peers`; the replaced one is returned (the caller
+    /// closes it, after the table's lock is released: other threads keep using the table).
     /// Peers pushed from the wire never keep the application's own out: a full table makes room
-    /// for an application install by dropping a peer that came by `MetaPut`.
-    fn install(&self, meta: AgentMeta, addr_hint: Option<IpAddr>, origin: PeerOrigin) -> std::result::Result<String, (Status, String)> {
+    /// for an application install by dropping (and closing) a peer that came by `MetaPut`.
+    #[allow(clippy::type_complexity)]
+    fn install(
+        &self,
+        meta: AgentMeta,
+        addr_hint: Option<IpAddr>,
+        origin: PeerOrigin,
+    ) -> std::result::Result<(String, Option<Arc<Peer>>), (Status, String)> {
         if meta.name.is_empty() {
             return Err((Status::Malformed, "metadata has an empty agent name".into()));
         }
@@ -178,10 +199,10 @@ impl Shared {
             }
             (g.insert(name.clone(), peer.into_arc()), evicted)
         };
-        for p in [old, evicted].into_iter().flatten() {
+        if let Some(p) = evicted {
             p.close();
         }
-        Ok(name)
+        Ok((name, old))
     }
 }
 
@@ -914,7 +935,11 @@ impl<'a> Conn<'a> {
                 .ok()
                 .filter(|r| r.mem == MemType::Vram)
                 .map(|r| (Src::At(DevicePtr(r.ptr(op.offset) as u64), op.len), r)),
-            Body::WriteVReq(op) => reg.check_vec(op, true).ok().filter(|r| r.mem == MemType::Vram).map(|r| (region_pages(&r, op), r)),
+            Body::WriteVReq(op) => reg
+                .check_vec(op, true)
+                .ok()
+                .filter(|r| r.mem == MemType::Vram && crate::registry::overlapping_ranges(op).is_none())
+                .map(|r| (region_pages(&r, op), r)),
             _ => None,
         }
     }
@@ -1113,11 +1138,24 @@ impl<'a> Conn<'a> {
         self.answer(req, &ok_resp(), tick)
     }
 
-    /// WriteVReq into host memory (GPU ones were staged by `write_gpu`).
+    /// WriteVReq into host memory, its pieces applied in entry order (GPU ones were staged by
+    /// `write_gpu`; one whose entries overlap is refused here: their copies run in one launch,
+    /// in no order).
     fn write_vec(&mut self, req: u64, op: VecOp, tick: &mut TickFn<'_>) -> Handled {
         let checked = self.sh.registry.check_vec(&op, true).and_then(|r| match r.mem {
             MemType::Dram => Ok(r),
-            MemType::Vram => Err((Status::Unexpected, format!("region {} is GPU memory", op.region))),
+            MemType::Vram => Err(match crate::registry::overlapping_ranges(&op) {
+                Some(((a, n), (b, m))) => (
+                    Status::Malformed,
+                    format!(
+                        "vectored WRITE into GPU region {}: entries overlap (bytes {a}..{} and {b}..{}); GPU memory takes only disjoint entries",
+                        op.region,
+                        a + n,
+                        b + m
+                    ),
+                ),
+                None => (Status::Unexpected, format!("region {} is GPU memory", op.region)),
+            }),
         });
         let region = match checked {
             Ok(r) => r,
