@@ -22,8 +22,9 @@
 //!   is not a request, one that does not decode); before that, every request is answered;
 //! - statuses agree with the regions: accepted exactly when the region is exported, the key is
 //!   right, every byte is inside it and a WRITE's region is read-write; refusals carry a refusal
-//!   status; READs return what earlier WRITEs of the connection left (a shadow copy; bytes that
-//!   two entries of one GPU WRITE both write are not asserted: the gather's order is unspecified);
+//!   status; a vectored WRITE into a GPU region whose entries overlap is refused (one batched copy
+//!   lands them in no order); READs return what earlier WRITEs of the connection left (a shadow
+//!   copy);
 //! - after the connection, its serving thread ends within `BOUND` (none left behind), and the
 //!   memory of every region, and 64 guard bytes either side, holds exactly what the answered
 //!   WRITEs put there (refused requests touched nothing, the local region nothing at all).
@@ -595,9 +596,10 @@ impl<'f> Run<'f> {
             }
         };
         let ends: Vec<Option<u64>> = op.pieces.iter().map(|p| p.end()).collect();
-        let ok = self.accepts(&t, op.key, write, &ends);
         let ranges: Vec<(u64, u64)> =
             op.pieces.iter().flat_map(|p| (0..p.count).map(move |k| (p.offset.wrapping_add(k.wrapping_mul(p.stride)), p.len))).collect();
+        let gpu = t.reg.is_some_and(|i| self.fx.regs[i].gpu);
+        let ok = self.accepts(&t, op.key, write, &ends) && !(write && gpu && overlap(&ranges));
         let total = op.total();
         self.log(format!(
             "{req}: {kind:?} region {:?} pieces {:?} -> {ok}",
@@ -609,7 +611,6 @@ impl<'f> Run<'f> {
         if write {
             let data = payload(n as u8 ^ 0x5a, total as usize);
             self.queue(&data);
-            let gpu = t.reg.is_some_and(|i| self.fx.regs[i].gpu);
             self.expect.push_back(Expect { req, want: Want::Write { ok, reg: t.reg, ranges, data, gpu }, optional: false });
         } else {
             self.expect.push_back(Expect { req, want: Want::Read { ok, reg: t.reg, ranges, total }, optional: false });
@@ -806,6 +807,13 @@ fn wait_served(run: &Run<'_>) {
 
 /// Every region holds what the answered WRITEs left (refused ones touched nothing), its guards
 /// their pattern.
+/// Whether two of these byte ranges (offset, len) share a byte.
+fn overlap(ranges: &[(u64, u64)]) -> bool {
+    let mut r = ranges.to_vec();
+    r.sort_unstable();
+    r.windows(2).any(|w| w[1].0 < w[0].0.saturating_add(w[0].1))
+}
+
 fn check_memory(run: &Run<'_>) {
     for (i, (r, p)) in run.fx.regs.iter().zip(&run.fx.patterns).enumerate() {
         let mem = r.bytes();
