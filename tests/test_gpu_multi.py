@@ -403,6 +403,12 @@ def test_a_persistent_staging_error_on_the_target_fails_the_transfer_not_the_rai
     assert np.array_equal(host_remote, hsrc)
     rails = i.rail_stats("target")
     assert all(r["up"] and r["times_down"] == 0 and r["reissued"] == 0 for r in rails), rails
+    # The target counts the failed requests as refused, never as served: what it served is the
+    # host WRITE alone.
+    served = t.served_stats()
+    total = {k: sum(r[k] for r in served) for k in ("bytes_read", "requests_read", "bytes_written")}
+    assert total == {"bytes_read": 0, "requests_read": 0, "bytes_written": n}, (total, served)
+    assert sum(r["refused_by_status"].get("Internal", 0) for r in served) >= 1, served
     h2 = i.initialize_xfer(op, [local], [region], "target")
     i.transfer_sync(h2, 30)
     i.release_xfer_handle(h2)

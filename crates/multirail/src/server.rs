@@ -64,22 +64,35 @@ fn unsent_reads_fail(
 ) -> Result<(), WireError> {
     let mut at = 0u64;
     let mut unsent = Vec::new();
-    for &(id, wire_len, payload) in segs {
+    for &(id, wire_len, _) in segs {
         if sent > at && sent < at + wire_len {
             return Err(staging_failed(StageError::Device(m.to_string())));
         }
         if sent <= at {
-            unsent.push((id, payload));
+            unsent.push(id);
         }
         at += wire_len;
     }
     let msg = format!("GPU staging failed on the target: {m}");
-    for (id, payload) in unsent {
-        ctr.bytes_read.fetch_sub(payload.min(ctr.bytes_read.load(Ordering::Relaxed)), Ordering::Relaxed);
+    for id in unsent {
         ctr.refuse(Status::Internal);
         wire::send(s, &Body::Resp { status: Status::Internal, bulk_len: 0, msg: msg.clone() }, id, tick)?;
     }
     Ok(())
+}
+
+/// A stream of staged READ answers (`segs`: request id, bytes on the wire, payload bytes) ended
+/// after `sent` bytes: the answers not sent in full are taken back out of the served counts
+/// (`staged_reads` counted each when it joined the stream).
+fn uncount_unsent_reads(ctr: &ServedCounters, segs: &[(u64, u64, u64)], sent: u64) {
+    let mut at = 0u64;
+    for &(_, wire_len, payload) in segs {
+        at += wire_len;
+        if sent < at {
+            ctr.bytes_read.fetch_sub(payload, Ordering::Relaxed);
+            ctr.requests_read.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// State shared between the agent handle, its listeners and its connection threads.
@@ -1007,8 +1020,9 @@ impl<'a> Conn<'a> {
             // Nothing to stage or copy: a staged segment without pieces would never send its header.
             wire::write_full(&mut self.s, &[&hdr], tick)
         } else if region.mem == MemType::Vram {
+            // Counted by `staged_reads`, which knows which answers went out.
             let first = (Src::At(DevicePtr(region.ptr(op.offset) as u64), op.len), req, hdr.to_vec());
-            self.staged_reads(first, region.clone(), tick)
+            return self.staged_reads(first, region.clone(), tick);
         } else {
             // SAFETY: check_remote proved [offset, offset+len) lies in the region, and `region`
             // holds it registered for the duration of the write.
@@ -1030,9 +1044,10 @@ impl<'a> Conn<'a> {
         let total = op.total();
         let hdr = Body::Resp { status: Status::Ok, bulk_len: total, msg: String::new() }.encode(req);
         let r = if region.mem == MemType::Vram {
-            // The pages gathered into the pinned buffers a buffer's worth at a time.
+            // The pages gathered into the pinned buffers a buffer's worth at a time; counted by
+            // `staged_reads`, which knows which answers went out.
             let first = (region_pages(&region, &op), req, hdr.to_vec());
-            self.staged_reads(first, region, tick)
+            return self.staged_reads(first, region, tick);
         } else {
             let mut bufs: Vec<&[u8]> = Vec::with_capacity(op.pieces.len() + 1);
             bufs.push(&hdr);
@@ -1064,6 +1079,10 @@ impl<'a> Conn<'a> {
         let mut held_regions = vec![region];
         // Each answer's (request id, bytes on the wire, payload bytes), in stream order.
         let mut segs: Vec<(u64, u64, u64)> = vec![(first.1, first.2.len() as u64 + first.0.len(), first.0.len())];
+        // Each answer is counted served when it joins the stream, and taken back out if it is
+        // not sent in full (`uncount_unsent_reads`).
+        ctr.bytes_read.fetch_add(first.0.len(), Ordering::Relaxed);
+        ctr.requests_read.fetch_add(1, Ordering::Relaxed);
         let mut more = || {
             if sh.shutdown.load(Ordering::Acquire) || me.fenced.load(Ordering::Acquire) {
                 return None;
@@ -1100,6 +1119,9 @@ impl<'a> Conn<'a> {
         let r = unsafe { stage.send_stream(dev, first, &mut out, &mut more) };
         let sent = out.sent;
         drop(out);
+        if r.is_err() {
+            uncount_unsent_reads(ctr, &segs, sent);
+        }
         match r {
             Ok(()) => Ok(()),
             Err(StageError::Device(m)) => unsent_reads_fail(s, ctr, &segs, sent, &m, tick),
