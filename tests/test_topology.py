@@ -288,6 +288,19 @@ def test_normalize_bus_id() -> None:
     assert parse_cpulist("0-2,5") == (0, 1, 2, 5) and parse_cpulist("") == ()
 
 
+def test_a_cpulist_beyond_any_cpu_is_refused() -> None:
+    """A CPU list naming CPUs no kernel has (a corrupt tree, a hostile setting) is malformed:
+    refused, never expanded (``0-18446744073709551615`` would fill memory), in both parsers."""
+    from multirail import affinity
+
+    assert parse_cpulist("0-4000000") == () and parse_cpulist("0-3,4000000") == ()
+    assert parse_cpulist("0-18446744073709551615") == ()
+    assert parse_cpulist("0,65535") == (0, 65535)
+    for bad in ("0-4000000", "0-18446744073709551615"):
+        with pytest.raises(ValueError):
+            affinity.parse_cpulist(bad)
+
+
 def test_cuda_view_by_uuid_and_visible_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sysr = F.build(tmp_path, F.dgx())
     # CUDA ordinals reversed against PCI order, as a FASTEST_FIRST ordering may give

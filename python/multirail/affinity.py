@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from multirail.errors import InvalidArgumentError
+from multirail.topology import MAX_CPUS
 
 
 @dataclass
@@ -107,6 +108,8 @@ def parse_cpulist(text: str) -> list[int]:
         lo, hi = int(a), int(b or a)
         if hi < lo:
             raise ValueError(f"range {part!r} runs backwards")
+        if hi >= MAX_CPUS:
+            raise ValueError(f"CPU {hi} is beyond any kernel's (at most {MAX_CPUS - 1})")
         out.extend(range(lo, hi + 1))
     return out
 

@@ -150,8 +150,14 @@ def normalize_bus_id(text: str) -> str:
     return f"{dom}:{m.group(2)}:{m.group(3)}.{m.group(4)}"
 
 
+# CPU numbers at or above this are no kernel's (x86's largest NR_CPUS is 8192): a list naming
+# one is malformed (crates/multirail-nixl/src/topo.rs has the same bound).
+MAX_CPUS = 1 << 16
+
+
 def parse_cpulist(text: str | None) -> tuple[int, ...]:
-    """``0-55,112-167`` -> (0, 1, ..., 167); empty or unreadable -> ()."""
+    """``0-55,112-167`` -> (0, 1, ..., 167); empty, unreadable or naming a CPU of
+    ``MAX_CPUS`` or above -> ()."""
     out: list[int] = []
     for part in (text or "").strip().split(","):
         part = part.strip()
@@ -160,11 +166,14 @@ def parse_cpulist(text: str | None) -> tuple[int, ...]:
         try:
             if "-" in part:
                 lo, hi = part.split("-", 1)
-                out.extend(range(int(lo), int(hi) + 1))
+                first, last = int(lo), int(hi)
             else:
-                out.append(int(part))
+                first = last = int(part)
         except ValueError:
             return ()
+        if last >= MAX_CPUS:
+            return ()
+        out.extend(range(first, last + 1))
     return tuple(sorted(set(out)))
 
 

@@ -99,7 +99,12 @@ fn bdf_key(bdf: &str) -> (u64, u64, u64, u64) {
     (next(), next(), next(), next())
 }
 
-/// `0-55,112-167` -> the CPUs, sorted; empty when empty or malformed.
+/// CPU numbers at or above this are no kernel's (x86's largest NR_CPUS is 8192): a list naming
+/// one is malformed.
+pub const MAX_CPUS: usize = 1 << 16;
+
+/// `0-55,112-167` -> the CPUs, sorted; empty when empty or malformed (a CPU of [`MAX_CPUS`] or
+/// above included).
 pub fn parse_cpulist(text: &str) -> Vec<usize> {
     let mut out = BTreeSet::new();
     for part in text.trim().split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -107,7 +112,7 @@ pub fn parse_cpulist(text: &str) -> Vec<usize> {
             Some((lo, hi)) => lo.trim().parse::<usize>().ok().zip(hi.trim().parse::<usize>().ok()),
             None => part.parse::<usize>().ok().map(|c| (c, c)),
         };
-        let Some((lo, hi)) = range else { return Vec::new() };
+        let Some((lo, hi)) = range.filter(|&(_, hi)| hi < MAX_CPUS) else { return Vec::new() };
         out.extend(lo..=hi);
     }
     out.into_iter().collect()
@@ -830,6 +835,17 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A CPU list naming CPUs no kernel has (a corrupt or hostile tree under
+    /// `MULTIRAIL_SYSFS_ROOT`, or an `affinity` setting's `cpus`) is malformed: refused, not
+    /// expanded (`0-18446744073709551615` would fill memory inside `createBackend`).
+    #[test]
+    fn a_cpulist_beyond_any_cpu_is_refused() {
+        for bad in ["0-4000000", "0-3,4000000", "0-18446744073709551615"] {
+            assert!(parse_cpulist(bad).is_empty(), "{bad} gave {} CPUs", parse_cpulist(bad).len());
+        }
+        assert_eq!(parse_cpulist(&format!("0,{}", MAX_CPUS - 1)), vec![0, MAX_CPUS - 1]);
+    }
 
     #[test]
     fn parsers_match_topology_py() {
