@@ -210,3 +210,22 @@ def test_releasing_a_handle_never_reports_an_error_after_freeing_it(pair: Pair) 
     assert out["posted"] == "PROC" and out["release"] == "ok", out
     assert out["after"] == "DONE" and out["after_bytes_ok"], out
 
+
+def test_a_source_built_nixl_is_known_by_its_librarys_version(tmp_path: Path, plugin_dir: Path) -> None:  # noqa: F811
+    """Item 7: a NIXL with no package beside libnixl.so (built from source and installed with
+    meson, as in Dynamo's containers) loads the plugin when the version its build compiled
+    into libnixl_common.so is supported, saying so in one log line (before: refused unless
+    MULTIRAIL_NIXL_ALLOW_UNTESTED=1)."""
+    from test_nixl_plugin import _fake_nixl_tree
+
+    fake = _fake_nixl_tree(tmp_path, "0")
+    (fake / "nixl_cu12-0.dist-info").rmdir()
+    code = """if True:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+        a = nixl_agent('x', nixl_agent_config(backends=[]))
+        a.create_backend('MULTIRAIL', {}); print('CREATED')
+    """
+    res = subprocess.run([sys.executable, "-c", code], env=_env(plugin_dir, {"PYTHONPATH": str(fake)}),
+                         capture_output=True, text=True, timeout=60)
+    assert "CREATED" in res.stdout and "refused" not in res.stderr, res.stdout + res.stderr
+    assert "built from source" in res.stderr and "libnixl_common.so" in res.stderr, res.stderr

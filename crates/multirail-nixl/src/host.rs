@@ -3,8 +3,12 @@
 //! NIXL's plugin `api_version` has been 1 while the engine base class and its vtable changed,
 //! so it protects nothing. The plugin therefore finds the `libnixl.so` mapped into the process
 //! and the version of the package that installed it (the `*.dist-info` beside it in
-//! site-packages), and refuses anything but the versions it was tested with.
-//! `MULTIRAIL_NIXL_ALLOW_UNTESTED=1` loads it anyway (with a warning).
+//! site-packages), and refuses anything but the versions it was tested with. A NIXL built and
+//! installed from source (Dynamo's containers: meson into /opt/nvidia/nvda_nixl, no dist-info
+//! beside the library) is known by the version its build compiled into `libnixl_common.so`
+//! (meson's project version, which NIXL logs as "NIXL version: ..."): accepted when supported,
+//! with a log line saying so. `MULTIRAIL_NIXL_ALLOW_UNTESTED=1` loads any other anyway (with a
+//! warning).
 
 use std::ffi::CStr;
 use std::path::{Path, PathBuf};
@@ -28,6 +32,8 @@ pub struct Host {
     pub lib: Option<PathBuf>,
     /// (distribution name, version) from the dist-info beside it.
     pub dist: Option<(String, String)>,
+    /// (library, version) compiled into NIXL's own `libnixl_common.so` (a source build).
+    pub built: Option<(PathBuf, String)>,
 }
 
 /// Paths of every shared object mapped into this process.
@@ -93,17 +99,58 @@ fn dist_of(lib: &Path) -> Option<(String, String)> {
     None
 }
 
+/// The version NIXL's build compiled into `bytes` (libnixl_common.so): the string that follows
+/// "NIXL version: " in its read-only data, a dotted number such as "1.5.1". None when there is
+/// none (another library, or a build without the version).
+pub fn version_in_library(bytes: &[u8]) -> Option<String> {
+    const MARK: &[u8] = b"NIXL version: \0";
+    let at = bytes.windows(MARK.len()).position(|w| w == MARK)? + MARK.len();
+    // The next strings (the compiler may put others between): the first that is a version.
+    bytes[at..bytes.len().min(at + 256)].split(|b| *b == 0).filter(|s| !s.is_empty()).find_map(|s| {
+        let v = std::str::from_utf8(s).ok()?;
+        let parts: Vec<&str> = v.split('.').collect();
+        (parts.len() >= 2 && parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))).then(|| v.to_string())
+    })
+}
+
+/// NIXL's `libnixl_common.so` (loaded with libnixl.so, or beside it) and the version in it.
+fn built_version(loaded: &[PathBuf], lib: &Path) -> Option<(PathBuf, String)> {
+    let is_common = |p: &Path| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libnixl_common.so"));
+    let common = loaded.iter().find(|p| is_common(p)).cloned().or_else(|| Some(lib.parent()?.join("libnixl_common.so")))?;
+    let bytes = std::fs::read(&common).ok()?;
+    version_in_library(&bytes).map(|v| (common, v))
+}
+
 pub fn detect() -> Host {
-    let lib = loaded_objects().into_iter().find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libnixl.so")));
+    let loaded = loaded_objects();
+    let lib = loaded.iter().find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libnixl.so"))).cloned();
     let dist = lib.as_deref().and_then(dist_of);
-    Host { lib, dist }
+    let built = match (&lib, &dist) {
+        (Some(l), None) => built_version(&loaded, l),
+        _ => None,
+    };
+    Host { lib, dist, built }
 }
 
 /// Ok(description) when the plugin may run in this NIXL; Err(the reason) otherwise.
 pub fn verdict(host: &Host, allow_untested: bool) -> Result<String, String> {
     let what = match (&host.lib, &host.dist) {
         (None, _) => "no libnixl.so is loaded in this process".to_string(),
-        (Some(l), None) => format!("NIXL at {} has no package version beside it (not a nixl wheel)", l.display()),
+        (Some(l), None) => match &host.built {
+            Some((common, v)) if supported(v) => {
+                return Ok(format!(
+                    "NIXL {v} built from source at {} (no package beside it; version {v} read from {})",
+                    l.display(),
+                    common.display()
+                ));
+            }
+            Some((common, v)) => format!(
+                "NIXL {v} built from source at {} (version read from {}) is not a version this plugin was built and tested for",
+                l.display(),
+                common.display()
+            ),
+            None => format!("NIXL at {} has no package version beside it and no version in its libnixl_common.so", l.display()),
+        },
         (Some(l), Some((d, v))) => {
             if supported(v) {
                 return Ok(format!("{d} {v} ({})", l.display()));
@@ -125,17 +172,36 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        let ok = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.5.1".into())) };
+        let ok = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.5.1".into())), built: None };
         assert!(verdict(&ok, false).is_ok());
-        let old = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.4.0".into())) };
+        let old = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu12".into(), "1.4.0".into())), built: None };
         let e = verdict(&old, false).unwrap_err();
         assert!(e.contains("1.4.0") && e.contains("1.5.x") && e.contains(ENV_ALLOW), "{e}");
-        let cu13 = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu13".into(), "1.5.2".into())) };
+        let cu13 = Host { lib: Some("/x/libnixl.so".into()), dist: Some(("nixl_cu13".into(), "1.5.2".into())), built: None };
         assert!(verdict(&cu13, false).is_ok());
         assert!(!supported("1.50.0") && !supported("1.6.0") && supported("1.5") && supported("1.5.0rc1".trim_end_matches("rc1")));
         assert!(verdict(&old, true).unwrap().contains("anyway"));
-        let none = Host { lib: None, dist: None };
+        let none = Host { lib: None, dist: None, built: None };
         assert!(verdict(&none, false).unwrap_err().contains("no libnixl.so"));
+        // a source build: the version compiled into libnixl_common.so decides
+        let src = |v: &str| Host {
+            lib: Some("/opt/nixl/libnixl.so".into()),
+            dist: None,
+            built: Some(("/opt/nixl/libnixl_common.so".into(), v.into())),
+        };
+        assert!(verdict(&src("1.5.1"), false).unwrap().contains("built from source"));
+        let e = verdict(&src("1.6.0"), false).unwrap_err();
+        assert!(e.contains("1.6.0") && e.contains(ENV_ALLOW), "{e}");
+        let unknown = Host { lib: Some("/opt/nixl/libnixl.so".into()), dist: None, built: None };
+        assert!(verdict(&unknown, false).is_err());
+    }
+
+    #[test]
+    fn the_version_compiled_into_the_library() {
+        let lib = b"\x7fELF...\0ERROR\0NIXL_LOG_LEVEL\0NIXL version: \0\x001.5.1\0 (git: \0abc1d2a52eb\0";
+        assert_eq!(version_in_library(lib).as_deref(), Some("1.5.1"));
+        assert_eq!(version_in_library(b"NIXL version: \0 (git: \0abc\0"), None);
+        assert_eq!(version_in_library(b"no mark here 1.5.1\0"), None);
     }
 
     #[test]
