@@ -163,8 +163,20 @@ fn pcie_gbps(speed: Option<f64>, width: Option<u32>) -> Option<f64> {
     Some(round1(s * f64::from(w) * enc))
 }
 
+/// The most bytes an attribute file may hold (sysfs attributes are at most a page; a CPU list
+/// of thousands of CPUs is far below this).
+const MAX_ATTR: u64 = 1 << 20;
+
+/// A sysfs attribute, trimmed: None when it is missing, not a regular file (a FIFO's open would
+/// block), or longer than [`MAX_ATTR`].
 fn read(p: &Path) -> Option<String> {
-    std::fs::read(p).ok().map(|b| String::from_utf8_lossy(&b).trim().to_string())
+    let meta = std::fs::metadata(p).ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    let mut b = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(std::fs::File::open(p).ok()?, MAX_ATTR + 1), &mut b).ok()?;
+    (b.len() as u64 <= MAX_ATTR).then(|| String::from_utf8_lossy(&b).trim().to_string())
 }
 
 fn realpath(p: &Path) -> Option<PathBuf> {
@@ -835,6 +847,32 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sysfs attribute is a small regular file: a FIFO (which would block `createBackend`
+    /// forever on its open) or a file beyond [`MAX_ATTR`] (`/dev/zero` would fill memory) in a
+    /// tree under `MULTIRAIL_SYSFS_ROOT` reads as missing, at once.
+    #[test]
+    fn attributes_that_are_not_small_files_read_as_missing() {
+        let dir = std::env::temp_dir().join(format!("mr-nixl-topo-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("speed"), "400\n").unwrap();
+        let fifo = dir.join("fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let big = dir.join("big");
+        std::fs::File::create(&big).unwrap().set_len(MAX_ATTR + 1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dir.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send((read(&d.join("speed")), read(&d.join("fifo")), read(&d.join("big"))));
+        });
+        let got = rx.recv_timeout(Duration::from_secs(20));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (speed, fifo, big) = got.expect("a read blocked (a FIFO was opened)");
+        assert_eq!(speed.as_deref(), Some("400"));
+        assert_eq!(fifo, None);
+        assert!(big.is_none(), "a {} byte file was read", MAX_ATTR + 1);
+    }
 
     /// A CPU list naming CPUs no kernel has (a corrupt or hostile tree under
     /// `MULTIRAIL_SYSFS_ROOT`, or an `affinity` setting's `cpus`) is malformed: refused, not
