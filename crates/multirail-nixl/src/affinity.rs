@@ -175,7 +175,7 @@ fn sysfs_cpus(rails: &[RailInfo], root: &Path) -> Vec<Vec<usize>> {
         .map(|r| {
             ["net", "infiniband"]
                 .iter()
-                .find_map(|c| std::fs::read_to_string(root.join("class").join(c).join(&r.name).join("device/local_cpulist")).ok())
+                .find_map(|c| crate::topo::read(&root.join("class").join(c).join(&r.name).join("device/local_cpulist")))
                 .map(|t| crate::topo::parse_cpulist(&t))
                 .unwrap_or_default()
         })
@@ -289,6 +289,29 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rail's `local_cpulist` that is a FIFO (a tree under `MULTIRAIL_SYSFS_ROOT`) reads as
+    /// unknown at once instead of blocking `createBackend` on its open.
+    #[test]
+    fn a_local_cpulist_that_is_not_a_file_is_unknown() {
+        let root = std::env::temp_dir().join(format!("mr-nixl-affinity-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for n in ["eth0", "eth1"] {
+            std::fs::create_dir_all(root.join("class/net").join(n).join("device")).unwrap();
+        }
+        let fifo = root.join("class/net/eth0/device/local_cpulist");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        std::fs::write(root.join("class/net/eth1/device/local_cpulist"), "2-3\n").unwrap();
+        let rails = vec![rail("eth0", "10.0.0.1"), rail("eth1", "10.0.1.1")];
+        let (tx, rx) = std::sync::mpsc::channel();
+        let r = root.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(sysfs_cpus(&rails, &r));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(got.expect("reading a FIFO blocked"), vec![vec![], vec![2, 3]]);
+    }
 
     fn rail(name: &str, addr: &str) -> RailInfo {
         RailInfo {

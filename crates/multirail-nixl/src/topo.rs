@@ -169,7 +169,7 @@ const MAX_ATTR: u64 = 1 << 20;
 
 /// A sysfs attribute, trimmed: None when it is missing, not a regular file (a FIFO's open would
 /// block), or longer than [`MAX_ATTR`].
-fn read(p: &Path) -> Option<String> {
+pub(crate) fn read(p: &Path) -> Option<String> {
     let meta = std::fs::metadata(p).ok()?;
     if !meta.is_file() {
         return None;
