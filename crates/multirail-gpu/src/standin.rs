@@ -476,6 +476,12 @@ impl StandIn {
         stream.send(Op::Sleep(d))
     }
 
+    /// Queues a pause of `d` on the stream with raw handle `handle` (0: the legacy default
+    /// stream): the application's work still queued there when a transfer is posted.
+    pub fn enqueue_sleep_on_handle(&self, handle: u64, d: Duration) -> Result<()> {
+        self.stream_by_handle(handle)?.send(Op::Sleep(d)).map_err(|_| DeviceError::StreamGone)
+    }
+
     /// The sender of stream `handle` of this device (0, and CUDA's special handles 1 and 2 for
     /// the legacy and per-thread default streams: the default stream, made on first use).
     fn stream_by_handle(&self, handle: u64) -> Result<mpsc::Sender<Op>> {

@@ -403,6 +403,9 @@ impl Engine {
         }
         self.ensure_peer(agent)?;
         let h = self.agent.prepare(op, local, remote, agent, Vec::new())?;
+        // NIXL has no stream: the application makes its data ready before it posts, and a
+        // post must not wait behind work queued on a GPU's default stream (issue 36 item 7).
+        h.set_default_stream_order(false);
         Ok(Xfer::Remote { h, reported: AtomicBool::new(false) })
     }
 

@@ -195,3 +195,44 @@ fn registering_n_regions_costs_o_n() {
         "a registration with 9,000 regions registered cost {ratio:.1}x one with none ({first:.4} s, {last:.4} s per 1,000)"
     );
 }
+
+/// NIXL has no stream: a READ into local GPU memory does not wait for the work queued on that
+/// GPU's legacy default stream (vLLM's forward pass), which NIXL never asked it to order after
+/// (issue 36 item 7). The stand-in GPU's default stream is kept busy for 3 s; before, the post
+/// waited for it (the native API's contract for a post without a stream, still in force there).
+#[test]
+fn a_post_into_local_vram_does_not_wait_for_the_default_stream() {
+    use multirail_gpu::{Device, Gpu, GpuKind};
+    let _g = serial();
+    let standin = |name: &str| {
+        let p: HashMap<String, String> =
+            [("rails", ""), ("host", "127.0.0.1"), ("transport", "tcp"), ("timeout", "10"), ("gpu", "standin"), ("gpu_ipc", "0")]
+                .into_iter()
+                .map(|(k, v)| (k.into(), v.into()))
+                .collect();
+        let s = params::settings(&p, &|_| None).expect("settings");
+        Engine::new(name, s.cfg).expect("engine")
+    };
+    const VRAM: i32 = 1;
+    let n = 1usize << 20;
+    let (a, b) = (standin("va"), standin("vb"));
+    let src = vec![5u8; n];
+    let gpu = Gpu::open(GpuKind::StandIn, 0).expect("stand-in GPU 0");
+    let dst = gpu.alloc(n).expect("stand-in VRAM");
+    let rb = b.register(src.as_ptr() as u64, n as u64, 0, DRAM).unwrap();
+    a.register(dst.0, n as u64, 0, VRAM).unwrap();
+    load(&a, &b, "vb", rb);
+    let local = MetaRow { addr: dst.0, len: n as u64, dev: 0, md: 0 };
+    let x = a.prep(READ, VRAM, &[local], DRAM, &[row(&src)], "vb").unwrap();
+    gpu.as_standin().expect("a stand-in").enqueue_sleep_on_handle(0, Duration::from_secs(3)).expect("sleep on the default stream");
+    let t = Instant::now();
+    a.post(&x, None).unwrap();
+    wait_done(&a, &x);
+    let took = t.elapsed();
+    // SAFETY: stand-in "device memory" is host memory of this process, n bytes, and the READ is done.
+    let got = unsafe { std::slice::from_raw_parts(dst.0 as *const u8, n) };
+    assert!(got.iter().all(|&v| v == 5), "the READ's bytes landed");
+    assert!(took < Duration::from_millis(2500), "the post waited {took:?} for the default stream's 3 s of work");
+    // SAFETY: a handle this test made, released once.
+    unsafe { mr_nixl_release(&a, Box::into_raw(Box::new(x))) };
+}

@@ -236,6 +236,10 @@ pub(crate) struct XferShared {
     /// does not wake the receiver for them (the next poll reads them; a receiver parked for
     /// callers looks again within `transport::tcp::POLL_PARK` should the polls stop).
     pub(crate) polled: std::sync::atomic::AtomicBool,
+    /// A post without a stream orders after each local GPU's legacy default stream (the native
+    /// API's contract); cleared by [`XferHandle::set_default_stream_order`] for callers whose
+    /// contract has no stream (NIXL: the application makes its data ready before it posts).
+    default_stream_order: std::sync::atomic::AtomicBool,
     /// Posted by [`XferHandle::post_handoff`]: the link's own threads send every chunk; the
     /// posting thread only queues the transfer and wakes them.
     pub(crate) handoff: std::sync::atomic::AtomicBool,
@@ -346,6 +350,7 @@ impl XferShared {
             gpu_order: Mutex::new(GpuOrder::default()),
             post_gate: Mutex::new(()),
             polled: std::sync::atomic::AtomicBool::new(false),
+            default_stream_order: std::sync::atomic::AtomicBool::new(true),
             handoff: std::sync::atomic::AtomicBool::new(false),
             trace: Mutex::new(TraceRec::default()),
             locs: std::sync::OnceLock::new(),
@@ -681,6 +686,14 @@ impl XferHandle {
     /// `post_wait` would, with no thread wake-up on the round trip. For small transfers: a
     /// caller that stops polling leaves its responses to a receiver that looks again within
     /// a millisecond (a large transfer's data would wait that long on each connection).
+    /// Whether a post without a stream waits for each local GPU's legacy default stream (true,
+    /// the default: the stream contract of docs/gpu.md). False for a caller whose contract has
+    /// no stream (NIXL's: data is ready when the application posts), so a READ into GPU memory
+    /// does not wait behind the forward pass queued on the default stream.
+    pub fn set_default_stream_order(&self, on: bool) {
+        self.0.default_stream_order.store(on, Ordering::Release);
+    }
+
     pub fn post_polled(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
         self.post_inner(notif, true, None, PostMode::Polled)
     }
@@ -706,7 +719,11 @@ impl XferHandle {
             if self.0.state() == XferState::InProgress {
                 return Err(Error::InvalidArgument("transfer is still in progress; wait for it before posting again".into()));
             }
-            self.0.record_gpu_order(self.0.peer.gpu_kind(), stream)?;
+            if stream.is_some() || self.0.default_stream_order.load(Ordering::Acquire) {
+                self.0.record_gpu_order(self.0.peer.gpu_kind(), stream)?;
+            } else {
+                self.0.gpu_order.lock().expect("xfer lock").pending = false;
+            }
         }
         self.0.begin()?;
         self.0.polled.store(mode == PostMode::Polled, Ordering::Release);
