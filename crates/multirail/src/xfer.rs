@@ -680,12 +680,6 @@ impl XferHandle {
         self.post_inner(notif, false, stream, PostMode::Inline)
     }
 
-    /// [`XferHandle::post`] for a caller that polls the transfer to completion next with
-    /// [`XferHandle::progress`] (NIXL's `checkXfer` loop): its first chunks go out from this
-    /// thread and no receiver thread is woken for their responses; the polls read them, as
-    /// `post_wait` would, with no thread wake-up on the round trip. For small transfers: a
-    /// caller that stops polling leaves its responses to a receiver that looks again within
-    /// a millisecond (a large transfer's data would wait that long on each connection).
     /// Whether a post without a stream waits for each local GPU's legacy default stream (true,
     /// the default: the stream contract of docs/gpu.md). False for a caller whose contract has
     /// no stream (NIXL's: data is ready when the application posts), so a READ into GPU memory
@@ -694,6 +688,12 @@ impl XferHandle {
         self.0.default_stream_order.store(on, Ordering::Release);
     }
 
+    /// [`XferHandle::post`] for a caller that polls the transfer to completion next with
+    /// [`XferHandle::progress`] (NIXL's `checkXfer` loop): its first chunks go out from this
+    /// thread and no receiver thread is woken for their responses; the polls read them, as
+    /// `post_wait` would, with no thread wake-up on the round trip. For small transfers: a
+    /// caller that stops polling leaves its responses to a receiver that looks again within
+    /// a millisecond (a large transfer's data would wait that long on each connection).
     pub fn post_polled(&self, notif: Option<Vec<u8>>) -> Result<XferState> {
         self.post_inner(notif, true, None, PostMode::Polled)
     }
