@@ -640,4 +640,85 @@ mod tests {
     fn closing_the_agent_closes_its_peers_outside_the_tables_lock() {
         the_table_stays_usable_while_a_peer_closes(|a, _| a.close());
     }
+
+    // The background connect's dial (peer/connect.rs), tested here: its test needs an agent,
+    // and a test inside peer/ importing agent would make the module graph cyclic (tests/layers.rs).
+    mod background_dial {
+        use std::net::{TcpListener, TcpStream};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        use std::time::{Duration, Instant};
+
+        use multirail_proto::{AgentMeta, RailInfo};
+
+        use crate::agent::Agent;
+        use crate::config::Config;
+
+        /// Metadata of a peer `name` with two rails, both on loopback `port`.
+        fn two_rails_at(name: &str, port: u16) -> Vec<u8> {
+            let rail = |n: &str| RailInfo {
+                name: n.into(),
+                addr: "127.0.0.1".into(),
+                prefix_len: 8,
+                port,
+                speed_mbps: 0,
+                mtu: 65536,
+                numa: -1,
+                rdma_dev: String::new(),
+            };
+            AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail("a"), rail("b")], regions: Vec::new() }.encode()
+        }
+
+        /// A listener that accepts every connection and never answers (each dial's handshake
+        /// waits for `timeout`); the number accepted so far.
+        fn silent_listener(stop: Arc<AtomicBool>) -> (u16, Arc<Mutex<Vec<TcpStream>>>) {
+            let l = TcpListener::bind("127.0.0.1:0").expect("listener");
+            l.set_nonblocking(true).expect("nonblocking");
+            let port = l.local_addr().expect("address").port();
+            let held = Arc::new(Mutex::new(Vec::new()));
+            let h = held.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match l.accept() {
+                        Ok((s, _)) => h.lock().expect("held").push(s),
+                        Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                    }
+                }
+            });
+            (port, held)
+        }
+
+        /// A dial that fails after every job waiting for it has timed out (two silent rails: the
+        /// dial takes about twice `timeout`, each job waits one) must not fail the next job queued,
+        /// any time later, with its old error: the next job dials again.
+        #[test]
+        fn a_dial_that_outlives_its_jobs_does_not_fail_the_next_job() {
+            let timeout = Duration::from_millis(1500);
+            let stop = Arc::new(AtomicBool::new(false));
+            let (port, held) = silent_listener(stop.clone());
+            let cfg = Config { timeout, background_connect: true, rail_map: vec![(0, 0), (0, 1)], ..Config::default() };
+            let a = Agent::new("bg-a", cfg).expect("agent");
+            let name = a.add_remote(&two_rails_at("silent", port)).expect("peer");
+            let p = a.peer(&name).expect("peer");
+            p.connect_soon().expect("queued");
+            let idle = |p: &crate::peer::Peer| p.connector.is_idle();
+            // The job times out after `timeout`; the dial ends after both rails have (2 x timeout).
+            let t0 = Instant::now();
+            while !idle(&p) || t0.elapsed() < timeout || held.lock().expect("held").len() < 2 {
+                assert!(t0.elapsed() < Duration::from_secs(30), "the dial never ended");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let dials = held.lock().expect("held").len();
+            assert!(dials >= 2, "{dials} connections: the dial did not reach both rails");
+            // Later, another job: it must dial again, not take the old dial's failure.
+            p.connect_soon().expect("queued");
+            let t1 = Instant::now();
+            while held.lock().expect("held").len() == dials {
+                assert!(t1.elapsed() < Duration::from_secs(20), "the second job never dialed: it failed with the first dial's error");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            stop.store(true, Ordering::Relaxed);
+            a.close();
+        }
+    }
 }

@@ -68,7 +68,7 @@ pub struct Peer {
     /// This peer, for the threads it starts (set by `into_arc`).
     me: Weak<Peer>,
     /// What waits for a connection made in the background (`Config::background_connect`).
-    connector: Connector,
+    pub(crate) connector: Connector,
     /// Held while dialing a link (one dial at a time; the link slots stay free meanwhile).
     dial: Mutex<()>,
     /// Set by `close`: no link is opened any more.

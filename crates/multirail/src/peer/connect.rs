@@ -63,6 +63,13 @@ pub(crate) struct Connector {
 }
 
 impl Connector {
+    /// No dial running and no job waiting (tests).
+    #[cfg(test)]
+    pub(crate) fn is_idle(&self) -> bool {
+        let g = self.st.lock().expect("connector lock");
+        !g.dialing && g.jobs.is_empty()
+    }
+
     /// Queue `job` for `peer`, starting its worker if none runs. A `Connect` while anything is
     /// queued or dialing is already answered.
     pub(crate) fn defer(&self, peer: &Peer, job: Job) -> Result<()> {
@@ -229,86 +236,4 @@ fn notif_failed(peer: &Peer, e: &Error) {
     let msg = format!("peer {}: a notification was not delivered: {e}", peer.name);
     peer.ctx.log(&msg);
     eprintln!("multirail: warning: {msg}");
-}
-
-#[cfg(test)]
-mod tests {
-    use std::net::{TcpListener, TcpStream};
-    use std::sync::atomic::{AtomicBool, Ordering};
-
-    use multirail_proto::{AgentMeta, RailInfo};
-
-    use super::*;
-    use crate::agent::Agent;
-    use crate::config::Config;
-
-    /// Metadata of a peer `name` with two rails, both on loopback `port`.
-    fn two_rails_at(name: &str, port: u16) -> Vec<u8> {
-        let rail = |n: &str| RailInfo {
-            name: n.into(),
-            addr: "127.0.0.1".into(),
-            prefix_len: 8,
-            port,
-            speed_mbps: 0,
-            mtu: 65536,
-            numa: -1,
-            rdma_dev: String::new(),
-        };
-        AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail("a"), rail("b")], regions: Vec::new() }.encode()
-    }
-
-    /// A listener that accepts every connection and never answers (each dial's handshake
-    /// waits for `timeout`); the number accepted so far.
-    fn silent_listener(stop: Arc<AtomicBool>) -> (u16, Arc<Mutex<Vec<TcpStream>>>) {
-        let l = TcpListener::bind("127.0.0.1:0").expect("listener");
-        l.set_nonblocking(true).expect("nonblocking");
-        let port = l.local_addr().expect("address").port();
-        let held = Arc::new(Mutex::new(Vec::new()));
-        let h = held.clone();
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                match l.accept() {
-                    Ok((s, _)) => h.lock().expect("held").push(s),
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
-        });
-        (port, held)
-    }
-
-    /// A dial that fails after every job waiting for it has timed out (two silent rails: the
-    /// dial takes about twice `timeout`, each job waits one) must not fail the next job queued,
-    /// any time later, with its old error: the next job dials again.
-    #[test]
-    fn a_dial_that_outlives_its_jobs_does_not_fail_the_next_job() {
-        let timeout = Duration::from_millis(1500);
-        let stop = Arc::new(AtomicBool::new(false));
-        let (port, held) = silent_listener(stop.clone());
-        let cfg = Config { timeout, background_connect: true, rail_map: vec![(0, 0), (0, 1)], ..Config::default() };
-        let a = Agent::new("bg-a", cfg).expect("agent");
-        let name = a.add_remote(&two_rails_at("silent", port)).expect("peer");
-        let p = a.peer(&name).expect("peer");
-        p.connect_soon().expect("queued");
-        let idle = |p: &Peer| {
-            let g = p.connector.st.lock().expect("connector lock");
-            !g.dialing && g.jobs.is_empty()
-        };
-        // The job times out after `timeout`; the dial ends after both rails have (2 x timeout).
-        let t0 = Instant::now();
-        while !idle(&p) || t0.elapsed() < timeout || held.lock().expect("held").len() < 2 {
-            assert!(t0.elapsed() < Duration::from_secs(30), "the dial never ended");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let dials = held.lock().expect("held").len();
-        assert!(dials >= 2, "{dials} connections: the dial did not reach both rails");
-        // Later, another job: it must dial again, not take the old dial's failure.
-        p.connect_soon().expect("queued");
-        let t1 = Instant::now();
-        while held.lock().expect("held").len() == dials {
-            assert!(t1.elapsed() < Duration::from_secs(20), "the second job never dialed: it failed with the first dial's error");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        stop.store(true, Ordering::Relaxed);
-        a.close();
-    }
 }
