@@ -596,12 +596,8 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // A data connection takes its share of its peer's part of its rail's receive window; the
     // others on the rail shrink now and grow back when it leaves. A peer is its proven name, or
     // without a secret its address: its many connections never take the others' parts.
-    let _share = if role == Role::Data {
-        let peer = crate::fanin::peer_key(sh.ctx.cfg.secret.is_some(), &peer_name, s.peer_addr().ok());
-        sh.shares.join(listener, peer, me.clone())
-    } else {
-        None
-    };
+    let peer_key = crate::fanin::peer_key(sh.ctx.cfg.secret.is_some(), &peer_name, s.peer_addr().ok());
+    let _share = if role == Role::Data { sh.shares.join(listener, peer_key.clone(), me.clone()) } else { None };
     // `Agent::close` sets `shutdown` before it aborts the connections in `served`: one
     // registered after that sees the flag here.
     if sh.shutdown.load(Ordering::SeqCst) {
@@ -637,7 +633,7 @@ fn serve(sh: &Arc<Shared>, mut s: TcpStream, listener: usize) {
     // before).
     let cpus = sh.served_stats.rail_cpus(listener, sh.ctx.topo.get());
     crate::numa::pin_current_thread(&cpus);
-    Conn::new(sh, &me, ctr, &peer_name, &who, role, s, crate::numa::node_of_cpus(&cpus)).run(spins);
+    Conn::new(sh, &me, ctr, &peer_name, &who, role, s, crate::numa::node_of_cpus(&cpus), &peer_key).run(spins);
 }
 
 /// What a request handler returns; an error ends the connection (the stream is out of step, the
@@ -756,9 +752,11 @@ impl<'a> Conn<'a> {
         role: Role,
         s: TcpStream,
         node: Option<i32>,
+        peer_key: &str,
     ) -> Self {
         let fd = std::os::fd::AsRawFd::as_raw_fd(&s);
-        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone(), node);
+        // Pools borrowed for this peer: while another peer waits, it holds at most its share.
+        let stage = Stagers::new(sh.ctx.cfg.staging, ctr.staging.clone(), node).for_peer(peer_key);
         Conn {
             sh,
             me,

@@ -83,6 +83,9 @@ struct Pool {
 struct Held {
     pool: Pool,
     stats: Arc<StageStats>,
+    /// The serving side's peer it is held for ([`Stagers::for_peer`]), counted in
+    /// `Budget::held_by` while held.
+    owner: Option<u64>,
 }
 
 type Slot = Mutex<Option<Held>>;
@@ -99,6 +102,10 @@ struct Budget {
     /// What each live agent's registrations asked the warm-up for: (agent, key, pools). The
     /// warm-up of a key pins until the pools alive reach the sum over agents (within the cap).
     claims: Vec<(u64, Key, usize)>,
+    /// Pools held by connections served for each peer (by [`Stagers::for_peer`]'s tag).
+    held_by: Vec<(u64, usize)>,
+    /// Peers with a served connection waiting for a pool of a key (one entry per waiter).
+    waiting_for: Vec<(u64, Key)>,
 }
 
 struct Shared {
@@ -120,6 +127,8 @@ fn shared() -> &'static Shared {
             idle: Vec::new(),
             lent: Vec::new(),
             claims: Vec::new(),
+            held_by: Vec::new(),
+            waiting_for: Vec::new(),
         }),
         returned: Condvar::new(),
         waiting: AtomicUsize::new(0),
@@ -142,6 +151,45 @@ impl Budget {
             self.alive.swap_remove(i);
         }
         self.pinned -= bytes;
+    }
+
+    fn held(&self, owner: u64) -> usize {
+        self.held_by.iter().find(|h| h.0 == owner).map_or(0, |h| h.1)
+    }
+
+    fn count_held(&mut self, owner: Option<u64>, up: bool) {
+        let Some(o) = owner else { return };
+        match self.held_by.iter().position(|h| h.0 == o) {
+            Some(i) if up => self.held_by[i].1 += 1,
+            Some(i) => {
+                self.held_by[i].1 = self.held_by[i].1.saturating_sub(1);
+                if self.held_by[i].1 == 0 {
+                    self.held_by.swap_remove(i);
+                }
+            }
+            None if up => self.held_by.push((o, 1)),
+            None => {}
+        }
+    }
+
+    /// Whether `owner` (a peer served here) holds its share of `want`'s pools already while a
+    /// peer that holds fewer waits for one (issue 33 item 5: one peer cannot hold the whole
+    /// budget): the share is the pools alive of that device and direction divided by the peers
+    /// that hold or wait for them, rounded up. Only a peer holding more than a waiting one
+    /// yields, so the peer holding least is never held back (no two peers wait on each other).
+    fn over_share(&self, want: &Key, owner: u64) -> bool {
+        let same = |k: &Key| k.0 == want.0 && k.1 == want.1 && k.2 == want.2;
+        let mine = self.held(owner);
+        if !self.waiting_for.iter().any(|(o, k)| *o != owner && same(k) && self.held(*o) < mine) {
+            return false;
+        }
+        let mut peers: Vec<u64> = self.waiting_for.iter().filter(|(_, k)| same(k)).map(|w| w.0).collect();
+        peers.extend(self.held_by.iter().filter(|h| h.1 > 0).map(|h| h.0));
+        peers.push(owner);
+        peers.sort_unstable();
+        peers.dedup();
+        let pools = self.alive.iter().filter(|k| same(k)).count();
+        mine >= pools.div_ceil(peers.len()).max(1)
     }
 
     /// Reserves room for one pool of `key` when the budget has it.
@@ -265,6 +313,7 @@ fn take_ready(b: &mut Budget, want: &Key) -> Option<Pool> {
         return Some(b.idle.swap_remove(i));
     }
     b.lent.retain(|w| w.strong_count() > 0);
+    let mut taken = None;
     for w in &b.lent {
         let Some(slot) = w.upgrade() else { continue };
         // Busy (its connection is using it right now): not this one.
@@ -272,31 +321,41 @@ fn take_ready(b: &mut Budget, want: &Key) -> Option<Pool> {
         if g.as_ref().is_some_and(|h| suits(&h.pool.key, want).is_some() && h.pool.st.is_idle()) {
             let h = g.take().expect("checked");
             h.stats.pool_bytes.fetch_sub(h.pool.st.pool_bytes(), Ordering::Relaxed);
-            return Some(h.pool);
+            taken = Some(h);
+            break;
         }
     }
-    None
+    let h = taken?;
+    b.count_held(h.owner, false);
+    Some(h.pool)
 }
 
 /// A pool for a connection that wants `want` in `role` (module docs): waits, calling `tick`
 /// between waits (its error ends the wait), while none is free.
-fn borrow(want: Key, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<Pool, StageError> {
+fn borrow(want: Key, owner: Option<u64>, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result<Pool, StageError> {
     let sh = shared();
     let since = Instant::now();
     let mut b = lock_budget();
     loop {
-        if let Some(p) = take_ready(&mut b, &want) {
-            return Ok(p);
+        // A peer holding its share while another peer waits waits too (no pool of its own yet
+        // pinned on demand either): what it would have taken goes to the others.
+        let capped = owner.is_some_and(|o| b.over_share(&want, o));
+        if !capped {
+            if let Some(p) = take_ready(&mut b, &want) {
+                b.count_held(owner, true);
+                return Ok(p);
+            }
         }
         let of_device = b.alive.iter().any(|k| suits(k, &want).is_some());
         // Pin one more when none of this device exists (no warm-up could pin one) or none came
         // back in time, within the budget.
-        if (!of_device || since.elapsed() >= GROW_AFTER) && b.reserve(want) {
+        if !capped && (!of_device || since.elapsed() >= GROW_AFTER) && b.reserve(want) {
+            b.count_held(owner, true);
             drop(b);
             if of_device {
                 sh.on_demand.fetch_add(1, Ordering::Relaxed);
             }
-            return new_pool(want);
+            return new_pool(want).inspect_err(|_| lock_budget().count_held(owner, false));
         }
         if !of_device && b.cap < want.4.bytes() {
             return Err(StageError::Device(format!(
@@ -318,7 +377,15 @@ fn borrow(want: Key, tick: &mut dyn FnMut(bool) -> Result<(), String>) -> Result
             }
         }
         sh.waiting.fetch_add(1, Ordering::AcqRel);
-        let (g, _) = sh.returned.wait_timeout(b, Duration::from_millis(10)).unwrap_or_else(PoisonError::into_inner);
+        if let Some(o) = owner {
+            b.waiting_for.push((o, want));
+        }
+        let (mut g, _) = sh.returned.wait_timeout(b, Duration::from_millis(10)).unwrap_or_else(PoisonError::into_inner);
+        if let Some(o) = owner {
+            if let Some(i) = g.waiting_for.iter().position(|w| w.0 == o && w.1 == want) {
+                g.waiting_for.swap_remove(i);
+            }
+        }
         sh.waiting.fetch_sub(1, Ordering::AcqRel);
         drop(g);
         tick(true).map_err(|r| StageError::Wire(WireError::GaveUp(r)))?;
@@ -525,6 +592,9 @@ pub struct Stagers {
     /// (device, role) → that direction's pool on that device, while the budget has not taken it
     /// back (an empty slot borrows again on next use).
     sides: Vec<(u32, Role, Arc<Slot>)>,
+    /// The peer served through these pools (a hash of its `fanin::peer_key`; None: an
+    /// initiator's own connection, not capped per peer).
+    owner: Option<u64>,
 }
 
 impl std::fmt::Debug for Stagers {
@@ -544,7 +614,18 @@ fn nudge_waiters() {
 impl Stagers {
     /// `node`: the NUMA node of the rail's NIC, where the pools' buffers should be (None: unknown).
     pub fn new(cfg: StagingConfig, stats: Arc<StageStats>, node: Option<i32>) -> Stagers {
-        Stagers { cfg, stats, node, sides: Vec::new() }
+        Stagers { cfg, stats, node, sides: Vec::new(), owner: None }
+    }
+
+    /// These pools are held for the connections served to one peer (`peer`: its
+    /// `fanin::peer_key`, its proven name or, without a secret, its address): while another
+    /// peer waits for a pool, a peer holds at most its share of the budget (issue 33 item 5).
+    pub fn for_peer(mut self, peer: &str) -> Stagers {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        peer.hash(&mut h);
+        self.owner = Some(h.finish());
+        self
     }
 
     /// This connection's slot for (`dev`, `role`), made on first use.
@@ -571,7 +652,7 @@ impl Stagers {
         let mut g = lock_slot(&slot);
         if g.is_none() {
             drop(g);
-            let pool = borrow((self.cfg.gpu, dev, role, self.node, self.cfg.pool), w.tick())?;
+            let pool = borrow((self.cfg.gpu, dev, role, self.node, self.cfg.pool), self.owner, w.tick())?;
             self.stats.pool_bytes.fetch_add(pool.st.pool_bytes(), Ordering::Relaxed);
             self.stats.pools.fetch_add(1, Ordering::Relaxed);
             {
@@ -582,7 +663,7 @@ impl Stagers {
                 }
             }
             g = lock_slot(&slot);
-            *g = Some(Held { pool, stats: self.stats.clone() });
+            *g = Some(Held { pool, stats: self.stats.clone(), owner: self.owner });
         }
         let st = &mut g.as_mut().expect("filled above").pool.st;
         let before = st.totals();
@@ -791,6 +872,7 @@ impl Drop for Stagers {
             if let Some(mut h) = held {
                 h.stats.pool_bytes.fetch_sub(h.pool.st.pool_bytes(), Ordering::Relaxed);
                 h.pool.st.abandon();
+                lock_budget().count_held(h.owner, false);
                 give_back(h.pool);
             }
         }
@@ -816,6 +898,59 @@ mod tests {
     /// pages under a policy preferring node 0 (numa_maps "prefer:0", and get_mempolicy says so
     /// for the buffer's address), not the policy of whichever thread allocated it. Before the
     /// node was passed down, the buffers had the default policy.
+    /// Issue 33 item 5: a peer that holds its share of a device's pools while another peer
+    /// waits takes no more (before, it took every pool that came back, and a peer that never
+    /// let its pools go kept the others waiting until their timeout).
+    #[test]
+    fn a_peer_holding_its_share_leaves_the_next_pool_to_a_waiting_peer() {
+        // A stand-in device of its own: other tests of this binary share the budget.
+        let dev = 43;
+        let cfg = StagingConfig {
+            gpu: GpuKind::StandIn,
+            pool: PoolConfig { buffers: 1, buffer_size: 64 << 10 },
+            ipc: false,
+            pinned_max: DEFAULT_PINNED_MAX,
+        };
+        prewarm(cfg, dev, 4, None, 9).expect("stand-in pools");
+        let key = (cfg.gpu, dev, Role::Receiver, None, cfg.pool);
+        let (a, b_peer) = (Some(1u64), Some(2u64));
+        let mut no_wait = |_: bool| -> Result<(), String> { Err("would wait".into()) };
+        // Peer A holds all four pools (nobody waits: no cap).
+        let mut held: Vec<Pool> = (0..4).map(|_| borrow(key, a, &mut no_wait).expect("a warm pool")).collect();
+        // Peer B waits for one.
+        let waiter = std::thread::spawn(move || {
+            let t = Instant::now();
+            let mut tick = |_: bool| if t.elapsed() > Duration::from_secs(20) { Err("gave up".to_string()) } else { Ok(()) };
+            borrow(key, b_peer, &mut tick).map(|p| (p, t.elapsed()))
+        });
+        let t = Instant::now();
+        while !lock_budget().waiting_for.iter().any(|w| w.0 == 2) {
+            assert!(t.elapsed() < Duration::from_secs(20), "peer B never waited");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // A gives one back (idle, without waking B yet) and asks again at once: it holds 3 of
+        // 4 pools with another peer waiting, beyond its share (2): it must not take it.
+        {
+            let p = held.pop().expect("four");
+            let mut b = lock_budget();
+            b.count_held(a, false);
+            b.idle.push(p);
+        }
+        let again = borrow(key, a, &mut no_wait);
+        assert!(again.is_err(), "peer A took a fourth pool while peer B waited");
+        shared().returned.notify_all();
+        let (p, waited) = waiter.join().expect("waiter").expect("peer B got the pool");
+        assert!(waited < Duration::from_secs(20));
+        lock_budget().count_held(b_peer, false);
+        give_back(p);
+        for p in held {
+            lock_budget().count_held(a, false);
+            give_back(p);
+        }
+        let b = lock_budget();
+        assert_eq!(b.held(1) + b.held(2), 0);
+    }
+
     #[test]
     fn a_pool_for_a_node_0_rail_has_its_buffers_on_node_0() {
         // A stand-in device of its own: other tests of this binary share the budget.
@@ -829,7 +964,7 @@ mod tests {
         prewarm(cfg, dev, 1, Some(0), 7).expect("stand-in pools");
         prewarm(cfg, dev, 1, None, 7).expect("stand-in pools");
         let mut no_wait = |_: bool| -> Result<(), String> { Err("would wait".into()) };
-        let p = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), &mut no_wait).expect("a warm pool");
+        let p = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), None, &mut no_wait).expect("a warm pool");
         let ranges: Vec<_> = p.st.pinned_ranges().collect();
         assert_eq!(ranges.len(), 2);
         for (ptr, len) in ranges {
@@ -843,10 +978,10 @@ mod tests {
         // node-0 connection gets the node-0 pool back.
         let mine: Vec<_> = p.st.pinned_ranges().map(|r| r.0 as u64).collect();
         give_back(p);
-        let other = borrow((cfg.gpu, dev, Role::Sender, None, cfg.pool), &mut no_wait).expect("a warm pool");
+        let other = borrow((cfg.gpu, dev, Role::Sender, None, cfg.pool), None, &mut no_wait).expect("a warm pool");
         assert_eq!(other.key.3, None);
         assert!(other.st.pinned_ranges().all(|r| !mine.contains(&(r.0 as u64))));
-        let again = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), &mut no_wait).expect("a warm pool");
+        let again = borrow((cfg.gpu, dev, Role::Sender, Some(0), cfg.pool), None, &mut no_wait).expect("a warm pool");
         assert_eq!(again.st.pinned_ranges().map(|r| r.0 as u64).collect::<Vec<_>>(), mine, "the idle node-0 pool is reused");
         give_back(other);
         give_back(again);
