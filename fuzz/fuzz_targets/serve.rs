@@ -457,8 +457,10 @@ impl<'f> Run<'f> {
                             }
                         }
                     }
-                } else if !is_refusal(*status) {
-                    self.fail(&ctx("WRITE must be refused (unknown region, key, bounds, read-only)"));
+                } else if !(is_refusal(*status) || (gpu && *status == Status::Malformed)) {
+                    // A vectored WRITE into GPU memory may be refused for overlapping entries
+                    // before its other checks (server.rs), as Malformed.
+                    self.fail(&ctx("WRITE must be refused (unknown region, key, bounds, read-only; overlap into GPU memory)"));
                 }
             }
             (Want::Ok, Body::Resp { status: Status::Ok, bulk_len: 0, .. }) => {}
