@@ -587,10 +587,10 @@ impl Drop for Agent {
 mod tests {
     use super::*;
 
-    /// Metadata of a peer `name` whose one rail is `port` on loopback.
-    fn peer_at(name: &str, port: u16) -> Vec<u8> {
-        let rail = RailInfo {
-            name: "lo".into(),
+    /// Metadata of a peer `name` whose rails `rails` are all `port` on loopback.
+    fn rails_at(name: &str, port: u16, rails: &[&str]) -> Vec<u8> {
+        let rail = |n: &&str| RailInfo {
+            name: (*n).into(),
             addr: "127.0.0.1".into(),
             prefix_len: 8,
             port,
@@ -599,7 +599,12 @@ mod tests {
             numa: -1,
             rdma_dev: String::new(),
         };
-        AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail], regions: Vec::new() }.encode()
+        AgentMeta { name: name.into(), incarnation: 7, rails: rails.iter().map(rail).collect(), regions: Vec::new() }.encode()
+    }
+
+    /// Metadata of a peer `name` whose one rail is `port` on loopback.
+    fn peer_at(name: &str, port: u16) -> Vec<u8> {
+        rails_at(name, port, &["lo"])
     }
 
     /// Closing a peer could wait (until 6c912ce it waited for a dial in progress: here one to a
@@ -649,25 +654,8 @@ mod tests {
         use std::sync::{Arc, Mutex};
         use std::time::{Duration, Instant};
 
-        use multirail_proto::{AgentMeta, RailInfo};
-
         use crate::agent::Agent;
         use crate::config::Config;
-
-        /// Metadata of a peer `name` with two rails, both on loopback `port`.
-        fn two_rails_at(name: &str, port: u16) -> Vec<u8> {
-            let rail = |n: &str| RailInfo {
-                name: n.into(),
-                addr: "127.0.0.1".into(),
-                prefix_len: 8,
-                port,
-                speed_mbps: 0,
-                mtu: 65536,
-                numa: -1,
-                rdma_dev: String::new(),
-            };
-            AgentMeta { name: name.into(), incarnation: 7, rails: vec![rail("a"), rail("b")], regions: Vec::new() }.encode()
-        }
 
         /// A listener that accepts every connection and never answers (each dial's handshake
         /// waits for `timeout`); the number accepted so far.
@@ -698,7 +686,7 @@ mod tests {
             let (port, held) = silent_listener(stop.clone());
             let cfg = Config { timeout, background_connect: true, rail_map: vec![(0, 0), (0, 1)], ..Config::default() };
             let a = Agent::new("bg-a", cfg).expect("agent");
-            let name = a.add_remote(&two_rails_at("silent", port)).expect("peer");
+            let name = a.add_remote(&super::rails_at("silent", port, &["a", "b"])).expect("peer");
             let p = a.peer(&name).expect("peer");
             p.connect_soon().expect("queued");
             let idle = |p: &crate::peer::Peer| p.connector.is_idle();
