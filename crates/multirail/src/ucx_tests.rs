@@ -835,3 +835,123 @@ fn ucx_am_read_replies_are_bounded() {
     init.close();
     target.close();
 }
+
+/// An agent of `name` over ucx whose GPU is the stand-in.
+fn standin_agent(name: &str) -> Agent {
+    let mut cfg = Config { transport: TransportKind::Ucx, timeout: T, secret: Some(SECRET.to_vec()), ..Config::default() };
+    cfg.staging.gpu = multirail_gpu::GpuKind::StandIn;
+    cfg.staging.ipc = false; // two agents of one process: CUDA IPC would be tried and refused
+    Agent::new(name, cfg).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// `len` bytes of the stand-in GPU `dev`'s memory (host memory underneath), filled with
+/// `pattern(seed)`; freed with [`free_vram`].
+fn standin_vram(dev: i32, len: usize, seed: u8) -> (multirail_gpu::Gpu, multirail_gpu::DevicePtr) {
+    use multirail_gpu::Device;
+    let gpu = multirail_gpu::Gpu::open(multirail_gpu::GpuKind::StandIn, dev).expect("stand-in GPU");
+    let p = gpu.alloc(len).expect("stand-in VRAM");
+    // SAFETY: the stand-in's device memory is `len` bytes of host memory, ours until freed.
+    unsafe { std::slice::from_raw_parts_mut(p.0 as *mut u8, len) }.copy_from_slice(&pattern(seed, len));
+    (gpu, p)
+}
+
+/// The bytes of a stand-in allocation (no copy is writing it: its transfers completed).
+fn vram_bytes(p: multirail_gpu::DevicePtr, len: usize) -> Vec<u8> {
+    // SAFETY: `len` bytes of stand-in device memory (host memory) allocated by `standin_vram`.
+    unsafe { std::slice::from_raw_parts(p.0 as *const u8, len) }.to_vec()
+}
+
+/// Issue 35, item 7(e): KV pages into and out of a peer's VRAM over a ucx rail with GPUDirect
+/// go vectored (many pages per chunk), each chunk a batch of puts or gets, one per page, never
+/// an active message (the target applies those to host memory only). Before: a ucx link never
+/// said `vectored_gpu`, so each page went as a chunk of its own (256 chunks per transfer here);
+/// with it said but the active-message path unchanged, a chunk from host memory into the
+/// peer's VRAM went as an active message and the target refused it.
+///
+/// Runs on the stand-in GPU, whose memory is host memory underneath, over UCX's tcp, which
+/// really moves it by RMA (`with_standin_gpudirect`: tests only). The target's device does not
+/// order RDMA writes, so each notification after a WRITE is preceded by a flush.
+#[test]
+#[ignore = "needs UCX"]
+fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
+    use crate::transport::ucx::with_standin_gpudirect;
+    use crate::transport::GpuPath;
+    use crate::xfer::Op;
+    const PAGE: u64 = 4096;
+    const PAGES: u64 = 256;
+    const LEN: usize = 2 * MIB;
+    let (init, target) = with_standin_gpudirect(|| (standin_agent("ucx-kv-init"), standin_agent("ucx-kv-target")));
+    // Devices of their own: other tests use the stand-in's low ordinals and 41..45.
+    let (tgpu, tmem) = standin_vram(47, LEN, 31);
+    tgpu.as_standin().expect("stand-in").set_gdr(None, multirail_gpu::RdmaWritesOrdering::None);
+    let (igpu, imem) = standin_vram(48, LEN, 32);
+    let host = pattern(33, LEN);
+    let torig = vram_bytes(tmem, LEN);
+    let (iorig, horig) = (vram_bytes(imem, LEN), host.clone());
+    let tr = target.register(tmem.0, LEN as u64, 47, MemType::Vram, Access::ReadWrite).expect("register the target's VRAM");
+    let _ir = init.register(imem.0, LEN as u64, 48, MemType::Vram, Access::ReadWrite).expect("register VRAM");
+    let _hr = init.register(host.as_ptr() as u64, LEN as u64, 0, MemType::Dram, Access::ReadWrite).expect("register DRAM");
+    let name = init.add_remote(&target.metadata().encode()).expect("peer");
+
+    // Page k of transfer `t`: local slot (k * 101 + t) % 512, remote slot (k * 37 + 2 t) % 512
+    // (neighbours are never adjacent on either side: nothing merges into one piece). The
+    // remote slots of the two WRITEs and the two READs are disjoint (even and odd t).
+    let slots = |t: u64| -> Vec<(u64, u64)> { (0..PAGES).map(|k| ((k * 101 + t) % 512, (k * 37 + 2 * t) % 512)).collect() };
+    let mut texp = torig.clone();
+    let (mut iexp, mut hexp) = (iorig.clone(), horig.clone());
+    let chunks = || -> u64 { init.rail_stats(&name).expect("rail stats").iter().map(|r| r.stats.chunks_done).sum() };
+    let flushes = || tgpu.as_standin().expect("stand-in").rdma_flushes();
+    // (op, local base, transfer number, notification)
+    let plan = [
+        (Op::Write, imem.0, 0u64, true),
+        (Op::Read, imem.0, 1, false),
+        (Op::Write, host.as_ptr() as u64, 2, true),
+        (Op::Read, host.as_ptr() as u64, 3, false),
+    ];
+    let started = Instant::now();
+    for (op, base, t, notify) in plan {
+        let pages = slots(t);
+        let local: Vec<[u64; 3]> = pages.iter().map(|&(l, _)| [base + l * PAGE, PAGE, 0]).collect();
+        let remote: Vec<[u64; 3]> = pages.iter().map(|&(_, r)| [tmem.0 + r * PAGE, PAGE, 47]).collect();
+        let notif = if notify { format!("kv-{t}").into_bytes() } else { Vec::new() };
+        let (c0, f0) = (chunks(), flushes());
+        let h = init.prepare(op, &local, &remote, &name, notif.clone()).expect("prepare");
+        h.post_wait(None, Some(Duration::from_secs(20))).unwrap_or_else(|e| panic!("transfer {t} ({op:?}): {e}"));
+        let n = chunks() - c0;
+        eprintln!("transfer {t} ({op:?}, local {}): {PAGES} pages in {n} chunk(s)", if t < 2 { "VRAM" } else { "DRAM" });
+        assert!(n <= PAGES / 8, "transfer {t} ({op:?}): {PAGES} pages took {n} chunks: not vectored");
+        let exp_local = if t < 2 { &mut iexp } else { &mut hexp };
+        for &(l, r) in &pages {
+            let (l, r, n) = ((l * PAGE) as usize, (r * PAGE) as usize, PAGE as usize);
+            match op {
+                Op::Write => texp[r..r + n].copy_from_slice(&exp_local[l..l + n]),
+                Op::Read => exp_local[l..l + n].copy_from_slice(&texp[r..r + n]),
+            }
+        }
+        if notify {
+            let got = target.wait_notifs(Duration::from_secs(10));
+            assert!(got.iter().any(|(_, m)| *m == notif), "transfer {t}: notification {notif:?} not received: {got:?}");
+            assert!(flushes() > f0, "transfer {t}: no GPUDirect write flush before its notification");
+        }
+    }
+    let took = started.elapsed();
+    assert!(vram_bytes(tmem, LEN) == texp, "the target's VRAM differs");
+    assert!(vram_bytes(imem, LEN) == iexp, "the initiator's VRAM differs");
+    assert!(host == hexp, "the initiator's DRAM differs");
+    // Direct, and the target served no active message (RMA only) and refused nothing.
+    let rails = init.rail_stats(&name).expect("rail stats");
+    assert!(rails.iter().all(|r| r.caps.gpu == GpuPath::Direct && r.transport.starts_with("ucx")), "{rails:?}");
+    let served = target.served_stats();
+    let am: u64 = served.iter().map(|s| s.requests_read + s.requests_written + s.refused).sum();
+    assert_eq!(am, 0, "active messages served or refused: {served:?}");
+    eprintln!("4 x {PAGES} pages of 4 KiB over ucx/tcp (stand-in GPUDirect) in {took:?}");
+    drop(tr);
+    init.close();
+    target.close();
+    use multirail_gpu::Device;
+    // SAFETY: allocated by `standin_vram`; both agents are closed (nothing uses the memory).
+    unsafe {
+        tgpu.free(tmem).expect("free");
+        igpu.free(imem).expect("free");
+    }
+}

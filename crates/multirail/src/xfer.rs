@@ -224,6 +224,10 @@ pub(crate) struct XferShared {
     pub(crate) ipc: Option<IpcPlan>,
     /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
     pub(crate) via_gpu_link: bool,
+    /// Some run targets the peer's GPU memory: over ucx (GPUDirect) a vectored chunk of it goes
+    /// as a batch of gets or puts, never as one active message (the target applies those to
+    /// host memory only).
+    pub(crate) remote_vram: bool,
     /// The stream contract (docs/gpu.md): events recorded at post on the application's stream,
     /// one per local GPU device, that every engine access to local GPU memory waits for.
     gpu_order: Mutex<GpuOrder>,
@@ -333,6 +337,7 @@ impl XferShared {
             vram,
             ipc,
             via_gpu_link,
+            remote_vram,
             op,
             peer,
             runs: runs.into(),

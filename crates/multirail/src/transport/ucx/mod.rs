@@ -141,6 +141,33 @@ pub(crate) struct UcxAgent {
     gpu_direct: std::result::Result<String, String>,
     /// Devices whose GPUDirect writes are flushed before a notification is queued.
     gdr_flush: crate::gdr::GdrFlush,
+    /// Tests only ([`with_standin_gpudirect`]): the stand-in GPU's memory (host memory
+    /// underneath) counts as GPUDirect memory on any rail, UCX's tcp included. Always false
+    /// outside `cargo test`.
+    standin_direct: bool,
+}
+
+#[cfg(test)]
+thread_local! {
+    static STANDIN_GPUDIRECT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tests only: the ucx agents made by `f` on this thread take the stand-in GPU's memory as
+/// GPUDirect memory (`gpu_direct` holds, VRAM regions are mapped, the rails say "direct"), so
+/// UCX's tcp transport really moves it by RMA: the direct data path runs without a GPU or an
+/// RDMA NIC. The memory is mapped as host memory (it is), not declared as CUDA memory. Not
+/// compiled outside `cargo test`: a build's own check (`gpu_direct_check`) is unchanged.
+#[cfg(test)]
+pub(crate) fn with_standin_gpudirect<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            STANDIN_GPUDIRECT.with(|c| c.set(false));
+        }
+    }
+    STANDIN_GPUDIRECT.with(|c| c.set(true));
+    let _reset = Reset;
+    f()
 }
 
 impl UcxAgent {
@@ -161,6 +188,12 @@ impl UcxAgent {
         let infos: Vec<(String, &str)> =
             ctxs.iter().flatten().map(|r| (r.ctx.info_string().unwrap_or_default(), r.devices.as_str())).collect();
         let gpu_direct = gpu_direct_check(&infos, std::path::Path::new("/"));
+        #[cfg(not(test))]
+        let standin_direct = false;
+        #[cfg(test)]
+        let standin_direct = STANDIN_GPUDIRECT.with(|c| c.get());
+        #[cfg(test)]
+        let gpu_direct = if standin_direct { Ok("peermem (the stand-in's, tests only)".to_string()) } else { gpu_direct };
         Ok(UcxAgent {
             ucx,
             rails: ctxs,
@@ -168,7 +201,13 @@ impl UcxAgent {
             sessions: Default::default(),
             gpu_direct,
             gdr_flush: Default::default(),
+            standin_direct,
         })
+    }
+
+    /// Tests only: the stand-in's memory counts as GPUDirect memory ([`with_standin_gpudirect`]).
+    pub fn standin_direct(&self) -> bool {
+        self.standin_direct
     }
 
     /// Ok when every rail can move GPU memory directly (module docs of `gpu_direct_check`),
@@ -205,12 +244,13 @@ impl UcxAgent {
                 per_rail.push(None);
                 continue;
             };
+            // The stand-in's "VRAM" is host memory: mapped as such (tests only).
+            let mem_type = if self.standin_direct { MemoryType::Detect } else { memory_type(region.mem) };
             // SAFETY: the caller registered [base, base+len) with the agent and keeps it
             // allocated while registered; it is unmapped at deregistration, after the registry
             // saw no holder (a request still pending keeps its own mapping alive until done).
-            let m =
-                unsafe { r.ctx.map_typed(region.base as *mut u8, region.len as usize, protection(region.access), memory_type(region.mem)) }
-                    .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
+            let m = unsafe { r.ctx.map_typed(region.base as *mut u8, region.len as usize, protection(region.access), mem_type) }
+                .map_err(|e| Error::InvalidArgument(format!("UCX cannot map region {} on rail {i} ({}): {e}", region.id, r.devices)))?;
             let packed =
                 if exported {
                     Some(m.pack_rkey().map_err(|e| {

@@ -126,10 +126,13 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
             Some(v) => v.iter().flat_map(|r| r.pieces()).map(|q| (q.local, q.offset, q.len)).collect(),
             None => vec![(piece.local, piece.offset, piece.len)],
         };
-        // Many small pieces of host memory: one active message with the piece table instead.
+        // Many small pieces of host memory on both sides: one active message with the piece
+        // table instead. GPU memory (GPUDirect) stays RMA, one get or put per piece: the target
+        // copies active messages with its CPU, into and out of host memory only.
         let bytes: u64 = pieces.iter().map(|q| q.2).sum();
+        let host_only = x.local_dev(piece.local).is_none() && !x.remote_vram;
         let wire = match chunk.vec.as_ref() {
-            Some(runs) if p.rail.am() && x.local_dev(piece.local).is_none() && use_am(pieces.len(), bytes) => Some(vec_pieces(runs)),
+            Some(runs) if p.rail.am() && host_only && use_am(pieces.len(), bytes) => Some(vec_pieces(runs)),
             _ => None,
         };
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
@@ -218,7 +221,8 @@ impl Transport for UcxRails {
         let one_sided = (0..self.rails.len()).any(|ri| self.is_up(ri) && rdma(&self.describe(ri)));
         // Without GPUDirect, GPU memory goes over the same rails staged, through a tcp link the
         // peer opens for it (`Peer::gpu_link`).
-        let direct = one_sided && self.agent.gpu_direct().is_ok();
+        // (Tests: the stand-in's memory over UCX's tcp, `ucx::with_standin_gpudirect`.)
+        let direct = (one_sided || self.agent.standin_direct()) && self.agent.gpu_direct().is_ok();
         Caps { remote_vram: direct, one_sided, gpu: if direct { GpuPath::Direct } else { GpuPath::Staged } }
     }
 
@@ -227,8 +231,10 @@ impl Transport for UcxRails {
         let d = link.dial_hello(ri, Role::UcxSession, timeout)?;
         let remote_rail = u16::try_from(remote_index).map_err(|_| Error::Metadata(format!("rail index {remote_index} too large")))?;
         let rail = UcxRail::open(&self.agent, local_index, remote_rail, d.stream, d.id, d.version, d.session_key, timeout)?;
-        // One-sided: the target parses nothing, so any peer takes batched gets and puts.
+        // One-sided: the target parses nothing, so any peer takes batched gets and puts, into
+        // its GPU memory too (GPUDirect: `pump` sends those as RMA, never as an active message).
         link.set_vectored(ri, link.cfg().vectored);
+        link.set_vectored_gpu(ri, link.cfg().vectored);
         link.set_byte_progress(ri, false); // no progress evidence below a completion
         let p = Arc::new(Path {
             rail,
