@@ -836,9 +836,9 @@ fn ucx_am_read_replies_are_bounded() {
     target.close();
 }
 
-/// An agent of `name` over ucx whose GPU is the stand-in.
-fn standin_agent(name: &str) -> Agent {
-    let mut cfg = Config { transport: TransportKind::Ucx, timeout: T, secret: Some(SECRET.to_vec()), ..Config::default() };
+/// An agent of `name` over ucx whose GPU is the stand-in (`vectored`: `Config::vectored`).
+fn standin_agent(name: &str, vectored: bool) -> Agent {
+    let mut cfg = Config { transport: TransportKind::Ucx, timeout: T, secret: Some(SECRET.to_vec()), vectored, ..Config::default() };
     cfg.staging.gpu = multirail_gpu::GpuKind::StandIn;
     cfg.staging.ipc = false; // two agents of one process: CUDA IPC would be tried and refused
     Agent::new(name, cfg).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -880,7 +880,7 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
     const PAGE: u64 = 4096;
     const PAGES: u64 = 256;
     const LEN: usize = 2 * MIB;
-    let (init, target) = with_standin_gpudirect(|| (standin_agent("ucx-kv-init"), standin_agent("ucx-kv-target")));
+    let (init, target) = with_standin_gpudirect(|| (standin_agent("ucx-kv-init", true), standin_agent("ucx-kv-target", true)));
     // Devices of their own: other tests use the stand-in's low ordinals and 41..45.
     let (tgpu, tmem) = standin_vram(47, LEN, 31);
     tgpu.as_standin().expect("stand-in").set_gdr(None, multirail_gpu::RdmaWritesOrdering::None);
@@ -945,6 +945,44 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
     let am: u64 = served.iter().map(|s| s.requests_read + s.requests_written + s.refused).sum();
     assert_eq!(am, 0, "active messages served or refused: {served:?}");
     eprintln!("4 x {PAGES} pages of 4 KiB over ucx/tcp (stand-in GPUDirect) in {took:?}");
+
+    // The stand-in's pages-to-contiguous ratio, printed for docs/benchmarks.md (not asserted:
+    // loopback timings say nothing about a NIC): the pages of transfer 0 and 1 vectored, then
+    // one page per chunk (an agent with `vectored` off: what main did before), against the same
+    // MiB in one piece; VRAM to VRAM, median of 7 after one warm-up.
+    let plain = with_standin_gpudirect(|| standin_agent("ucx-kv-plain", false));
+    let _pr = plain.register(imem.0, LEN as u64, 48, MemType::Vram, Access::ReadWrite).expect("register VRAM");
+    let pname = plain.add_remote(&target.metadata().encode()).expect("peer");
+    let median = |a: &Agent, peer: &str, op: Op, local: &[[u64; 3]], remote: &[[u64; 3]]| -> Duration {
+        let h = a.prepare(op, local, remote, peer, Vec::new()).expect("prepare");
+        let mut t: Vec<Duration> = (0..8)
+            .map(|_| {
+                let s = Instant::now();
+                h.post_wait(None, Some(Duration::from_secs(20))).expect("transfer");
+                s.elapsed()
+            })
+            .skip(1)
+            .collect();
+        t.sort();
+        t[t.len() / 2]
+    };
+    let mut line = String::new();
+    for (op, t) in [(Op::Write, 0), (Op::Read, 1)] {
+        let pages = slots(t);
+        let local: Vec<[u64; 3]> = pages.iter().map(|&(l, _)| [imem.0 + l * PAGE, PAGE, 0]).collect();
+        let remote: Vec<[u64; 3]> = pages.iter().map(|&(_, r)| [tmem.0 + r * PAGE, PAGE, 47]).collect();
+        let vectored = median(&init, &name, op, &local, &remote);
+        let per_page = median(&plain, &pname, op, &local, &remote);
+        let whole = median(&init, &name, op, &[[imem.0, MIB as u64, 0]], &[[tmem.0 + MIB as u64, MIB as u64, 47]]);
+        let r = |d: Duration| d.as_secs_f64() / whole.as_secs_f64();
+        line += &format!(
+            "{op:?}: vectored {vectored:.2?} ({:.2}x), a chunk per page {per_page:.2?} ({:.2}x), contiguous {whole:.2?}; ",
+            r(vectored),
+            r(per_page)
+        );
+    }
+    eprintln!("stand-in GPUDirect over ucx/tcp loopback, {PAGES} x 4 KiB VRAM -> VRAM pages vs 1 MiB contiguous: {line}");
+    plain.close();
     drop(tr);
     init.close();
     target.close();
