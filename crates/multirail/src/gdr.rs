@@ -7,7 +7,9 @@
 //! connection; the application reads the VRAM after taking that notification. So a device
 //! whose `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING` is neither OWNER nor ALL_DEVICES
 //! gets `cuFlushGPUDirectRDMAWrites(TARGET_CURRENT_CTX, TO_OWNER)` before each notification is
-//! queued ([`GdrFlush::flush`], called by the server).
+//! queued ([`GdrFlush::flush`], called by the server). A READ's gets write the initiator's own
+//! VRAM: such a device is flushed after each READ chunk into it, before the chunk counts as done
+//! ([`GdrFlush::flush_device`], called by the ucx rails).
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
@@ -40,6 +42,18 @@ impl GdrFlush {
         }
         self.devices.lock().unwrap_or_else(PoisonError::into_inner).entry((gpu.kind(), gpu.id())).or_insert_with(|| gpu.clone());
         Ok(true)
+    }
+
+    /// A READ by GPUDirect landed in local memory of device `id`: flush that device's RDMA writes
+    /// if it needs it, before the chunk counts as done (the application reads the pages once the
+    /// transfer completed). Returns whether it flushed.
+    pub fn flush_device(&self, id: i32) -> Result<bool, String> {
+        let devices: Vec<Gpu> =
+            self.devices.lock().unwrap_or_else(PoisonError::into_inner).iter().filter(|(k, _)| k.1 == id).map(|(_, g)| g.clone()).collect();
+        for g in &devices {
+            g.flush_rdma_writes().map_err(|e| format!("cuFlushGPUDirectRDMAWrites on GPU {}: {e}", g.id()))?;
+        }
+        Ok(!devices.is_empty())
     }
 
     /// Before the target reports that writes landed (a notification is queued): flush the RDMA
@@ -77,6 +91,10 @@ mod tests {
         assert_eq!(f.flush(), Ok(1));
         assert_eq!(f.flush(), Ok(1));
         assert_eq!(unordered.as_standin().unwrap().rdma_flushes(), 2);
+        // After a READ into one device (item 7e): that device only, and only if it needs it.
+        assert_eq!(f.flush_device(41), Ok(true));
+        assert_eq!(f.flush_device(42), Ok(false));
+        assert_eq!(unordered.as_standin().unwrap().rdma_flushes(), 3);
         assert_eq!(owner.as_standin().unwrap().rdma_flushes() + all.as_standin().unwrap().rdma_flushes(), 0);
         assert_eq!(RdmaWritesOrdering::from_attr(0), RdmaWritesOrdering::None);
         assert_eq!(RdmaWritesOrdering::from_attr(100), RdmaWritesOrdering::Owner);

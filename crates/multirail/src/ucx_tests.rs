@@ -885,6 +885,7 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
     let (tgpu, tmem) = standin_vram(47, LEN, 31);
     tgpu.as_standin().expect("stand-in").set_gdr(None, multirail_gpu::RdmaWritesOrdering::None);
     let (igpu, imem) = standin_vram(48, LEN, 32);
+    igpu.as_standin().expect("stand-in").set_gdr(None, multirail_gpu::RdmaWritesOrdering::None);
     let host = pattern(33, LEN);
     let torig = vram_bytes(tmem, LEN);
     let (iorig, horig) = (vram_bytes(imem, LEN), host.clone());
@@ -901,6 +902,7 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
     let (mut iexp, mut hexp) = (iorig.clone(), horig.clone());
     let chunks = || -> u64 { init.rail_stats(&name).expect("rail stats").iter().map(|r| r.stats.chunks_done).sum() };
     let flushes = || tgpu.as_standin().expect("stand-in").rdma_flushes();
+    let read_flushes = || igpu.as_standin().expect("stand-in").rdma_flushes();
     // (op, local base, transfer number, notification)
     let plan = [
         (Op::Write, imem.0, 0u64, true),
@@ -914,7 +916,7 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
         let local: Vec<[u64; 3]> = pages.iter().map(|&(l, _)| [base + l * PAGE, PAGE, 0]).collect();
         let remote: Vec<[u64; 3]> = pages.iter().map(|&(_, r)| [tmem.0 + r * PAGE, PAGE, 47]).collect();
         let notif = if notify { format!("kv-{t}").into_bytes() } else { Vec::new() };
-        let (c0, f0) = (chunks(), flushes());
+        let (c0, f0, r0) = (chunks(), flushes(), read_flushes());
         let h = init.prepare(op, &local, &remote, &name, notif.clone()).expect("prepare");
         h.post_wait(None, Some(Duration::from_secs(20))).unwrap_or_else(|e| panic!("transfer {t} ({op:?}): {e}"));
         let n = chunks() - c0;
@@ -927,6 +929,10 @@ fn ucx_kv_pages_to_and_from_remote_vram_go_vectored_by_rma() {
                 Op::Write => texp[r..r + n].copy_from_slice(&exp_local[l..l + n]),
                 Op::Read => exp_local[l..l + n].copy_from_slice(&texp[r..r + n]),
             }
+        }
+        if op == Op::Read && t < 2 {
+            // Gets wrote the local device, which does not order RDMA writes: flushed before done.
+            assert!(read_flushes() > r0, "transfer {t}: no GPUDirect write flush after a READ into local VRAM");
         }
         if notify {
             let got = target.wait_notifs(Duration::from_secs(10));

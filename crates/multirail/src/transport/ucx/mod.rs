@@ -230,6 +230,13 @@ impl UcxAgent {
         self.gdr_flush.flush()
     }
 
+    /// A READ by GPUDirect landed in local memory of GPU `dev`: flush its RDMA writes where the
+    /// device does not order them (`crate::gdr`). Returns whether it flushed.
+    pub fn flush_gdr_reads(&self, dev: u32) -> std::result::Result<bool, String> {
+        let id = i32::try_from(dev).map_err(|_| format!("device id {dev} out of range"))?;
+        self.gdr_flush.flush_device(id)
+    }
+
     /// Rail `i`'s context, if it runs ucx.
     fn rail(&self, i: usize) -> Option<&RailCtx> {
         self.rails.get(i)?.as_ref()

@@ -41,6 +41,8 @@ const NO_STALL: Duration = Duration::from_secs(86_400);
 /// One open rail: the UCX rail and the chunks it carries, by token.
 struct Path {
     rail: UcxRail,
+    /// The agent (GPUDirect write flushes after READs into local GPU memory).
+    agent: Arc<UcxAgent>,
     inflight: Mutex<HashMap<u64, (Chunk, Arc<XferShared>)>>,
     next_token: AtomicU64,
     /// Carried a PUT: its session must be fenced on the target if the rail dies.
@@ -155,8 +157,21 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
 fn report(link: &dyn Host, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Result<(), String>)>) {
     for (token, r) in done.drain(..) {
         let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
-        let r = r.map_err(|m| (refused(&m), m));
+        let r = r.and_then(|()| read_visible(p, &chunk, &x)).map_err(|m| (refused(&m), m));
         link.chunk_done(ri, chunk.id, &x, chunk.piece.len, r);
+    }
+}
+
+/// A READ chunk whose gets wrote local GPU memory (GPUDirect): the NIC's writes are made
+/// visible to the device (`cuFlushGPUDirectRDMAWrites` where it does not order them, `crate::gdr`)
+/// before the chunk counts as done, since the application reads the pages once the transfer
+/// completed. A failed flush fails the chunk: its bytes may not be visible.
+fn read_visible(p: &Path, chunk: &Chunk, x: &XferShared) -> std::result::Result<(), String> {
+    match x.local_dev(chunk.piece.local) {
+        Some(dev) if x.op == Op::Read => {
+            p.agent.flush_gdr_reads(dev).map(|_| ()).map_err(|e| format!("READ into GPU {dev}: GPUDirect write flush failed: {e}"))
+        }
+        _ => Ok(()),
     }
 }
 
@@ -238,6 +253,7 @@ impl Transport for UcxRails {
         link.set_byte_progress(ri, false); // no progress evidence below a completion
         let p = Arc::new(Path {
             rail,
+            agent: self.agent.clone(),
             inflight: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(1),
             wrote: AtomicBool::new(false),
