@@ -727,6 +727,37 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         out["notifs"] = [m for m in notifs_of_target(d) if not m.startswith("fff")]
         agent.release_xfer_handle(h)
 
+    elif name == "notif_order":
+        # issue 36, item 3 (order): the target's application does not take its notifications
+        # (DIR/hold) while its inbox fills to 63.5 MiB: a 1 MiB genNotif is then refused, the
+        # smaller genNotifs and WRITE notifications after it fit. Once the application takes
+        # notifications again, they must arrive in the order sent, the refused one first
+        agent.add_remote_agent((d / "meta.bin").read_bytes())
+        src = Buf(size, vram, plugin, B)
+        src.reg(agent)
+        (d / "hold").touch()
+        for _ in range(63):
+            agent.send_notif("target", b"f" * (1 << 20))
+        agent.send_notif("target", b"f" * (1 << 19))
+        sent = [b"big" + b"." * ((1 << 20) - 3)]
+        agent.send_notif("target", sent[0])
+        for k in range(24):
+            m = f"m{k}".encode()
+            if k % 4 == 3:
+                h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(src.addr, 4096, 0)], mem),
+                                          agent.get_xfer_descs([(addrs["B"], 4096, 0)], mem), "target", m)
+                check(wait(agent, h) == "DONE", f"WRITE {k}")
+                agent.release_xfer_handle(h)
+            else:
+                agent.send_notif("target", m)
+            sent.append(m)
+        time.sleep(0.3)
+        (d / "hold").unlink()
+        wait_notif_at_target(d, sent[-1].decode())
+        time.sleep(0.2)  # anything out of order after the last one
+        out["sent"] = [m[:256].decode() for m in sent]
+        out["got"] = [m for m in notifs_of_target(d) if not m.startswith("fff")]
+
     elif name == "release_in_flight":
         # issue 36, item 7: releaseReqH of a transfer in flight whose release hits an internal
         # error (MULTIRAIL_NIXL_FAULT=panic:release) frees the handle and reports success: on an

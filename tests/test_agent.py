@@ -1332,3 +1332,101 @@ def test_a_notification_whose_answer_is_lost_is_delivered_once(agents):
         got += t.get_new_notifs().get("initiator", [])
         time.sleep(0.01)
     assert got == [b"once", b"twice"], got
+
+
+def _fill_inbox_but_half_a_mib(t, send) -> None:
+    """63 x 1 MiB + 512 KiB from one peer: its next 1 MiB notification is refused (over the
+    64 MiB per peer, inbox::PEER_MAX_QUEUED_BYTES) while small ones still fit."""
+    for k in range(63):
+        send(bytes([k]) * MiB)
+    send(b"h" * (MiB // 2))
+
+
+def _take_until(t, peer: str, n: int, timeout: float = 20.0) -> list[bytes]:
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += t.get_new_notifs().get(peer, [])
+        time.sleep(0.005)
+    return got
+
+
+def test_notifications_keep_their_order_behind_a_refused_one(pair):
+    """Issue 36 item 3 (order): NIXL delivers one peer's notifications in the order sent. The
+    target's inbox has room for small notifications but not for a 1 MiB one: a WRITE's 1 MiB
+    notification is refused and held by the initiator (its data landed); the WRITEs'
+    notifications and send_notifs after it are delivered after it once the application takes
+    its notifications, in the order sent (before: each send_notif went out on the caller's
+    thread and was queued at once, before the held one). A send_notif refused fails, and the
+    next one, once there is room, is delivered (the target's refusal of what follows a
+    refused notification does not outlive it)."""
+    t, i = pair
+    src, dst = pattern(1 * MiB, 8), np.zeros(1 * MiB, np.uint8)
+    loaded(t, i, dst, src)
+    _fill_inbox_but_half_a_mib(t, lambda m: i.send_notif("target", m))
+    big = b"A" + b"a" * (MiB - 1)
+    w = i.initialize_xfer("WRITE", [src], [dst], "target", big)
+    i.transfer(w)
+    i.wait(w, 10)
+    sent: list[bytes] = [big]
+    errs: list[BaseException] = []
+
+    def more() -> None:
+        try:
+            for k in range(12):
+                m = f"{k}".encode()
+                if k % 3 == 0:
+                    x = i.initialize_xfer("WRITE", [src[:4096]], [dst[:4096]], "target", b"x" + m)
+                    i.transfer(x)
+                    i.wait(x, 10)
+                    sent.append(b"x" + m)
+                else:
+                    i.send_notif("target", b"n" + m)  # waits behind the held one
+                    sent.append(b"n" + m)
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    th = threading.Thread(target=more)
+    th.start()
+    time.sleep(0.5)  # the sends are under way (on main: the send_notifs were queued already)
+    got = _take_until(t, "initiator", 64 + 13)
+    th.join(20)
+    assert not errs and not th.is_alive(), errs
+    assert len(got) == 64 + 13 and got[64:] == sent, [m[:4] for m in got[64:]]
+    assert np.array_equal(src, dst)
+    # a refused send_notif fails; the next, once the application made room, is delivered
+    _fill_inbox_but_half_a_mib(t, lambda m: i.send_notif("target", m))
+    with pytest.raises(errors.TransferError, match="notification queue full"):
+        i.send_notif("target", big)
+    assert len(_take_until(t, "initiator", 64)) == 64
+    i.send_notif("target", b"after")
+    assert _take_until(t, "initiator", 1) == [b"after"]
+
+
+def test_the_target_refuses_what_follows_a_refused_notification_in_a_pipelined_batch(pair):
+    """Issue 36 item 3 (order), the target's side: numbered notifications pipelined on one
+    control connection, the first refused (inbox full for it) and the next small enough to
+    fit: the next is refused too (before: queued, ahead of the refused one, which the sender
+    then sent again behind it). Sent again oldest first, both are queued in order."""
+    t, _i = pair
+    s = rawpeer.connect(t.port, name="raw", role=1, hello_version=5)
+
+    def notif(seq: int, msg: bytes) -> bytes:
+        return rawpeer.frame(17, struct.pack("<QQ", 7, seq) + msg, req_id=seq)
+
+    def answers(n: int) -> list[str]:
+        return [rawpeer.parse_status(rawpeer.read_frame(s)[2])[0] for _ in range(n)]
+
+    try:
+        seq = iter(range(1, 1000))
+        _fill_inbox_but_half_a_mib(t, lambda m: s.sendall(notif(next(seq), m)))
+        assert answers(64) == ["Ok"] * 64
+        big, small = b"A" * MiB, b"b"
+        s.sendall(notif(100, big) + notif(101, small))
+        assert answers(2) == ["Busy", "Busy"]
+        assert len(_take_until(t, "raw", 64)) == 64
+        s.sendall(notif(100, big) + notif(101, small))
+        assert answers(2) == ["Ok", "Ok"]
+        assert _take_until(t, "raw", 2) == [big, small]
+    finally:
+        s.close()

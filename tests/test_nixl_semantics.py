@@ -198,6 +198,18 @@ def test_a_full_inbox_does_not_fail_a_transfer_whose_data_landed(pair: Pair) -> 
     assert out["notifs"].count("after-full") == 1, out["notifs"]
 
 
+@pytest.mark.parametrize("pair", [{"size": 1 * MiB}], indirect=True)
+def test_notifications_arrive_in_the_order_sent_behind_a_refused_one(pair: Pair) -> None:
+    """Item 3 (order): NIXL delivers one agent's notifications in the order they were sent.
+    The target's application does not take its notifications until its inbox has room for
+    small ones only: a 1 MiB genNotif is refused, and the 24 genNotifs and WRITE notifications
+    after it (each WRITE DONE before the next call) arrive after it, in the order sent, once
+    the application takes notifications again (before: genNotifs went out pipelined on their
+    own connection, the refused one was dropped with a warning and the rest queued)."""
+    out = pair.run("notif_order", timeout=120)
+    assert out["got"] == out["sent"], out["got"]
+
+
 @pytest.mark.parametrize("pair", [{"size": 4 * MiB}], indirect=True)
 def test_releasing_a_handle_never_reports_an_error_after_freeing_it(pair: Pair) -> None:
     """Item 7: releaseReqH of a transfer in flight hits an internal error (fault point

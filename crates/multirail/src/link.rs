@@ -10,7 +10,7 @@
 //! Lock order: `sched` before nothing else; a transport never calls into the link while holding
 //! a lock the link's callbacks take, and never does I/O under `sched`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
@@ -38,6 +38,51 @@ const NOTIFY_BATCH: usize = 64;
 /// the max (`Link::notifier`).
 const NOTIFY_RETRY_MIN: Duration = Duration::from_millis(1);
 const NOTIFY_RETRY_MAX: Duration = Duration::from_millis(100);
+/// What a link's notifier sends, in the order queued (`Link::notifier`).
+pub(crate) enum Outgoing {
+    /// A transfer whose data landed: its notification is sent, then it completes.
+    Xfer(Arc<XferShared>),
+    /// A notification of its own (`Link::send_notif`); `reply` gets the peer's answer when
+    /// the caller waits for it.
+    Notif { msg: Vec<u8>, reply: Option<mpsc::Sender<Result<()>>> },
+}
+
+impl Outgoing {
+    fn msg(&self) -> Vec<u8> {
+        match self {
+            Outgoing::Xfer(x) => x.notif.lock().expect("xfer lock").clone().unwrap_or_default(),
+            Outgoing::Notif { msg, .. } => msg.clone(),
+        }
+    }
+}
+
+fn is_busy(r: &Result<()>) -> bool {
+    matches!(r, Err(Error::Remote { status: Status::Busy, .. }))
+}
+
+/// A notification held by the notifier (refused, or behind a refused one).
+struct Held {
+    body: Body,
+    since: Instant,
+    /// The `send_notif` caller waiting for the answer.
+    reply: Option<mpsc::Sender<Result<()>>>,
+    /// A `send_notif` nobody waits for: a drop is said on stderr.
+    warn: bool,
+}
+
+impl Held {
+    /// It leaves the queue with `r`: taken by the peer, or dropped.
+    fn end(self, link: &Link, r: Result<()>) {
+        match self.reply {
+            Some(tx) => {
+                let _ = tx.send(r);
+            }
+            None if self.warn => link.notif_sent(r),
+            None => {}
+        }
+    }
+}
+
 /// Longest a fence may take on one rail (connect, handshake, answer) before the next is tried.
 const FENCE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pause after a failed control dial, doubling up to the max until the request's `timeout`.
@@ -99,7 +144,7 @@ pub struct Link {
     control: Mutex<Option<TcpStream>>,
     /// The `Hello` version the peer accepted on the control connection (0: none yet).
     control_version: std::sync::atomic::AtomicU16,
-    notify_tx: Mutex<Option<mpsc::Sender<Arc<XferShared>>>>,
+    notify_tx: Mutex<Option<mpsc::Sender<Outgoing>>>,
     shutdown: AtomicBool,
     /// Set when the peer is known gone for good (restarted: stale metadata).
     pub(crate) fatal: Mutex<Option<Error>>,
@@ -438,7 +483,7 @@ impl Link {
         }
         // Drain the RailDown events of rails that failed to connect.
         link.sched.lock().expect("sched lock").planner.poll_event();
-        let (tx, rx) = mpsc::channel::<Arc<XferShared>>();
+        let (tx, rx) = mpsc::channel::<Outgoing>();
         *link.notify_tx.lock().expect("link lock") = Some(tx);
         let l2 = link.clone();
         std::thread::Builder::new()
@@ -1051,8 +1096,15 @@ impl Link {
                 }
             }
         }
-        let done = out.len();
-        out.extend(bodies.into_iter().skip(done).map(|b| self.control_request(b)));
+        // One by one from the first not answered; after a refusal (the inbox full) the later
+        // ones are not sent, so that none is queued before it.
+        for b in bodies.into_iter().skip(out.len()) {
+            let busy = out.iter().any(is_busy);
+            out.push(match busy {
+                true => Err(status_error(&who, Status::Busy, "not sent: an earlier notification was refused (inbox full)".into())),
+                false => self.control_request(b),
+            });
+        }
         out
     }
 
@@ -1074,19 +1126,24 @@ impl Link {
         }
     }
 
-    /// The notifier thread: each pass takes every notification queued meanwhile (in order, at
-    /// most NOTIFY_BATCH) and sends them pipelined: a request of 32 layer WRITEs pays about one
-    /// round trip for its notifications, not 32, and a lone one pays no wait.
+    /// The notifier thread: every notification of this link goes through it, in the order
+    /// queued (a transfer's once its data landed, `send_notif`'s when called), so the peer
+    /// queues them in that order. Each pass takes every notification queued meanwhile (at most
+    /// NOTIFY_BATCH), numbers them and sends them pipelined: a request of 32 layer WRITEs pays
+    /// about one round trip for its notifications, not 32, and a lone one pays no wait.
     ///
     /// A notification the target refuses because its inbox is full (`Status::Busy`: its
     /// application has not taken its notifications) does not fail the transfer, whose data
     /// landed: the transfer completes, and the notification is held here and sent again
     /// (same number, so the target queues it once) with a growing pause, the later ones of
-    /// this link behind it, until the target takes it. One still refused `timeout` after its
-    /// first refusal is dropped with a log line, as is one beyond `inbox::PEER_MAX_QUEUED`
-    /// held (docs/nixl-plugin.md, "Notifications").
-    fn notifier(&self, rx: mpsc::Receiver<Arc<XferShared>>) {
-        let mut held: std::collections::VecDeque<(Body, Instant)> = std::collections::VecDeque::new();
+    /// this link behind it, until the target takes it. The target refuses the rest of a
+    /// pipelined batch after a refusal (`server::Conn::notif_seq`), so they are held behind
+    /// it, not queued before it. One still refused `timeout` after its first refusal is
+    /// dropped with a log line, as is one beyond `inbox::PEER_MAX_QUEUED` held
+    /// (docs/nixl-plugin.md, "Notifications"). A `send_notif` whose caller waits for the
+    /// answer (the native API) is not held: its refusal is its caller's error.
+    fn notifier(&self, rx: mpsc::Receiver<Outgoing>) {
+        let mut held: VecDeque<Held> = VecDeque::new();
         let mut pause = NOTIFY_RETRY_MIN;
         loop {
             let first = if held.is_empty() {
@@ -1101,60 +1158,45 @@ impl Link {
                     Err(mpsc::RecvTimeoutError::Disconnected) => break,
                 }
             };
-            let mut batch: Vec<Arc<XferShared>> = first.into_iter().collect();
+            let mut batch: Vec<Outgoing> = first.into_iter().collect();
             while !batch.is_empty() && batch.len() < NOTIFY_BATCH {
                 match rx.try_recv() {
                     Ok(x) => batch.push(x),
                     Err(_) => break,
                 }
             }
-            let bodies: Vec<Body> =
-                batch.iter().map(|x| self.notif_body(x.notif.lock().expect("xfer lock").clone().unwrap_or_default())).collect();
+            let items: Vec<(Body, Outgoing)> = batch.into_iter().map(|o| (self.notif_body(o.msg()), o)).collect();
             if !held.is_empty() {
-                // Behind the held ones, in order; their data landed.
-                for (x, b) in batch.into_iter().zip(bodies) {
-                    self.hold_notif(&mut held, b);
-                    x.finish(Ok(()));
+                // Behind the held ones, in order.
+                for (b, o) in items {
+                    self.hold_notif(&mut held, b, o);
                 }
             } else {
-                for ((x, b), r) in batch.into_iter().zip(bodies.clone()).zip(self.control_batch(bodies)) {
-                    match r {
-                        Err(Error::Remote { status: Status::Busy, .. }) => {
-                            self.hold_notif(&mut held, b);
-                            x.finish(Ok(()));
+                let bodies: Vec<Body> = items.iter().map(|(b, _)| b.clone()).collect();
+                let mut refused = false;
+                for (i, ((b, o), r)) in items.into_iter().zip(self.control_batch(bodies)).enumerate() {
+                    let busy = is_busy(&r);
+                    match o {
+                        Outgoing::Notif { reply: Some(tx), .. } if !(busy && refused) => {
+                            let _ = tx.send(self.answer_of_first(i, busy, b, r));
                         }
-                        r => x.finish(r),
+                        o if busy => self.hold_notif(&mut held, b, o),
+                        Outgoing::Xfer(x) => x.finish(r),
+                        Outgoing::Notif { .. } => self.notif_sent(r),
                     }
+                    refused |= busy;
                 }
                 pause = NOTIFY_RETRY_MIN;
                 continue;
             }
-            // Send the held ones again, oldest first, until one is refused again.
-            let n = held.len().min(NOTIFY_BATCH);
-            let again: Vec<Body> = held.iter().take(n).map(|(b, _)| b.clone()).collect();
-            let mut refused = false;
-            for r in self.control_batch(again) {
-                match r {
-                    Ok(()) if !refused => {
-                        held.pop_front();
-                    }
-                    Err(Error::Remote { status: Status::Busy, .. }) => refused = true,
-                    Ok(()) => {}
-                    Err(e) if !refused => {
-                        self.ctx.log(&format!("peer {}: a held notification could not be sent, dropped: {e}", self.peer_name));
-                        held.pop_front();
-                    }
-                    Err(_) => {}
-                }
-            }
-            pause = if refused { (pause * 2).min(NOTIFY_RETRY_MAX) } else { NOTIFY_RETRY_MIN };
+            pause = if self.send_held(&mut held) { (pause * 2).min(NOTIFY_RETRY_MAX) } else { NOTIFY_RETRY_MIN };
             let timeout = self.ctx.cfg.timeout;
-            while held.front().is_some_and(|(_, t)| t.elapsed() > timeout) {
-                held.pop_front();
-                self.ctx.log(&format!(
-                    "peer {}: notification dropped: the peer's inbox stayed full for {timeout:?} (its application does not take its notifications)",
-                    self.peer_name
-                ));
+            while held.front().is_some_and(|h| h.since.elapsed() > timeout) {
+                if let Some(h) = held.pop_front() {
+                    let why = format!("the peer's inbox stayed full for {timeout:?} (its application does not take its notifications)");
+                    self.ctx.log(&format!("peer {}: notification dropped: {why}", self.peer_name));
+                    h.end(self, Err(Error::Timeout(format!("peer {}: notification not taken: {why}", self.peer_name))));
+                }
             }
         }
         if !held.is_empty() {
@@ -1166,12 +1208,81 @@ impl Link {
         }
     }
 
-    fn hold_notif(&self, held: &mut std::collections::VecDeque<(Body, Instant)>, b: Body) {
-        if held.len() >= crate::inbox::PEER_MAX_QUEUED {
-            held.pop_front();
-            self.ctx.log(&format!("peer {}: notification dropped: {} held for a peer whose inbox is full", self.peer_name, held.len() + 1));
+    /// Send the held notifications again, oldest first (at most NOTIFY_BATCH): the ones taken
+    /// leave the queue up to the first refused again. Whether one was refused again.
+    fn send_held(&self, held: &mut VecDeque<Held>) -> bool {
+        let n = held.len().min(NOTIFY_BATCH);
+        let again: Vec<Body> = held.iter().take(n).map(|h| h.body.clone()).collect();
+        let rest = held.split_off(n);
+        let mut refused = false;
+        let mut kept = VecDeque::with_capacity(held.len() + rest.len());
+        for (i, (h, r)) in held.drain(..).zip(self.control_batch(again)).enumerate() {
+            let busy = is_busy(&r);
+            match r {
+                Ok(()) if !refused => h.end(self, Ok(())),
+                // A caller waiting for the answer is told of a refusal of its own; its
+                // notification is not held.
+                _ if busy && !refused && h.reply.is_some() => {
+                    let r = self.answer_of_first(i, busy, h.body.clone(), r);
+                    h.end(self, r);
+                }
+                Err(e) if !refused && !busy => {
+                    self.ctx.log(&format!("peer {}: a held notification could not be sent, dropped: {e}", self.peer_name));
+                    h.end(self, Err(e));
+                }
+                // Refused; or behind a refused one: refused by the target's order rule, or
+                // taken by a target from before it (then sent again, queued once).
+                _ => kept.push_back(h),
+            }
+            refused |= busy;
         }
-        held.push_back((b, Instant::now()));
+        kept.extend(rest);
+        *held = kept;
+        refused
+    }
+
+    /// The answer for a waiting caller's notification `body`, sent `i`th in a pipelined batch
+    /// and answered `r`, nothing before it refused. Refused first in its batch, it is sent
+    /// once more: the target may have refused it only because it still refused behind an
+    /// earlier refusal (`server::Conn::notif_seq`), which a number sent again clears.
+    fn answer_of_first(&self, i: usize, busy: bool, body: Body, r: Result<()>) -> Result<()> {
+        match busy && i == 0 {
+            true => self.control_request(body),
+            false => r,
+        }
+    }
+
+    /// Hold `body` (from `o`, refused or behind a refused one): a transfer completes now (its
+    /// data landed); a waiting `send_notif` waits on.
+    fn hold_notif(&self, held: &mut VecDeque<Held>, body: Body, o: Outgoing) {
+        if held.len() >= crate::inbox::PEER_MAX_QUEUED {
+            if let Some(h) = held.pop_front() {
+                let why = format!("{} held for a peer whose inbox is full", held.len() + 1);
+                self.ctx.log(&format!("peer {}: notification dropped: {why}", self.peer_name));
+                h.end(self, Err(Error::Timeout(format!("peer {}: notification dropped: {why}", self.peer_name))));
+            }
+        }
+        let (reply, warn) = match o {
+            Outgoing::Xfer(x) => {
+                x.finish(Ok(()));
+                (None, false)
+            }
+            Outgoing::Notif { reply, .. } => {
+                let warn = reply.is_none();
+                (reply, warn)
+            }
+        };
+        held.push_back(Held { body, since: Instant::now(), reply, warn });
+    }
+
+    /// The outcome of a `send_notif` nobody waits for: a failure is said on stderr (the caller
+    /// has returned already) and in the agent's event log.
+    fn notif_sent(&self, r: Result<()>) {
+        if let Err(e) = r {
+            let msg = format!("peer {}: a notification was not delivered: {e}", self.peer_name);
+            self.ctx.log(&msg);
+            eprintln!("multirail: warning: {msg}");
+        }
     }
 
     /// Hands a transfer that has completed its data to the notifier, which sends its
@@ -1179,13 +1290,36 @@ impl Link {
     /// transfers); without a notifier (the link closed) it fails at once.
     pub(crate) fn notify_then_finish(&self, x: Arc<XferShared>) {
         let x = match self.notify_tx.lock().expect("link lock").as_ref() {
-            Some(tx) => match tx.send(x) {
+            Some(tx) => match tx.send(Outgoing::Xfer(x)) {
                 Ok(()) => return,
-                Err(mpsc::SendError(x)) => x,
+                Err(mpsc::SendError(Outgoing::Xfer(x))) => x,
+                Err(_) => unreachable!("a transfer was sent"),
             },
             None => x,
         };
         x.finish(Err(Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() }));
+    }
+
+    /// Queue a notification behind this link's others (`notifier`). `wait`: return the peer's
+    /// answer (the native API; a refusal is the error); else return at once and report a
+    /// failure on stderr (the NIXL backend's `genNotif`), a refusal held and sent again.
+    pub(crate) fn send_notif(&self, msg: Vec<u8>, wait: bool) -> Result<()> {
+        let (reply, answer) = match wait {
+            true => {
+                let (tx, rx) = mpsc::channel();
+                (Some(tx), Some(rx))
+            }
+            false => (None, None),
+        };
+        let closed = || Error::PeerLost { peer: self.peer_name.clone(), reason: "link closed before the notification was sent".into() };
+        let queued = self.notify_tx.lock().expect("link lock").as_ref().is_some_and(|tx| tx.send(Outgoing::Notif { msg, reply }).is_ok());
+        if !queued {
+            return Err(closed());
+        }
+        match answer {
+            Some(rx) => rx.recv().unwrap_or_else(|_| Err(closed())),
+            None => Ok(()),
+        }
     }
 
     /// Send `body` on the control connection and return the answer, which must be a `Resp`

@@ -287,8 +287,7 @@ impl Peer {
             self.live(false)?;
             return self.connector.defer(self, Job::Notif(msg.to_vec()));
         }
-        let l = self.link()?;
-        l.control_request(l.notif_body(msg.to_vec()))
+        self.link()?.send_notif(msg.to_vec(), true)
     }
 
     /// The agent's progress mode and spin budget (for waiting callers).

@@ -738,6 +738,11 @@ struct Conn<'a> {
     /// responses go out in order once landed, and always before this connection waits for the
     /// socket or serves anything else. The fence lock is held meanwhile.
     lock: FenceLock<'a>,
+    /// Order of numbered notifications (`notif_seq`): the number of the last one on this
+    /// connection, and when one was refused (None: not since the sender last went back to an
+    /// older one).
+    notif_last: u64,
+    notif_refused: Option<Instant>,
 }
 
 impl<'a> Conn<'a> {
@@ -771,6 +776,8 @@ impl<'a> Conn<'a> {
             stage,
             answers: None,
             lock: FenceLock::new(&me.apply),
+            notif_last: 0,
+            notif_refused: None,
         }
     }
 
@@ -1215,8 +1222,23 @@ impl<'a> Conn<'a> {
 
     /// A numbered notification: queued once per (peer, incarnation, number); a copy resent
     /// after a lost answer is answered, not queued again (`notif_seen`).
+    ///
+    /// Order: a sender numbers its notifications in the order it sends them and pipelines
+    /// them. Once one is refused (inbox full), the later ones on this connection are refused
+    /// too, even if the inbox has room again, so that none is queued before it: the sender
+    /// holds them behind it and sends them again, oldest first. A number not above the last
+    /// one seen starts such a resend (or a one-by-one send), and is served afresh; so is any
+    /// notification `timeout` after the refusal (a sender from before this rule never goes
+    /// back for a notification its caller was told was refused).
     fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
         self.flush_gdr_writes();
+        let behind_refused = self.notif_refused.is_some_and(|t| t.elapsed() < self.timeout) && seq > self.notif_last;
+        self.notif_last = seq;
+        if behind_refused {
+            let why = "an earlier notification on this connection was refused (inbox full); this one would overtake it".to_string();
+            return self.refused(req, Status::Busy, why, tick);
+        }
+        self.notif_refused = None;
         let queued = if self.sh.notif_seen.first(self.peer, incarnation, seq) {
             // Refused (inbox full): not queued, so a copy sent again later is not a duplicate.
             self.sh.notifs.push(self.peer.to_string(), msg).inspect_err(|_| self.sh.notif_seen.forget(self.peer, incarnation, seq))
@@ -1228,7 +1250,10 @@ impl<'a> Conn<'a> {
         }
         match queued {
             Ok(()) => self.answer(req, &ok_resp(), tick),
-            Err(why) => self.refused(req, Status::Busy, why, tick),
+            Err(why) => {
+                self.notif_refused = Some(Instant::now());
+                self.refused(req, Status::Busy, why, tick)
+            }
         }
     }
 

@@ -23,7 +23,7 @@ use crate::xfer::{XferShared, XferState};
 
 /// How long an idle worker waits for more work before it exits.
 const LINGER: Duration = Duration::from_secs(1);
-/// Notifications sent pipelined in one batch (`Link::control_batch`).
+/// Notifications handed to the link's notifier at once (`Link::send_notif`), which sends them pipelined.
 const NOTIF_BATCH: usize = 32;
 
 /// Something that waits for the peer's connection.
@@ -188,7 +188,6 @@ impl Connector {
 
 /// Hand `batch` (one transfer or connect, or notifications in order) to the live `link`.
 fn run(peer: &Peer, link: &Arc<Link>, batch: Vec<Job>) {
-    let mut notifs = Vec::new();
     for job in batch {
         match job {
             Job::Connect => {}
@@ -200,15 +199,12 @@ fn run(peer: &Peer, link: &Arc<Link>, batch: Vec<Job>) {
                     }
                 } // else: released while it waited
             }
-            Job::Notif(msg) => notifs.push(link.notif_body(msg)),
-        }
-    }
-    if notifs.is_empty() {
-        return;
-    }
-    for r in link.control_batch(notifs) {
-        if let Err(e) = r {
-            notif_failed(peer, &e);
+            // Behind the link's other notifications (transfers' ones held included), in order.
+            Job::Notif(msg) => {
+                if let Err(e) = link.send_notif(msg, false) {
+                    notif_failed(peer, &e);
+                }
+            }
         }
     }
 }
