@@ -33,6 +33,7 @@ import numpy as np
 from nixl_cu12 import nixl_agent, nixl_agent_config
 
 DEADLINE = time.monotonic() + 90
+REGION = 64 << 10  # bytes of each extra region of the target (cfg "regions")
 
 
 def fail(msg: str) -> None:
@@ -131,6 +132,18 @@ def wait(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
     return s
 
 
+def wait_posted(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
+    """`wait` for a transfer already posted."""
+    t, s = time.monotonic(), "PROC"
+    while s == "PROC" and time.monotonic() - t < timeout:
+        try:
+            s = agent.check_xfer_state(h)
+        except Exception as e:  # the binding raises the status's exception on some errors
+            return f"ERR ({type(e).__name__}: {e})"
+        time.sleep(0.0005)
+    return s
+
+
 def target(d: Path, cfg: dict[str, Any]) -> None:
     size = cfg["size"]
     plugin = Plugin(cfg.get("params", {}).get("gpu", "standin")) if cfg.get("vram") else None
@@ -138,9 +151,15 @@ def target(d: Path, cfg: dict[str, Any]) -> None:
     a = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 1))
     b = Buf(size, bool(cfg.get("vram")), plugin, pattern(size, 2))
     ra, _rb = a.reg(agent), b.reg(agent)
-    (d / "addrs.json").write_text(json.dumps({"A": a.addr, "B": b.addr, "pid": os.getpid()}))
     (d / "partial.tmp").write_bytes(agent.get_partial_agent_metadata(ra, True))
     (d / "partial.tmp").rename(d / "partial.bin")
+    # "regions": N more regions of REGION bytes (pattern seed 100 + i), each one's metadata
+    # alone (without connection info) in DIR/region{i}.bin, as a framework loads one per layer
+    extra = [Buf(REGION, False, None, pattern(REGION, 100 + i)) for i in range(cfg.get("regions", 0))]
+    for i, buf in enumerate(extra):
+        (d / f"region{i}.bin").write_bytes(agent.get_partial_agent_metadata(buf.reg(agent), False))
+    (d / "addrs.json").write_text(json.dumps({"A": a.addr, "B": b.addr, "pid": os.getpid(),
+                                              "regions": [x.addr for x in extra]}))
     if cfg.get("etcd"):
         # NIXL's etcd (NIXL_ETCD_ENDPOINTS in the environment): the full metadata, then A's
         # alone (with connection info) under the label "partial"
@@ -807,6 +826,50 @@ def scenario(name: str, d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         s = wait(agent, h)
         check(s == "DONE" and sha(dst.read()) == sha(A), f"a new transfer after the blip: {s}")
         agent.release_xfer_handle(h)
+
+    elif name == "regions_live":
+        # issue 36, item 6: the target's extra regions loaded one blob at a time (DIR/region{i}.bin)
+        # while a READ prepared before them is in flight (and reposted while the loads go on);
+        # each new region is read at once. Every transfer completes, none reports
+        # NIXL_ERR_REMOTE_DISCONNECT (before: each load after the first use replaced the peer,
+        # and the ninth closed the first one, failing its transfers)
+        check(agent.add_remote_agent((d / "partial.bin").read_bytes()) == b"target", "partial add")
+        dst = Buf(size, vram, plugin)
+        dst.reg(agent)
+        small = Buf(REGION, False, None)
+        small.reg(agent)
+        sdesc = agent.get_xfer_descs([(small.addr, REGION, 0)], "DRAM")
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs(dst.rows(16), mem),
+                                  agent.get_xfer_descs(ra_rows, mem), "target")
+        s = agent.transfer(h)
+        check(s in ("PROC", "DONE"), f"READ from A posted: {s}")
+        big_states: list[str] = []
+        for i, at in enumerate(addrs["regions"]):
+            agent.add_remote_agent((d / f"region{i}.bin").read_bytes())
+            small.write(np.zeros(REGION, np.uint8))
+            hr = agent.initialize_xfer("READ", sdesc, agent.get_xfer_descs([(at, REGION, 0)], "DRAM"), "target")
+            s = wait(agent, hr)
+            check(s == "DONE", f"READ of region {i} just loaded: {s}")
+            check(sha(small.read()) == sha(pattern(REGION, 100 + i)), f"READ of region {i}: bytes differ")
+            agent.release_xfer_handle(hr)
+            try:
+                s = agent.check_xfer_state(h)
+            except Exception as e:  # noqa: BLE001
+                s = f"ERR ({type(e).__name__}: {e})"
+            big_states.append(s)
+            check(s in ("PROC", "DONE"), f"READ from A after region {i} was loaded: {s}")
+            if s == "DONE":  # the handle prepared before the loads, posted again
+                check(sha(dst.read()) == sha(A), "READ from A: bytes differ")
+                dst.write(np.zeros(size, np.uint8))
+                try:
+                    s = agent.transfer(h)
+                except Exception as e:  # noqa: BLE001
+                    s = f"ERR ({type(e).__name__}: {e})"
+                check(s in ("PROC", "DONE"), f"READ from A reposted after region {i} was loaded: {s}")
+        s = wait_posted(agent, h)
+        check(s == "DONE" and sha(dst.read()) == sha(A), f"READ from A at the end: {s}")
+        agent.release_xfer_handle(h)
+        out["big_states"] = big_states
 
     elif name == "blackhole":
         # issue 36, item 4: the target is stopped (SIGSTOP by the test: its kernel still accepts

@@ -186,6 +186,20 @@ def test_concurrency_as_vllm_drives_nixl(pair: Pair, tmp_path: Path) -> None:
     assert time.monotonic() - t < 20, out
 
 
+@pytest.mark.parametrize("pair", [{"size": 4 * MiB, "regions": 12}], indirect=True)
+def test_regions_loaded_one_by_one_update_the_live_peer(pair: Pair) -> None:
+    """Item 6: the target's 12 more regions are loaded one metadata blob at a time (as a
+    framework loads one per layer), each read at once, while a READ prepared before them is in
+    flight and reposted (its rail slowed: each completion 20 ms late). Every transfer completes,
+    none reports NIXL_ERR_REMOTE_DISCONNECT (before: each load after the peer's first use built
+    a new peer with new connections, and the ninth closed the first one: the READ prepared on
+    it failed with NIXL_ERR_REMOTE_DISCONNECT, and NIXL dropped a healthy peer)."""
+    params = {"faults": "0:slow=20ms@0", "chunk_size": "65536"}
+    out = pair.run("regions_live", {"params": params})
+    print("regions loaded one by one:", out)
+    assert len(out["big_states"]) == 12 and set(out["big_states"]) <= {"PROC", "DONE"}, out
+
+
 @pytest.mark.parametrize("pair", [{"size": 1 * MiB}], indirect=True)
 def test_a_full_inbox_does_not_fail_a_transfer_whose_data_landed(pair: Pair) -> None:
     """Item 7: the target's application does not take its notifications until its inbox is

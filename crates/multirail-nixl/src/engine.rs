@@ -8,10 +8,12 @@
 //!   just that region (its id, bounds, memory kind, access and key).
 //!
 //! On the loading side the regions of a peer accumulate (`loadRemoteMD`, one call per region
-//! of a metadata blob) and are installed into the runtime as one peer the next time the peer
-//! is used (`connect`, `prepXfer`, `genNotif`). A peer whose regions change after it was used
-//! is replaced by a new one; the old one keeps serving the handles prepared on it and is
-//! closed when NIXL disconnects the peer or the engine goes away.
+//! of a metadata blob) and are installed into the runtime the next time the peer is used
+//! (`connect`, `prepXfer`, `genNotif`). Regions loaded or unloaded after the peer was used
+//! change the live peer in place (same incarnation and rails: `Shared::install`): its links,
+//! connections and transfers in flight stay. Only new connection info (the peer restarted, or
+//! its rails changed) replaces the peer; the old one keeps serving the handles prepared on it
+//! and is closed when NIXL disconnects the peer or the engine goes away.
 //!
 //! Transfers to the agent itself (NIXL's local transfers) are copies in this process: `memcpy`
 //! for host memory, a device copy for GPU memory.
@@ -28,8 +30,9 @@ use multirail_proto::{Access, AgentMeta, MemType};
 
 use crate::status::*;
 
-/// Peers replaced while handles prepared on them may still be in use; beyond this many per
-/// peer the oldest is closed (its handles then fail with a clear error instead of leaking).
+/// Peers replaced (new connection info) while handles prepared on them may still be in use;
+/// beyond this many per peer the oldest is closed (its handles then fail with a clear error
+/// instead of leaking). Region changes never replace a peer (`ensure_peer`).
 const MAX_RETIRED: usize = 8;
 
 pub fn log(msg: &str) {
@@ -348,11 +351,13 @@ impl Engine {
         close_all(closing);
     }
 
-    /// Install the peer's current regions into the runtime when they changed: the new peer
-    /// takes the old one's place in one step (the table never lacks the name), and the old one
-    /// is retired while connected (its transfers finish) or closed. When the install fails,
-    /// nothing changed: the old peer stays installed and open (its transfers go on), and the
-    /// regions stay dirty, so the next call tries again.
+    /// Install the peer's current regions into the runtime when they changed. The peer of the
+    /// same incarnation and rails is updated in place (its links and connections stay; a
+    /// handle prepared on a region unloaded since fails its next post). After new connection
+    /// info, a new peer takes the old one's place in one step (the table never lacks the
+    /// name), and the old one is retired while connected (its transfers finish) or closed.
+    /// When the install fails, nothing changed: the old peer stays installed and open (its
+    /// transfers go on), and the regions stay dirty, so the next call tries again.
     fn ensure_peer(&self, agent: &str) -> Result<(), Error> {
         let mut g = lock(&self.remotes);
         let r = g.get_mut(agent).ok_or_else(|| Error::UnknownPeer(agent.to_string()))?;
@@ -615,7 +620,8 @@ mod tests {
     /// Reinstalling a peer whose regions changed used to take it out of the table, then add
     /// the new one: between the two another thread found no such peer (a transfer prepared
     /// then failed with UnknownPeer), and had the add failed (a full table) the old peer was
-    /// dropped unclosed. The replacement is one step now.
+    /// dropped unclosed. Region changes update the installed peer in place now (issue 36 item
+    /// 6): the same peer stays, with the latest regions.
     #[test]
     fn a_peer_being_reinstalled_never_leaves_the_table() {
         let e = Engine::new("nixl-a", multirail::Config::default()).expect("engine");
@@ -641,8 +647,8 @@ mod tests {
         });
         let (looks, missing) = (looks.into_inner(), missing.into_inner());
         assert_eq!(missing, 0, "the peer was missing from the table in {missing} of {looks} look-ups");
-        assert!(!Arc::ptr_eq(&first, &e.agent.peer("peer").expect("installed")));
-        let regions: Vec<u64> = e.agent.peer("peer").expect("installed").meta.regions.iter().map(|r| r.id).collect();
+        assert!(Arc::ptr_eq(&first, &e.agent.peer("peer").expect("installed")), "region changes replaced the peer");
+        let regions: Vec<u64> = e.agent.peer("peer").expect("installed").regions().iter().map(|r| r.id).collect();
         assert_eq!(regions, vec![3000]);
     }
 }

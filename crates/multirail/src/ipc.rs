@@ -51,7 +51,7 @@ use multirail_proto::codec::{IpcEntry, RemoteOp, Role, MAX_IPC_REGIONS, MAX_IPC_
 use multirail_proto::{Body, Kind, MemType, RegionKey, Status};
 
 use crate::error::{Error, Result};
-use crate::link::Link;
+use crate::link::{Keys, Link};
 use crate::net::abort_socket;
 use crate::wire::{self, WireError};
 use crate::xfer::{IpcPlan, Op, XferShared, XferState};
@@ -488,7 +488,7 @@ impl IpcPeer {
     pub fn plan(
         &self,
         link: &Link,
-        keys: &HashMap<u64, RegionKey>,
+        keys: &Keys,
         op: Op,
         pairs: &[multirail_proto::Pair],
         local_dev: impl Fn(u64) -> Option<i32>,
@@ -577,7 +577,7 @@ impl IpcPeer {
     }
 
     /// Map every (region, local device) of `want` not mapped yet (one request for all of them).
-    fn map(&self, link: &Link, keys: &HashMap<u64, RegionKey>, want: &[MapKey]) -> std::result::Result<(), String> {
+    fn map(&self, link: &Link, keys: &Keys, want: &[MapKey]) -> std::result::Result<(), String> {
         let mut maps = self.maps.lock().expect("ipc lock");
         if let Some(Err(why)) = want.iter().find_map(|k| maps.get(k).filter(|m| m.is_err())) {
             return Err(why.clone());
@@ -585,7 +585,7 @@ impl IpcPeer {
         let missing: Vec<MapKey> = want.iter().filter(|k| !maps.contains_key(k)).copied().collect();
         let mut ids: Vec<u64> = missing.iter().map(|k| k.0).collect();
         ids.dedup();
-        let ask: Vec<(u64, RegionKey)> = ids.iter().filter_map(|r| keys.get(r).map(|k| (*r, *k))).collect();
+        let ask: Vec<(u64, RegionKey)> = ids.iter().filter_map(|r| keys.get(*r).map(|k| (*r, k))).collect();
         if ask.is_empty() {
             return Ok(());
         }
@@ -636,6 +636,17 @@ impl IpcPeer {
         match first_err {
             Some(why) => Err(why),
             None => Ok(()),
+        }
+    }
+
+    /// Close and forget the mappings of `regions`, which the peer's metadata no longer holds
+    /// (`Peer::update_regions`), once no queued copy runs: a transfer planned on one of them
+    /// then fails with `UnknownRegion` instead of copying (`revoked`), and one prepared after
+    /// the region is added again maps it again.
+    pub fn forget(&self, regions: &[u64]) {
+        let any = self.maps.lock().expect("ipc lock").keys().any(|k| regions.contains(&k.0));
+        if any {
+            unmap(&self.maps, &self.copying, &self.in_flight, Some(regions), &AtomicU64::new(0));
         }
     }
 

@@ -13,7 +13,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, Weak};
+use std::sync::{mpsc, Arc, Condvar, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::{Role, Status};
@@ -132,8 +132,9 @@ pub struct Link {
     pub(crate) peer_name: String,
     pub(crate) incarnation: u64,
     pub(crate) ctx: Arc<Ctx>,
-    /// The peer's region keys, by region id (sent with each request on TCP).
-    pub(crate) keys: HashMap<u64, RegionKey>,
+    /// The peer's region keys, by region id (sent with each request on TCP); shared with the
+    /// `Peer`, whose region updates the link sees at once.
+    pub(crate) keys: Arc<Keys>,
     pub(crate) rails: Vec<RailState>,
     /// What carries the rails.
     t: Box<dyn Transport>,
@@ -168,8 +169,8 @@ pub struct Link {
 pub(crate) struct PeerInfo<'a> {
     pub name: &'a str,
     pub meta: &'a AgentMeta,
-    /// The peer's region keys, by region id.
-    pub keys: &'a HashMap<u64, RegionKey>,
+    /// The peer's region keys, by region id (kept up to date by the peer).
+    pub keys: &'a Arc<Keys>,
     /// The address its metadata was fetched from; stands in for unspecified rail addresses.
     pub addr_hint: Option<IpAddr>,
     pub ctx: &'a Arc<Ctx>,
@@ -178,6 +179,28 @@ pub(crate) struct PeerInfo<'a> {
     /// Ids of dead connections not yet fenced, kept across links.
     pub unfenced: &'a Arc<Mutex<Vec<[u8; 16]>>>,
     pub counters: &'a Arc<PeerCounters>,
+}
+
+/// A peer's region keys by region id, shared by the `Peer` and its links: regions the peer
+/// adds or removes with the same incarnation and rails change this table in place (its links
+/// and connections stay). A read lock per request on the data path; written only on a change.
+#[derive(Default)]
+pub(crate) struct Keys(RwLock<HashMap<u64, RegionKey>>);
+
+impl Keys {
+    pub fn new(keys: HashMap<u64, RegionKey>) -> Keys {
+        Keys(RwLock::new(keys))
+    }
+
+    /// The key of `region`; None once it was removed (or never was).
+    pub fn get(&self, region: u64) -> Option<RegionKey> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).get(&region).copied()
+    }
+
+    /// Replace the whole table.
+    pub fn set(&self, keys: HashMap<u64, RegionKey>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = keys;
+    }
 }
 
 /// What went over one rail to a peer, for metrics; kept across links (reconnections).
@@ -1552,8 +1575,10 @@ impl Host for Link {
         self.rails[ri].io.staging.clone()
     }
 
+    /// A removed region's key is all zeros: the peer refuses the request (a transfer prepared
+    /// before the removal is refused at post already, `Peer::submit`; this covers a race).
     fn key(&self, region: u64) -> RegionKey {
-        self.keys.get(&region).copied().unwrap_or(RegionKey([0; 16]))
+        self.keys.get(region).unwrap_or(RegionKey([0; 16]))
     }
 
     fn dial(&self, ri: usize, role: Role, timeout: Duration) -> Result<(TcpStream, [u8; 16])> {

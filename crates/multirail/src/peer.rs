@@ -4,9 +4,9 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::AtomicBool;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use multirail_proto::codec::Status;
@@ -16,7 +16,7 @@ use multirail_proto::{AgentMeta, MemType, Pair, RegionKey, RegionMeta};
 use crate::config::Progress;
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
-use crate::link::{Link, PeerInfo};
+use crate::link::{Keys, Link, PeerInfo};
 use crate::registry::Region;
 use crate::xfer::{Desc, Op, Poster, XferHandle, XferShared};
 
@@ -43,10 +43,17 @@ pub struct Peer {
     pub name: String,
     /// Who installed the metadata: the application, or the peer itself by `MetaPut`.
     pub origin: PeerOrigin,
+    /// Its name, incarnation and rails. Its regions are not here (`meta.regions` is empty):
+    /// they change while the peer lives (`update_regions`); [`Peer::regions`] has them.
     pub meta: AgentMeta,
-    /// Exported regions sorted by base, for resolving remote descriptors.
-    regions: Vec<RegionMeta>,
-    pub(crate) keys: HashMap<u64, RegionKey>,
+    /// Exported regions sorted by base, for resolving remote descriptors: swapped whole by
+    /// `update_regions`; a prepare works on the snapshot it took.
+    regions: RwLock<Arc<Vec<RegionMeta>>>,
+    /// Their keys by region id, shared with the links (updated in place with the regions).
+    pub(crate) keys: Arc<Keys>,
+    /// Regions removed so far (`update_regions`): a handle prepared before a removal has its
+    /// remote regions checked again at its next post (`submit`).
+    removals: AtomicU64,
     /// The address its metadata was fetched from; stands in for unspecified rail addresses.
     pub(crate) addr_hint: Option<IpAddr>,
     pub(crate) ctx: Arc<Ctx>,
@@ -76,16 +83,15 @@ pub struct Peer {
 }
 
 impl Peer {
-    pub fn new(meta: AgentMeta, addr_hint: Option<IpAddr>, ctx: Arc<Ctx>) -> Peer {
-        let mut regions = meta.regions.clone();
-        regions.sort_by_key(|r| (r.base, std::cmp::Reverse(r.len)));
-        let keys = regions.iter().map(|r| (r.id, r.key)).collect();
+    pub fn new(mut meta: AgentMeta, addr_hint: Option<IpAddr>, ctx: Arc<Ctx>) -> Peer {
+        let (regions, keys) = sorted_regions(std::mem::take(&mut meta.regions));
         Peer {
             name: meta.name.clone(),
             origin: PeerOrigin::App,
             meta,
-            regions,
-            keys,
+            regions: RwLock::new(Arc::new(regions)),
+            keys: Arc::new(Keys::new(keys)),
+            removals: AtomicU64::new(0),
             addr_hint,
             ctx,
             link: Mutex::new(None),
@@ -120,20 +126,101 @@ impl Peer {
         }
     }
 
+    /// The peer's exported regions as known now, sorted by base.
+    pub fn regions(&self) -> Arc<Vec<RegionMeta>> {
+        self.snapshot().0
+    }
+
+    /// The regions and the count of removals they reflect, taken together.
+    fn snapshot(&self) -> (Arc<Vec<RegionMeta>>, u64) {
+        let g = self.regions.read().unwrap_or_else(|p| p.into_inner());
+        (g.clone(), self.removals.load(Ordering::Acquire))
+    }
+
+    /// Whether metadata `meta` (from `origin`, fetched from `addr_hint`) describes this peer's
+    /// life as it is: same incarnation, rails and origin, and the peer is open. Then only its
+    /// regions may differ, and they are updated in place (`update_regions`), its links and
+    /// connections kept; anything else is a new peer.
+    pub(crate) fn same_life(&self, meta: &AgentMeta, addr_hint: Option<IpAddr>, origin: PeerOrigin) -> bool {
+        meta.name == self.name
+            && meta.incarnation == self.meta.incarnation
+            && meta.rails == self.meta.rails
+            && addr_hint == self.addr_hint
+            && origin == self.origin
+            && !self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Make `regions` the peer's exported regions, in place: links and connections stay, new
+    /// regions can be prepared and posted at once (their keys reach the links first), removed
+    /// ones can no longer be prepared, and a handle prepared on one fails its next post
+    /// (`submit`). Returns the ids removed (or changed), whose CUDA IPC mappings the caller
+    /// closes (`IpcPeer::forget`: it waits for copies in flight, so not under a table lock).
+    pub(crate) fn update_regions(&self, regions: Vec<RegionMeta>) -> Vec<u64> {
+        let (sorted, keys) = sorted_regions(regions);
+        let mut g = self.regions.write().unwrap_or_else(|p| p.into_inner());
+        let now: HashMap<u64, &RegionMeta> = sorted.iter().map(|r| (r.id, r)).collect();
+        let removed: Vec<u64> = g.iter().filter(|old| now.get(&old.id) != Some(old)).map(|r| r.id).collect();
+        if !removed.is_empty() {
+            // Under the write lock: a prepare's snapshot pairs the regions with their count.
+            self.removals.fetch_add(1, Ordering::AcqRel);
+        }
+        self.keys.set(keys);
+        *g = Arc::new(sorted);
+        removed
+    }
+
+    /// `update_regions`, then the removed regions' CUDA IPC mappings closed.
+    pub(crate) fn set_regions(&self, regions: Vec<RegionMeta>) {
+        let removed = self.update_regions(regions);
+        if !removed.is_empty() {
+            self.ipc.forget(&removed);
+        }
+    }
+
+    /// A post of `x` after regions were removed: every remote region it names must still be
+    /// the peer's (checked once per removal, not per post).
+    fn check_regions(&self, x: &XferShared) -> Result<()> {
+        let (regions, gen) = self.snapshot();
+        if x.remote_gen.load(Ordering::Acquire) == gen {
+            return Ok(());
+        }
+        let ids: std::collections::HashSet<u64> = regions.iter().map(|m| m.id).collect();
+        let mut last = None;
+        for r in x.runs.iter() {
+            if last == Some(r.region) {
+                continue;
+            }
+            if !ids.contains(&r.region) {
+                return Err(Error::InvalidArgument(format!(
+                    "remote region {} of peer {:?} was removed from its metadata (unloaded) after this transfer was \
+                     prepared: prepare the transfer again",
+                    r.region, self.name
+                )));
+            }
+            last = Some(r.region);
+        }
+        x.remote_gen.store(gen, Ordering::Release);
+        Ok(())
+    }
+
     /// Resolve remote (addr, len) descriptors into (region, offset, len) against the peer's
     /// exported regions.
     pub fn resolve<D: Desc>(&self, descs: &[D]) -> Result<Vec<(u64, u64, u64)>> {
+        self.resolve_on(&self.regions(), descs)
+    }
+
+    fn resolve_on<D: Desc>(&self, regions: &[RegionMeta], descs: &[D]) -> Result<Vec<(u64, u64, u64)>> {
         let mut out = Vec::with_capacity(descs.len());
         let mut look = Lookup::new();
         for (i, d) in descs.iter().enumerate() {
             let (addr, len) = d.span();
-            let (k, _) = look.find(&self.regions, addr, len, |r| (r.base, r.len)).ok_or(Error::OutOfBounds {
+            let (k, _) = look.find(regions, addr, len, |r| (r.base, r.len)).ok_or(Error::OutOfBounds {
                 peer: self.name.clone(),
                 index: i,
                 addr,
                 len,
             })?;
-            out.push((self.regions[k].id, addr - look.base, len));
+            out.push((regions[k].id, addr - look.base, len));
         }
         Ok(out)
     }
@@ -250,6 +337,9 @@ impl Peer {
     /// Post `x`. `will_drive`: the caller waits for it next (`post_wait`) and reads its own
     /// responses; otherwise a parked receiver is kicked to read them.
     pub(crate) fn submit(&self, x: Arc<XferShared>, will_drive: bool) -> Result<()> {
+        if x.remote_gen.load(Ordering::Acquire) != self.removals.load(Ordering::Acquire) {
+            self.check_regions(&x)?;
+        }
         if x.ipc.is_some() {
             return self.ipc.submit(x);
         }
@@ -338,6 +428,7 @@ impl Peer {
         if notif.len() > multirail_proto::codec::MAX_NOTIF {
             return self.prepare_checked(op, local, local_regions, remote, notif);
         }
+        let (regions, gen) = self.snapshot();
         let mut hold: Vec<Arc<Region>> = Vec::new();
         let (mut llook, mut rlook) = (Lookup::new(), Lookup::new());
         let mut region = 0;
@@ -358,9 +449,9 @@ impl Peer {
             remote.len(),
             |j| {
                 let (addr, len) = remote[j].span();
-                let (k, fresh) = rlook.find(&self.regions, addr, len, |r| (r.base, r.len))?;
+                let (k, fresh) = rlook.find(&regions, addr, len, |r| (r.base, r.len))?;
                 if fresh {
-                    let r = &self.regions[k];
+                    let r = &regions[k];
                     if (write && r.access != multirail_proto::Access::ReadWrite) || r.mem == MemType::Vram {
                         return None;
                     }
@@ -373,7 +464,7 @@ impl Peer {
             return self.prepare_checked(op, local, local_regions, remote, notif);
         };
         self.connect_at_prepare()?;
-        Ok(XferHandle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false)))
+        Ok(handle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false), gen))
     }
 
     /// Strided descriptors (NIXL 1.5's Nx5 form: address, len, device, stride, count; `count`
@@ -397,6 +488,7 @@ impl Peer {
         };
         let span = |r: &[u64; 5]| r[4].checked_sub(1).and_then(|k| k.checked_mul(r[3])).and_then(|s| s.checked_add(r[1]));
         let mut runs: Vec<multirail_proto::planner::Run> = Vec::with_capacity(local.len());
+        let (regions, gen) = self.snapshot();
         let mut hold: Vec<Arc<Region>> = Vec::new();
         let (mut llook, mut rlook) = (Lookup::new(), Lookup::new());
         let write = op == Op::Write;
@@ -421,8 +513,8 @@ impl Peer {
                 if fresh && !hold.iter().any(|h| h.id == lr.id) {
                     hold.push(lr.clone());
                 }
-                let Some((j, _)) = rlook.find(&self.regions, r[0], rs, |g| (g.base, g.len)) else { return false };
-                let rr = &self.regions[j];
+                let Some((j, _)) = rlook.find(&regions, r[0], rs, |g| (g.base, g.len)) else { return false };
+                let rr = &regions[j];
                 if (write && rr.access != multirail_proto::Access::ReadWrite) || rr.mem == MemType::Vram {
                     return false;
                 }
@@ -443,7 +535,7 @@ impl Peer {
         }
         runs.retain(|r| r.bytes() > 0);
         self.connect_at_prepare()?;
-        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false)))
+        Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false), gen))
     }
 
     /// Connect now, so unreachable peers fail at prepare rather than on the first post; in the
@@ -473,10 +565,11 @@ impl Peer {
                 multirail_proto::codec::MAX_NOTIF
             )));
         }
-        let remote = self.resolve(remote)?;
+        let (regions, gen) = self.snapshot();
+        let remote = self.resolve_on(&regions, remote)?;
         if op == Op::Write {
             for &(region, _, _) in &remote {
-                if let Some(r) = self.regions.iter().find(|r| r.id == region) {
+                if let Some(r) = regions.iter().find(|r| r.id == region) {
                     if r.access != multirail_proto::Access::ReadWrite {
                         return Err(Error::Remote {
                             peer: self.name.clone(),
@@ -487,7 +580,7 @@ impl Peer {
                 }
             }
         }
-        let vram_remote = remote.iter().any(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
+        let vram_remote = remote.iter().any(|&(region, _, _)| regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
         // GPU memory: tcp stages it; another transport takes it directly (GPUDirect RDMA) or
         // hands it to a tcp link over the same rails, which stages it.
         let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
@@ -502,12 +595,12 @@ impl Peer {
         if !gpu && self.background() {
             self.connect_soon()?;
             let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
-            return Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false)));
+            return Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false), gen));
         }
         let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.
-        let all_remote_vram = !remote.is_empty()
-            && remote.iter().all(|&(region, _, _)| self.regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
+        let all_remote_vram =
+            !remote.is_empty() && remote.iter().all(|&(region, _, _)| regions.iter().any(|r| r.id == region && r.mem == MemType::Vram));
         let ipc = if all_remote_vram && self.ctx.cfg.staging.ipc {
             let vram: Vec<(u64, u64, i32)> =
                 hold.iter().filter(|r| r.mem == MemType::Vram).map(|r| (r.base, r.base + r.len, r.dev as i32)).collect();
@@ -518,7 +611,7 @@ impl Peer {
         };
         let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
         let vectored_gpu = link.vectored_gpu();
-        Ok(XferHandle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote, vectored_gpu)))
+        Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote, vectored_gpu), gen))
     }
 }
 
@@ -565,6 +658,19 @@ impl Poster for Peer {
     fn gpu_kind(&self) -> multirail_gpu::GpuKind {
         self.ctx.cfg.staging.gpu
     }
+}
+
+/// Regions sorted by base (the larger first at equal bases), and their keys by id.
+fn sorted_regions(mut regions: Vec<RegionMeta>) -> (Vec<RegionMeta>, HashMap<u64, RegionKey>) {
+    regions.sort_by_key(|r| (r.base, std::cmp::Reverse(r.len)));
+    let keys = regions.iter().map(|r| (r.id, r.key)).collect();
+    (regions, keys)
+}
+
+/// A handle of a transfer prepared against the regions of removal count `gen`.
+fn handle(x: Arc<XferShared>, gen: u64) -> XferHandle {
+    x.remote_gen.store(gen, Ordering::Release);
+    XferHandle(x)
 }
 
 /// Binary search for a region containing [addr, addr+len), falling back to a scan when

@@ -140,7 +140,8 @@ impl Shared {
         }
     }
 
-    /// Install metadata for a peer, from the application (replacing an older life of it).
+    /// Install metadata for a peer, from the application (replacing an older life of it; the
+    /// same life with other regions is updated in place: `Shared::install`).
     pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
         let (name, replaced) = self.replace_remote(meta, addr_hint)?;
         if let Some(p) = replaced {
@@ -168,6 +169,9 @@ impl Shared {
 
     /// Insert or replace a peer, within `max_peers`; the replaced one is returned (the caller
     /// closes it, after the table's lock is released: other threads keep using the table).
+    /// Metadata of the installed peer's own life (same incarnation, rails, address hint and
+    /// origin: `Peer::same_life`) only changes its regions, in place (`Peer::set_regions`): its
+    /// links, connections and transfers in flight stay, and nothing is returned to close.
     /// Peers pushed from the wire never keep the application's own out: a full table makes room
     /// for an application install by dropping (and closing) a peer that came by `MetaPut`.
     #[allow(clippy::type_complexity)]
@@ -184,6 +188,11 @@ impl Shared {
             return Err((Status::Malformed, format!("metadata is this agent's own ({:?})", meta.name)));
         }
         let name = meta.name.clone();
+        let live = self.peers.read().expect("peers lock").get(&name).filter(|p| p.same_life(&meta, addr_hint, origin)).cloned();
+        if let Some(p) = live {
+            p.set_regions(meta.regions);
+            return Ok((name, None));
+        }
         let mut peer = Peer::new(meta, addr_hint, self.ctx.clone());
         peer.origin = origin;
         let (old, evicted) = {

@@ -251,6 +251,9 @@ pub(crate) struct XferShared {
     pub(crate) trace: Mutex<TraceRec>,
     /// Where its local memory is, distinct, in the order met ([`XferShared::locs`]).
     locs: std::sync::OnceLock<Vec<crate::numa::Loc>>,
+    /// The peer's count of region removals its remote regions were last checked against (at
+    /// prepare, then at each post after a removal: `Peer::submit`).
+    pub(crate) remote_gen: AtomicU64,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -359,6 +362,7 @@ impl XferShared {
             handoff: std::sync::atomic::AtomicBool::new(false),
             trace: Mutex::new(TraceRec::default()),
             locs: std::sync::OnceLock::new(),
+            remote_gen: AtomicU64::new(0),
         })
     }
 
