@@ -1,6 +1,7 @@
 """A target agent in another process, for CUDA IPC tests (CUDA maps only other processes'
 memory): `n` bytes of GPU memory (stand-in or CUDA), the whole allocation (CUDA IPC exports
-only those) or, with `off`, at that offset inside a larger one (then staged), driven over stdin ("digest", "notifs"), killed by PID if it does not exit."""
+only those) or, with `off`, at that offset inside a larger one (then staged), driven over stdin ("digest", "notifs",
+"dereg", "meta" and "bare_meta": its metadata in hex, with and without the region), killed by PID if it does not exit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ timeout, dev = float(sys.argv[6]), int(sys.argv[7])
 t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc, "timeout": timeout})
 block = DeviceBuffer(off + n + (4096 if off else 0), device=dev, kind=kind)  # off > 0: an offset inside a block
 block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
+bare = t.get_agent_metadata()  # this incarnation's metadata without the region
 reg = t.register_memory([(block.addr + off, n, dev)], "VRAM", access=access)
 print(json.dumps({"port": t.port, "addr": block.addr + off}), flush=True)
 for line in sys.stdin:
@@ -24,6 +26,8 @@ for line in sys.stdin:
         print(hashlib.sha256(out.tobytes()).hexdigest(), flush=True)
     elif cmd == "notifs":
         print(json.dumps({k: [m.decode() for m in v] for k, v in t.get_new_notifs().items()}), flush=True)
+    elif cmd in ("meta", "bare_meta"):
+        print((bare if cmd == "bare_meta" else t.get_agent_metadata()).hex(), flush=True)
     elif cmd == "dereg":
         t0 = time.monotonic()
         try:

@@ -93,6 +93,43 @@ def test_deregistration_closes_the_peers_mapping_before_it_returns() -> None:
         tgt.close()
 
 
+def test_a_region_dropped_from_the_peers_metadata_is_unmapped_in_place() -> None:
+    """Issue 36 item 6: metadata of the peer's same incarnation without a region this agent
+    mapped over CUDA IPC (NIXL's unloadMD, a newer blob) updates the peer in place: the mapping
+    is closed (no copy was running), a handle prepared on the region fails its next post naming
+    it and copies nothing, a new prepare is refused, and the peer is the same one (its counters
+    go on; before, a new peer replaced it and the handle failed as PeerLost)."""
+    n = MiB + 7
+    tgt = Target(n)
+    i = multirail.Agent("initiator", {"gpu": SI, "timeout": 5.0})
+    try:
+        local = np.zeros(n, np.uint8)
+        i.register_memory(local)
+        i.add_remote_agent(bytes.fromhex(tgt.ask("meta")))
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        held = i.initialize_xfer("READ", [local], rd, "target")
+        i.transfer(held)
+        i.wait(held, 30)
+        assert _sha(local) == tgt.ask("digest")
+        pc = i.peer_counters("target")
+        assert pc["ipc_transfers"] == 1 and pc["ipc_regions_mapped"] == 1, pc
+
+        i.add_remote_agent(bytes.fromhex(tgt.ask("bare_meta")))
+        pc = i.peer_counters("target")
+        assert pc["ipc_regions_mapped"] == 0 and pc["ipc_transfers"] == 1, pc
+        local[:] = 0
+        with pytest.raises(errors.InvalidArgumentError, match="was removed"):
+            i.transfer(held)
+        i.release_xfer_handle(held)
+        assert not local.any()
+        with pytest.raises(errors.MultirailError):
+            _xfer(i, "READ", [local], rd)
+        assert not local.any()
+    finally:
+        i.close()
+        tgt.close()
+
+
 def test_a_peer_that_does_not_confirm_bounds_deregistration() -> None:
     n = MiB
     timeout = 1.5
