@@ -127,9 +127,15 @@ def main() -> int:
     print(f"model {sh}: {sh.kv_bytes_per_token()} KV bytes/token, ~{a.prompt_tokens * sh.kv_bytes_per_token() / 1e6:.0f} MB "
           f"per prompt; {a.requests} requests per backend per run, {a.runs} runs", flush=True)
     runs = []
+    failed = 0
     for i in range(a.runs):
         t0 = time.monotonic()
-        r = one_run(a, prompts)
+        try:
+            r = one_run(a, prompts)
+        except Exception as e:  # noqa: BLE001 - reported and counted; the next run starts afresh
+            failed += 1
+            print(f"run {i + 1} ({time.monotonic() - t0:.0f}s): FAILED: {type(e).__name__}: {e}", flush=True)
+            continue
         runs.append(r)
         m, u = r["MULTIRAIL"], r["UCX"]
         print(f"run {i + 1} ({time.monotonic() - t0:.0f}s): " + "; ".join(
@@ -138,13 +144,17 @@ def main() -> int:
             f"failed {x['failed']:.0f}" for b, x in r.items())
             + f" | MULTIRAIL/UCX: TTFT {m['ttft_ms'] / u['ttft_ms']:.2f}x, KV throughput {m['kv_gbit_s'] / u['kv_gbit_s']:.2f}x",
             flush=True)
+    if failed:
+        print(f"{failed} of {a.runs} runs failed (above); the figures below are of the other {len(runs)}")
+    if not runs:
+        return 1
     tt = [r["MULTIRAIL"]["ttft_ms"] / r["UCX"]["ttft_ms"] for r in runs]
     kv = [r["MULTIRAIL"]["kv_gbit_s"] / r["UCX"]["kv_gbit_s"] for r in runs]
     print(f"TTFT MULTIRAIL/UCX (lower is better): worst {max(tt):.2f}x, median {statistics.median(tt):.2f}x over {len(runs)} runs")
     print(f"KV throughput MULTIRAIL/UCX (target >= 1.8x): worst {min(kv):.2f}x, median {statistics.median(kv):.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(runs, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -126,3 +126,59 @@ def test_plugin_dir_mirrors_the_nixl_the_meta_package_imports(tmp_path: Path, mo
     (tmp_path / "nixl_meta_utils.py").write_text("raise ImportError('not installed')\n")
     monkeypatch.delitem(sys.modules, "nixl_meta_utils", raising=False)
     assert nixl_plugin.find_nixl()["module"] == "nixl_cu12"
+
+
+def test_notification_tally_wants_exactly_one_per_decode_worker() -> None:
+    """The decode-TP-2 check's count of prefill's NIXL notifications: each request handed to
+    decode, one notification from each of the two decode workers, saying 2 readers. A duplicate,
+    a missing one, two from one worker, or one for a request never handed all fail it."""
+    sys.path.insert(0, str(REPO / "python"))
+    import check
+
+    def line(agent: str, msg: str) -> str:
+        return json.dumps({"agent": agent, "msg": msg})
+
+    handed = [{"remote_request_id": "r1"}, {"remote_request_id": "r2"}]
+    good = [line("d0", "r1:2"), line("d1", "r1:2"), line("d1", "r2:2"), line("d0", "HB:r2"), line("d0", "r2:2")]
+    ok, detail = check.notification_tally(good, handed, consumers=2)
+    assert ok, detail
+    assert detail.startswith("2/2 requests")
+    cases = {
+        "duplicate": good + [line("d0", "r1:2")],
+        "missing": good[1:],
+        "same worker twice": [line("d0", "r1:2"), line("d0", "r1:2"), line("d1", "r2:2"), line("d0", "r2:2")],
+        "wrong reader count": [line("d0", "r1:1"), line("d1", "r1:1"), line("d1", "r2:2"), line("d0", "r2:2")],
+        "stray request": good + [line("d0", "r9:2"), line("d1", "r9:2")],
+    }
+    for name, lines in cases.items():
+        ok, detail = check.notification_tally(lines, handed, consumers=2)
+        assert not ok, f"{name}: {detail}"
+
+
+def test_cleanup_stops_every_server_when_one_will_not_stop(tmp_path: Path) -> None:
+    """A server that does not stop (its stop raises, as one that outlived SIGKILL's wait did on a
+    loaded host) must not keep cleanup from stopping the others: before, the exception left
+    three vLLM servers and the testbed's namespaces behind."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "python"))
+    import check
+
+    class Stuck:
+        name = "stuck"
+
+        def stop(self) -> bool:
+            raise subprocess.TimeoutExpired("vllm", 10)
+
+    sleeper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    run = check.Run(check.parse([]))
+    run.tb.down = lambda: None  # never brought up here
+    run.servers = [Stuck(), check.Server("sleeper", sleeper, "http://127.0.0.1:1", tmp_path / "log")]
+    try:
+        run.cleanup()
+        assert sleeper.wait(60) is not None
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+    assert run.servers == []

@@ -19,7 +19,14 @@ any exit):
     decode server's /metrics count every prompt token as external_kv_transfer, none computed
     locally, no failed NIXL transfer; the testbed's NIC counters show the KV bytes on both
     rails; a rail taken down while requests run loses none; every rail down for 2 s while
-    decode pulls loses none.
+    decode pulls loses none;
+  * then prefill TP 1 (core 0) with decode TP 2 (its two workers on cores 0 and 1), the same
+    backend: each decode worker pulls its half of the KV heads from the one prefill worker and
+    sends it a NIXL notification when done; prefill frees a request's blocks after both. Checks:
+    outputs equal the single instance's, every prompt token came by KV transfer, and prefill
+    took exactly one notification per request from each of the two decode workers (counted in
+    vLLM's engine process of the prefill server by tests/vllm/notif_hook), none after expiry, no
+    expired request. `--decode-tp 1` leaves this part out and the report says "not run".
 Exit 0 only when every check passed; the report lists each with its evidence.
 """
 
@@ -56,6 +63,9 @@ from proxy import HTTPError, Proxy, post_json  # noqa: E402
 REQUEST_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 480.0
 CHECK_TIMEOUT_S = 1500.0
+#: how long a server gets to exit after SIGTERM, then after SIGKILL (a loaded 2-core host tearing
+#: down a 3 GB server took more than 10 s)
+STOP_GRACE_S = 30.0
 MAX_TOKENS = 24
 CLONE_NEWNET = 0x40000000
 #: prompt lengths in tokens (short to long; the last ones span many KV blocks)
@@ -85,18 +95,22 @@ class Server:
         except OSError:
             return ""
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (its id is the server's PID), SIGKILL after 10 s."""
+    def stop(self) -> bool:
+        """SIGTERM to the server's process group (its id is the server's PID), SIGKILL after
+        STOP_GRACE_S; whether it is gone. Never raises: a server that outlives even SIGKILL for
+        STOP_GRACE_S (a loaded host tearing down GBs) is logged, and the caller goes on."""
         if self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
+            return True
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(STOP_GRACE_S)
+                return True
+            except subprocess.TimeoutExpired:
+                pass
+        log(f"{self.name} (pid {self.proc.pid}) still alive {2 * STOP_GRACE_S:.0f}s after SIGTERM and SIGKILL")
+        return False
 
 
 def enter_netns(ns: str) -> None:
@@ -126,6 +140,8 @@ METRICS = {
     "xfer_s": r"vllm:nixl_xfer_time_seconds_sum(?:\{[^}]*\})?",
     "bytes": r"vllm:nixl_bytes_transferred_sum(?:\{[^}]*\})?",
     "prompt_tokens": r"vllm:prompt_tokens_total(?:\{[^}]*\})?",
+    "notif_after_expiry": r"vllm:nixl_num_notifications_after_expiry_total(?:\{[^}]*\})?",
+    "expired": r"vllm:nixl_num_kv_expired_reqs_total(?:\{[^}]*\})?",
 }
 
 
@@ -138,6 +154,35 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def notification_tally(lines: list[str], handed: list[dict[str, Any]], consumers: int) -> tuple[bool, str]:
+    """Whether prefill took exactly `consumers` notifications for each request the proxy handed
+    to decode, each from a different decode worker (NIXL agent), each saying `consumers`
+    readers, and none for any other request. `lines`: the JSON lines tests/vllm/notif_hook wrote
+    ({"agent", "msg"}; vLLM's message is "<remote_request_id>:<expected readers>", heartbeats
+    "HB:..." are not counted); `handed`: the kv_transfer_params of each request (the proxy's)."""
+    by_req: dict[str, list[tuple[str, str]]] = {}
+    for line in lines:
+        n = json.loads(line)
+        if n["msg"].startswith("HB:"):
+            continue
+        req, _, expect = n["msg"].rpartition(":")
+        by_req.setdefault(req, []).append((n["agent"], expect))
+    want = [str(h.get("remote_request_id")) for h in handed]
+    bad = []
+    for req in want:
+        got = by_req.get(req, [])
+        agents = {a for a, _ in got}
+        if len(got) != consumers or len(agents) != consumers or any(e != str(consumers) for _, e in got):
+            bad.append(f"{req}: {len(got)} notification(s) from {len(agents)} worker(s) {sorted(e for _, e in got)}")
+    stray = sorted(set(by_req) - set(want))
+    agents_all = {a for got in by_req.values() for a, _ in got}
+    detail = (f"{len(want) - len(bad)}/{len(want)} requests notified exactly once by each of {consumers} decode "
+              f"workers ({len(agents_all)} agents, {sum(len(g) for g in by_req.values())} notifications)")
+    if stray:
+        bad.append(f"notifications for {len(stray)} request(s) never handed to decode: {stray[:3]}")
+    return not bad, detail + ("; " + "; ".join(bad[:4]) if bad else "")
+
+
 class Run:
     """One check run: the testbed, the servers, the cleanup."""
 
@@ -147,6 +192,7 @@ class Run:
         self.workdir = Path(tempfile.mkdtemp(prefix="vllm-check-"))
         self.servers: list[Server] = []
         self.results: list[tuple[str, bool, str]] = []
+        self.skipped: list[tuple[str, str]] = []
         self.plugin_dir = ""
 
     # ---- bookkeeping
@@ -156,9 +202,18 @@ class Run:
         log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
         return ok
 
+    def not_run(self, name: str, reason: str) -> None:
+        """A check that did not run: reported as "not run: <reason>", never as passed."""
+        self.skipped.append((name, reason))
+        log(f"NOT RUN {name}: {reason}")
+
     def cleanup(self) -> None:
+        """Every server stopped and the testbed removed, whatever fails on the way."""
         for s in self.servers:
-            s.stop()
+            try:
+                s.stop()
+            except Exception as e:  # noqa: BLE001 - the next servers and the testbed must still go
+                log(f"stopping {s.name}: {type(e).__name__}: {e}")
         self.servers.clear()
         with contextlib.suppress(Exception):
             self.tb.down()
@@ -169,7 +224,7 @@ class Run:
 
     # ---- servers
 
-    def env(self, side: str, cpu: int, backend: str) -> dict[str, str]:
+    def env(self, side: str, cpu: int | str, backend: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MULTIRAIL_", "UCX_", "NIXL_", "VLLM_"))}
         env.update(
             VLLM_TARGET_DEVICE="cpu", VLLM_HOST_IP=self.tb.addrs(side)[0], VLLM_NO_USAGE_STATS="1",
@@ -189,8 +244,9 @@ class Run:
             env["UCX_NET_DEVICES"] = ",".join(r.devs[side] for r in self.tb.rails)
         return env
 
-    def start(self, name: str, side: str, cpu: int, port: int, kv_role: str | None,
-              backend: str, side_port: int = 5600, extra: list[str] | None = None) -> Server:
+    def start(self, name: str, side: str, cpu: int | str, port: int, kv_role: str | None,
+              backend: str, side_port: int = 5600, extra: list[str] | None = None,
+              extra_env: dict[str, str] | None = None) -> Server:
         argv = [sys.executable, str(HERE / "serve.py"), "--model", str(self.model_dir),
                 "--host", "0.0.0.0", "--port", str(port), "--enforce-eager", "--dtype", "float32",
                 "--max-model-len", "2048", "--seed", "0", "--served-model-name", "tiny",
@@ -198,6 +254,7 @@ class Run:
                 # every request must pull its KV: a prefix-cache hit on decode would transfer nothing
                 "--no-enable-prefix-caching", *(extra or [])]
         env = self.env(side, cpu, backend)
+        env.update(extra_env or {})
         if kv_role is not None:
             cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu",
                    "kv_connector_extra_config": {"backends": [backend]}}
@@ -382,6 +439,48 @@ class Run:
                 log(f"decode metrics at the end: {m2}")
         self.stop([pre, dec])
 
+    def pd_decode_tp2(self, prompts: list[str], ref: list[dict[str, Any] | str]) -> None:
+        """Prefill TP 1 on core 0, decode TP 2 with its workers on cores 0 and 1 (the CPU build's
+        TP: gloo and shared memory between the two worker processes)."""
+        b = self.args.backend
+        tag = f"decode TP 2, prefill TP 1, over {b}"
+        notif_log = self.workdir / "prefill-notifications.jsonl"
+        # tests/vllm/notif_hook/sitecustomize.py records each notification prefill's engine takes
+        hook = os.pathsep.join(x for x in (str(HERE / "notif_hook"), os.environ.get("PYTHONPATH", "")) if x)
+        pre = self.start("prefill-tp1", "a", cpu=0, port=8210, kv_role="kv_producer", backend=b, side_port=5620,
+                         extra_env={"PD_CHECK_NOTIF_LOG": str(notif_log), "PYTHONPATH": hook})
+        dec = self.start("decode-tp2", "b", cpu="0|1", port=8310, kv_role="kv_consumer", backend=b, side_port=5630,
+                         extra=["--tensor-parallel-size", "2"])
+        self.wait_ready([pre, dec])
+        with Proxy(pre.url, dec.url) as px:
+            m0 = self.metrics(dec.url)
+            seq = self.batch(px.url, prompts, 1)
+            conc = self.batch(px.url, prompts, 4)
+            m1 = self.metrics(dec.url)
+            self.compare(f"P/D {tag}, one request at a time", ref, seq)
+            self.compare(f"P/D {tag}, 4 concurrent requests", ref, conc)
+            tokens = sum(r["prompt_tokens"] for r in seq + conc if isinstance(r, dict))
+            ext, local = m1["external"] - m0["external"], m1["local"] - m0["local"]
+            self.record(f"{tag}: decode /metrics, every prompt token came by KV transfer",
+                        ext == tokens and local == 0 and m1["failed"] == 0,
+                        f"external_kv_transfer {ext:.0f}, local_compute {local:.0f}, prompt tokens {tokens}; "
+                        f"failed NIXL transfers {m1['failed']:.0f}")
+            # decode answers once its workers have read; their notifications reach prefill's next steps
+            deadline, ok, detail = time.monotonic() + 60.0, False, "no notification log"
+            while True:
+                lines = notif_log.read_text().splitlines() if notif_log.exists() else []
+                ok, detail = notification_tally(lines, px.handed, consumers=2)
+                if ok or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
+            self.record(f"{tag}: prefill took one NIXL notification per request from each decode worker", ok, detail)
+            p2 = self.metrics(pre.url)
+            self.record(f"{tag}: prefill /metrics, no notification after expiry, no expired request",
+                        p2["notif_after_expiry"] == 0 and p2["expired"] == 0,  # NaN (not exported) fails
+                        f"vllm:nixl_num_notifications_after_expiry {p2['notif_after_expiry']:.0f}, "
+                        f"vllm:nixl_num_kv_expired_reqs {p2['expired']:.0f}")
+        self.stop([pre, dec])
+
     def main(self) -> int:
         a = self.args
         self.shape = tiny.ModelShape(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
@@ -398,6 +497,10 @@ class Run:
         prompts = tiny.prompts(self.model_dir, PROMPT_LENGTHS)
         ref = self.reference(prompts)
         self.pd(prompts, ref)
+        if a.decode_tp == 2:
+            self.pd_decode_tp2(prompts, ref)
+        else:
+            self.not_run("decode TP 2 with prefill TP 1", f"--decode-tp {a.decode_tp}")
         log(f"done in {time.monotonic() - t0:.0f}s")
         return 0 if all(ok for _, ok, _ in self.results) else 1
 
@@ -411,6 +514,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per server")
+    ap.add_argument("--decode-tp", type=int, default=2, choices=[1, 2],
+                    help="2 (default): also run decode TP 2 with prefill TP 1; 1: leave that out (reported as not run)")
     ap.add_argument("--quick", action="store_true", help="outputs, metrics and NIC counters only (no rail faults)")
     ap.add_argument("--multirail-env", action="append", default=[], metavar="K=V",
                     help="diagnostics only: extra variables for the multirail servers ({addrs}: the side's rail "
@@ -444,8 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== vllm-check report ==")
     for name, ok, detail in run.results:
         print(f"{'PASS' if ok else 'FAIL'}  {name}\n      {detail}")
+    for name, reason in run.skipped:
+        print(f"NOT RUN  {name}\n      not run: {reason}")
     ok = rc == 0 and all(ok for _, ok, _ in run.results)
-    print(f"== {'PASSED' if ok else 'FAILED'} ({sum(o for _, o, _ in run.results)}/{len(run.results)} checks)")
+    print(f"== {'PASSED' if ok else 'FAILED'} ({sum(o for _, o, _ in run.results)}/{len(run.results)} checks"
+          + (f"; {len(run.skipped)} not run" if run.skipped else "") + ")")
     return 0 if ok else 1
 
 

@@ -46,6 +46,9 @@ class Proxy:
     def __init__(self, prefill: str, decode: str) -> None:
         self.prefill, self.decode = prefill.rstrip("/"), decode.rstrip("/")
         self.before_decode: Callable[[], None] | None = None
+        #: the kv_transfer_params prefill returned, one per request, in the order they came back
+        self.handed: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -91,6 +94,8 @@ class Proxy:
         answer = post_json(self.prefill + path, pre)
         dec = dict(body)
         dec["kv_transfer_params"] = answer.get("kv_transfer_params")
+        with self.lock:
+            self.handed.append(dict(dec["kv_transfer_params"] or {}))
         hook = self.before_decode
         if hook is not None:
             hook()
