@@ -129,14 +129,19 @@ def test_deregistration_with_a_live_handle_is_immediate_and_the_handle_fails(pai
     assert out["dereg_s"] < 1.0 and out["repost"].startswith("ERR"), out
 
 
-@pytest.mark.parametrize("pair", [{"size": 1 * MiB, "params": {"timeout": "2"}}], indirect=True)
+@pytest.mark.parametrize("pair", [{"size": 1 * MiB, "params": {"timeout": "2"}},
+                                  {"size": 1 * MiB, "vram": True, "params": {"timeout": "2", "gpu": "standin"}}],
+                         indirect=True, ids=["dram", "vram"])
 def test_a_blackholed_peer_never_blocks_the_caller(pair: Pair) -> None:
     """Item 4: the target process is stopped (SIGSTOP: its kernel accepts connections, nothing
     answers), so dialing it hangs until `timeout` (2 s here). prepXfer, postXfer and genNotif
     return at once (10 ms in the issue; 50 ms allowed for a loaded CI host) and checkXfer says
     ERR within `timeout` of the post (before: prepXfer dialed the peer on the caller's thread,
     one rail after another, and returned NIXL_ERR_BACKEND after `timeout`; genNotif waited as
-    long; vLLM calls them on its engine step loop)."""
+    long; vLLM calls them on its engine step loop). With VRAM descriptors (the stand-in
+    device) too: prepXfer of GPU memory needs the link's capabilities, and dialed for them on
+    the caller's thread until 2026-11-28; they are now settled at the first post, in the
+    background."""
     pid = json.loads((pair.d / "addrs.json").read_text())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:

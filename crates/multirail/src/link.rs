@@ -862,7 +862,7 @@ impl Link {
         g.xfers.insert(id, x.clone());
         let now = Instant::now();
         x.trace.lock().expect("xfer lock").start(now, g.planner.rates());
-        g.planner.submit_tiered(id, x.runs.clone(), x.total, x.vectored, tiers, now);
+        g.planner.submit_tiered(id, x.runs.clone(), x.total, x.vectored(), tiers, now);
         let done = self.drain_events(&mut g);
         g.chain_wake |= handoff;
         drop(g);

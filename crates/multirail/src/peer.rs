@@ -240,7 +240,7 @@ impl Peer {
     }
 
     fn slot(&self, x: &XferShared) -> &Mutex<Option<Arc<Link>>> {
-        if x.via_gpu_link {
+        if x.via_gpu_link() {
             &self.gpu_link
         } else {
             &self.link
@@ -344,14 +344,31 @@ impl Peer {
             return self.ipc.submit(x);
         }
         if self.background() {
+            if x.unsettled() {
+                match self.live(false)? {
+                    Some(main) => self.settle(&x, &main),
+                    None => return self.connector.defer(self, Job::Submit(x)),
+                }
+            }
             // Not connected (yet, or any more): the connector posts it once a dial succeeds.
-            return match self.live(x.via_gpu_link)? {
+            return match self.live(x.via_gpu_link())? {
                 Some(link) => link.submit(x, will_drive),
                 None => self.connector.defer(self, Job::Submit(x)),
             };
         }
-        let link = if x.via_gpu_link { self.gpu_link()? } else { self.link()? };
+        let link = if x.via_gpu_link() { self.gpu_link()? } else { self.link()? };
         link.submit(x, will_drive)
+    }
+
+    /// Settle a GPU transfer prepared before the first connection on what the live main link
+    /// `main` says (`XferShared::settle`); no network I/O.
+    pub(crate) fn settle(&self, x: &XferShared, main: &Link) {
+        let via = main.has_ucx_rails() && main.caps().gpu != crate::transport::GpuPath::Direct;
+        let vectored_gpu = match via {
+            true => self.live(true).ok().flatten().is_some_and(|l| l.vectored_gpu()),
+            false => main.vectored_gpu(),
+        };
+        x.settle(via, vectored_gpu);
     }
 
     /// See [`Link::drive`]; false when there is no link.
@@ -584,18 +601,27 @@ impl Peer {
         // GPU memory: tcp stages it; another transport takes it directly (GPUDirect RDMA) or
         // hands it to a tcp link over the same rails, which stages it.
         let gpu = vram_remote || hold.iter().any(|r| r.mem == MemType::Vram);
-        let via_gpu_link = gpu && {
-            let l = self.link()?;
-            l.has_ucx_rails() && l.caps().gpu != crate::transport::GpuPath::Direct
-        };
         let pairs = self.pair(&local, &remote)?;
-        // Host memory needs no link to be prepared (`connect_at_prepare`); GPU memory needs
-        // its capabilities, so it is prepared on a link even in the background mode (dialed
-        // here if it is not up: prepare GPU transfers after a first connection).
-        if !gpu && self.background() {
+        // Host memory needs no link to be prepared (`connect_at_prepare`). GPU memory needs
+        // the link's capabilities: in the background mode, to a peer not connected yet (or whose
+        // tcp link for GPU memory is not up), they are settled at the first post (`settle`),
+        // so that nothing dials on the caller's thread.
+        let bg = self.background();
+        let main = match (gpu, bg) {
+            (false, _) => None,
+            (true, true) => self.live(false)?,
+            (true, false) => Some(self.link()?),
+        };
+        let via_gpu_link = main.as_ref().is_some_and(|l| l.has_ucx_rails() && l.caps().gpu != crate::transport::GpuPath::Direct);
+        let unsettled = gpu && bg && (main.is_none() || (via_gpu_link && self.live(true)?.is_none()));
+        if bg && (!gpu || unsettled) {
             self.connect_soon()?;
             let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
-            return Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false), gen));
+            let x = XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, vram_remote, false);
+            if unsettled {
+                x.mark_unsettled();
+            }
+            return Ok(handle(x, gen));
         }
         let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.

@@ -4,7 +4,7 @@
 //! deregistration) and may be posted many times; each post gets a fresh planner `XferId`.
 //! State is an atomic the caller can poll cheaply; `wait` sleeps on a condvar.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -202,7 +202,7 @@ pub(crate) struct XferShared {
     /// Host memory on both sides: chunks may be vectored (many pieces per request) on rails
     /// whose transport and peer take them. GPU memory goes one piece per chunk (staged or
     /// IPC paths).
-    pub vectored: bool,
+    vectored: AtomicBool,
     /// The notification sent once the data landed: None for none; `Some` of an empty message
     /// is an empty notification (NIXL delivers those).
     pub notif: Mutex<Option<Vec<u8>>>,
@@ -223,7 +223,11 @@ pub(crate) struct XferShared {
     /// instead of the rails (crate::ipc).
     pub(crate) ipc: Option<IpcPlan>,
     /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
-    pub(crate) via_gpu_link: bool,
+    via_gpu_link: AtomicBool,
+    /// A GPU transfer prepared before its peer was connected (background mode): the link
+    /// (`via_gpu_link`) and vectoring are settled at its first post over a live link
+    /// (`Peer::settle`); it never goes by CUDA IPC.
+    unsettled: AtomicBool,
     /// Some run targets the peer's GPU memory: over ucx (GPUDirect) a vectored chunk of it goes
     /// as a batch of gets or puts, never as one active message (the target applies those to
     /// host memory only).
@@ -339,14 +343,15 @@ impl XferShared {
         Arc::new(XferShared {
             vram,
             ipc,
-            via_gpu_link,
+            via_gpu_link: AtomicBool::new(via_gpu_link),
+            unsettled: AtomicBool::new(false),
             remote_vram,
             op,
             peer,
             runs: runs.into(),
             pieces,
             total,
-            vectored,
+            vectored: AtomicBool::new(vectored),
             notif: Mutex::new((!notif.is_empty()).then_some(notif)),
             hold: Mutex::new(hold),
             state: AtomicU8::new(XferState::Idle as u8),
@@ -364,6 +369,34 @@ impl XferShared {
             locs: std::sync::OnceLock::new(),
             remote_gen: AtomicU64::new(0),
         })
+    }
+
+    /// Carried by the peer's tcp link for GPU memory (`Peer::gpu_link`), not its main link.
+    pub(crate) fn via_gpu_link(&self) -> bool {
+        self.via_gpu_link.load(Ordering::Acquire)
+    }
+
+    /// Chunks may be vectored (see the field).
+    pub fn vectored(&self) -> bool {
+        self.vectored.load(Ordering::Acquire)
+    }
+
+    /// Prepared before its peer was connected: settle it before it is posted on a link.
+    pub(crate) fn unsettled(&self) -> bool {
+        self.unsettled.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn mark_unsettled(&self) {
+        self.unsettled.store(true, Ordering::Release);
+    }
+
+    /// Settle what the link decides (`Peer::settle`): which link carries it, and whether the
+    /// peer takes vectored requests on its GPU regions.
+    pub(crate) fn settle(&self, via_gpu_link: bool, vectored_gpu: bool) {
+        let held = self.hold.lock().expect("xfer lock").len();
+        self.via_gpu_link.store(via_gpu_link, Ordering::Release);
+        self.vectored.store(chunks_vectored(&self.vram, held, self.remote_vram, vectored_gpu), Ordering::Release);
+        self.unsettled.store(false, Ordering::Release);
     }
 
     /// Whether the application's work recorded at post has completed (no wait).

@@ -39,7 +39,7 @@ pub(crate) enum Job {
 impl Job {
     /// Whether it goes by the peer's tcp link for GPU memory (`Peer::gpu_link`).
     fn gpu(&self) -> bool {
-        matches!(self, Job::Submit(x) if x.via_gpu_link)
+        matches!(self, Job::Submit(x) if x.via_gpu_link() && !x.unsettled())
     }
 }
 
@@ -193,11 +193,27 @@ fn run(peer: &Peer, link: &Arc<Link>, batch: Vec<Job>) {
             Job::Connect => {}
             Job::Submit(x) => {
                 let _gate = x.post_gate.lock().expect("xfer lock");
-                if x.state() == XferState::InProgress {
-                    if let Err(e) = link.submit(x.clone(), false) {
-                        x.finish(Err(e));
-                    }
-                } // else: released while it waited
+                if x.state() != XferState::InProgress {
+                    continue; // released while it waited
+                }
+                // Prepared before the first connection: settled on the main link (`Job::gpu`).
+                let settled_now = x.unsettled();
+                if settled_now {
+                    peer.settle(&x, link);
+                }
+                let on = match settled_now && x.via_gpu_link() {
+                    false => Ok(Some(link.clone())),
+                    true => peer.live(true),
+                };
+                let r = match on {
+                    Ok(Some(l)) => l.submit(x.clone(), false),
+                    // Settled onto the tcp link for GPU memory, not up yet: queued for it.
+                    Ok(None) => peer.connector.defer(peer, Job::Submit(x.clone())),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = r {
+                    x.finish(Err(e));
+                }
             }
             // Behind the link's other notifications (transfers' ones held included), in order.
             Job::Notif(msg) => {
