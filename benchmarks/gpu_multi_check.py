@@ -11,9 +11,10 @@ line and exits 0 only when the check held.
 - ``capture --seconds S``: one thread captures and replays a CUDA graph (a matmul, torch's
   default global capture mode) in a loop while this thread runs staged and IPC VRAM transfers;
   no capture may fail. Needs torch with CUDA.
-- ``expandable``: a tensor of torch's allocator with ``expandable_segments:True`` by IPC: the
-  bytes must land; the line says whether IPC was used or why not (legacy IPC cannot export
-  such memory: then the fallback must be said, ``ipc_fallback_reason``).
+- ``expandable``: a target process's tensor of torch's allocator with
+  ``expandable_segments:True`` (CUDA VMM memory, which legacy IPC cannot export) by IPC, WRITE
+  and READ: the bytes must land both ways and the path must be IPC (exported by its chunks'
+  file descriptors; ``ipc_transfers`` 2, no ``ipc_fallback_reason``).
 
 ``foreign_contexts`` and ``parse_smi_list`` are the parsing the checks use (tested without a GPU).
 """
@@ -180,34 +181,71 @@ def capture(a: argparse.Namespace) -> dict:
     return out
 
 
+# A target whose registered memory is a torch tensor in expandable segments (CUDA VMM), of
+# whole 20 MiB chunks (the large pool's segment size) and allocated first, so it starts and
+# ends on chunk boundaries (the whole-allocation rule, per chunk). Answers "digest" on stdin.
+EXPANDABLE_TARGET = r"""
+import hashlib, json, os, sys
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+import torch
+import multirail
+n = int(sys.argv[1])
+t = multirail.Agent("target", {"gpu": "cuda", "timeout": 30.0})
+x = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+t.register_memory(x)
+print(json.dumps({"port": t.port, "addr": x.data_ptr()}), flush=True)
+for line in sys.stdin:
+    if line.strip() != "digest":
+        break
+    print(hashlib.sha256(x.cpu().numpy().tobytes()).hexdigest(), flush=True)
+t.close()
+"""
+
+
 def expandable(a: argparse.Namespace) -> dict:
+    """Both sides' tensors in expandable segments; the target's (2 chunks of 20 MiB) is what
+    IPC must export: by its chunks' file descriptors (CUDA VMM), since cudaIpcGetMemHandle
+    refuses such memory. The path must be IPC (two transfers, no fallback reason), both ways."""
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
 
     import multirail
-    from gpu_peer import Target
 
-    n = 8 << 20
+    n = 40 << 20
     out: dict = {"check": "expandable", "ok": False}
-    tgt = Target(n, kind="cuda", timeout=30.0)
+    p = subprocess.Popen([sys.executable, "-c", EXPANDABLE_TARGET, str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
     i = multirail.Agent("initiator", {"gpu": "cuda", "timeout": 30.0})
     try:
+        info = json.loads(p.stdout.readline())  # type: ignore[union-attr]
         src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
+        back = torch.zeros(n, dtype=torch.uint8, device="cuda:0")
         i.register_memory(src)
-        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
-        h = i.initialize_xfer("WRITE", [src], i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM"), "target")
-        i.transfer_sync(h, 60)
-        i.release_xfer_handle(h)
-        out["bytes_ok"] = tgt.ask("digest") == hashlib.sha256(src.cpu().numpy().tobytes()).hexdigest()
+        i.register_memory(back)
+        i.fetch_remote_metadata("target", "127.0.0.1", info["port"])
+        rd = i.get_xfer_descs([(info["addr"], n, 0)], "VRAM")
+        for op, buf in (("WRITE", src), ("READ", back)):
+            h = i.initialize_xfer(op, [buf], rd, "target")
+            i.transfer_sync(h, 60)
+            i.release_xfer_handle(h)
+        p.stdin.write("digest\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        out["write_bytes_ok"] = p.stdout.readline().strip() == hashlib.sha256(src.cpu().numpy().tobytes()).hexdigest()  # type: ignore[union-attr]
+        out["read_bytes_ok"] = bool(torch.equal(back, src))
         c = i.peer_counters("target")
-        out.update({k: c[k] for k in ("ipc_transfers", "ipc_fallback_reason")})
-        # Either IPC was used, or the fallback is said.
-        out["ok"] = out["bytes_ok"] and (c["ipc_transfers"] == 1 or bool(c["ipc_fallback_reason"]))
+        out.update({k: c[k] for k in ("ipc_transfers", "ipc_fallback_reason", "ipc_copy_path")})
+        out["ok"] = out["write_bytes_ok"] and out["read_bytes_ok"] and c["ipc_transfers"] == 2 and not c["ipc_fallback_reason"]
     except Exception as e:  # noqa: BLE001 - reported in the JSON line
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
         i.close()
-        tgt.close()
+        try:
+            p.stdin.close()  # type: ignore[union-attr]
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return out
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import multirail
 from multirail.gpu import DeviceBuffer
 n, off, ipc, access, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], sys.argv[5]
-timeout, dev = float(sys.argv[6]), int(sys.argv[7])
-t = multirail.Agent("target", {"gpu": kind, "gpu_ipc": ipc, "timeout": timeout})
+timeout, dev, name = float(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
+t = multirail.Agent(name, {"gpu": kind, "gpu_ipc": ipc, "timeout": timeout})
 block = DeviceBuffer(off + n + (4096 if off else 0), device=dev, kind=kind)  # off > 0: an offset inside a block
 block.copy_from_host(np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8), off)
 bare = t.get_agent_metadata()  # this incarnation's metadata without the region
@@ -45,10 +45,12 @@ t.close()
 
 class Target:
     """A target agent in another process (CUDA IPC maps only other processes' memory), with
-    `n` bytes of GPU memory of `kind`: a whole allocation, or at offset `off` inside a larger one."""
+    `n` bytes of GPU memory of `kind`: a whole allocation, or at offset `off` inside a larger one.
+    `env` is added to the process's environment (e.g. `MULTIRAIL_STANDIN_ALLOC=vmm:65536`: the
+    stand-in allocates that memory as VMM chunks, see docs/gpu.md)."""
 
     def __init__(self, n: int, off: int = 0, ipc: bool = True, access: str = "rw", kind: str = "standin",
-                 timeout: float = 5.0, device: int = 0, env: dict | None = None):
+                 timeout: float = 5.0, device: int = 0, env: dict | None = None, name: str = "target"):
         import json
         import os
         import subprocess
@@ -56,7 +58,7 @@ class Target:
 
         self.n = n
         self.p = subprocess.Popen([sys.executable, "-c", TARGET_SCRIPT, str(n), str(off), "1" if ipc else "0", access, kind,
-                                   str(timeout), str(device)],
+                                   str(timeout), str(device), name],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   env=None if env is None else {**os.environ, **env})
         try:

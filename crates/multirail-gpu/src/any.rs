@@ -317,6 +317,42 @@ impl Device for Gpu {
             }
         }
     }
+    fn vmm_chunks(&self, ptr: DevicePtr, len: usize) -> Result<Vec<(DevicePtr, usize)>> {
+        match self {
+            Gpu::Cuda(d) => d.vmm_chunks(ptr, len),
+            Gpu::StandIn(d) => d.vmm_chunks(ptr, len),
+        }
+    }
+    fn vmm_export_fd(&self, base: DevicePtr) -> Result<std::os::fd::OwnedFd> {
+        match self {
+            Gpu::Cuda(d) => d.vmm_export_fd(base),
+            Gpu::StandIn(d) => d.vmm_export_fd(base),
+        }
+    }
+    fn vmm_reserve(&self, len: usize) -> Result<DevicePtr> {
+        match self {
+            Gpu::Cuda(d) => d.vmm_reserve(len),
+            Gpu::StandIn(d) => d.vmm_reserve(len),
+        }
+    }
+    unsafe fn vmm_map(&self, base: DevicePtr, offset: u64, len: usize, fd: std::os::fd::BorrowedFd<'_>) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.vmm_map(base, offset, len, fd),
+                Gpu::StandIn(d) => d.vmm_map(base, offset, len, fd),
+            }
+        }
+    }
+    unsafe fn vmm_commit(&self, base: DevicePtr, len: usize, home: i32) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            match self {
+                Gpu::Cuda(d) => d.vmm_commit(base, len, home),
+                Gpu::StandIn(d) => d.vmm_commit(base, len, home),
+            }
+        }
+    }
     fn uuid(&self) -> Result<[u8; 16]> {
         match self {
             Gpu::Cuda(d) => d.uuid(),

@@ -95,7 +95,69 @@ struct DriverApi {
     device_get_attribute: Option<unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int>,
     /// `cuFlushGPUDirectRDMAWrites(CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope)`.
     flush_gpudirect_rdma_writes: Option<unsafe extern "C" fn(c_int, c_int) -> c_int>,
+    /// The CUDA VMM calls that export and import memory legacy IPC cannot (`Cuda::vmm_*`).
+    vmm: Option<VmmApi>,
     _lib: Library,
+}
+
+/// `CUmemGenericAllocationHandle`.
+type MemHandle = u64;
+
+/// The CUDA VMM driver calls (CUDA 10.2+; all or none), prototypes as in cuda.h.
+struct VmmApi {
+    /// `cuMemRetainAllocationHandle(CUmemGenericAllocationHandle*, void* addr)`.
+    retain: unsafe extern "C" fn(*mut MemHandle, *mut c_void) -> c_int,
+    /// `cuMemRelease(CUmemGenericAllocationHandle)`.
+    release: unsafe extern "C" fn(MemHandle) -> c_int,
+    /// `cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp*, handle)`.
+    properties: unsafe extern "C" fn(*mut c_void, MemHandle) -> c_int,
+    /// `cuMemExportToShareableHandle(void* out, handle, CUmemAllocationHandleType, flags)`.
+    export: unsafe extern "C" fn(*mut c_void, MemHandle, c_int, u64) -> c_int,
+    /// `cuMemImportFromShareableHandle(CUmemGenericAllocationHandle*, void* osHandle, type)`.
+    import: unsafe extern "C" fn(*mut MemHandle, *mut c_void, c_int) -> c_int,
+    /// `cuMemAddressReserve(CUdeviceptr*, size_t size, size_t alignment, CUdeviceptr addr, flags)`.
+    reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> c_int,
+    /// `cuMemAddressFree(CUdeviceptr, size_t)`.
+    address_free: unsafe extern "C" fn(u64, usize) -> c_int,
+    /// `cuMemMap(CUdeviceptr, size_t size, size_t offset, handle, flags)`.
+    map: unsafe extern "C" fn(u64, usize, usize, MemHandle, u64) -> c_int,
+    /// `cuMemUnmap(CUdeviceptr, size_t)`.
+    unmap: unsafe extern "C" fn(u64, usize) -> c_int,
+    /// `cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t count)`.
+    set_access: unsafe extern "C" fn(u64, usize, *const MemAccessDesc, usize) -> c_int,
+}
+
+/// `CUmemAccessDesc`: `CUmemLocation { type, id }` then the access flags.
+#[repr(C)]
+struct MemAccessDesc {
+    location_type: c_int,
+    location_id: c_int,
+    flags: c_int,
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: c_int = 1;
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+const LOCATION_DEVICE: c_int = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+const ACCESS_READWRITE: c_int = 3;
+/// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`: the pool of stream-ordered memory, else null.
+const ATTR_MEMPOOL_HANDLE: c_int = 17;
+/// Bytes reserved for `CUmemAllocationProp` (32 in CUDA 12 and 13); `requestedHandleTypes`,
+/// an int, is at offset 4.
+const ALLOCATION_PROP_BYTES: usize = 128;
+
+/// A peer's VMM allocation mapped here: reservation length, chunks mapped (offset, length).
+type VmmImports = std::sync::Mutex<std::collections::BTreeMap<u64, (usize, Vec<(u64, usize)>)>>;
+
+/// Every VMM import of the process, by reservation base (`Cuda::ipc_close` finds them here).
+fn vmm_imports() -> &'static VmmImports {
+    static V: std::sync::OnceLock<VmmImports> = std::sync::OnceLock::new();
+    V.get_or_init(Default::default)
+}
+
+fn driver_err(op: &'static str, rc: c_int, message: String) -> DeviceError {
+    DeviceError::Cuda { op, code: rc, name: format!("CUresult {rc}"), message }
 }
 
 fn driver() -> Option<&'static DriverApi> {
@@ -120,6 +182,20 @@ fn driver() -> Option<&'static DriverApi> {
             pointer_get_attribute: opt!("cuPointerGetAttribute"),
             device_get_attribute: opt!("cuDeviceGetAttribute"),
             flush_gpudirect_rdma_writes: opt!("cuFlushGPUDirectRDMAWrites"),
+            vmm: (|| {
+                Some(VmmApi {
+                    retain: opt!("cuMemRetainAllocationHandle")?,
+                    release: opt!("cuMemRelease")?,
+                    properties: opt!("cuMemGetAllocationPropertiesFromHandle")?,
+                    export: opt!("cuMemExportToShareableHandle")?,
+                    import: opt!("cuMemImportFromShareableHandle")?,
+                    reserve: opt!("cuMemAddressReserve")?,
+                    address_free: opt!("cuMemAddressFree")?,
+                    map: opt!("cuMemMap")?,
+                    unmap: opt!("cuMemUnmap")?,
+                    set_access: opt!("cuMemSetAccess")?,
+                })
+            })(),
             _lib: lib,
         })
     })
@@ -1248,12 +1324,171 @@ impl Device for Cuda {
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
         let _on = self.enter()?;
+        let import = vmm_imports().lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&ptr.0);
+        if let Some((len, mapped)) = import {
+            let v = self.vmm_api()?;
+            for (off, n) in mapped {
+                // SAFETY: a chunk this process mapped there (vmm_map); no copy uses it (the
+                // caller's contract).
+                unsafe { (v.unmap)(ptr.0 + off, n) };
+            }
+            // SAFETY: our reservation, every mapping in it gone.
+            let rc = unsafe { (v.address_free)(ptr.0, len) };
+            return if rc == 0 { Ok(()) } else { Err(driver_err("cuMemAddressFree", rc, format!("{len} bytes at {:#x}", ptr.0))) };
+        }
         // SAFETY: the caller's contract (from ipc_open, unused).
         self.rt.check("cudaIpcCloseMemHandle", unsafe { (self.api().ipc_close_mem_handle)(ptr.0 as *mut c_void) })
     }
 
     fn uuid(&self) -> Result<[u8; 16]> {
         self.rt.device_uuid(self.id)
+    }
+
+    /// Walks the range mapping by mapping (`cuMemGetAddressRange`); each must be VMM memory
+    /// (`cuMemRetainAllocationHandle`) whose allocation requested the POSIX file descriptor
+    /// handle type (`cuMemGetAllocationPropertiesFromHandle`).
+    fn vmm_chunks(&self, ptr: DevicePtr, len: usize) -> Result<Vec<(DevicePtr, usize)>> {
+        let v = self.vmm_api()?;
+        let _on = self.enter()?;
+        if let Some(f) = driver().and_then(|d| d.pointer_get_attribute) {
+            let mut pool: *mut c_void = std::ptr::null_mut();
+            // SAFETY: valid out-pointer of the attribute's type (CUmemoryPool, a pointer).
+            if unsafe { f((&mut pool as *mut *mut c_void).cast(), ATTR_MEMPOOL_HANDLE, ptr.0) } == 0 && !pool.is_null() {
+                return Err(driver_err(
+                    "cuMemRetainAllocationHandle",
+                    1,
+                    "memory of a stream-ordered pool (cudaMallocAsync) is not a VMM allocation; pool export \
+                     (cudaMemPoolExportPointer) is not supported"
+                        .into(),
+                ));
+            }
+        }
+        let end = ptr.0.checked_add(len as u64).ok_or(DeviceError::UnknownPointer { addr: ptr.0 })?;
+        let mut out = Vec::new();
+        let mut p = ptr.0;
+        while p < end {
+            let (base, n) = self.alloc_range(DevicePtr(p))?;
+            if n == 0 || base.0 > p {
+                return Err(driver_err("cuMemGetAddressRange", 1, format!("no mapping at {p:#x}")));
+            }
+            let mut h: MemHandle = 0;
+            // SAFETY: valid out-pointer; the driver checks the address.
+            let rc = unsafe { (v.retain)(&mut h, base.0 as *mut c_void) };
+            if rc != 0 {
+                return Err(driver_err(
+                    "cuMemRetainAllocationHandle",
+                    rc,
+                    format!("{:#x} is not a VMM allocation (cuMemCreate + cuMemMap)", base.0),
+                ));
+            }
+            let mut prop = [0u8; ALLOCATION_PROP_BYTES];
+            // SAFETY: the buffer is larger than CUmemAllocationProp; the handle was just retained
+            // and is released once.
+            let rc = unsafe {
+                let rc = (v.properties)(prop.as_mut_ptr().cast(), h);
+                (v.release)(h);
+                rc
+            };
+            if rc != 0 {
+                return Err(driver_err("cuMemGetAllocationPropertiesFromHandle", rc, format!("allocation at {:#x}", base.0)));
+            }
+            let requested = c_int::from_ne_bytes(prop[4..8].try_into().expect("4 bytes"));
+            if requested & HANDLE_TYPE_POSIX_FD == 0 {
+                return Err(driver_err(
+                    "cuMemExportToShareableHandle",
+                    1,
+                    format!(
+                        "the allocation at {:#x} was created without CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in requestedHandleTypes ({requested:#x})",
+                        base.0
+                    ),
+                ));
+            }
+            out.push((base, n));
+            p = base.0 + n as u64;
+        }
+        Ok(out)
+    }
+
+    fn vmm_export_fd(&self, base: DevicePtr) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        let v = self.vmm_api()?;
+        let _on = self.enter()?;
+        let mut h: MemHandle = 0;
+        // SAFETY: valid out-pointer; the driver checks the address.
+        let rc = unsafe { (v.retain)(&mut h, base.0 as *mut c_void) };
+        if rc != 0 {
+            return Err(driver_err("cuMemRetainAllocationHandle", rc, format!("{:#x}", base.0)));
+        }
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX_FILE_DESCRIPTOR the out-parameter is an int; the handle is released once.
+        let rc = unsafe {
+            let rc = (v.export)((&mut fd as *mut c_int).cast(), h, HANDLE_TYPE_POSIX_FD, 0);
+            (v.release)(h);
+            rc
+        };
+        if rc != 0 || fd < 0 {
+            return Err(driver_err("cuMemExportToShareableHandle", rc, format!("POSIX file descriptor of {:#x}", base.0)));
+        }
+        // SAFETY: a new descriptor the driver made for us.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn vmm_reserve(&self, len: usize) -> Result<DevicePtr> {
+        let v = self.vmm_api()?;
+        let _on = self.enter()?;
+        let mut p = 0u64;
+        // SAFETY: valid out-pointer; default alignment, no fixed address, no flags.
+        let rc = unsafe { (v.reserve)(&mut p, len, 0, 0, 0) };
+        if rc != 0 {
+            return Err(driver_err("cuMemAddressReserve", rc, format!("{len} bytes")));
+        }
+        vmm_imports().lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(p, (len, Vec::new()));
+        Ok(DevicePtr(p))
+    }
+
+    unsafe fn vmm_map(&self, base: DevicePtr, offset: u64, len: usize, fd: std::os::fd::BorrowedFd<'_>) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let v = self.vmm_api()?;
+        let _on = self.enter()?;
+        let mut imports = vmm_imports().lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some((room, mapped)) = imports.get_mut(&base.0) else { return Err(DeviceError::UnknownPointer { addr: base.0 }) };
+        if offset.checked_add(len as u64).is_none_or(|e| e > *room as u64) {
+            return Err(driver_err("cuMemMap", 1, format!("{len} bytes at offset {offset} do not fit the reservation of {room}")));
+        }
+        let mut h: MemHandle = 0;
+        // SAFETY: for POSIX_FILE_DESCRIPTOR the OS handle is the fd itself, passed as a pointer
+        // value; the driver takes its own reference (the fd stays ours).
+        let rc = unsafe { (v.import)(&mut h, fd.as_raw_fd() as usize as *mut c_void, HANDLE_TYPE_POSIX_FD) };
+        if rc != 0 {
+            return Err(driver_err("cuMemImportFromShareableHandle", rc, "the peer's chunk".into()));
+        }
+        // SAFETY: inside our reservation (checked), unmapped (the caller's contract); the
+        // mapping keeps the allocation alive after our handle is released.
+        let rc = unsafe {
+            let rc = (v.map)(base.0 + offset, len, 0, h, 0);
+            (v.release)(h);
+            rc
+        };
+        if rc != 0 {
+            return Err(driver_err("cuMemMap", rc, format!("{len} bytes at offset {offset}")));
+        }
+        mapped.push((offset, len));
+        Ok(())
+    }
+
+    /// Read-write access for this device only: the local buffer's, where the copies run; the
+    /// memory's own GPU (`home`) is reached peer to peer (checked by the caller).
+    unsafe fn vmm_commit(&self, base: DevicePtr, len: usize, _home: i32) -> Result<()> {
+        let v = self.vmm_api()?;
+        let _on = self.enter()?;
+        let desc = MemAccessDesc { location_type: LOCATION_DEVICE, location_id: self.id, flags: ACCESS_READWRITE };
+        // SAFETY: one valid descriptor; the range is our reservation, fully mapped (the
+        // caller's contract).
+        let rc = unsafe { (v.set_access)(base.0, len, &desc, 1) };
+        if rc != 0 {
+            return Err(driver_err("cuMemSetAccess", rc, format!("read-write for GPU {}", self.id)));
+        }
+        Ok(())
     }
 
     fn can_access_peer(&self, peer: i32) -> Result<bool> {
@@ -1327,6 +1562,14 @@ const ATTR_DMA_BUF_SUPPORTED: c_int = 124;
 const FLUSH_TARGET_CURRENT_CTX: c_int = 0;
 /// `CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER`.
 const FLUSH_TO_OWNER: c_int = 100;
+
+impl Cuda {
+    fn vmm_api(&self) -> Result<&'static VmmApi> {
+        driver()
+            .and_then(|d| d.vmm.as_ref())
+            .ok_or(DeviceError::Unsupported { op: "CUDA VMM (cuMem*) calls: no libcuda.so.1 or older than CUDA 10.2", device: "cuda" })
+    }
+}
 
 impl Cuda {
     /// A driver attribute of this device (`cuDeviceGetAttribute`); None without the symbols.

@@ -8,6 +8,7 @@
 //! event recorded on a stream completes when everything queued before it has; events are
 //! created once and recorded many times (no allocation on the hot path).
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::path::PathBuf;
 
 /// An address in device memory (a CUDA device pointer; a host address on the stand-in).
@@ -290,6 +291,44 @@ pub trait Device: Send + Sync {
     /// No copy may still use the mapping.
     unsafe fn ipc_close(&self, _ptr: DevicePtr) -> Result<()> {
         Err(DeviceError::Unsupported { op: "ipc_close", device: "this" })
+    }
+    /// The chunks of a CUDA VMM allocation (`cuMemCreate` + `cuMemMap`: PyTorch's expandable
+    /// segments, VMM allocators) that back `len` bytes at `ptr`, in address order, each as its
+    /// mapping's base and size (`cuMemGetAddressRange` gives a VMM mapping's): what
+    /// [`Device::vmm_export_fd`] exports when `cudaIpcGetMemHandle` cannot. Err says why not:
+    /// not VMM memory (e.g. a `cudaMallocAsync` pool's), created without the POSIX file
+    /// descriptor handle type, or a hole in the range.
+    fn vmm_chunks(&self, _ptr: DevicePtr, _len: usize) -> Result<Vec<(DevicePtr, usize)>> {
+        Err(DeviceError::Unsupported { op: "vmm_chunks", device: "this" })
+    }
+    /// The VMM chunk mapped at `base` as a shareable file descriptor
+    /// (`cuMemRetainAllocationHandle` + `cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)`),
+    /// for another process on this host.
+    fn vmm_export_fd(&self, _base: DevicePtr) -> Result<OwnedFd> {
+        Err(DeviceError::Unsupported { op: "vmm_export_fd", device: "this" })
+    }
+    /// Reserves `len` bytes of address space for a peer's VMM allocation
+    /// (`cuMemAddressReserve`); its chunks are mapped with [`Device::vmm_map`], then
+    /// [`Device::vmm_commit`]. [`Device::ipc_close`] undoes it at any stage.
+    fn vmm_reserve(&self, _len: usize) -> Result<DevicePtr> {
+        Err(DeviceError::Unsupported { op: "vmm_reserve", device: "this" })
+    }
+    /// Maps the chunk exported as `fd` (`len` bytes) at `base + offset` of a reservation
+    /// (`cuMemImportFromShareableHandle` + `cuMemMap`). The fd stays the caller's.
+    ///
+    /// # Safety
+    /// `base` comes from [`Device::vmm_reserve`] and `offset + len` lies inside it, unmapped.
+    unsafe fn vmm_map(&self, _base: DevicePtr, _offset: u64, _len: usize, _fd: BorrowedFd<'_>) -> Result<()> {
+        Err(DeviceError::Unsupported { op: "vmm_map", device: "this" })
+    }
+    /// Makes a reservation whose chunks are all mapped usable by this device
+    /// (`cuMemSetAccess` read-write for this device: the local buffer's, where the copies
+    /// run); `home` is the device (of this process) whose memory it is.
+    ///
+    /// # Safety
+    /// `base` comes from [`Device::vmm_reserve`] of `len` bytes, every byte of it mapped.
+    unsafe fn vmm_commit(&self, _base: DevicePtr, _len: usize, _home: i32) -> Result<()> {
+        Err(DeviceError::Unsupported { op: "vmm_commit", device: "this" })
     }
     /// The device's UUID (`cudaDeviceProp.uuid`): one physical GPU has the same UUID in every
     /// process, whatever its ordinal there (`CUDA_VISIBLE_DEVICES` differs per process), so a

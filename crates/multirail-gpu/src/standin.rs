@@ -21,6 +21,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
@@ -81,6 +82,11 @@ struct Inner {
     /// Device allocations (and IPC mappings): base → the memfd behind them (-1: a mapping
     /// opened from a peer's handle, whose fd was closed after mmap).
     memfds: Mutex<BTreeMap<u64, i32>>,
+    /// Device allocations that are not plain `cudaMalloc` memory ([`StandInAlloc`]), by base.
+    styles: Mutex<BTreeMap<u64, Style>>,
+    /// Address space reserved for a peer's VMM allocation and not yet committed
+    /// (`vmm_reserve`): base -> length.
+    reserved: Mutex<BTreeMap<u64, usize>>,
     device_allocs: AtomicU64,
     pinned_allocs: AtomicU64,
     /// Pinned buffers freed (`cudaFreeHost`) so far.
@@ -199,6 +205,76 @@ pub const ENV_STANDIN_DEVICES: &str = "MULTIRAIL_STANDIN_DEVICES";
 /// `all`, every pair; `none`, no pair (GPUs without P2P between them).
 pub const ENV_STANDIN_PEERS: &str = "MULTIRAIL_STANDIN_PEERS";
 
+/// How the stand-in's device allocations are made, as an application's allocator would
+/// (`malloc`, `vmm`, `vmm:BYTES`, `vmm-nofd:BYTES`, `pool`; default `malloc`): see
+/// [`StandInAlloc`]. Read at each allocation, so a test sets it for one process.
+pub const ENV_STANDIN_ALLOC: &str = "MULTIRAIL_STANDIN_ALLOC";
+
+/// What made a stand-in device allocation, and so which IPC can export it (the export rules
+/// of docs/gpu.md, "Memory that legacy CUDA IPC cannot export").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StandInAlloc {
+    /// `cudaMalloc`: legacy CUDA IPC exports it (`cudaIpcGetMemHandle`).
+    Malloc,
+    /// CUDA VMM, as PyTorch's expandable segments make it: `chunk`-byte physical allocations
+    /// (`cuMemCreate`, each its own memfd here) mapped side by side into one reserved address
+    /// range. Legacy IPC refuses it; with `posix_fd` (the allocation requested
+    /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) each chunk exports as a file descriptor.
+    Vmm { chunk: usize, posix_fd: bool },
+    /// A stream-ordered pool's memory (`cudaMallocAsync` from the default pool): neither legacy
+    /// IPC nor VMM export takes it.
+    Pool,
+}
+
+impl StandInAlloc {
+    /// Parses [`ENV_STANDIN_ALLOC`]'s value (None: not one of the forms it takes).
+    pub fn parse(v: &str) -> Option<StandInAlloc> {
+        let v = v.trim().to_ascii_lowercase();
+        let chunk = |rest: Option<&str>| match rest {
+            None => Some(2 << 20),
+            Some(n) => n.parse::<usize>().ok().filter(|n| *n > 0 && n % ALIGN == 0),
+        };
+        let (head, rest) = match v.split_once(':') {
+            Some((h, r)) => (h, Some(r)),
+            None => (v.as_str(), None),
+        };
+        match head {
+            "" | "malloc" if rest.is_none() => Some(StandInAlloc::Malloc),
+            "pool" if rest.is_none() => Some(StandInAlloc::Pool),
+            "vmm" => Some(StandInAlloc::Vmm { chunk: chunk(rest)?, posix_fd: true }),
+            "vmm-nofd" => Some(StandInAlloc::Vmm { chunk: chunk(rest)?, posix_fd: false }),
+            _ => None,
+        }
+    }
+
+    fn from_env() -> Result<StandInAlloc> {
+        match std::env::var(ENV_STANDIN_ALLOC) {
+            Err(_) => Ok(StandInAlloc::Malloc),
+            Ok(v) => StandInAlloc::parse(&v).ok_or_else(|| {
+                cuda_err(
+                    "cudaMalloc",
+                    1,
+                    "standinBadAlloc",
+                    format!(
+                        "{ENV_STANDIN_ALLOC}={v:?}: expected malloc, pool, vmm[:BYTES] or vmm-nofd[:BYTES] (BYTES a multiple of {ALIGN})"
+                    ),
+                )
+            }),
+        }
+    }
+}
+
+/// A device allocation other than plain `cudaMalloc` memory.
+#[derive(Debug)]
+enum Style {
+    /// VMM chunks: (offset in the allocation, length, memfd).
+    Vmm {
+        chunks: Vec<(u64, usize, i32)>,
+        posix_fd: bool,
+    },
+    Pool,
+}
+
 /// The number of stand-in GPUs ([`ENV_STANDIN_DEVICES`]); an ordinal at or beyond it is
 /// refused as CUDA refuses an invalid device.
 pub fn device_count() -> i32 {
@@ -310,6 +386,8 @@ impl StandIn {
                 cfg,
                 allocs: Mutex::new(BTreeMap::new()),
                 memfds: Mutex::new(BTreeMap::new()),
+                styles: Mutex::new(BTreeMap::new()),
+                reserved: Mutex::new(BTreeMap::new()),
                 device_allocs: AtomicU64::new(0),
                 pinned_allocs: AtomicU64::new(0),
                 pinned_frees: AtomicU64::new(0),
@@ -499,6 +577,69 @@ impl StandIn {
         }
     }
 
+    /// Allocates `len` bytes of device memory the way `how` says ([`StandInAlloc`]).
+    pub fn alloc_as(&self, len: usize, how: StandInAlloc) -> Result<DevicePtr> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cudaMalloc")?;
+        self.capture_forbids("cudaMalloc")?;
+        match how {
+            StandInAlloc::Malloc => self.alloc_raw(len, AllocKind::Device).map(DevicePtr),
+            StandInAlloc::Pool => {
+                let p = self.alloc_raw(len, AllocKind::Device)?;
+                lock(&self.inner.styles).insert(p, Style::Pool);
+                Ok(DevicePtr(p))
+            }
+            StandInAlloc::Vmm { chunk, posix_fd } => self.alloc_vmm(len, chunk, posix_fd).map(DevicePtr),
+        }
+    }
+
+    /// A reserved range of `len` bytes rounded up to `chunk`, each `chunk` a memfd of its own
+    /// mapped in place (an expandable segment).
+    fn alloc_vmm(&self, len: usize, chunk: usize, posix_fd: bool) -> Result<u64> {
+        let total = len.max(1).div_ceil(chunk) * chunk;
+        let base = reserve(total).ok_or(DeviceError::HostAlloc { len: total })?;
+        let mut chunks: Vec<(u64, usize, i32)> = Vec::new();
+        for off in (0..total).step_by(chunk) {
+            let fd = memfd_sized(chunk);
+            // SAFETY: inside our fresh reservation; MAP_FIXED replaces its PROT_NONE pages.
+            let ok = fd.is_some_and(|fd| unsafe { map_fd_at(base + off as u64, chunk, fd) });
+            match fd {
+                Some(fd) if ok => chunks.push((off as u64, chunk, fd)),
+                _ => {
+                    // SAFETY: our reservation and memfds, used by nobody yet.
+                    unsafe {
+                        if let Some(fd) = fd {
+                            libc::close(fd);
+                        }
+                        for c in &chunks {
+                            libc::close(c.2);
+                        }
+                        libc::munmap(base as *mut libc::c_void, total);
+                    }
+                    return Err(DeviceError::HostAlloc { len: total });
+                }
+            }
+        }
+        lock(&self.inner.allocs).insert(base, (total, AllocKind::Device));
+        lock(&self.inner.styles).insert(base, Style::Vmm { chunks, posix_fd });
+        world().homes.insert(base, (total, self.inner.id));
+        self.inner.device_allocs.fetch_add(1, Ordering::Relaxed);
+        Ok(base)
+    }
+
+    /// The export rule of the allocation holding `base`: Err (as CUDA's call fails) when
+    /// `cudaIpcGetMemHandle` cannot export it.
+    fn legacy_exportable(&self, base: u64) -> Result<()> {
+        let refuse = |what: &str| {
+            Err(cuda_err("cudaIpcGetMemHandle", 1, "cudaErrorInvalidValue", format!("{what}: legacy CUDA IPC cannot export it")))
+        };
+        match lock(&self.inner.styles).get(&base) {
+            Some(Style::Vmm { .. }) => refuse("a CUDA VMM allocation (cuMemCreate + cuMemMap, e.g. an expandable segment)"),
+            Some(Style::Pool) => refuse("memory of a stream-ordered pool (cudaMallocAsync)"),
+            None => Ok(()),
+        }
+    }
+
     /// Takes the log of executed copies.
     pub fn take_copy_log(&self) -> Vec<CopyRecord> {
         std::mem::take(&mut *lock(&self.inner.log))
@@ -535,6 +676,12 @@ impl StandIn {
                 allocs.remove(&addr);
                 if kind == AllocKind::Device {
                     world().homes.remove(&addr);
+                    if let Some(Style::Vmm { chunks, .. }) = lock(&self.inner.styles).remove(&addr) {
+                        for (_, _, fd) in chunks {
+                            // SAFETY: the chunk's memfd, owned by the allocation being freed.
+                            unsafe { libc::close(fd) };
+                        }
+                    }
                     let fd = lock(&self.inner.memfds).remove(&addr).unwrap_or(-1);
                     // SAFETY: mapped by memfd_map (or ipc_open) with this length; removed from
                     // the table, so unmapped once.
@@ -583,6 +730,42 @@ fn memfd_map(len: usize) -> Option<(u64, i32)> {
         }
         Some((p as u64, fd))
     }
+}
+
+/// A new memfd of `len` bytes (the caller closes it).
+fn memfd_sized(len: usize) -> Option<i32> {
+    // SAFETY: plain syscalls; the fd is closed on failure.
+    unsafe {
+        let fd = libc::memfd_create(c"multirail-standin-vmm".as_ptr(), libc::MFD_CLOEXEC);
+        if fd < 0 {
+            return None;
+        }
+        if libc::ftruncate(fd, len as libc::off_t) != 0 {
+            libc::close(fd);
+            return None;
+        }
+        Some(fd)
+    }
+}
+
+/// Reserves `len` bytes of address space, inaccessible until mapped (`cuMemAddressReserve`).
+fn reserve(len: usize) -> Option<u64> {
+    // SAFETY: a fresh anonymous mapping.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+    };
+    (p != libc::MAP_FAILED).then_some(p as u64)
+}
+
+/// Maps `len` bytes of `fd` read-write, shared, at `at` (`cuMemMap`).
+///
+/// # Safety
+/// `at..at+len` lies inside a reservation of the caller's that nothing else uses.
+unsafe fn map_fd_at(at: u64, len: usize, fd: i32) -> bool {
+    // SAFETY: the caller's contract; MAP_FIXED replaces only pages of its reservation.
+    let p =
+        unsafe { libc::mmap(at as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0) };
+    p as u64 == at
 }
 
 /// # Safety
@@ -739,11 +922,9 @@ impl Device for StandIn {
         format!("stand-in {} (host memory)", self.inner.id)
     }
 
+    /// As the allocator [`ENV_STANDIN_ALLOC`] names (default `cudaMalloc`).
     fn alloc(&self, len: usize) -> Result<DevicePtr> {
-        let _on = Entered::new(self.inner.id);
-        self.runtime_call("cudaMalloc")?;
-        self.capture_forbids("cudaMalloc")?;
-        self.alloc_raw(len, AllocKind::Device).map(DevicePtr)
+        self.alloc_as(len, StandInAlloc::from_env()?)
     }
 
     unsafe fn free(&self, ptr: DevicePtr) -> Result<()> {
@@ -780,17 +961,146 @@ impl Device for StandIn {
         })
     }
 
+    /// The allocation, or for VMM memory the chunk mapped there (as `cuMemGetAddressRange`
+    /// gives a VMM mapping's range).
     fn alloc_range(&self, ptr: DevicePtr) -> Result<(DevicePtr, usize)> {
         match self.containing(ptr.0) {
-            Some((base, len, AllocKind::Device)) => Ok((DevicePtr(base), len)),
+            Some((base, len, AllocKind::Device)) => {
+                if let Some(Style::Vmm { chunks, .. }) = lock(&self.inner.styles).get(&base) {
+                    let off = ptr.0 - base;
+                    if let Some(c) = chunks.iter().find(|c| off >= c.0 && off < c.0 + c.1 as u64) {
+                        return Ok((DevicePtr(base + c.0), c.1));
+                    }
+                }
+                Ok((DevicePtr(base), len))
+            }
             _ => Err(DeviceError::UnknownPointer { addr: ptr.0 }),
         }
+    }
+
+    /// Refuses what `cuMemRetainAllocationHandle` refuses (memory that is not VMM) and VMM
+    /// memory created without the POSIX file descriptor handle type
+    /// (`cuMemGetAllocationPropertiesFromHandle`).
+    fn vmm_chunks(&self, ptr: DevicePtr, len: usize) -> Result<Vec<(DevicePtr, usize)>> {
+        let (base, total, _) =
+            self.containing(ptr.0).filter(|c| c.2 == AllocKind::Device).ok_or(DeviceError::UnknownPointer { addr: ptr.0 })?;
+        let styles = lock(&self.inner.styles);
+        let not_vmm = |what: &str| {
+            Err(cuda_err("cuMemRetainAllocationHandle", 1, "CUDA_ERROR_INVALID_VALUE", format!("{what} is not a VMM allocation")))
+        };
+        match styles.get(&base) {
+            None => not_vmm("cudaMalloc memory"),
+            Some(Style::Pool) => not_vmm("memory of a stream-ordered pool (cudaMallocAsync)"),
+            Some(Style::Vmm { posix_fd: false, .. }) => Err(cuda_err(
+                "cuMemExportToShareableHandle",
+                1,
+                "CUDA_ERROR_INVALID_VALUE",
+                "the allocation's requestedHandleTypes lacks CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR".into(),
+            )),
+            Some(Style::Vmm { chunks, .. }) => {
+                let (start, end) = (ptr.0 - base, ptr.0 - base + len as u64);
+                if end > total as u64 {
+                    return Err(DeviceError::UnknownPointer { addr: base + total as u64 });
+                }
+                Ok(chunks.iter().filter(|c| c.0 < end && c.0 + c.1 as u64 > start).map(|c| (DevicePtr(base + c.0), c.1)).collect())
+            }
+        }
+    }
+
+    /// A duplicate of the chunk's memfd.
+    fn vmm_export_fd(&self, at: DevicePtr) -> Result<OwnedFd> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cuMemExportToShareableHandle")?;
+        self.vmm_chunks(at, 1)?;
+        let (base, _, _) = self.containing(at.0).ok_or(DeviceError::UnknownPointer { addr: at.0 })?;
+        let styles = lock(&self.inner.styles);
+        let Some(Style::Vmm { chunks, .. }) = styles.get(&base) else { return Err(DeviceError::UnknownPointer { addr: at.0 }) };
+        let c = chunks.iter().find(|c| base + c.0 == at.0).ok_or(DeviceError::UnknownPointer { addr: at.0 })?;
+        // SAFETY: a live memfd of ours; the duplicate is owned by the result.
+        let fd = unsafe { libc::fcntl(c.2, libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(cuda_err(
+                "cuMemExportToShareableHandle",
+                2,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+                std::io::Error::last_os_error().to_string(),
+            ));
+        }
+        // SAFETY: just made, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    fn vmm_reserve(&self, len: usize) -> Result<DevicePtr> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cuMemAddressReserve")?;
+        let base = reserve(len).ok_or(DeviceError::HostAlloc { len })?;
+        lock(&self.inner.reserved).insert(base, len.max(1));
+        Ok(DevicePtr(base))
+    }
+
+    unsafe fn vmm_map(&self, base: DevicePtr, offset: u64, len: usize, fd: BorrowedFd<'_>) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cuMemMap")?;
+        let bad = |why: String| cuda_err("cuMemMap", 1, "CUDA_ERROR_INVALID_VALUE", why);
+        let room = lock(&self.inner.reserved).get(&base.0).copied().ok_or_else(|| bad(format!("{:#x} is not a reservation", base.0)))?;
+        if offset.checked_add(len as u64).is_none_or(|e| e > room as u64) {
+            return Err(bad(format!("{len} bytes at offset {offset} do not fit the reservation of {room}")));
+        }
+        // SAFETY: fstat on a borrowed fd.
+        let size = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+                return Err(bad(format!("fstat: {}", std::io::Error::last_os_error())));
+            }
+            st.st_size as u64
+        };
+        if size < len as u64 {
+            return Err(bad(format!("the exported allocation has {size} bytes, not {len}")));
+        }
+        // SAFETY: inside our reservation (checked above), which nothing uses until committed.
+        if !unsafe { map_fd_at(base.0 + offset, len, fd.as_raw_fd()) } {
+            return Err(bad(format!("mmap: {}", std::io::Error::last_os_error())));
+        }
+        Ok(())
+    }
+
+    /// Opened on another GPU than `home`, the mapping needs peer access from this one
+    /// (`cuMemSetAccess` for this device on memory of another).
+    unsafe fn vmm_commit(&self, base: DevicePtr, len: usize, home: i32) -> Result<()> {
+        let _on = Entered::new(self.inner.id);
+        self.runtime_call("cuMemSetAccess")?;
+        if home != self.inner.id {
+            if !can_access_peer(self.inner.id, home) {
+                return Err(cuda_err(
+                    "cuMemSetAccess",
+                    217,
+                    "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+                    format!("stand-in GPU {} cannot access GPU {home}, where the allocation is", self.inner.id),
+                ));
+            }
+            world().peers.insert((self.inner.id, home));
+        }
+        match lock(&self.inner.reserved).remove(&base.0) {
+            Some(r) if r == len.max(1) => {}
+            Some(r) => {
+                lock(&self.inner.reserved).insert(base.0, r);
+                return Err(cuda_err("cuMemSetAccess", 1, "CUDA_ERROR_INVALID_VALUE", format!("the reservation has {r} bytes, not {len}")));
+            }
+            None => return Err(DeviceError::UnknownPointer { addr: base.0 }),
+        }
+        lock(&self.inner.allocs).insert(base.0, (len.max(1), AllocKind::Device));
+        lock(&self.inner.memfds).insert(base.0, -1);
+        world().homes.insert(base.0, (len.max(1), home));
+        Ok(())
     }
 
     /// A handle naming this process and the allocation's memfd: another process (of the same
     /// user) maps it through `/proc/PID/fd/FD`, the stand-in's CUDA IPC. Like CUDA, handles of
     /// the opening process itself are refused (unless `ipc_same_process`).
     fn ipc_handle(&self, ptr: DevicePtr) -> Result<IpcHandle> {
+        if let Some((whole, _, AllocKind::Device)) = self.containing(ptr.0) {
+            self.legacy_exportable(whole)?;
+        }
         let (base, len) = self.alloc_range(ptr)?;
         if base != ptr {
             return Err(DeviceError::Unsupported { op: "ipc_handle of an interior pointer", device: "stand-in" });
@@ -867,6 +1177,11 @@ impl Device for StandIn {
     }
 
     unsafe fn ipc_close(&self, ptr: DevicePtr) -> Result<()> {
+        if let Some(len) = lock(&self.inner.reserved).remove(&ptr.0) {
+            // SAFETY: a reservation never committed, so no copy uses it (the caller's contract).
+            unsafe { libc::munmap(ptr.0 as *mut libc::c_void, len) };
+            return Ok(());
+        }
         if lock(&self.inner.memfds).get(&ptr.0) != Some(&-1) {
             return Err(DeviceError::UnknownPointer { addr: ptr.0 });
         }
@@ -1143,6 +1458,59 @@ mod tests {
         let mut forged = h;
         forged.0[0] = b'X';
         assert!(unsafe { dev.ipc_open(&forged) }.is_err());
+    }
+
+    /// The export rules: cudaMalloc memory by legacy IPC only; VMM memory (an expandable
+    /// segment of 3 chunks) by VMM export only, chunk by chunk, mapped back into one range that
+    /// is the same memory; a stream-ordered pool's memory, and VMM memory without the POSIX fd
+    /// handle type, by neither.
+    #[test]
+    fn vmm_memory_exports_by_chunk_fds_and_pool_memory_not_at_all() {
+        use std::os::fd::AsFd;
+        let dev = StandIn::new(44, StandInConfig::default());
+        let chunk = 64 << 10;
+        let v = dev.alloc_as(2 * chunk + 100, StandInAlloc::Vmm { chunk, posix_fd: true }).unwrap();
+        assert_eq!(dev.pointer_kind(v.0 + 3 * chunk as u64 - 1).unwrap(), MemKind::Device { device: 44 }, "rounded up to whole chunks");
+        assert_eq!(dev.alloc_range(v.offset(chunk as u64 + 5)).unwrap(), (v.offset(chunk as u64), chunk), "a VMM mapping's range");
+        let e = dev.ipc_handle(v).unwrap_err().to_string();
+        assert!(e.contains("cudaIpcGetMemHandle") && e.contains("VMM"), "{e}");
+        let chunks = dev.vmm_chunks(v, 3 * chunk).unwrap();
+        assert_eq!(chunks, vec![(v, chunk), (v.offset(chunk as u64), chunk), (v.offset(2 * chunk as u64), chunk)]);
+        assert_eq!(dev.vmm_chunks(v.offset(chunk as u64 + 1), 10).unwrap().len(), 1);
+        // Imported on another stand-in GPU: peer access from it to 44.
+        let imp = StandIn::new(45, StandInConfig::default());
+        let base = imp.vmm_reserve(3 * chunk).unwrap();
+        for (i, (at, len)) in chunks.iter().enumerate() {
+            let fd = dev.vmm_export_fd(*at).unwrap();
+            unsafe { imp.vmm_map(base, (i * chunk) as u64, *len, fd.as_fd()).unwrap() };
+        }
+        unsafe { imp.vmm_commit(base, 3 * chunk, 44).unwrap() };
+        assert!(peers_enabled().contains(&(45, 44)));
+        unsafe { *(v.0 as *mut u8).add(2 * chunk + 9) = 99 };
+        assert_eq!(unsafe { *(base.0 as *const u8).add(2 * chunk + 9) }, 99, "one memory, two mappings");
+        unsafe { imp.ipc_close(base).unwrap() };
+        // A reservation abandoned half-way is undone by ipc_close too.
+        let half = imp.vmm_reserve(2 * chunk).unwrap();
+        let fd = dev.vmm_export_fd(v).unwrap();
+        unsafe { imp.vmm_map(half, 0, chunk, fd.as_fd()).unwrap() };
+        assert!(unsafe { imp.vmm_map(half, chunk as u64, 2 * chunk, fd.as_fd()) }.is_err(), "past the reservation");
+        unsafe { imp.ipc_close(half).unwrap() };
+        unsafe { dev.free(v).unwrap() };
+        for how in [StandInAlloc::Pool, StandInAlloc::Vmm { chunk, posix_fd: false }] {
+            let p = dev.alloc_as(chunk, how).unwrap();
+            assert!(dev.ipc_handle(p).is_err(), "{how:?}");
+            let e = dev.vmm_chunks(p, chunk).unwrap_err().to_string();
+            assert!(e.contains(if how == StandInAlloc::Pool { "stream-ordered pool" } else { "POSIX_FILE_DESCRIPTOR" }), "{e}");
+            unsafe { dev.free(p).unwrap() };
+        }
+        let m = dev.alloc_as(chunk, StandInAlloc::Malloc).unwrap();
+        assert!(dev.ipc_handle(m).is_ok() && dev.vmm_chunks(m, chunk).is_err());
+        unsafe { dev.free(m).unwrap() };
+        assert_eq!(dev.live_allocs(), 0);
+        assert_eq!(StandInAlloc::parse("vmm:65536"), Some(StandInAlloc::Vmm { chunk: 65536, posix_fd: true }));
+        assert_eq!(StandInAlloc::parse(" POOL "), Some(StandInAlloc::Pool));
+        assert_eq!(StandInAlloc::parse("vmm:100"), None, "a chunk is a multiple of the page");
+        assert_eq!(StandInAlloc::parse("vmm-nofd"), Some(StandInAlloc::Vmm { chunk: 2 << 20, posix_fd: false }));
     }
 
     #[test]

@@ -52,6 +52,19 @@ impl Ctx {
         Identity { name: &self.name, incarnation: self.incarnation, secret: self.cfg.secret.as_deref(), bind_devices: self.bind_devices }
     }
 
+    /// Record a warning: a cliff that would otherwise look like success (CUDA IPC staged
+    /// instead). On stderr whatever MULTIRAIL_LOG says, as `multirail WARNING ...`, and in the
+    /// events like [`Ctx::log`]'s.
+    pub fn warn(&self, msg: &str) {
+        let line = format!("[{:>9.3}s] {}: WARNING: {msg}", self.started.elapsed().as_secs_f64(), self.name);
+        eprintln!("multirail {line}");
+        let mut ev = self.events.lock().expect("events lock");
+        if ev.len() >= 1000 {
+            ev.pop_front();
+        }
+        ev.push_back(line);
+    }
+
     /// Record an event (rail down/up, refused peer); printed when MULTIRAIL_LOG is set.
     pub fn log(&self, msg: &str) {
         let line = format!("[{:>9.3}s] {}: {msg}", self.started.elapsed().as_secs_f64(), self.name);

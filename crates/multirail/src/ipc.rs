@@ -116,20 +116,36 @@ pub(crate) fn answer(
         if r.mem != MemType::Vram {
             return refuse(Status::Unexpected, format!("region {region} is not GPU memory"));
         }
-        let entry = export(cfg.staging.gpu, &r);
-        match entry {
+        match export(cfg.staging.gpu, &r) {
             Ok(e) => out.push(e),
             Err(m) => return refuse(Status::Unexpected, format!("no IPC handle for region {region}: {m}")),
         }
         held.push(r);
     }
+    // VMM regions: a token each for their chunks' fds (`ipc_fd`), only now that every region
+    // is answered.
+    let owner = exports.owner();
+    let mut entries = Vec::with_capacity(out.len());
+    for (mut e, vmm) in out {
+        if let Some((gpu, chunks)) = vmm {
+            match crate::ipc_fd::offer(owner, e.region, gpu, chunks, cfg.timeout) {
+                Ok(h) => e.handle = h,
+                Err(m) => {
+                    crate::ipc_fd::withdraw(owner, Some(&held.iter().map(|r| r.id).collect::<Vec<_>>()));
+                    return refuse(Status::Unexpected, format!("no IPC handle for region {}: {m}", e.region));
+                }
+            }
+        }
+        entries.push(e);
+    }
     // Recorded while the regions are held: a deregistration waits for `held` to go, and then
     // finds this watch connection among the holders.
-    if !exports.handed(&watch, out.iter().map(|e| e.region)) {
+    if !exports.handed(&watch, entries.iter().map(|e| e.region)) {
+        crate::ipc_fd::withdraw(owner, Some(&held.iter().map(|r| r.id).collect::<Vec<_>>()));
         return refuse(Status::Unexpected, "the IpcWatch connection closed, or this agent is closing".into());
     }
     drop(held);
-    Body::IpcHandles(out)
+    Body::IpcHandles(entries)
 }
 
 /// Only a region that is its whole allocation goes out by IPC (issue 33, item 4): a handle maps
@@ -152,18 +168,62 @@ fn owns_allocation(r: &crate::registry::Region, alloc_base: u64, alloc_len: u64)
     Err(msg)
 }
 
-/// The IPC handle of the allocation holding GPU region `r`, and where `r` starts in it.
-fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::result::Result<IpcEntry, String> {
+/// A VMM region's device and chunks, offered once the answer is complete (`ipc_fd::offer`).
+type VmmExport = Option<(Gpu, Vec<(DevicePtr, usize)>)>;
+
+/// The IPC handle of the allocation holding GPU region `r`, and where `r` starts in it; for
+/// memory legacy IPC cannot export (CUDA VMM: expandable segments), the chunks to offer
+/// instead (docs/gpu.md, "Memory that legacy CUDA IPC cannot export").
+fn export(kind: multirail_gpu::GpuKind, r: &crate::registry::Region) -> std::result::Result<(IpcEntry, VmmExport), String> {
     let id = i32::try_from(r.dev).map_err(|_| format!("device id {} out of range", r.dev))?;
     let gpu = Gpu::open(kind, id).map_err(|e| e.to_string())?;
     let (base, alloc_len) = gpu.alloc_range(DevicePtr(r.base)).map_err(|e| e.to_string())?;
-    if r.base + r.len > base.0 + alloc_len as u64 {
-        return Err(format!("region {} spans more than one allocation", r.id));
+    let uuid = || gpu.uuid().map_err(|e| format!("no UUID for GPU {id}: {e}"));
+    // Asking for a handle gives nothing out: the whole-allocation rule is checked before any.
+    let legacy = match r.base + r.len <= base.0 + alloc_len as u64 {
+        true => gpu.ipc_handle(base).map_err(|e| e.to_string()),
+        false => Err(format!("region {} spans more than one allocation", r.id)),
+    };
+    let legacy_err = match legacy {
+        Ok(handle) => {
+            owns_allocation(r, base.0, alloc_len as u64)?;
+            let entry = IpcEntry {
+                region: r.id,
+                device: r.dev,
+                uuid: uuid()?,
+                handle: handle.0,
+                offset: r.base - base.0,
+                alloc_len: alloc_len as u64,
+            };
+            return Ok((entry, None));
+        }
+        Err(e) => e,
+    };
+    let len = usize::try_from(r.len).map_err(|_| "region too large".to_string())?;
+    let chunks = gpu
+        .vmm_chunks(DevicePtr(r.base), len)
+        .map_err(|e| format!("cudaIpcGetMemHandle cannot export it ({legacy_err}), nor can CUDA VMM export ({e})"))?;
+    owns_chunks(r, &chunks)?;
+    let total: u64 = chunks.iter().map(|c| c.1 as u64).sum();
+    let entry = IpcEntry { region: r.id, device: r.dev, uuid: uuid()?, handle: [0; 64], offset: 0, alloc_len: total };
+    Ok((entry, Some((gpu, chunks))))
+}
+
+/// The whole-allocation rule for VMM memory: a chunk's fd maps the whole chunk, so the region
+/// must be exactly the chunks it lies in (first chunk's start to last chunk's end, no hole).
+fn owns_chunks(r: &crate::registry::Region, chunks: &[(DevicePtr, usize)]) -> std::result::Result<(), String> {
+    if chunks.len() > crate::ipc_fd::MAX_CHUNKS {
+        return Err(format!("region {} lies in {} VMM chunks, more than {}", r.id, chunks.len(), crate::ipc_fd::MAX_CHUNKS));
     }
-    owns_allocation(r, base.0, alloc_len as u64)?;
-    let handle = gpu.ipc_handle(base).map_err(|e| e.to_string())?;
-    let uuid = gpu.uuid().map_err(|e| format!("no UUID for GPU {id}: {e}"))?;
-    Ok(IpcEntry { region: r.id, device: r.dev, uuid, handle: handle.0, offset: r.base - base.0, alloc_len: alloc_len as u64 })
+    let contiguous = chunks.windows(2).all(|w| w[0].0 .0 + w[0].1 as u64 == w[1].0 .0);
+    let (first, last) = match (chunks.first(), chunks.last()) {
+        (Some(f), Some(l)) => (f.0 .0, l.0 .0 + l.1 as u64),
+        _ => return Err(format!("region {} has no VMM chunk", r.id)),
+    };
+    if contiguous && first == r.base && last == r.base + r.len {
+        return Ok(());
+    }
+    owns_allocation(r, first, last - first)
 }
 
 /// The local ordinal of the device with UUID `uuid` (module docs).
@@ -213,6 +273,12 @@ fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> s
         }
     }
     let len = region_room(e.alloc_len, e.offset)?;
+    if crate::ipc_fd::is_vmm(&e.handle) {
+        // Exactly `alloc_len` bytes are reserved and mapped, chunk by chunk (checked there).
+        let base = crate::ipc_fd::fetch_and_map(&gpu, &e.handle, e.alloc_len, home)
+            .map_err(|err| format!("cannot map the peer's CUDA VMM memory: {err}"))?;
+        return Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) });
+    }
     // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
     // authenticated control connection); a bad one is refused by the device.
     let base = unsafe { gpu.ipc_open(&IpcHandle(e.handle)) }.map_err(|err| format!("cannot open the peer's IPC handle: {err}"))?;
@@ -252,19 +318,22 @@ fn push_merged(copies: &mut Vec<multirail_gpu::BatchCopy>, c: multirail_gpu::Bat
     copies.push(c);
 }
 
-/// Logs, once per process and reason, that IPC could not be used and the transfer is staged
-/// (D2H, loopback, H2D: several times slower): the reason is also in `ipc_fallback_reason`.
-fn fallback_loudly(link: &Link, why: &str) {
-    static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Logs, once per (peer, reason), that IPC could not be used and the transfer is staged (D2H,
+/// loopback, H2D: several times slower): a warning whatever `MULTIRAIL_LOG` says
+/// (`Ctx::warn`); the reason is also in `ipc_fallback_reason`. At most 256 distinct lines per
+/// process (a peer that fails with ever new reasons cannot flood the log).
+fn fallback_loudly(link: &Link, peer: &str, why: &str) {
+    // Keyed by agent too: two agents of one process may each have a peer of that name.
+    static SEEN: Mutex<Vec<(String, String, String)>> = Mutex::new(Vec::new());
     let mut seen = SEEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if seen.iter().any(|w| w == why) || seen.len() > 64 {
+    let me = &link.ctx.name;
+    if seen.iter().any(|(a, p, w)| a == me && p == peer && w == why) || seen.len() >= 256 {
         return;
     }
-    seen.push(why.to_string());
-    let msg = format!("WARNING: CUDA IPC is not used, same-host GPU memory is staged through host memory and loopback instead: {why}");
-    // On stderr whatever MULTIRAIL_LOG says: a cliff of several times that looks like success.
-    eprintln!("multirail: {msg}");
-    link.ctx.log(&msg);
+    seen.push((me.clone(), peer.to_string(), why.to_string()));
+    link.ctx.warn(&format!(
+        "CUDA IPC is not used with peer {peer:?}, same-host GPU memory is staged through host memory and loopback instead: {why}"
+    ));
 }
 
 /// Mapping generations: a plan names the generations it copies into, and runs only while
@@ -497,7 +566,7 @@ impl IpcPeer {
         want.sort_unstable();
         want.dedup();
         if let Err(why) = self.map(link, keys, &want) {
-            fallback_loudly(link, &why);
+            fallback_loudly(link, &link.peer_name, &why);
             *self.fallback.lock().expect("ipc lock") = why;
             return None;
         }
@@ -945,6 +1014,11 @@ impl Default for Exports {
 }
 
 impl Exports {
+    /// This agent's identity for its VMM offers (`ipc_fd`): the address of its exports.
+    fn owner(&self) -> usize {
+        self as *const Exports as usize
+    }
+
     /// Is `id` a live watch connection of `peer`?
     fn watching(&self, id: &[u8; 16], peer: &str) -> bool {
         self.watches.lock().expect("ipc lock").get(id).is_some_and(|w| w.peer == peer)
@@ -1039,6 +1113,8 @@ pub(crate) fn serve_watch(ctx: &crate::ctx::Ctx, exports: &Exports, s: &mut TcpS
 /// peer released them or its watch connection ended, at most `wait`. Err names the peers that
 /// did not confirm in time (their watch connections are aborted).
 pub(crate) fn revoke(ctx: &crate::ctx::Ctx, exports: &Exports, regions: Option<&[u64]>, wait: Duration) -> std::result::Result<(), String> {
+    // VMM offers not fetched yet are withdrawn first: no fd of these regions goes out after.
+    crate::ipc_fd::withdraw(exports.owner(), regions);
     // Per watch connection, the regions to revoke on it.
     let mut by_watch: HashMap<[u8; 16], Vec<u64>> = HashMap::new();
     {
@@ -1200,7 +1276,8 @@ mod tests {
         let own = reg.register(whole.0, 4096, dev, MemType::Vram, Access::ReadWrite).unwrap();
         let e = super::export(GpuKind::StandIn, &rw).unwrap_err();
         assert!(e.contains("part of a larger GPU allocation") && e.contains("staged instead"), "{e}");
-        let ok = super::export(GpuKind::StandIn, &own).unwrap();
+        let (ok, vmm) = super::export(GpuKind::StandIn, &own).unwrap();
+        assert!(vmm.is_none(), "cudaMalloc memory goes by its legacy handle");
         assert_eq!((ok.region, ok.offset, ok.alloc_len), (own.id, 0, 4096));
         // SAFETY: done with them.
         unsafe {

@@ -25,6 +25,7 @@ pub mod fanin;
 pub(crate) mod gdr;
 pub mod inbox;
 pub mod ipc;
+pub(crate) mod ipc_fd;
 pub mod link;
 pub mod net;
 pub mod notif_seen;
