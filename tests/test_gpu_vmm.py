@@ -99,3 +99,42 @@ def test_a_fallback_is_staged_with_its_reason_and_warned_once_per_peer() -> None
     assert len(lines) == 3, cp.stderr
     assert all(sum(f'"{name}"' in ln for ln in lines) == 1 for name in names), lines
     assert all("WARNING" in ln for ln in lines), lines
+
+
+def test_deregistering_vmm_memory_closes_the_peers_mapping_before_it_returns() -> None:
+    """The lifetime rule holds for VMM mappings too: once the target's deregistration returns,
+    the initiator has unmapped every chunk (`ipc_regions_revoked`), and a later WRITE is refused
+    and lands nowhere."""
+    import numpy as np
+
+    import multirail
+    from multirail import errors
+
+    n = 4 * 65536
+    tgt = Target(n, env={"MULTIRAIL_STANDIN_ALLOC": "vmm:65536"})
+    i = multirail.Agent("initiator", {"gpu": "standin", "timeout": 5.0})
+    try:
+        local = np.zeros(n, np.uint8)
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", tgt.port)
+        rd = i.get_xfer_descs([(tgt.addr, n, 0)], "VRAM")
+        h = i.initialize_xfer("READ", [local], rd, "target")
+        i.transfer_sync(h, 30)
+        i.release_xfer_handle(h)
+        before = tgt.ask("digest")
+        assert hashlib.sha256(local.tobytes()).hexdigest() == before
+        pc = i.peer_counters("target")
+        assert pc["ipc_transfers"] == 1 and pc["ipc_regions_mapped"] == 1 and pc["ipc_fallback_reason"] == "", pc
+        out = json.loads(tgt.ask("dereg"))
+        assert out["ok"], out
+        pc = i.peer_counters("target")
+        assert pc["ipc_regions_mapped"] == 0 and pc["ipc_regions_revoked"] == 1, pc
+        local[:] = 0xAB
+        h = i.initialize_xfer("WRITE", [local], rd, "target")
+        with pytest.raises(errors.AccessDeniedError):
+            i.transfer_sync(h, 30)
+        i.release_xfer_handle(h)
+        assert tgt.ask("digest") == before
+    finally:
+        i.close()
+        tgt.close()
