@@ -135,12 +135,17 @@ impl SpinBudget {
     }
 
     /// After a spin that ran out, data came `after` the spin began: a spin of `max` would have
-    /// caught it, so the budget doubles (up to `max`); later than `max`, nothing changes.
+    /// caught it, so the budget grows to twice that wait (at least double, up to `max`); later
+    /// than `max`, nothing changes. Only doubling was not enough: the spin that ran out had
+    /// halved the budget (`record`), so a budget below the requests' spacing went down and back
+    /// up at every request and never past the spacing (paced 4 KiB READs 250 us apart woke the
+    /// serving thread from the kernel on every request once a loaded moment had shrunk it).
     pub fn woke(&self, after: std::time::Duration) {
         use std::sync::atomic::Ordering::Relaxed;
-        if after.as_nanos() <= u128::from(self.max_ns) {
+        let after_ns = after.as_nanos().min(u128::from(u64::MAX)) as u64;
+        if after_ns <= self.max_ns {
             let cur = self.cur_ns.load(Relaxed);
-            self.cur_ns.store(cur.saturating_mul(2).min(self.max_ns), Relaxed);
+            self.cur_ns.store(cur.saturating_mul(2).max(after_ns.saturating_mul(2)).min(self.max_ns), Relaxed);
         }
     }
 }
@@ -990,18 +995,45 @@ mod tests {
         for _ in 0..10 {
             b.record(Spin::Exhausted);
         }
-        // requests 50 us apart: each spin of 10/20/40 us runs out, but a full one would catch it
+        // requests 50 us apart: the 10 us spin runs out, but a full one would catch it: twice
+        // the wait
         b.woke(Duration::from_micros(50));
-        assert_eq!(b.get(), Duration::from_micros(20));
-        b.woke(Duration::from_micros(50));
-        b.woke(Duration::from_micros(50));
-        assert_eq!(b.get(), Duration::from_micros(80));
-        b.woke(Duration::from_micros(160));
+        assert_eq!(b.get(), Duration::from_micros(100));
+        b.woke(Duration::from_micros(5));
+        assert_eq!(b.get(), Duration::from_micros(160), "at least doubled, at most max");
+        for _ in 0..10 {
+            b.record(Spin::Exhausted);
+        }
         b.woke(Duration::from_micros(160));
         assert_eq!(b.get(), Duration::from_micros(160));
         // data later than the full budget: no reason to spin longer
         b.record(Spin::Exhausted);
         b.woke(Duration::from_micros(161));
         assert_eq!(b.get(), Duration::from_micros(80));
+    }
+
+    #[test]
+    fn spin_budget_climbs_past_the_spacing_of_requests_it_misses() {
+        // What the serving loop does per request (`server::Conn::wait_for_request`): a spin
+        // that runs out is recorded (halved), then the request's arrival after the spin began
+        // (`woke`). Requests 250 us apart, max 1000 us, the budget shrunk to 125 us by a loaded
+        // moment: before, it went 62.5 -> 125 at every request and never caught one again.
+        let b = SpinBudget::new(Duration::from_micros(1000));
+        for _ in 0..3 {
+            b.record(Spin::Exhausted);
+        }
+        assert_eq!(b.get(), Duration::from_micros(125));
+        let gap = Duration::from_micros(250);
+        let mut missed = 0;
+        for _ in 0..6 {
+            if b.get() >= gap {
+                b.record(Spin::Ready);
+            } else {
+                missed += 1;
+                b.record(Spin::Exhausted);
+                b.woke(gap);
+            }
+        }
+        assert_eq!((missed, b.get()), (1, Duration::from_micros(1000)));
     }
 }
