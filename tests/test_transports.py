@@ -611,6 +611,45 @@ def test_faulty_slow_rail_gets_less_weight(tr: str) -> None:
         t.close()
 
 
+def test_a_failed_read_returns_only_once_nothing_of_it_can_land() -> None:
+    """Issue 35 (review of 6d4402f): a READ whose chunk from a region the target has withdrawn
+    is refused fails at once, while rail 1 (every completion reported 60 ms late) still has
+    chunks of it in flight, their responses not yet read. The transfer must not be reported
+    failed before those have landed (or their rail is shut): the caller frees or reuses the
+    memory as soon as it sees the error. Until the fix the error came back first and the
+    rest of the bytes landed in the buffer afterwards. tcp only: the withdrawn region is refused
+    by the tcp target; ucx's gets of it are not a refusal."""
+    import multirail
+
+    t, i = _faulty_pair("tcp", "1:slow=60ms@0", stall=2.0, chunk_size=64 << 10)
+    try:
+        n, m = 4 * MiB, 64 << 10
+        remote, gone = pattern(n, 41), pattern(m, 42)
+        local = np.full(n + m, 0xEE, np.uint8)
+        t.register_memory(remote)
+        withdrawn = t.register_memory(gone)
+        i.register_memory(local)
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        t.deregister_memory(withdrawn)  # the target refuses READs of it from now on
+        half, base = n // 2, local.ctypes.data
+        ldesc = [(base, half, 0), (base + n, m, 0), (base + half, n - half, 0)]
+        rdesc = [(remote.ctypes.data, half, 0), (gone.ctypes.data, m, 0), (remote.ctypes.data + half, n - half, 0)]
+        h = i.initialize_xfer("READ", ldesc, rdesc, "target")
+        t0 = time.monotonic()
+        with pytest.raises(multirail.errors.MultirailError) as err:
+            i.transfer_sync(h, timeout=20.0)
+        took = time.monotonic() - t0
+        after = local.copy()
+        time.sleep(0.5)
+        changed = int(np.count_nonzero(local != after))
+        assert not isinstance(err.value, TimeoutError), err.value
+        assert changed == 0, f"{changed} bytes landed in local memory after the READ failed ({err.value}) in {took:.3f} s"
+        i.release_xfer_handle(h)
+    finally:
+        i.close()
+        t.close()
+
+
 @pytest.mark.parametrize("tr", TRANSPORTS)
 def test_scattered_pages_both_sides_survive_a_killed_rail(tr: str) -> None:
     """Issue 22: 4 KiB pages shuffled on BOTH sides (a KV layout), READ and WRITE alternately

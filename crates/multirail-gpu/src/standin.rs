@@ -103,6 +103,7 @@ struct Inner {
     fail_query: AtomicU64,
     fail_synchronize: AtomicU64,
     fail_copy: AtomicU64,
+    fail_flush: AtomicU64,
     /// GPUDirect facts a test injects ([`StandIn::set_gdr`]): dma-buf support (None: the
     /// driver cannot be asked) and the RDMA write ordering.
     gdr: Mutex<(Option<bool>, crate::RdmaWritesOrdering)>,
@@ -122,6 +123,8 @@ pub enum FailOp {
     Synchronize,
     /// `cudaMemcpyAsync` and the batched copies (a staging copy).
     Copy,
+    /// `cuFlushGPUDirectRDMAWrites` (counted by `rdma_flushes` all the same).
+    Flush,
 }
 
 /// `fail_in`'s `n` for a failure that persists: every call of that kind fails until cleared
@@ -400,6 +403,7 @@ impl StandIn {
                 fail_query: AtomicU64::new(0),
                 fail_synchronize: AtomicU64::new(0),
                 fail_copy: AtomicU64::new(0),
+                fail_flush: AtomicU64::new(0),
                 gdr: Mutex::new((None, crate::RdmaWritesOrdering::Owner)),
                 rdma_flushes: AtomicU64::new(0),
             }),
@@ -458,6 +462,7 @@ impl StandIn {
             FailOp::Query => &self.inner.fail_query,
             FailOp::Synchronize => &self.inner.fail_synchronize,
             FailOp::Copy => &self.inner.fail_copy,
+            FailOp::Flush => &self.inner.fail_flush,
         }
     }
 
@@ -1332,10 +1337,11 @@ impl Device for StandIn {
         Ok(lock(&self.inner.gdr).1)
     }
 
-    /// Counts the call (host memory needs no flush).
+    /// Counts the call (host memory needs no flush); fails where `fail_in(FailOp::Flush, ..)`
+    /// says.
     fn flush_rdma_writes(&self) -> Result<()> {
         self.inner.rdma_flushes.fetch_add(1, Ordering::SeqCst);
-        Ok(())
+        self.maybe_fail(FailOp::Flush, "cuFlushGPUDirectRDMAWrites")
     }
 
     /// Derived from the physical stand-in GPU behind this ordinal

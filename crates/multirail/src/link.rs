@@ -895,6 +895,7 @@ impl Link {
         g.planner.cancel(id);
         g.xfers.remove(&id);
         drop(g);
+        x.give_up(id.0);
         // Wait until no connection still holds a chunk of this transfer.
         let deadline = Instant::now() + self.ctx.cfg.planner.stall_timeout + Duration::from_secs(1);
         while Instant::now() < deadline {
@@ -919,6 +920,7 @@ impl Link {
                 }
                 Event::XferFailed { xfer, reason } => {
                     if let Some(x) = g.xfers.remove(&xfer) {
+                        x.give_up(xfer.0);
                         out.push((x, Err(Error::PeerLost { peer: self.peer_name.clone(), reason })));
                     }
                 }
@@ -936,9 +938,57 @@ impl Link {
             let has_notif = r.is_ok() && x.notif.lock().expect("xfer lock").is_some();
             if has_notif {
                 self.notify_then_finish(x);
+            } else if r.is_err() && self.t.holds(&x) {
+                self.drain_then_fail(x, r);
             } else {
                 x.finish(r);
             }
+        }
+    }
+
+    /// A transfer failed (a chunk refused, say) while other chunks of it are still in paths:
+    /// their gets, or the responses a receiver has yet to read, may still write its local
+    /// memory. It is reported failed only once none can any more, so that the caller may free
+    /// or reuse the memory as soon as it sees the error. From a thread of its own: the
+    /// transport's threads that complete those chunks may be the caller here.
+    fn drain_then_fail(&self, x: Arc<XferShared>, r: Result<()>) {
+        let Some(me) = self.me.upgrade() else { return x.finish(r) };
+        let (x2, r2) = (x.clone(), r.clone());
+        let spawned = std::thread::Builder::new().name("mr-drain".into()).spawn(move || {
+            me.drain(&x2);
+            x2.finish(r2);
+        });
+        if let Err(e) = spawned {
+            // No thread to wait from: this one waits (its own chunks then time out the bound).
+            self.ctx.log(&format!("peer {}: cannot spawn a drain thread ({e}): waiting here", self.peer_name));
+            self.drain(&x);
+            x.finish(r);
+        }
+    }
+
+    /// Wait until no path holds a chunk of `x`, for at most the stall timeout (+1 s, as
+    /// `cancel`); past that, the rails still holding one are failed, so that nothing of them
+    /// touches local memory once their paths have stopped, and waited for as long again.
+    fn drain(&self, x: &Arc<XferShared>) {
+        let bound = self.ctx.cfg.planner.stall_timeout + Duration::from_secs(1);
+        let released = |bound: Duration| {
+            let deadline = Instant::now() + bound;
+            while self.t.holds(x) {
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            true
+        };
+        if released(bound) {
+            return;
+        }
+        for ri in (0..self.rails.len()).filter(|&ri| self.t.holds_on(ri, x)) {
+            self.rail_failed(ri, format!("a chunk of a failed transfer was still in flight after {bound:?}"));
+        }
+        if !released(bound) {
+            self.ctx.log(&format!("peer {}: a failed transfer's chunks are still held after their rails were shut", self.peer_name));
         }
     }
 

@@ -1222,7 +1222,9 @@ impl<'a> Conn<'a> {
 
     /// Notif: queued for the application, or Busy when the inbox is full.
     fn notif(&mut self, req: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
-        self.flush_gdr_writes();
+        if let Err(why) = self.flush_gdr_writes() {
+            return self.refused(req, Status::Internal, why, tick);
+        }
         match self.sh.notifs.push(self.peer.to_string(), msg) {
             Ok(()) => self.answer(req, &ok_resp(), tick),
             Err(why) => self.refused(req, Status::Busy, why, tick),
@@ -1240,7 +1242,9 @@ impl<'a> Conn<'a> {
     /// notification `timeout` after the refusal (a sender from before this rule never goes
     /// back for a notification its caller was told was refused).
     fn notif_seq(&mut self, req: u64, incarnation: u64, seq: u64, msg: Vec<u8>, tick: &mut TickFn<'_>) -> Handled {
-        self.flush_gdr_writes();
+        if let Err(why) = self.flush_gdr_writes() {
+            return self.refused(req, Status::Internal, why, tick);
+        }
         let behind_refused = self.notif_refused.is_some_and(|t| t.elapsed() < self.timeout) && seq > self.notif_last;
         self.notif_last = seq;
         if behind_refused {
@@ -1267,11 +1271,18 @@ impl<'a> Conn<'a> {
     }
 
     /// A notification tells the application that the peer's writes landed: GPUDirect writes
-    /// into devices that do not order them are flushed first (crate::gdr). A failed flush is
-    /// logged; the notification is queued all the same (the writes are complete at the NIC).
-    fn flush_gdr_writes(&self) {
-        if let Some(Err(e)) = self.sh.ucx.as_ref().map(|u| u.flush_gdr_writes()) {
-            self.sh.ctx.log(&format!("GPUDirect write flush before a notification of {} failed: {e}", self.peer));
+    /// into devices that do not order them are flushed first (crate::gdr). A failed flush
+    /// refuses the notification (Internal): it is not queued, and the peer's WRITE fails, as
+    /// its READ into local GPU memory does when its own flush fails (the writes may not be
+    /// visible to the device).
+    fn flush_gdr_writes(&self) -> std::result::Result<(), String> {
+        match self.sh.ucx.as_ref().map(|u| u.flush_gdr_writes()) {
+            Some(Err(e)) => {
+                let why = format!("GPUDirect write flush before the notification failed: {e}");
+                self.sh.ctx.log(&format!("{why} (from {})", self.peer));
+                Err(why)
+            }
+            _ => Ok(()),
         }
     }
 

@@ -217,6 +217,8 @@ pub(crate) struct XferShared {
     sleepers: AtomicU64,
     /// Planner id of the current post (0 when none).
     pub current: AtomicU64,
+    /// Planner id of a post the link gave up on (failed or cancelled; 0: none). See `gone`.
+    given_up: AtomicU64,
     /// Local GPU regions among `hold`: (base, end, device). Their chunks are staged.
     vram: Vec<(u64, u64, u32)>,
     /// Set when the transfer goes by CUDA IPC (same host, remote GPU memory): device copies
@@ -360,6 +362,7 @@ impl XferShared {
             cv: Condvar::new(),
             sleepers: AtomicU64::new(0),
             current: AtomicU64::new(0),
+            given_up: AtomicU64::new(0),
             gpu_order: Mutex::new(GpuOrder::default()),
             post_gate: Mutex::new(()),
             polled: std::sync::atomic::AtomicBool::new(false),
@@ -397,6 +400,23 @@ impl XferShared {
         self.via_gpu_link.store(via_gpu_link, Ordering::Release);
         self.vectored.store(chunks_vectored(&self.vram, held, self.remote_vram, vectored_gpu), Ordering::Release);
         self.unsettled.store(false, Ordering::Release);
+    }
+
+    /// The link gave up on post `xfer` (it failed or was cancelled): a chunk of it that a
+    /// transport took from the planner before, and records in a path only now, is not sent.
+    /// A transport records the chunk first, then asks `gone`; the link calls this, then waits
+    /// until no path holds a chunk (`Transport::holds`). With the fences on both sides either
+    /// the transport sees this or the link sees the chunk.
+    pub(crate) fn give_up(&self, xfer: u64) {
+        self.given_up.store(xfer, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Whether the link gave up on post `xfer` (see `give_up`): its chunk, just recorded in a
+    /// path, must be taken out again and not sent.
+    pub(crate) fn gone(&self, xfer: u64) -> bool {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.given_up.load(Ordering::SeqCst) == xfer
     }
 
     /// Whether the application's work recorded at post has completed (no wait).

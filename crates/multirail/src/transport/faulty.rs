@@ -129,6 +129,10 @@ impl<T: Transport + 'static> Transport for Faulty<T> {
         self.inner.holds(x)
     }
 
+    fn holds_on(&self, ri: usize, x: &Arc<XferShared>) -> bool {
+        self.inner.holds_on(ri, x)
+    }
+
     fn shut_rail(&self, ri: usize) {
         self.inner.shut_rail(ri)
     }

@@ -290,6 +290,10 @@ impl Transport for Mixed {
         self.tcp.holds(x) || self.ucx.holds(x)
     }
 
+    fn holds_on(&self, ri: usize, x: &Arc<XferShared>) -> bool {
+        self.tcp.holds_on(ri, x) || self.ucx.holds_on(ri, x)
+    }
+
     fn shut_rail(&self, ri: usize) {
         if self.is_ucx(ri) && !self.retrying[ri].load(Ordering::Acquire) && !self.counted[ri].swap(true, Ordering::AcqRel) {
             lock(&self.sw[ri]).ucx_failed(Instant::now());

@@ -207,6 +207,10 @@ pub(crate) trait Transport: Send + Sync {
     fn drive(&self, link: &dyn Host, x: &XferShared, deadline: Option<Instant>, poll_only: bool) -> bool;
     /// Whether a chunk of `x` is still in a path of this transport (cancel waits for none).
     fn holds(&self, x: &Arc<XferShared>) -> bool;
+    /// Whether a chunk of `x` is still in a path of rail `ri`; a path that stopped holds none.
+    fn holds_on(&self, _ri: usize, x: &Arc<XferShared>) -> bool {
+        self.holds(x)
+    }
     /// Shut every path of rail `ri` now; each then reports `path_stopped`.
     fn shut_rail(&self, ri: usize);
     /// Ids (Hello nonces) of rail `ri`'s paths that carried WRITEs: the target must fence them.

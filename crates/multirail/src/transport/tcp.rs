@@ -151,6 +151,9 @@ struct Conn {
     inflight_n: AtomicUsize,
     next_req: AtomicU64,
     dead: AtomicBool,
+    /// The receiver has stopped and no caller reads the connection: nothing lands through it
+    /// any more, whatever `inflight` still names.
+    stopped: AtomicBool,
     /// The receiver thread refills this connection's window itself (`refill`): it sends the
     /// next READ request right after each response it completes, so a bulk READ costs no
     /// hand-off to the sender thread per chunk (a futex wake-up, and the preemption of the
@@ -500,6 +503,7 @@ impl Transport for TcpRails {
                 inflight_n: AtomicUsize::new(0),
                 next_req: AtomicU64::new(1),
                 dead: AtomicBool::new(false),
+                stopped: AtomicBool::new(false),
                 self_refill: AtomicBool::new(false),
                 handoff: Mutex::new(None),
                 dormant: Mutex::new(()),
@@ -563,9 +567,16 @@ impl Transport for TcpRails {
     }
 
     fn holds(&self, x: &Arc<XferShared>) -> bool {
-        self.rails.iter().any(|r| {
-            r.conns.read().expect("rail lock").iter().any(|c| c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x)))
-        })
+        (0..self.rails.len()).any(|ri| self.holds_on(ri, x))
+    }
+
+    fn holds_on(&self, ri: usize, x: &Arc<XferShared>) -> bool {
+        // A chunk handed to the sender (`Conn::handoff`) is sent yet.
+        let holds = |c: &Conn| {
+            c.inflight.lock().expect("conn lock").iter().any(|s| Arc::ptr_eq(&s.xfer, x))
+                || c.handoff.lock().expect("conn lock").as_ref().is_some_and(|h| Arc::ptr_eq(&h.1, x))
+        };
+        self.rails[ri].conns.read().expect("rail lock").iter().any(|c| !c.stopped.load(Ordering::Acquire) && holds(c))
     }
 
     fn shut_rail(&self, ri: usize) {
@@ -800,6 +811,12 @@ fn send_chunk(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>) 
     send_chunk_on(link, c, chunk, x, None)
 }
 
+/// Take request `req_id`, recorded but not written, off the connection again.
+fn withdraw(c: &Conn, req_id: u64) {
+    c.inflight.lock().expect("conn lock").retain(|s| s.req_id != req_id);
+    c.inflight_n.fetch_sub(1, Ordering::AcqRel);
+}
+
 /// `send_chunk` with the connection's writer already locked (`held`) or not.
 fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared>, held: Option<MutexGuard<'_, TcpStream>>) {
     let write = x.op == Op::Write;
@@ -834,11 +851,17 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
     // A chunk a GPU stream pulled that it could not take: sent after the stream.
     let mut other: Option<(Chunk, Arc<XferShared>)> = None;
     let req_id = c.next_req.fetch_add(1, Ordering::Relaxed);
+    let (xid, x2) = (chunk.xfer.0, x.clone());
     c.inflight.lock().expect("conn lock").push_back(Sent { req_id, chunk, xfer: x, spoiled: false });
     if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
         // Idle until now: the stall clock starts here, however long ago a reader last
         // looked (a parked receiver does not keep `Clock::last` fresh while idle).
         c.busy_at.store(link.now_us(), Ordering::Release);
+    }
+    if x2.gone(xid) {
+        // Failed or cancelled meanwhile (`XferShared::give_up`): not sent.
+        withdraw(c, req_id);
+        return;
     }
     Header::set_req_id(&mut hdr, req_id);
     // A send that cannot progress is a stall of the rail: the link's watchdog shuts it.
@@ -895,11 +918,16 @@ fn send_chunk_on(link: &dyn Host, c: &Arc<Conn>, chunk: Chunk, x: Arc<XferShared
                 };
                 let src = local_src(&ch.piece, ch.vec.as_deref());
                 let id = c.next_req.fetch_add(1, Ordering::Relaxed);
-                segs.push((id, body.len() as u64 + src.len()));
+                let (xid, x2) = (ch.xfer.0, xx.clone());
                 c.inflight.lock().expect("conn lock").push_back(Sent { req_id: id, chunk: ch, xfer: xx, spoiled: false });
                 if c.inflight_n.fetch_add(1, Ordering::AcqRel) == 0 {
                     c.busy_at.store(link.now_us(), Ordering::Release);
                 }
+                if x2.gone(xid) {
+                    withdraw(c, id); // failed or cancelled meanwhile: not sent
+                    return None;
+                }
+                segs.push((id, body.len() as u64 + src.len()));
                 if c.owner.load(Ordering::Acquire) != OWNER_CALLER {
                     c.kick(); // a parked receiver reads the responses as they come
                 }
@@ -1070,6 +1098,7 @@ fn receiver(link: Arc<dyn Host>, rail: Arc<TcpRail>, c: Arc<Conn>) {
         } else {
             let _ = rx.s.shutdown(Shutdown::Both);
         }
+        c.stopped.store(true, Ordering::Release);
     }
     if let Some(reason) = reason {
         link.rail_failed(c.rail, reason);

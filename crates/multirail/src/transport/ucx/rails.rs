@@ -137,7 +137,13 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
             Some(runs) if p.rail.am() && host_only && use_am(pieces.len(), bytes) => Some(vec_pieces(runs)),
             _ => None,
         };
+        let xid = chunk.xfer.0;
         p.inflight.lock().expect("path lock").insert(token, (chunk, x.clone()));
+        if x.gone(xid) {
+            // Failed or cancelled meanwhile (`XferShared::give_up`): not sent.
+            p.inflight.lock().expect("path lock").remove(&token);
+            continue;
+        }
         let posted = p.rail.post_v(token, write, piece.region, link.key(piece.region), &pieces, wire.as_deref());
         if let Err(msg) = posted {
             let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
@@ -153,26 +159,49 @@ fn pump(link: &dyn Host, ri: usize, p: &Path, limit: usize) {
     }
 }
 
-/// Report finished chunks (from `UcxRail::progress`) to the link.
+/// Report finished chunks (from `UcxRail::progress`) to the link. READ chunks whose gets wrote
+/// local GPU memory (GPUDirect) are made visible to their device first (`read_visible`): one
+/// flush per device for the whole batch, before any of them counts as done.
 fn report(link: &dyn Host, ri: usize, p: &Path, done: &mut Vec<(u64, std::result::Result<(), String>)>) {
-    for (token, r) in done.drain(..) {
-        let Some((chunk, x)) = p.inflight.lock().expect("path lock").remove(&token) else { continue };
-        let r = r.and_then(|()| read_visible(p, &chunk, &x)).map_err(|m| (refused(&m), m));
+    let finished: Vec<(Chunk, Arc<XferShared>, std::result::Result<(), String>)> = {
+        let mut inflight = p.inflight.lock().expect("path lock");
+        done.drain(..).filter_map(|(token, r)| inflight.remove(&token).map(|(chunk, x)| (chunk, x, r))).collect()
+    };
+    let mut flushed: Vec<(u32, std::result::Result<(), String>)> = Vec::new();
+    for (chunk, x, r) in finished {
+        let r = match (r, written_dev(&chunk, &x)) {
+            (Ok(()), Some(dev)) => {
+                let f = match flushed.iter().find(|f| f.0 == dev) {
+                    Some(f) => f.1.clone(),
+                    None => {
+                        let f = read_visible(p, dev);
+                        flushed.push((dev, f.clone()));
+                        f
+                    }
+                };
+                // The device's error, not the peer's: the caller sees the GPU flush fail.
+                f.map_err(|m| {
+                    x.set_cause(Error::Gpu(m.clone()));
+                    (Status::Internal, m)
+                })
+            }
+            (r, _) => r.map_err(|m| (refused(&m), m)),
+        };
         link.chunk_done(ri, chunk.id, &x, chunk.piece.len, r);
     }
 }
 
-/// A READ chunk whose gets wrote local GPU memory (GPUDirect): the NIC's writes are made
-/// visible to the device (`cuFlushGPUDirectRDMAWrites` where it does not order them, `crate::gdr`)
-/// before the chunk counts as done, since the application reads the pages once the transfer
-/// completed. A failed flush fails the chunk: its bytes may not be visible.
-fn read_visible(p: &Path, chunk: &Chunk, x: &XferShared) -> std::result::Result<(), String> {
-    match x.local_dev(chunk.piece.local) {
-        Some(dev) if x.op == Op::Read => {
-            p.agent.flush_gdr_reads(dev).map(|_| ()).map_err(|e| format!("READ into GPU {dev}: GPUDirect write flush failed: {e}"))
-        }
-        _ => Ok(()),
-    }
+/// The local GPU a READ chunk's gets wrote (GPUDirect), if any.
+fn written_dev(chunk: &Chunk, x: &XferShared) -> Option<u32> {
+    x.local_dev(chunk.piece.local).filter(|_| x.op == Op::Read)
+}
+
+/// READ chunks whose gets wrote local GPU memory of `dev` (GPUDirect): the NIC's writes are
+/// made visible to the device (`cuFlushGPUDirectRDMAWrites` where it does not order them,
+/// `crate::gdr`) before the chunks count as done, since the application reads the pages once
+/// the transfer completed. A failed flush fails the chunks: their bytes may not be visible.
+fn read_visible(p: &Path, dev: u32) -> std::result::Result<(), String> {
+    p.agent.flush_gdr_reads(dev).map(|_| ()).map_err(|e| format!("READ into GPU {dev}: GPUDirect write flush failed: {e}"))
 }
 
 /// The progress thread of one rail.
@@ -209,8 +238,10 @@ fn run(link: Arc<dyn Host>, ri: usize, slot: Arc<Slot>, p: Arc<Path>) {
                 report(&*link, ri, &p, &mut done);
             };
             // When this returns nothing of the rail touches local memory any more: its chunks
-            // may be reissued (after the fence) and the application may free the memory.
+            // may be reissued (after the fence) and the application may free the memory. The
+            // path then holds none of them (`holds`).
             p.rail.abort();
+            p.inflight.lock().expect("path lock").clear();
             reason
         }
         None => {
@@ -330,9 +361,11 @@ impl Transport for UcxRails {
     }
 
     fn holds(&self, x: &Arc<XferShared>) -> bool {
-        (0..self.rails.len())
-            .filter_map(|ri| self.path(ri))
-            .any(|p| p.inflight.lock().expect("path lock").values().any(|(_, y)| Arc::ptr_eq(x, y)))
+        (0..self.rails.len()).any(|ri| self.holds_on(ri, x))
+    }
+
+    fn holds_on(&self, ri: usize, x: &Arc<XferShared>) -> bool {
+        self.path(ri).is_some_and(|p| p.inflight.lock().expect("path lock").values().any(|(_, y)| Arc::ptr_eq(x, y)))
     }
 
     fn shut_rail(&self, ri: usize) {
