@@ -1370,6 +1370,7 @@ def test_notifications_keep_their_order_behind_a_refused_one(pair):
     i.wait(w, 10)
     sent: list[bytes] = [big]
     errs: list[BaseException] = []
+    calling = threading.Event()
 
     def more() -> None:
         try:
@@ -1381,6 +1382,7 @@ def test_notifications_keep_their_order_behind_a_refused_one(pair):
                     i.wait(x, 10)
                     sent.append(b"x" + m)
                 else:
+                    calling.set()
                     i.send_notif("target", b"n" + m)  # waits behind the held one
                     sent.append(b"n" + m)
         except BaseException as e:  # noqa: BLE001
@@ -1388,7 +1390,9 @@ def test_notifications_keep_their_order_behind_a_refused_one(pair):
 
     th = threading.Thread(target=more)
     th.start()
-    time.sleep(0.5)  # the sends are under way (on main: the send_notifs were queued already)
+    # The sends are under way: a WRITE's notification held behind the big one, and the first
+    # send_notif called (on main before the fix it was queued at once, ahead of the held one).
+    assert calling.wait(20), errs
     got = _take_until(t, "initiator", 64 + 13)
     th.join(20)
     assert not errs and not th.is_alive(), errs

@@ -252,6 +252,32 @@ def test_metaput_cannot_replace_a_peer_the_application_installed() -> None:
         t.close()
 
 
+def test_metaput_cannot_change_the_regions_of_a_peer_the_application_installed() -> None:
+    """Metadata of an installed peer's own life (same incarnation and rails) only updates its
+    regions, in place (issue 36 item 6). From MetaPut it must not: the peer came from the
+    application (`Peer::same_life` compares the origin), so the push is refused and the
+    application's regions stay (a WRITE still lands)."""
+    t = multirail.Agent("target")
+    i = multirail.Agent("initiator", {"accept_metaput": True, "timeout": 5.0})
+    try:
+        bare = t.get_agent_metadata()  # the target's own life, before it exported a region
+        real = np.zeros(4096, np.uint8)
+        t.register_memory(real)
+        i.fetch_remote_metadata("target", "127.0.0.1", t.port)
+        status, msg = _meta_put(i.port, "target", bare)
+        assert status == "Unexpected" and "installed by the application" in msg, (status, msg)
+        src = np.full(4096, 0x5A, np.uint8)
+        i.register_memory(src)
+        h = i.initialize_xfer("WRITE", [src], [(real.ctypes.data, 4096, 0)], "target")
+        i.transfer(h)
+        i.wait(h, 10)
+        i.release_xfer_handle(h)
+        assert (real == 0x5A).all()
+    finally:
+        i.close()
+        t.close()
+
+
 def test_peer_table_is_bounded() -> None:
     a = multirail.Agent("a", {"accept_metaput": True, "max_peers": 3})
     try:

@@ -369,7 +369,7 @@ impl Engine {
         fault_point("install");
         let mut meta = r.meta.clone();
         meta.regions = r.regions.values().cloned().collect();
-        let (_, old) = self.agent.shared().replace_remote(meta, None)?;
+        let (_, old, removed) = self.agent.shared().replace_remote(meta, None)?;
         let mut closing = Vec::new();
         if let Some(old) = old {
             if old.connected() {
@@ -383,6 +383,9 @@ impl Engine {
         }
         r.dirty = false;
         drop(g);
+        // Closing removed regions' CUDA IPC mappings waits for this peer's copies in flight:
+        // not under `remotes`, which every call to every peer takes.
+        removed.finish();
         close_all(closing);
         Ok(())
     }
@@ -650,5 +653,44 @@ mod tests {
         assert!(Arc::ptr_eq(&first, &e.agent.peer("peer").expect("installed")), "region changes replaced the peer");
         let regions: Vec<u64> = e.agent.peer("peer").expect("installed").regions().iter().map(|r| r.id).collect();
         assert_eq!(regions, vec![3000]);
+    }
+
+    /// Unloading a region closes its CUDA IPC mapping once the copies in flight to that peer
+    /// end. That wait ran under `remotes`, the lock of every engine call: a metadata update
+    /// of one peer blocked calls to every other peer until its GPU copies finished.
+    #[test]
+    fn closing_a_removed_regions_ipc_mapping_blocks_no_other_peer() {
+        use std::time::Duration;
+        let e = Engine::new("nixl-a", multirail::Config::default()).expect("engine");
+        for name in ["slow", "other"] {
+            e.load_conn_info(name, &conn_info(name)).expect("conn info");
+            e.load_remote_md(name, &region_md(name, 1)).expect("region");
+            e.ensure_peer(name).expect("install");
+        }
+        let slow = e.agent.peer("slow").expect("installed");
+        let copy = slow.hold_ipc_copy_for_test(1);
+        std::thread::scope(|sc| {
+            let unload = sc.spawn(|| {
+                e.unload_remote_md("slow", 1);
+                e.ensure_peer("slow")
+            });
+            // The update itself is done (region 1 gone) while its mapping waits for the copy.
+            let t0 = std::time::Instant::now();
+            while !slow.regions().is_empty() && t0.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let e = &e;
+            sc.spawn(move || {
+                e.load_remote_md("other", &region_md("other", 2)).expect("region");
+                let _ = tx.send(e.ensure_peer("other"));
+            });
+            let other = rx.recv_timeout(Duration::from_secs(10));
+            drop(copy);
+            assert!(matches!(other, Ok(Ok(()))), "another peer's update waited for this peer's GPU copies: {other:?}");
+            unload.join().expect("unload").expect("reinstall");
+        });
+        assert!(slow.regions().is_empty());
+        assert_eq!(e.agent.peer("other").expect("installed").regions().len(), 2);
     }
 }

@@ -190,6 +190,12 @@ impl AgentMeta {
             });
         }
         r.finish()?;
+        // A region id names one region: with two, which one a transfer meant is a guess.
+        let mut ids: Vec<u64> = regions.iter().map(|m| m.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err(DecodeError::Malformed("metadata lists a region id twice"));
+        }
         Ok(AgentMeta { name, incarnation, rails, regions })
     }
 }

@@ -719,6 +719,13 @@ impl IpcPeer {
         }
     }
 
+    /// Test hook (`Peer::hold_ipc_copy_for_test`): a known (failed) mapping of `region`, and
+    /// the `copying` lock held as the worker holds it while it queues copies.
+    pub(crate) fn hold_copy_for_test(&self, region: u64) -> std::sync::MutexGuard<'_, ()> {
+        self.maps.lock().expect("ipc lock").insert((region, None), Err("test hold".into()));
+        self.copying.lock().expect("ipc lock")
+    }
+
     /// Queue a planned transfer on the worker (started on first use).
     pub fn submit(&self, x: Arc<XferShared>) -> Result<()> {
         if self.closing.load(Ordering::Acquire) {
@@ -861,7 +868,8 @@ fn worker(
                 peer: x.peer.name().to_string(),
                 status: Status::UnknownRegion,
                 msg: format!(
-                    "region {region}: the peer revoked its CUDA IPC mapping (deregistered it, or closed); prepare the transfer again"
+                    "region {region}: its CUDA IPC mapping was revoked (the region was removed from the peer's metadata, or the peer \
+                     deregistered it or closed); prepare the transfer again"
                 ),
             }));
             continue;

@@ -82,6 +82,28 @@ pub struct Peer {
     closed: AtomicBool,
 }
 
+/// Regions an in-place update (`Peer::update_regions`) removed from a live peer, whose CUDA
+/// IPC mappings are still to be closed: `finish` closes them, and waits for the copies in
+/// flight to that peer to end, so it runs with no table lock held (the NIXL engine's `remotes`,
+/// the agent's `peers`): other peers' calls must not wait for this peer's GPU copies.
+#[must_use = "call finish() once no table lock is held"]
+#[derive(Default)]
+pub struct Removed(Option<(Arc<Peer>, Vec<u64>)>);
+
+impl Removed {
+    pub(crate) fn new(peer: Arc<Peer>, regions: Vec<u64>) -> Removed {
+        Removed((!regions.is_empty()).then_some((peer, regions)))
+    }
+
+    /// Close the removed regions' CUDA IPC mappings (`IpcPeer::forget`), once no copy to the
+    /// peer runs.
+    pub fn finish(self) {
+        if let Some((peer, regions)) = self.0 {
+            peer.ipc.forget(&regions);
+        }
+    }
+}
+
 impl Peer {
     pub fn new(mut meta: AgentMeta, addr_hint: Option<IpAddr>, ctx: Arc<Ctx>) -> Peer {
         let (regions, keys) = sorted_regions(std::mem::take(&mut meta.regions));
@@ -169,12 +191,12 @@ impl Peer {
         removed
     }
 
-    /// `update_regions`, then the removed regions' CUDA IPC mappings closed.
-    pub(crate) fn set_regions(&self, regions: Vec<RegionMeta>) {
-        let removed = self.update_regions(regions);
-        if !removed.is_empty() {
-            self.ipc.forget(&removed);
-        }
+    /// Test hook: act as if a CUDA IPC copy into region `region` of this peer were running
+    /// (a mapping of it is known, and the IPC worker's `copying` lock is held until the guard
+    /// drops), so that closing its mapping (`Removed::finish`) waits. Not for applications.
+    #[doc(hidden)]
+    pub fn hold_ipc_copy_for_test(&self, region: u64) -> std::sync::MutexGuard<'_, ()> {
+        self.ipc.hold_copy_for_test(region)
     }
 
     /// A post of `x` after regions were removed: every remote region it names must still be
@@ -184,16 +206,25 @@ impl Peer {
         if x.remote_gen.load(Ordering::Acquire) == gen {
             return Ok(());
         }
-        let ids: std::collections::HashSet<u64> = regions.iter().map(|m| m.id).collect();
+        // The whole entry, not only the id: a region whose bounds, key or access changed
+        // under the same id was removed too (`update_regions`), and this handle's offsets
+        // are from its old bounds.
+        let now: HashMap<u64, &RegionMeta> = regions.iter().map(|m| (m.id, m)).collect();
+        let then: HashMap<u64, &RegionMeta> = x.remote_regions.get().map(|p| p.iter().map(|m| (m.id, m)).collect()).unwrap_or_default();
         let mut last = None;
         for r in x.runs.iter() {
             if last == Some(r.region) {
                 continue;
             }
-            if !ids.contains(&r.region) {
+            let same = match (now.get(&r.region), then.get(&r.region)) {
+                (Some(n), Some(t)) => n == t,
+                (Some(_), None) => x.remote_regions.get().is_none(),
+                (None, _) => false,
+            };
+            if !same {
                 return Err(Error::InvalidArgument(format!(
-                    "remote region {} of peer {:?} was removed from its metadata (unloaded) after this transfer was \
-                     prepared: prepare the transfer again",
+                    "remote region {} of peer {:?} was removed from its metadata (unloaded, or changed: other bounds, \
+                     key or access) after this transfer was prepared: prepare the transfer again",
                     r.region, self.name
                 )));
             }
@@ -481,7 +512,7 @@ impl Peer {
             return self.prepare_checked(op, local, local_regions, remote, notif);
         };
         self.connect_at_prepare()?;
-        Ok(handle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false), gen))
+        Ok(handle(XferShared::new(op, self.clone(), pairs, notif, hold, None, false), (regions.clone(), gen)))
     }
 
     /// Strided descriptors (NIXL 1.5's Nx5 form: address, len, device, stride, count; `count`
@@ -552,7 +583,7 @@ impl Peer {
         }
         runs.retain(|r| r.bytes() > 0);
         self.connect_at_prepare()?;
-        Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false), gen))
+        Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, None, false, false, false), (regions.clone(), gen)))
     }
 
     /// Connect now, so unreachable peers fail at prepare rather than on the first post; in the
@@ -621,7 +652,7 @@ impl Peer {
             if unsettled {
                 x.mark_unsettled();
             }
-            return Ok(handle(x, gen));
+            return Ok(handle(x, (regions.clone(), gen)));
         }
         let link = if via_gpu_link { self.gpu_link()? } else { self.link()? };
         // Remote GPU memory on this host: one device copy by CUDA IPC when it maps.
@@ -637,7 +668,10 @@ impl Peer {
         };
         let runs = pairs.into_iter().map(multirail_proto::planner::Run::from).collect();
         let vectored_gpu = link.vectored_gpu();
-        Ok(handle(XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote, vectored_gpu), gen))
+        Ok(handle(
+            XferShared::with_runs(op, self.clone(), runs, notif, hold, ipc, via_gpu_link, vram_remote, vectored_gpu),
+            (regions.clone(), gen),
+        ))
     }
 }
 
@@ -693,9 +727,10 @@ fn sorted_regions(mut regions: Vec<RegionMeta>) -> (Vec<RegionMeta>, HashMap<u64
     (regions, keys)
 }
 
-/// A handle of a transfer prepared against the regions of removal count `gen`.
-fn handle(x: Arc<XferShared>, gen: u64) -> XferHandle {
+/// A handle of a transfer prepared against `regions`, of removal count `gen`.
+fn handle(x: Arc<XferShared>, (regions, gen): (Arc<Vec<RegionMeta>>, u64)) -> XferHandle {
     x.remote_gen.store(gen, Ordering::Release);
+    let _ = x.remote_regions.set(regions);
     XferHandle(x)
 }
 

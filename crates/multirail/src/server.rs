@@ -34,7 +34,7 @@ use crate::config::Progress;
 use crate::ctx::Ctx;
 use crate::error::{Error, Result};
 use crate::net::abort_socket;
-use crate::peer::{Peer, PeerOrigin};
+use crate::peer::{Peer, PeerOrigin, Removed};
 use crate::registry::random_bytes;
 use crate::registry::{Region, Registry};
 use crate::staging::{SockIn, SockOut, StageError, Stagers};
@@ -143,7 +143,8 @@ impl Shared {
     /// Install metadata for a peer, from the application (replacing an older life of it; the
     /// same life with other regions is updated in place: `Shared::install`).
     pub fn add_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<String> {
-        let (name, replaced) = self.replace_remote(meta, addr_hint)?;
+        let (name, replaced, removed) = self.replace_remote(meta, addr_hint)?;
+        removed.finish();
         if let Some(p) = replaced {
             p.close();
         }
@@ -152,15 +153,18 @@ impl Shared {
 
     /// As [`Shared::add_remote`], in one step under the table's lock, but the peer it replaced
     /// (if any) is handed to the caller, open, rather than closed (the NIXL engine lets its
-    /// transfers finish). On an error nothing changed: a peer of that name stays installed.
-    pub fn replace_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<(String, Option<Arc<Peer>>)> {
+    /// transfers finish), and so are the regions an in-place update removed (`Removed::finish`
+    /// closes their CUDA IPC mappings: call it once no lock of the caller's is held). On an
+    /// error nothing changed: a peer of that name stays installed.
+    pub fn replace_remote(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> Result<(String, Option<Arc<Peer>>, Removed)> {
         self.install(meta, addr_hint, PeerOrigin::App).map_err(|(_, msg)| Error::Metadata(msg))
     }
 
     /// Install metadata a peer pushed itself (`MetaPut`): never over a peer the application
     /// installed. Refusals carry the status to answer.
     pub(crate) fn add_remote_from_wire(&self, meta: AgentMeta, addr_hint: Option<IpAddr>) -> std::result::Result<String, (Status, String)> {
-        let (name, replaced) = self.install(meta, addr_hint, PeerOrigin::Wire)?;
+        let (name, replaced, removed) = self.install(meta, addr_hint, PeerOrigin::Wire)?;
+        removed.finish();
         if let Some(p) = replaced {
             p.close();
         }
@@ -170,8 +174,10 @@ impl Shared {
     /// Insert or replace a peer, within `max_peers`; the replaced one is returned (the caller
     /// closes it, after the table's lock is released: other threads keep using the table).
     /// Metadata of the installed peer's own life (same incarnation, rails, address hint and
-    /// origin: `Peer::same_life`) only changes its regions, in place (`Peer::set_regions`): its
-    /// links, connections and transfers in flight stay, and nothing is returned to close.
+    /// origin: `Peer::same_life`) only changes its regions, in place (`Peer::update_regions`,
+    /// checked and done under the table's write lock, so a peer removed or replaced meanwhile
+    /// is never the one updated): its links, connections and transfers in flight stay, and
+    /// nothing is returned to close, only the removed regions (`Removed`) to finish.
     /// Peers pushed from the wire never keep the application's own out: a full table makes room
     /// for an application install by dropping (and closing) a peer that came by `MetaPut`.
     #[allow(clippy::type_complexity)]
@@ -180,7 +186,7 @@ impl Shared {
         meta: AgentMeta,
         addr_hint: Option<IpAddr>,
         origin: PeerOrigin,
-    ) -> std::result::Result<(String, Option<Arc<Peer>>), (Status, String)> {
+    ) -> std::result::Result<(String, Option<Arc<Peer>>, Removed), (Status, String)> {
         if meta.name.is_empty() {
             return Err((Status::Malformed, "metadata has an empty agent name".into()));
         }
@@ -188,10 +194,12 @@ impl Shared {
             return Err((Status::Malformed, format!("metadata is this agent's own ({:?})", meta.name)));
         }
         let name = meta.name.clone();
-        let live = self.peers.read().expect("peers lock").get(&name).filter(|p| p.same_life(&meta, addr_hint, origin)).cloned();
-        if let Some(p) = live {
-            p.set_regions(meta.regions);
-            return Ok((name, None));
+        {
+            let g = self.peers.write().expect("peers lock");
+            if let Some(p) = g.get(&name).filter(|p| p.same_life(&meta, addr_hint, origin)) {
+                let removed = p.update_regions(meta.regions);
+                return Ok((name, None, Removed::new(p.clone(), removed)));
+            }
         }
         let mut peer = Peer::new(meta, addr_hint, self.ctx.clone());
         peer.origin = origin;
@@ -224,7 +232,7 @@ impl Shared {
         if let Some(p) = evicted {
             p.close();
         }
-        Ok((name, old))
+        Ok((name, old, Removed::default()))
     }
 }
 

@@ -260,6 +260,9 @@ pub(crate) struct XferShared {
     /// The peer's count of region removals its remote regions were last checked against (at
     /// prepare, then at each post after a removal: `Peer::submit`).
     pub(crate) remote_gen: AtomicU64,
+    /// The peer's regions as they were at prepare (the offsets of `runs` are from them): a
+    /// post after a removal checks each region it names is still the same (`Peer::submit`).
+    pub(crate) remote_regions: std::sync::OnceLock<Arc<Vec<multirail_proto::RegionMeta>>>,
 }
 
 /// Events of [`XferShared::gpu_order`]: made on the first post that needs them, then reused.
@@ -371,6 +374,7 @@ impl XferShared {
             trace: Mutex::new(TraceRec::default()),
             locs: std::sync::OnceLock::new(),
             remote_gen: AtomicU64::new(0),
+            remote_regions: std::sync::OnceLock::new(),
         })
     }
 

@@ -142,3 +142,49 @@ fn regions_added_in_place_on_a_ucx_rail() {
         ..Config::default()
     });
 }
+
+/// A region changed under the same id (here its base moved by a page) counts as removed: a
+/// handle prepared on its old bounds fails its next post, touching no memory, as for a region
+/// unloaded. Before, only the id was checked, so the handle posted offsets computed from the
+/// old bounds. And metadata listing a region id twice is refused.
+#[test]
+fn a_region_changed_under_its_id_fails_the_handles_prepared_before() {
+    let cfg = Config { timeout: Duration::from_secs(10), ..Config::default() };
+    let target = Agent::new("moved-t", cfg.clone()).expect("target agent");
+    let init = Agent::new("moved-i", cfg).expect("initiator agent");
+    let src = pattern(3, 3 * 4096);
+    let id = target.register(src.as_ptr() as u64, src.len() as u64, 0, MemType::Dram, Access::ReadWrite).expect("register").id;
+    let meta = target.metadata();
+    let mut dst = vec![0u8; 4096];
+    let dbase = dst.as_mut_ptr() as u64;
+    init.register(dbase, 4096, 0, MemType::Dram, Access::ReadWrite).expect("register");
+    let name = init.add_remote(&meta.encode()).expect("add_remote");
+    let peer = init.peer(&name).expect("peer");
+    let at = src.as_ptr() as u64 + 4096;
+    let read = || init.prepare(Op::Read, &[[dbase, 4096, 0]], &[[at, 4096, 0]], &name, Vec::new()).expect("prepare");
+    read().post_wait(None, Some(Duration::from_secs(20))).expect("first READ");
+    assert!(dst[..] == src[4096..8192], "first READ: bytes differ");
+    let held = read();
+
+    let mut dup = meta.clone();
+    let again = dup.regions.iter().find(|r| r.id == id).expect("the region").clone();
+    dup.regions.push(again);
+    match init.add_remote(&dup.encode()) {
+        Err(e) => assert!(e.to_string().contains("region id twice"), "{e}"),
+        Ok(_) => panic!("metadata listing region {id} twice was installed"),
+    }
+
+    let mut moved = meta.clone();
+    let r = moved.regions.iter_mut().find(|r| r.id == id).expect("the region");
+    r.base += 4096;
+    r.len -= 4096;
+    init.add_remote(&moved.encode()).expect("add_remote with the region moved");
+    assert!(std::sync::Arc::ptr_eq(&peer, &init.peer(&name).expect("peer")), "a region update replaced the peer");
+    dst.fill(0xaa);
+    let e = held.post(None).expect_err("the post of a handle on a region changed since its prepare");
+    assert!(e.to_string().contains("was removed"), "{e}");
+    assert_eq!(held.state(), XferState::Error);
+    assert!(dst.iter().all(|b| *b == 0xaa), "a post on a changed region moved bytes");
+    init.close();
+    target.close();
+}
