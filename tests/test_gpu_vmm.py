@@ -138,3 +138,50 @@ def test_deregistering_vmm_memory_closes_the_peers_mapping_before_it_returns() -
     finally:
         i.close()
         tgt.close()
+# A WRITE whose VMM fetch fails on the way (the initiator looks in another socket directory),
+# then the same WRITE again with the right directory.
+RETRY = r"""
+import json, os, sys, tempfile
+import numpy as np
+import multirail
+n, port, addr = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+i = multirail.Agent("initiator", {"gpu": "standin", "timeout": 5.0})
+src = (np.arange(n, dtype=np.uint32) * 7).astype(np.uint8)
+i.register_memory(src)
+i.fetch_remote_metadata("target", "127.0.0.1", port)
+rd = i.get_xfer_descs([(addr, n, 0)], "VRAM")
+out = {"ipc": [], "reasons": []}
+with tempfile.TemporaryDirectory() as empty:
+    for d in (empty, None):
+        if d:
+            os.environ["MULTIRAIL_IPC_DIR"] = d
+        else:
+            os.environ.pop("MULTIRAIL_IPC_DIR", None)
+        h = i.initialize_xfer("WRITE", [src], rd, "target")
+        i.transfer_sync(h, 30)
+        i.release_xfer_handle(h)
+        c = i.peer_counters("target")
+        out["ipc"].append(c["ipc_transfers"])
+        out["reasons"].append(c["ipc_fallback_reason"])
+i.close()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_vmm_fetch_that_fails_on_the_way_is_tried_again_by_the_next_transfer() -> None:
+    """The first WRITE's fd fetch fails on the way (no socket where the initiator looks: an I/O
+    error, not the target's refusal): that transfer is staged with the reason, and the next
+    WRITE fetches again and goes by IPC. (A transient failure used to be remembered for the
+    region, which was then staged for good.)"""
+    n = 256 << 10
+    env = {k: v for k, v in os.environ.items() if k != "MULTIRAIL_IPC_DIR"}
+    tgt = Target(n, env={"MULTIRAIL_STANDIN_ALLOC": f"vmm:{n // 4}"})
+    try:
+        cp = subprocess.run([sys.executable, "-c", RETRY, str(n), str(tgt.port), str(tgt.addr)], capture_output=True,
+                            text=True, timeout=120, env=env)
+        assert cp.returncode == 0, cp.stderr
+        got = json.loads(cp.stdout.strip().splitlines()[-1])
+    finally:
+        tgt.close()
+    assert got["ipc"] == [0, 1], got
+    assert "tried again next transfer" in got["reasons"][0], got

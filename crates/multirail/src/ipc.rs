@@ -51,6 +51,7 @@ use multirail_proto::codec::{IpcEntry, RemoteOp, Role, MAX_IPC_REGIONS, MAX_IPC_
 use multirail_proto::{Body, Kind, MemType, RegionKey, Status};
 
 use crate::error::{Error, Result};
+use crate::ipc_fd::FetchError;
 use crate::link::{Keys, Link};
 use crate::net::abort_socket;
 use crate::wire::{self, WireError};
@@ -257,7 +258,7 @@ fn host_side_device(kind: multirail_gpu::GpuKind, home: i32) -> i32 {
 /// reaches it by peer access (`cudaIpcMemLazyEnablePeerAccess` when opened), checked first
 /// with `cudaDeviceCanAccessPeer`: GPUs that cannot reach each other are refused here (the
 /// transfer is staged, and says why).
-fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> std::result::Result<Mapped, String> {
+fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> std::result::Result<Mapped, FetchError> {
     let home = local_device(kind, &e.uuid, e.device)?;
     let id = dev.unwrap_or_else(|| host_side_device(kind, home));
     let gpu = Gpu::open(kind, id).map_err(|err| format!("GPU {id}: {err}"))?;
@@ -267,16 +268,21 @@ fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> s
             Ok(false) => {
                 return Err(format!(
                     "GPU {id} (the local buffer's) cannot access GPU {home} (the peer's memory) peer to peer: staged instead"
-                ))
+                )
+                .into())
             }
-            Err(err) => return Err(format!("GPU {id}: cannot tell whether it reaches GPU {home}: {err}")),
+            Err(err) => return Err(format!("GPU {id}: cannot tell whether it reaches GPU {home}: {err}").into()),
         }
     }
     let len = region_room(e.alloc_len, e.offset)?;
     if crate::ipc_fd::is_vmm(&e.handle) {
         // Exactly `alloc_len` bytes are reserved and mapped, chunk by chunk (checked there).
-        let base = crate::ipc_fd::fetch_and_map(&gpu, &e.handle, e.alloc_len, home)
-            .map_err(|err| format!("cannot map the peer's CUDA VMM memory: {err}"))?;
+        let base = crate::ipc_fd::fetch_and_map(&gpu, &e.handle, e.alloc_len, home).map_err(|err| match err {
+            FetchError::Refused(m) => FetchError::Refused(format!("cannot map the peer's CUDA VMM memory: {m}")),
+            FetchError::Transient(m) => {
+                FetchError::Transient(format!("cannot map the peer's CUDA VMM memory (tried again next transfer): {m}"))
+            }
+        })?;
         return Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) });
     }
     // SAFETY: the handle comes from the peer's live allocation (its IpcHandles answer on the
@@ -285,7 +291,7 @@ fn open_entry(kind: multirail_gpu::GpuKind, e: &IpcEntry, dev: Option<i32>) -> s
     if let Err(why) = mapping_holds(&gpu, base, e.alloc_len) {
         // SAFETY: just mapped, not yet used by any plan.
         let _ = unsafe { gpu.ipc_close(base) };
-        return Err(why);
+        return Err(why.into());
     }
     Ok(Mapped { gpu, base, at: base.0 + e.offset, len, gen: NEXT_GEN.fetch_add(1, Ordering::Relaxed) })
 }
@@ -695,11 +701,21 @@ impl IpcPeer {
                 continue;
             }
             for k in missing.iter().filter(|k| k.0 == e.region) {
-                let m = open_entry(kind, &e, k.1);
-                if let Err(why) = &m {
-                    first_err.get_or_insert_with(|| why.clone());
+                match open_entry(kind, &e, k.1) {
+                    Ok(m) => {
+                        maps.insert(*k, Ok(m));
+                    }
+                    // A definite no: remembered for the region (it is staged from now on).
+                    Err(FetchError::Refused(why)) => {
+                        first_err.get_or_insert_with(|| why.clone());
+                        maps.insert(*k, Err(why));
+                    }
+                    // Trouble on the way (a timeout, a busy exporter): staged this time,
+                    // tried again by the next transfer (a new IpcReq, a new token).
+                    Err(FetchError::Transient(why)) => {
+                        first_err.get_or_insert(why);
+                    }
                 }
-                maps.insert(*k, m);
             }
         }
         match first_err {
