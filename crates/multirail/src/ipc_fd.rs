@@ -595,6 +595,26 @@ mod tests {
         }
     }
 
+    /// An offer past its time gives no fd, while a live one of the same exporter still does.
+    #[test]
+    fn an_expired_offer_gives_no_fd() {
+        let dev = StandIn::new(45, StandInConfig::default());
+        let gpu = Gpu::StandIn(dev.clone());
+        let p = dev.alloc_as(65536, StandInAlloc::Vmm { chunk: 65536, posix_fd: true }).unwrap();
+        let chunks = gpu.vmm_chunks(p, 65536).unwrap();
+        let owner = 0xe8e8;
+        let short = offer(owner, 1, gpu.clone(), chunks.clone(), Duration::from_millis(50)).unwrap();
+        let live = offer(owner, 2, gpu.clone(), chunks.clone(), Duration::from_secs(30)).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let expired = fetch_raw(&short);
+        let got = fetch_raw(&live);
+        withdraw(owner, None);
+        assert!(expired.unwrap_err().contains("unknown, used or expired"));
+        assert_eq!(got.unwrap().len(), 1);
+        // SAFETY: not used any more.
+        unsafe { dev.free(p).unwrap() };
+    }
+
     /// A directory others can write is refused unless it has the sticky bit.
     #[test]
     fn a_socket_dir_others_can_write_needs_the_sticky_bit() {
