@@ -381,10 +381,11 @@ impl Peer {
                     None => return self.connector.defer(self, Job::Submit(x)),
                 }
             }
-            // Not connected (yet, or any more): the connector posts it once a dial succeeds.
+            // Not connected (yet, or any more): the connector posts it once a dial succeeds;
+            // behind what it still holds, so that its notification follows theirs.
             return match self.live(x.via_gpu_link())? {
-                Some(link) => link.submit(x, will_drive),
-                None => self.connector.defer(self, Job::Submit(x)),
+                Some(link) if !self.connector.busy() => link.submit(x, will_drive),
+                _ => self.connector.defer(self, Job::Submit(x)),
             };
         }
         let link = if x.via_gpu_link() { self.gpu_link()? } else { self.link()? };
@@ -421,8 +422,14 @@ impl Peer {
     /// queue it for the connector and return at once (a failure is then reported on stderr).
     pub fn send_notif(&self, msg: &[u8]) -> Result<()> {
         if self.background() {
-            // A peer the link already knows is gone (it restarted) is said at once.
-            self.live(false)?;
+            // A peer the link already knows is gone (it restarted) is said at once. Connected
+            // and nothing waiting in the connector: straight into the link's notifier queue,
+            // so a transfer posted next cannot have its notification queued first.
+            if let Some(link) = self.live(false)? {
+                if !self.connector.busy() && link.send_notif(msg.to_vec(), false).is_ok() {
+                    return Ok(());
+                }
+            }
             return self.connector.defer(self, Job::Notif(msg.to_vec()));
         }
         self.link()?.send_notif(msg.to_vec(), true)

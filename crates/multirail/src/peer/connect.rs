@@ -11,6 +11,9 @@
 //! dial is `NIXL_ERR_REMOTE_DISCONNECT` there). A transfer released while it waits is never
 //! started (`XferShared::post_gate`, as for the GPU-order waiter). The worker stays a second
 //! after its queue empties, so a stream of notifications does not start a thread each.
+//! Once connected, transfers and notifications go straight to the link only while the queue
+//! is empty and the worker hands nothing over (`Connector::busy`), so that a notification
+//! never overtakes one sent before it through the queue.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -52,6 +55,8 @@ struct State {
     /// A dial is under way, and the outcome of the last one (for the worker).
     dialing: bool,
     dialed: Option<Result<()>>,
+    /// The worker is handing jobs it took from the queue to the link (`run`).
+    running: bool,
     /// Set by `close`: no more jobs; the queued ones fail with this.
     closed: Option<Error>,
 }
@@ -68,6 +73,14 @@ impl Connector {
     pub(crate) fn is_idle(&self) -> bool {
         let g = self.st.lock().expect("connector lock");
         !g.dialing && g.jobs.is_empty()
+    }
+
+    /// Whether jobs wait here or are being handed to the link: a transfer posted or a
+    /// notification sent now must queue behind them, or its notification could reach the
+    /// link's notifier before theirs (`Peer::send_notif`, `Peer::submit`).
+    pub(crate) fn busy(&self) -> bool {
+        let g = self.st.lock().expect("connector lock");
+        g.running || !g.jobs.is_empty()
     }
 
     /// Queue `job` for `peer`, starting its worker if none runs. A `Connect` while anything is
@@ -161,8 +174,10 @@ impl Connector {
                             batch.push(g.jobs.pop_front().expect("a job").0);
                         }
                     }
+                    g.running = true;
                     drop(g);
                     run(peer, &link, batch);
+                    self.st.lock().expect("connector lock").running = false;
                 }
                 Ok(None) => {
                     g.dialing = true;
