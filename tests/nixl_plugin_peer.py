@@ -121,15 +121,9 @@ def make_agent(name: str, cfg: dict[str, Any], telemetry: bool = False) -> nixl_
 
 
 def wait(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
-    t = time.monotonic()
+    """Post `h` and wait for it (`wait_posted`)."""
     s = agent.transfer(h)
-    while s == "PROC" and time.monotonic() - t < timeout:
-        try:
-            s = agent.check_xfer_state(h)
-        except Exception as e:  # the binding raises the status's exception on some errors
-            return f"ERR ({type(e).__name__}: {e})"
-        time.sleep(0.0005)
-    return s
+    return wait_posted(agent, h, timeout) if s == "PROC" else s
 
 
 def wait_posted(agent: nixl_agent, h: Any, timeout: float = 30) -> str:
